@@ -1,0 +1,130 @@
+"""The interface every storage medium implements.
+
+Keys and values are bytes. All calls are batched. Misses are ``None`` (get) / ``False``
+(contains, put); a medium that cannot be reached raises
+:class:`tiered_kv.errors.BackendUnavailable` so that the store can count it as a miss.
+Implementations must be safe to call from several threads at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterator, Sequence
+
+Visitor = Callable[[int, memoryview], None]
+
+
+@dataclass
+class BackendStats:
+    """What a medium holds and how it has been used since it was opened."""
+
+    name: str  # medium name, e.g. "lmdb"
+    url: str  # where it lives
+    entries: int = 0  # values stored now
+    used_bytes: int = 0  # bytes of values stored now
+    capacity_bytes: int | None = None  # byte capacity; None when the medium decides (Redis)
+    gets: int = 0  # keys asked for
+    hits: int = 0  # keys found
+    puts: int = 0  # values stored
+    put_rejected: int = 0  # values refused (no room, too large, medium down)
+    deletes: int = 0  # values deleted on request
+    evictions: int = 0  # values evicted to make room
+    bytes_in: int = 0  # bytes written
+    bytes_out: int = 0  # bytes read
+    errors: int = 0  # calls that failed because the medium was unavailable
+    extra: dict = field(default_factory=dict)  # medium-specific figures
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Backend(ABC):
+    """One storage medium. Subclasses set ``name`` and implement the abstract methods."""
+
+    name: str = "backend"
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._stats_lock = threading.Lock()
+        self._counters = BackendStats(name=self.name, url=url)
+
+    # -- the interface ----------------------------------------------------------------------
+    @abstractmethod
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Values of ``keys`` (None where absent), in order."""
+
+    @abstractmethod
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        """Store each (key, value); True where stored. Evicts to make room; never raises for
+        lack of room (False instead). Overwrites an existing key."""
+
+    @abstractmethod
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is present. No side effects (no LRU touch)."""
+
+    @abstractmethod
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        """Delete ``keys``; returns how many were present."""
+
+    @abstractmethod
+    def scan(self, prefix: bytes = b"") -> Iterator[bytes]:
+        """Every key that starts with ``prefix`` (no order promised)."""
+
+    @abstractmethod
+    def stats(self) -> BackendStats:
+        """Current figures (entries, used bytes, counters)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the medium; further calls are errors. Idempotent."""
+
+    # -- optional fast paths, with generic defaults ----------------------------------------
+    def visit_many(self, keys: Sequence[bytes], visitor: Visitor) -> list[bool]:
+        """Call ``visitor(i, value)`` for each present key; the buffer is only valid during
+        the call (zero-copy media pass their own memory). Returns presence per key."""
+        found = []
+        for i, value in enumerate(self.get_many(keys)):
+            if value is not None:
+                visitor(i, memoryview(value))
+            found.append(value is not None)
+        return found
+
+    def leading_present(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` are present."""
+        n = 0
+        for present in self.contains_many(keys):
+            if not present:
+                break
+            n += 1
+        return n
+
+    def flush(self) -> None:
+        """Make every completed put durable (no-op for media without a notion of it)."""
+
+    def pin_many(self, keys: Sequence[bytes]) -> None:
+        """Protect ``keys`` from eviction by this process until :meth:`unpin_many`."""
+
+    def unpin_many(self, keys: Sequence[bytes]) -> None:
+        """Undo one :meth:`pin_many` of each key."""
+
+    # -- helpers for subclasses ------------------------------------------------------------
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self._counters, name, getattr(self._counters, name) + delta)
+
+    def _snapshot(self, **current) -> BackendStats:
+        with self._stats_lock:
+            snap = BackendStats(**{**self._counters.as_dict(), **current})
+        return snap
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

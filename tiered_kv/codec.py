@@ -1,0 +1,279 @@
+"""The stored-block format: a fixed little-endian header followed by the body.
+
+Header (``HEADER.size`` bytes): magic, format version, codec, dtype, zstd level, ndim, shape,
+namespace digest, key, raw length, stored length, xxh3-64 checksum of the raw payload, created
+time, and an xxh32 of all preceding header bytes (so a flipped header byte is caught even where
+the payload checksum would not see it). Bodies:
+
+- ``raw``: the payload bytes.
+- ``zstd``: the payload compressed with zstd.
+- ``zstd+shuffle``: for dtypes of 2 or 4 bytes the payload is split into byte planes; the high
+  planes (sign/exponent, compressible) are zstd-compressed, the lowest plane (mantissa noise) is
+  stored raw: ``u64 compressed_len | compressed high planes | raw low plane``.
+
+The codec knows bytes, dtypes by name and shapes; it never imports torch and never unpickles.
+Every decode validates every header field and the checksum and raises :class:`CorruptBlock`
+(``reason`` = ``corrupt`` or ``namespace_mismatch``) instead of returning doubtful bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+import xxhash
+import zstandard
+
+from tiered_kv.errors import ConfigError, CorruptBlock, NamespaceMismatch
+
+MAGIC = b"TKVB"
+VERSION = 1
+MAX_NDIM = 6
+# magic, version, codec, dtype, level, ndim, flags, shape[6], namespace, key,
+# raw_len, stored_len, checksum, created, header_check
+HEADER = struct.Struct("<4sHBBbBH6I16s16sQQQdI")
+HEADER_BYTES = HEADER.size
+
+CODECS = {"raw": 0, "zstd": 1, "zstd+shuffle": 2}
+CODEC_NAMES = {v: k for k, v in CODECS.items()}
+
+# dtype name -> (code, itemsize); names are torch's without the "torch." prefix
+DTYPES: dict[str, tuple[int, int]] = {
+    "uint8": (1, 1),
+    "int8": (2, 1),
+    "float8_e4m3fn": (3, 1),
+    "float8_e5m2": (4, 1),
+    "float16": (5, 2),
+    "bfloat16": (6, 2),
+    "float32": (7, 4),
+    "int32": (8, 4),
+    "float64": (9, 8),
+}
+DTYPE_NAMES = {code: name for name, (code, _) in DTYPES.items()}
+_SHUFFLE_SEP = struct.Struct("<Q")
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    """The decoded header of one stored block."""
+
+    codec: str
+    dtype: str
+    level: int
+    shape: tuple[int, ...]
+    namespace: bytes
+    key: bytes
+    raw_len: int
+    stored_len: int
+    checksum: int
+    created: float
+    version: int = VERSION
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_len / max(1, self.stored_len)
+
+    @property
+    def total_len(self) -> int:
+        return HEADER_BYTES + self.stored_len
+
+
+def itemsize(dtype: str) -> int:
+    try:
+        return DTYPES[dtype][1]
+    except KeyError:
+        raise ConfigError(f"unsupported KV dtype {dtype!r}; known: {sorted(DTYPES)}") from None
+
+
+class _Local(threading.local):
+    """Per-thread zstd contexts (they are not thread-safe) and a scratch buffer."""
+
+    def __init__(self) -> None:
+        self.cctx: dict[int, zstandard.ZstdCompressor] = {}
+        self.dctx = zstandard.ZstdDecompressor()
+        self.scratch = bytearray()
+
+    def compressor(self, level: int) -> zstandard.ZstdCompressor:
+        cctx = self.cctx.get(level)
+        if cctx is None:
+            # a 128 KiB window and a small hash table: the same ratio on KV bytes, 2x faster
+            params = zstandard.ZstdCompressionParameters.from_level(
+                level, window_log=17, hash_log=12, write_content_size=True)
+            cctx = self.cctx[level] = zstandard.ZstdCompressor(compression_params=params)
+        return cctx
+
+
+_local = _Local()
+
+
+def _planes(raw: memoryview, size: int) -> tuple[bytes, bytes]:
+    """Split ``raw`` (items of ``size`` bytes, little-endian) into (high planes, low plane)."""
+    arr = np.frombuffer(raw, dtype=np.uint8).reshape(-1, size)
+    if size == 2:
+        high = np.right_shift(np.frombuffer(raw, dtype="<u2"), 8).astype(np.uint8)
+    else:
+        high = np.ascontiguousarray(arr[:, :0:-1].T)
+    low = np.ascontiguousarray(arr[:, 0])
+    return high.data, low.data
+
+
+class BlockCodec:
+    """Encodes payloads into stored blocks and decodes them back, validating everything."""
+
+    def __init__(self, codec: str = "zstd+shuffle", level: int = 1) -> None:
+        if codec not in CODECS:
+            raise ConfigError(f"codec must be one of {sorted(CODECS)}, got {codec!r}")
+        if not isinstance(level, int) or not -7 <= level <= 22:
+            raise ConfigError(f"zstd level must be an integer in [-7, 22], got {level!r}")
+        self.codec = codec
+        self.level = level
+
+    # -- encode -----------------------------------------------------------------------------
+    def encode(self, payload, *, dtype: str, shape: tuple[int, ...], namespace: bytes,
+               key: bytes, created: float | None = None) -> bytes:
+        """One stored block (header + body) for ``payload`` (any C-contiguous buffer)."""
+        raw = memoryview(payload).cast("B")
+        size = itemsize(dtype)
+        if len(shape) > MAX_NDIM or prod(shape) * size != len(raw):
+            raise ValueError(f"shape {shape} x {dtype} does not describe {len(raw)} bytes")
+        if len(namespace) != 16 or len(key) != 16:
+            raise ValueError("namespace digest and key must be 16 bytes")
+        codec = self.codec
+        if codec == "zstd+shuffle" and size == 1:
+            codec = "zstd"
+        body = self._compress(codec, raw, size)
+        if codec != "raw" and len(body) >= len(raw):
+            codec, body = "raw", raw  # incompressible: do not pay to decompress later
+        header = self._header(codec, dtype, shape, namespace, key, len(raw), len(body),
+                              xxhash.xxh3_64_intdigest(raw), time.time() if created is None else created)
+        return b"".join((header, body))
+
+    def _compress(self, codec: str, raw: memoryview, size: int):
+        if codec == "raw":
+            return raw
+        cctx = _local.compressor(self.level)
+        if codec == "zstd":
+            return cctx.compress(raw)
+        high, low = _planes(raw, size)
+        packed = cctx.compress(high)
+        return b"".join((_SHUFFLE_SEP.pack(len(packed)), packed, low))
+
+    def _header(self, codec: str, dtype: str, shape, namespace: bytes, key: bytes,
+                raw_len: int, stored_len: int, checksum: int, created: float) -> bytes:
+        dims = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
+        fields = (MAGIC, VERSION, CODECS[codec], DTYPES[dtype][0], self.level, len(shape), 0,
+                  *dims, namespace, key, raw_len, stored_len, checksum, created, 0)
+        head = HEADER.pack(*fields)
+        check = xxhash.xxh32_intdigest(head[:-4])
+        return head[:-4] + struct.pack("<I", check)
+
+    # -- decode -----------------------------------------------------------------------------
+    @staticmethod
+    def read_header(blob, *, namespace: bytes | None = None, key: bytes | None = None) -> BlockHeader:
+        """Parse and validate the header of ``blob``; does not touch the body's content."""
+        view = memoryview(blob).cast("B")
+        if len(view) < HEADER_BYTES:
+            raise CorruptBlock(f"truncated header: {len(view)} < {HEADER_BYTES} bytes")
+        head = view[:HEADER_BYTES]
+        (magic, version, codec, dtype, level, ndim, flags, *rest) = HEADER.unpack(head)
+        dims, (ns, k, raw_len, stored_len, checksum, created, check) = rest[:MAX_NDIM], rest[MAX_NDIM:]
+        if magic != MAGIC:
+            raise CorruptBlock(f"bad magic {bytes(magic)!r}")
+        if xxhash.xxh32_intdigest(head[:-4]) != check:
+            raise CorruptBlock("header checksum mismatch")
+        if version != VERSION:
+            raise CorruptBlock(f"unsupported format version {version}")
+        if codec not in CODEC_NAMES or dtype not in DTYPE_NAMES or flags != 0:
+            raise CorruptBlock(f"unknown codec {codec} / dtype {dtype} / flags {flags}")
+        if not 1 <= ndim <= MAX_NDIM or any(d == 0 for d in dims[:ndim]) or any(dims[ndim:]):
+            raise CorruptBlock(f"bad shape {dims} with ndim {ndim}")
+        shape = tuple(dims[:ndim])
+        dtype_name = DTYPE_NAMES[dtype]
+        if prod(shape) * DTYPES[dtype_name][1] != raw_len:
+            raise CorruptBlock(f"raw length {raw_len} does not match shape {shape} x {dtype_name}")
+        if len(view) != HEADER_BYTES + stored_len:
+            raise CorruptBlock(f"stored length {stored_len} but body has {len(view) - HEADER_BYTES} bytes")
+        if CODEC_NAMES[codec] == "raw" and stored_len != raw_len:
+            raise CorruptBlock("raw body length differs from raw length")
+        if namespace is not None and ns != namespace:
+            raise NamespaceMismatch(f"block of namespace {ns.hex()} read under {namespace.hex()}")
+        if key is not None and k != key:
+            raise CorruptBlock(f"block carries key {k.hex()} but was stored under {key.hex()}")
+        return BlockHeader(CODEC_NAMES[codec], dtype_name, level, shape, ns, k, raw_len,
+                           stored_len, checksum, created, version)
+
+    def decode(self, blob, *, namespace: bytes | None = None, key: bytes | None = None,
+               out=None) -> tuple[BlockHeader, memoryview]:
+        """Validate ``blob`` and return (header, payload). With ``out`` (a writable buffer of
+        exactly the raw length) the payload is written there and a view of ``out`` is returned."""
+        header = self.read_header(blob, namespace=namespace, key=key)
+        body = memoryview(blob).cast("B")[HEADER_BYTES:]
+        if out is not None:
+            dst = memoryview(out).cast("B")
+            if len(dst) != header.raw_len:
+                raise ValueError(f"output buffer has {len(dst)} bytes, block needs {header.raw_len}")
+        else:
+            dst = memoryview(bytearray(header.raw_len))
+        try:
+            self._decompress(header, body, dst)
+        except zstandard.ZstdError as exc:
+            raise CorruptBlock(f"zstd: {exc}") from None
+        if xxhash.xxh3_64_intdigest(dst) != header.checksum:
+            raise CorruptBlock("payload checksum mismatch")
+        return header, dst
+
+    @staticmethod
+    def _decompress(header: BlockHeader, body: memoryview, dst: memoryview) -> None:
+        if header.codec == "raw":
+            dst[:] = body
+            return
+        dctx = _local.dctx
+        if header.codec == "zstd":
+            _decompress_exact(dctx, body, dst)
+            return
+        size = DTYPES[header.dtype][1]
+        n = header.raw_len // size
+        if len(body) < _SHUFFLE_SEP.size:
+            raise CorruptBlock("truncated shuffle body")
+        (packed_len,) = _SHUFFLE_SEP.unpack(body[: _SHUFFLE_SEP.size])
+        low = body[_SHUFFLE_SEP.size + packed_len :]
+        if _SHUFFLE_SEP.size + packed_len > len(body) or len(low) != n:
+            raise CorruptBlock("shuffle planes do not match the raw length")
+        scratch = _local.scratch
+        if len(scratch) < n * (size - 1):
+            scratch = _local.scratch = bytearray(n * (size - 1))
+        high = memoryview(scratch)[: n * (size - 1)]
+        _decompress_exact(dctx, body[_SHUFFLE_SEP.size : _SHUFFLE_SEP.size + packed_len], high)
+        hi = np.frombuffer(high, dtype=np.uint8)
+        lo = np.frombuffer(low, dtype=np.uint8)
+        if size == 2:
+            out16 = np.frombuffer(dst, dtype="<u2")
+            np.left_shift(hi, 8, out=out16, dtype=out16.dtype)
+            np.bitwise_or(out16, lo, out=out16)
+        else:
+            arr = np.frombuffer(dst, dtype=np.uint8).reshape(n, size)
+            arr[:, 0] = lo
+            arr[:, :0:-1] = hi.reshape(size - 1, n).T
+
+
+def _decompress_exact(dctx: zstandard.ZstdDecompressor, src: memoryview, dst: memoryview) -> None:
+    """Decompress ``src`` into exactly ``dst``; any other size is corruption."""
+    try:
+        frame = zstandard.get_frame_parameters(src)
+    except zstandard.ZstdError as exc:
+        raise CorruptBlock(f"bad zstd frame: {exc}") from None
+    if frame.content_size != len(dst):
+        raise CorruptBlock(f"zstd frame holds {frame.content_size} bytes, expected {len(dst)}")
+    reader = dctx.stream_reader(src, read_size=len(src))
+    got = 0
+    while got < len(dst):
+        n = reader.readinto(dst[got:])
+        if n == 0:
+            break
+        got += n
+    if got != len(dst) or reader.read(1):
+        raise CorruptBlock("zstd frame size mismatch")

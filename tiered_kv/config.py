@@ -1,0 +1,265 @@
+"""Configuration: frozen dataclasses built once from a dict, a TOML file or the environment.
+
+Sections mirror the tiers::
+
+    workers = 2
+    [host]
+    capacity = "4GiB"
+    [disk]
+    url = "lmdb:///var/cache/tiered-kv"
+    capacity = "64GiB"
+    [remote]
+    url = "redis://cache:6379/0"
+    ttl = "1d"
+
+Environment: ``TIERED_KV_<FIELD>`` for top-level fields and ``TIERED_KV_<SECTION>_<FIELD>`` for
+section fields (``TIERED_KV_DISK_URL``, ``TIERED_KV_HOST_CAPACITY``). Unknown keys, wrong types,
+negative sizes and URLs with no registered backend raise :class:`ConfigError` naming the key.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from tiered_kv.errors import ConfigError
+from tiered_kv.units import parse_duration, parse_size
+
+POLICIES = ("write_through", "on_evict", "off")
+ENV_PREFIX = "TIERED_KV_"
+
+
+def _size(default: int) -> Any:
+    return field(default=default, metadata={"parse": parse_size})
+
+
+def _duration(default: float | None) -> Any:
+    return field(default=default, metadata={"parse": parse_duration})
+
+
+def _check_url(section: str, url: str | None) -> None:
+    if url is None:
+        return
+    from storage_backends.registry import scheme_of  # the registry imports no backend
+
+    try:
+        scheme_of(url)
+    except ConfigError as exc:
+        raise ConfigError(f"{section}.url: {exc}") from None
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {list(choices)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    capacity: int = _size(1 << 30)  # bytes of host slots (pinned when CUDA is present)
+    pinned: str = "auto"  # "auto" (pin when CUDA is available), "yes" or "no"
+
+    def __post_init__(self) -> None:
+        _check_choice("host.pinned", self.pinned, ("auto", "yes", "no"))
+
+
+@dataclass(frozen=True)
+class DiskConfig:
+    url: str | None = None  # e.g. "lmdb:///var/cache/tiered-kv"; None disables the tier
+    capacity: int = _size(8 << 30)  # bytes of stored (compressed) blocks before LRU eviction
+    codec: str = "zstd+shuffle"  # "raw", "zstd" or "zstd+shuffle"
+    level: int = 1  # zstd level (1 is the best speed/ratio trade on KV bytes)
+    policy: str = "write_through"  # when host blocks are written here: write_through|on_evict|off
+    sync: bool = False  # fsync every commit (True) or leave it to flush()/the OS (False)
+
+    def __post_init__(self) -> None:
+        _check_url("disk", self.url)
+        _check_choice("disk.policy", self.policy, POLICIES)
+        _check_choice("disk.codec", self.codec, ("raw", "zstd", "zstd+shuffle"))
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    url: str | None = None  # e.g. "redis://host:6379/0", "rediss://…", "unix:///run/redis.sock"
+    codec: str = "zstd+shuffle"  # body codec of blocks sent to the remote tier
+    level: int = 1  # zstd level
+    policy: str = "write_through"  # write_through | on_evict | off
+    ttl: float | None = _duration(None)  # seconds a block lives in Redis; None = no expiry
+    timeout: float = _duration(2.0)  # socket timeout per Redis call, seconds
+    retries: int = 2  # retries with backoff before a call counts as remote_unavailable
+
+    def __post_init__(self) -> None:
+        _check_url("remote", self.url)
+        _check_choice("remote.policy", self.policy, POLICIES)
+        _check_choice("remote.codec", self.codec, ("raw", "zstd", "zstd+shuffle"))
+        if self.retries < 0:
+            raise ConfigError(f"remote.retries must not be negative, got {self.retries}")
+
+
+@dataclass(frozen=True)
+class TieredKVConfig:
+    host: HostConfig = field(default_factory=HostConfig)  # host (CPU) tier
+    disk: DiskConfig = field(default_factory=DiskConfig)  # disk (LMDB) tier
+    remote: RemoteConfig = field(default_factory=RemoteConfig)  # remote (Redis) tier
+    workers: int = 2  # transfer threads (zstd, LMDB and redis-py release the GIL)
+    max_inflight_save: int = _size(512 << 20)  # write-behind bytes queued before saves drop
+    max_inflight_load: int = _size(512 << 20)  # load bytes in flight before loads wait
+    hash_algo: str = "xxh3_128"  # block key hash: xxh3_128, blake2b_128 or sha256_128
+    cache_salt: str = ""  # tenant salt folded into every key
+    model_revision: str = ""  # weights fingerprint folded into the namespace
+    metrics_port: int | None = None  # serve Prometheus metrics on this port; None = off
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ConfigError(f"workers must be at least 1, got {self.workers}")
+        from tiered_kv.keys import HASHES
+
+        _check_choice("hash_algo", self.hash_algo, tuple(HASHES))
+        if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"metrics_port must be a TCP port, got {self.metrics_port}")
+
+    # -- constructors ------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "TieredKVConfig":
+        return _build(cls, dict(data or {}), "")
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike) -> "TieredKVConfig":
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "TieredKVConfig":
+        return cls.from_dict(env_dict(os.environ if environ is None else environ))
+
+    @classmethod
+    def load(cls, source: str | os.PathLike | Mapping[str, Any] | None = None,
+             environ: Mapping[str, str] | None = None) -> "TieredKVConfig":
+        """A dict or a TOML path (or nothing), overlaid with ``TIERED_KV_*`` variables."""
+        if source is None:
+            base: dict = {}
+        elif isinstance(source, Mapping):
+            base = dict(source)
+        else:
+            with _reraise(f"config file {source}"):
+                base = tomllib.loads(Path(source).read_text())
+        overlay = env_dict(os.environ if environ is None else environ)
+        for key, value in overlay.items():
+            if isinstance(value, dict):
+                base[key] = {**dict(base.get(key) or {}), **value}
+            else:
+                base[key] = value
+        return cls.from_dict(base)
+
+    def with_overrides(self, **changes: Any) -> "TieredKVConfig":
+        return replace(self, **changes)
+
+
+class _reraise:
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is FileNotFoundError:
+            raise ConfigError(f"{self.what}: not found") from None
+        if kind is tomllib.TOMLDecodeError:
+            raise ConfigError(f"{self.what}: {exc}") from None
+        return False
+
+
+def env_dict(environ: Mapping[str, str]) -> dict:
+    """The ``TIERED_KV_*`` variables as a nested dict (values stay strings)."""
+    sections = {f.name for f in fields(TieredKVConfig) if is_dataclass(f.default_factory)}  # type: ignore[arg-type]
+    out: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        head, _, tail = rest.partition("_")
+        if head in sections and tail:
+            out.setdefault(head, {})[tail] = value
+        else:
+            out[rest] = value
+    return out
+
+
+def _build(cls: type, data: dict, prefix: str):
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown config key {prefix}{unknown[0]!s}; known: {sorted(known)}")
+    kwargs = {}
+    for name, value in data.items():
+        f, key = known[name], prefix + name
+        target = hints[name]
+        if is_dataclass(target):
+            if isinstance(value, target):
+                kwargs[name] = value
+                continue
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{key} must be a table of settings, got {value!r}")
+            kwargs[name] = _build(target, dict(value), key + ".")
+        else:
+            kwargs[name] = _coerce(key, value, target, f.metadata.get("parse"))
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:  # a required field is missing
+        raise ConfigError(f"{prefix or 'config'}: {exc}") from None
+
+
+def _coerce(key: str, value: Any, target: Any, parse) -> Any:
+    args = typing.get_args(target)
+    optional = type(None) in args
+    if value is None or (optional and isinstance(value, str) and value.lower() in ("", "none", "null")):
+        if optional:
+            return None
+        raise ConfigError(f"{key} must not be empty")
+    if parse is not None:
+        return parse(value, name=key)
+    base = next((a for a in args if a is not type(None)), target) if args else target
+    if base is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if base is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        try:
+            return int(value) if isinstance(value, str) else _exact_int(key, value)
+        except ValueError:
+            raise ConfigError(f"{key} must be an integer, got {value!r}") from None
+    if base is float:
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key} must be a number, got {value!r}") from None
+    if base is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {value!r}")
+        return value
+    return value
+
+
+def _exact_int(key: str, value: Any) -> int:
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise ConfigError(f"{key} must be an integer, got {value!r}")
+
+

@@ -1,0 +1,54 @@
+"""The one error hierarchy of tiered-kv.
+
+Exceptions are for callers that asked for something impossible (bad config, a block that is not
+what it claims to be). "No room" and "backend down" are *misses with a counted reason* in the
+engine's hot path; the store turns the backend exceptions below into those counts.
+"""
+
+from __future__ import annotations
+
+
+class TieredKVError(Exception):
+    """Base class of every error raised by tiered-kv."""
+
+
+class ConfigError(TieredKVError, ValueError):
+    """A configuration value is missing, unknown or out of range. The message names the key."""
+
+
+class TokenError(TieredKVError, ValueError):
+    """Tokens or extras cannot be turned into a block key (e.g. a token id out of range)."""
+
+
+class CorruptBlock(TieredKVError):
+    """A stored block failed validation. ``reason`` is the counted miss reason."""
+
+    reason = "corrupt"
+
+    def __init__(self, detail: str, *, reason: str | None = None) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        if reason is not None:
+            self.reason = reason
+
+
+class NamespaceMismatch(CorruptBlock):
+    """A stored block belongs to another namespace (other model, dtype, shape, salt, ...)."""
+
+    reason = "namespace_mismatch"
+
+
+class BackendError(TieredKVError):
+    """A storage medium failed."""
+
+
+class BackendUnavailable(BackendError):
+    """The medium cannot be reached right now (Redis down, connection refused, timeout)."""
+
+
+class NoRoom(BackendError):
+    """The medium has no room for a value even after eviction (value larger than capacity)."""
+
+
+class UnknownBackend(ConfigError):
+    """No storage backend is registered for a URL scheme or name."""

@@ -1,0 +1,176 @@
+"""Namespaces and chained content keys of full token blocks.
+
+``key_0 = H(namespace_digest || tokens_0 || extras_0)``, ``key_i = H(key_{i-1} || tokens_i ||
+extras_i)``; tokens are little-endian int32 (int64 when the namespace says so). Keys are 16 bytes
+and depend only on their inputs, never on the process or ``PYTHONHASHSEED``. This module is
+scheduler-side: it never imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from dataclasses import dataclass, fields
+from typing import Callable, Mapping, Sequence
+
+import xxhash
+
+from tiered_kv.errors import ConfigError, TokenError
+
+FORMAT_VERSION = 1
+KEY_BYTES = 16
+
+
+def _blake2b_128(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _sha256_128(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()[:16]
+
+
+HASHES: dict[str, Callable[[bytes], bytes]] = {
+    "xxh3_128": xxhash.xxh3_128_digest,
+    "blake2b_128": _blake2b_128,
+    "sha256_128": _sha256_128,
+}
+
+# array typecodes of exactly 4 and 8 bytes on this platform
+_INT32 = "i" if array("i").itemsize == 4 else "l"
+_INT64 = "q"
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything that changes the KV bytes of the same tokens. Equal namespaces share blocks."""
+
+    model_id: str  # model name or path as the engine knows it
+    dtype: str  # KV dtype name, e.g. "bfloat16"
+    num_layers: int  # attention layers whose KV a block carries
+    num_kv_heads: int  # KV heads of this shard (after tensor parallel split)
+    head_dim: int  # per-head dimension
+    block_size: int  # tokens per block
+    revision: str = ""  # weights fingerprint / revision; empty when unknown
+    layout: str = "LKTHD"  # canonical payload layout [layers, K/V, tokens, heads, dim]
+    tp_rank: int = 0  # tensor-parallel rank of this shard
+    tp_size: int = 1  # tensor-parallel world size
+    cache_salt: str = ""  # tenant salt: different salts never share blocks
+    hash_algo: str = "xxh3_128"  # one of HASHES; a cryptographic one for multi-tenant use
+    token_bytes: int = 4  # 4 (int32) or 8 (int64) bytes per token id in the key
+    format_version: int = FORMAT_VERSION  # stored-block format version
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"namespace.{name} must be a positive integer, got {value!r}")
+        if not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"namespace.tp_rank must be in [0, {self.tp_size}), got {self.tp_rank!r}")
+        if not self.model_id:
+            raise ConfigError("namespace.model_id must not be empty")
+        if self.hash_algo not in HASHES:
+            raise ConfigError(f"namespace.hash_algo must be one of {sorted(HASHES)}, got {self.hash_algo!r}")
+        if self.token_bytes not in (4, 8):
+            raise ConfigError(f"namespace.token_bytes must be 4 or 8, got {self.token_bytes!r}")
+
+    def canonical(self) -> bytes:
+        """A stable text form of every field, the input of :meth:`digest`."""
+        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)]
+        return ("tiered-kv namespace\n" + "\n".join(parts)).encode()
+
+    def digest(self) -> bytes:
+        """16-byte fingerprint of this namespace (cached)."""
+        cached = self.__dict__.get("_digest")
+        if cached is None:
+            cached = HASHES[self.hash_algo](self.canonical())
+            object.__setattr__(self, "_digest", cached)
+        return cached
+
+    @property
+    def hasher(self) -> Callable[[bytes], bytes]:
+        return HASHES[self.hash_algo]
+
+    def num_full_blocks(self, num_tokens: int) -> int:
+        return num_tokens // self.block_size
+
+    def describe(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def tokens_to_bytes(tokens: Sequence[int], token_bytes: int = 4) -> bytes:
+    """Little-endian fixed-width bytes of ``tokens``; raises TokenError when one does not fit."""
+    try:
+        arr = array(_INT32 if token_bytes == 4 else _INT64, tokens)
+    except OverflowError as exc:
+        raise TokenError(f"token id does not fit in {token_bytes} bytes: {exc}") from None
+    except TypeError as exc:
+        raise TokenError(f"token ids must be integers: {exc}") from None
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr.tobytes()
+
+
+def block_keys(
+    namespace: Namespace,
+    tokens: Sequence[int],
+    *,
+    parent: bytes | None = None,
+    start_block: int = 0,
+    lora: str | int | None = None,
+    extras: Mapping[int, bytes] | None = None,
+) -> list[bytes]:
+    """Chained keys of the full blocks of ``tokens``; a partial tail block gets no key.
+
+    ``parent`` is the key of the block before ``tokens[0]`` (None: ``tokens`` start the prompt).
+    ``start_block`` numbers the first block for ``extras`` (per-block bytes, e.g. multimodal
+    hashes); ``lora`` is folded into every block.
+    """
+    if (parent is None) != (start_block == 0):
+        raise TokenError("parent must be given exactly when start_block > 0")
+    bs = namespace.block_size
+    width = namespace.token_bytes
+    n = len(tokens) // bs
+    if n == 0:
+        return []
+    data = tokens_to_bytes(tokens[: n * bs], width)
+    step = bs * width
+    h = namespace.hasher
+    prev = namespace.digest() if parent is None else parent
+    common = b"" if lora is None else b"lora:" + str(lora).encode()
+    keys: list[bytes] = []
+    append = keys.append
+    if not extras and not common:
+        for off in range(0, n * step, step):
+            prev = h(prev + data[off : off + step])
+            append(prev)
+        return keys
+    for i in range(n):
+        extra = common + (extras.get(start_block + i, b"") if extras else b"")
+        block = data[i * step : (i + 1) * step]
+        prev = h(prev + block + b"\x00extra:" + extra) if extra else h(prev + block)
+        append(prev)
+    return keys
+
+
+class KeyChain:
+    """Keys of one request's full blocks, extended incrementally as tokens arrive."""
+
+    def __init__(self, namespace: Namespace, *, lora: str | int | None = None,
+                 extras: Mapping[int, bytes] | None = None) -> None:
+        self.namespace = namespace
+        self.lora = lora
+        self.extras = dict(extras or {})
+        self.keys: list[bytes] = []
+
+    def update(self, tokens: Sequence[int]) -> list[bytes]:
+        """Extend to all full blocks of ``tokens`` (the whole sequence so far); returns all keys."""
+        bs = self.namespace.block_size
+        have = len(self.keys)
+        if len(tokens) // bs > have:
+            self.keys.extend(block_keys(
+                self.namespace, tokens[have * bs :],
+                parent=self.keys[-1] if have else None, start_block=have,
+                lora=self.lora, extras=self.extras,
+            ))
+        return self.keys

@@ -1,0 +1,56 @@
+"""Byte sizes and durations as people write them: "8GiB", "512MB", "1.5 GiB", "30s", "2h"."""
+
+from __future__ import annotations
+
+import re
+
+from tiered_kv.errors import ConfigError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_FACTORS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgtp", start=1):
+    _FACTORS[_p] = _FACTORS[_p + "b"] = 1000**_i
+    _FACTORS[_p + "i"] = _FACTORS[_p + "ib"] = 1024**_i
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
+_SECONDS = {"ms": 0.001, "s": 1, "": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_size(value: int | float | str, *, name: str = "size") -> int:
+    """Bytes from an int or a string like "8GiB" / "512MB" / "4096"; ConfigError otherwise."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a byte size, got {value!r}")
+    if isinstance(value, (int, float)):
+        number, factor = value, 1
+    elif isinstance(value, str) and (m := _SIZE.match(value)):
+        number, factor = float(m.group(1)), _FACTORS[(m.group(2) or "").lower()]
+    else:
+        raise ConfigError(f"{name}: expected a byte size like 8GiB or 512MB, got {value!r}")
+    if number < 0:
+        raise ConfigError(f"{name}: size must not be negative, got {value!r}")
+    return int(number * factor)
+
+
+def parse_duration(value: int | float | str, *, name: str = "duration") -> float:
+    """Seconds from a number or a string like "250ms" / "30s" / "2h"."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected a duration, got {value!r}")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    elif isinstance(value, str) and (m := _DURATION.match(value)):
+        seconds = float(m.group(1)) * _SECONDS[(m.group(2) or "").lower()]
+    else:
+        raise ConfigError(f"{name}: expected a duration like 30s or 2h, got {value!r}")
+    if seconds < 0:
+        raise ConfigError(f"{name}: duration must not be negative, got {value!r}")
+    return seconds
+
+
+def format_size(n: int | float) -> str:
+    """Human form of a byte count, e.g. "1.5 GiB"."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
