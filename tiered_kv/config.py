@@ -20,11 +20,15 @@ negative sizes and URLs with no registered backend raise :class:`ConfigError` na
 from __future__ import annotations
 
 import os
-import tomllib
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.units import parse_duration, parse_size

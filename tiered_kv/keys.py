@@ -137,7 +137,7 @@ def block_keys(
     step = bs * width
     h = namespace.hasher
     prev = namespace.digest() if parent is None else parent
-    common = b"" if lora is None else b"lora:" + str(lora).encode()
+    common = b"" if lora is None else _frame(b"lora", str(lora).encode())
     keys: list[bytes] = []
     append = keys.append
     if not extras and not common:
@@ -146,11 +146,19 @@ def block_keys(
             append(prev)
         return keys
     for i in range(n):
-        extra = common + (extras.get(start_block + i, b"") if extras else b"")
+        mm = extras.get(start_block + i, b"") if extras else b""
+        extra = common + _frame(b"xtra", mm) if mm else common
         block = data[i * step : (i + 1) * step]
         prev = h(prev + block + b"\x00extra:" + extra) if extra else h(prev + block)
         append(prev)
     return keys
+
+
+def _frame(tag: bytes, data: bytes) -> bytes:
+    """``tag || len || data``: LoRA id and extras stay distinguishable once concatenated."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TokenError(f"block extras must be bytes, got {type(data).__name__}")
+    return tag + len(data).to_bytes(4, "little") + bytes(data)
 
 
 class KeyChain:

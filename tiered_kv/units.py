@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import re
+from decimal import Decimal
 
 from tiered_kv.errors import ConfigError
 
@@ -20,10 +22,11 @@ def parse_size(value: int | float | str, *, name: str = "size") -> int:
     """Bytes from an int or a string like "8GiB" / "512MB" / "4096"; ConfigError otherwise."""
     if isinstance(value, bool):
         raise ConfigError(f"{name}: expected a byte size, got {value!r}")
-    if isinstance(value, (int, float)):
+    m = _SIZE.match(value) if isinstance(value, str) else None
+    if isinstance(value, int) or (isinstance(value, float) and math.isfinite(value)):
         number, factor = value, 1
-    elif isinstance(value, str) and (m := _SIZE.match(value)):
-        number, factor = float(m.group(1)), _FACTORS[(m.group(2) or "").lower()]
+    elif m and (m.group(2) or "").lower() in _FACTORS:
+        number, factor = Decimal(m.group(1)), _FACTORS[(m.group(2) or "").lower()]  # exact
     else:
         raise ConfigError(f"{name}: expected a byte size like 8GiB or 512MB, got {value!r}")
     if number < 0:
@@ -35,11 +38,12 @@ def parse_duration(value: int | float | str, *, name: str = "duration") -> float
     """Seconds from a number or a string like "250ms" / "30s" / "2h"."""
     if isinstance(value, bool):
         raise ConfigError(f"{name}: expected a duration, got {value!r}")
+    seconds = math.nan
     if isinstance(value, (int, float)):
-        seconds = float(value)
+        seconds = float(value) if isinstance(value, float) or abs(value) < 2**1000 else math.inf
     elif isinstance(value, str) and (m := _DURATION.match(value)):
         seconds = float(m.group(1)) * _SECONDS[(m.group(2) or "").lower()]
-    else:
+    if not math.isfinite(seconds):  # also NaN / inf, which TOML allows
         raise ConfigError(f"{name}: expected a duration like 30s or 2h, got {value!r}")
     if seconds < 0:
         raise ConfigError(f"{name}: duration must not be negative, got {value!r}")

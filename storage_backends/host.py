@@ -1,0 +1,276 @@
+"""Host tier: a slab of fixed-size slots in CPU memory (page-locked when CUDA is present).
+
+Besides the byte interface, the store uses the slot interface: ``reserve_many`` (phase one:
+slots are handed out but the keys are not visible), ``commit_many`` / ``abort_many`` (phase two),
+``pin_many`` / ``unpin_many`` (leases: a pinned entry is never evicted or reused) and
+``slot_view`` (a uint8 tensor over a slot, for gathers and scatters without extra copies).
+Eviction is LRU over committed, unpinned entries; ``on_evict`` sees an entry's bytes before its
+slot is reused (the store uses it for the ``on_evict`` write-behind policy).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+
+from storage_backends.base import Backend, BackendStats, Visitor
+from storage_backends.registry import split_options
+from tiered_kv.errors import ConfigError
+from tiered_kv.units import format_size, parse_size
+
+log = logging.getLogger(__name__)
+
+EvictHook = Callable[[bytes, memoryview], None]
+
+
+@dataclass
+class _Entry:
+    slot: int
+    length: int
+    ready: bool = False  # committed: visible to lookups and loads
+    refs: int = 0  # pins (leases) held by loads in flight
+
+
+def _want_pinned(pinned: str | bool) -> bool:
+    if isinstance(pinned, str):
+        if pinned not in ("auto", "yes", "no", "true", "false", "1", "0"):
+            raise ConfigError(f"host pinned must be auto, yes or no, got {pinned!r}")
+        if pinned == "auto":
+            return torch.cuda.is_available()
+        pinned = pinned in ("yes", "true", "1")
+    return bool(pinned) and torch.cuda.is_available()
+
+
+class HostBackend(Backend):
+    name = "host"
+
+    def __init__(self, *, capacity: int, slot_bytes: int, pinned: str | bool = "auto",
+                 url: str = "host://", on_evict: EvictHook | None = None) -> None:
+        super().__init__(url)
+        if slot_bytes <= 0:
+            raise ConfigError(f"host slot size must be positive, got {slot_bytes}")
+        self.slot_bytes = slot_bytes
+        self.num_slots = capacity // slot_bytes
+        self.capacity = self.num_slots * slot_bytes
+        self.pinned = _want_pinned(pinned)
+        self.slab = torch.empty((self.num_slots, slot_bytes), dtype=torch.uint8, pin_memory=self.pinned)
+        self.slab.zero_()  # touch every page now, not in the hot path
+        log.info("host tier: %d slots x %s = %s (%s)", self.num_slots, format_size(slot_bytes),
+                 format_size(self.capacity), "pinned" if self.pinned else "pageable")
+        self._np = self.slab.numpy()
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
+        self._free = list(range(self.num_slots - 1, -1, -1))
+        self._used = 0
+        self._ready = 0
+        self.on_evict = on_evict
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, **options) -> "HostBackend":
+        _, query = split_options(url)
+        query.update(options)
+        try:
+            capacity = parse_size(query.pop("capacity", 1 << 30), name="host capacity")
+            slot = parse_size(query.pop("slot", query.pop("slot_bytes", 2 << 20)), name="host slot")
+        except ConfigError:
+            raise
+        pinned = query.pop("pinned", "auto")
+        on_evict = query.pop("on_evict", None)
+        if query:
+            raise ConfigError(f"unknown host backend option {sorted(query)[0]!r}")
+        return cls(capacity=capacity, slot_bytes=slot, pinned=pinned, url=url, on_evict=on_evict)
+
+    # -- slot interface (two-phase, leases) ----------------------------------------------------
+    def can_reserve(self, n: int) -> bool:
+        """Whether ``n`` slots could be had now (free or evictable)."""
+        with self._lock:
+            evictable = sum(1 for e in self._entries.values() if e.ready and e.refs == 0)
+            return len(self._free) + evictable >= n
+
+    def reserve_many(self, keys: Sequence[bytes], lengths: Sequence[int] | None = None) -> list[int | None]:
+        """Phase one: a slot per key, or None where the key is already here or there is no room."""
+        out: list[int | None] = []
+        evicted: list[tuple[bytes, memoryview]] = []
+        with self._lock:
+            for i, key in enumerate(keys):
+                length = self.slot_bytes if lengths is None else lengths[i]
+                if key in self._entries or length > self.slot_bytes:
+                    out.append(None)
+                    continue
+                slot = self._take_slot(evicted)
+                if slot is None:
+                    out.append(None)
+                    continue
+                self._entries[key] = _Entry(slot, length)
+                self._used += length
+                out.append(slot)
+        self._run_hooks(evicted)
+        return out
+
+    def commit_many(self, keys: Sequence[bytes], *, pin: bool = False) -> None:
+        """Phase two: the reserved keys become visible (most recently used); with ``pin`` they
+        are leased in the same step, so no other thread can evict them in between."""
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and not entry.ready:
+                    entry.ready = True
+                    entry.refs += int(pin)
+                    self._ready += 1
+                    self._entries.move_to_end(key)
+
+    def abort_many(self, keys: Sequence[bytes]) -> None:
+        """Roll back reservations that were never committed."""
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and not entry.ready:
+                    self._drop(key, entry)
+
+    def pin_many(self, keys: Sequence[bytes]) -> list[int | None]:  # type: ignore[override]
+        """Lease committed entries (they are neither evicted nor deleted); their slots or None."""
+        out: list[int | None] = []
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or not entry.ready:
+                    out.append(None)
+                    continue
+                entry.refs += 1
+                self._entries.move_to_end(key)
+                out.append(entry.slot)
+        return out
+
+    def unpin_many(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.refs > 0:
+                    entry.refs -= 1
+
+    def slot_view(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
+        """A uint8 tensor over ``slot`` (the first ``nbytes`` bytes)."""
+        return self.slab[slot, : self.slot_bytes if nbytes is None else nbytes]
+
+    def length_of(self, key: bytes) -> int | None:
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry.length if entry is not None and entry.ready else None
+
+    # -- byte interface ------------------------------------------------------------------------
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(keys)
+
+        def keep(i: int, value: memoryview) -> None:
+            out[i] = bytes(value)
+
+        self.visit_many(keys, keep)
+        return out
+
+    def visit_many(self, keys: Sequence[bytes], visitor: Visitor) -> list[bool]:
+        self._check_open()
+        slots = self.pin_many(keys)
+        nbytes = 0
+        try:
+            found = []
+            for i, (key, slot) in enumerate(zip(keys, slots)):
+                found.append(slot is not None)
+                if slot is not None:
+                    length = self._entries[key].length
+                    visitor(i, memoryview(self._np[slot, :length]))
+                    nbytes += length
+            self._count(gets=len(keys), hits=sum(found), bytes_out=nbytes)
+            return found
+        finally:
+            self.unpin_many([k for k, s in zip(keys, slots) if s is not None])
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        self._check_open()
+        if not items:
+            return []
+        keys = [k for k, _ in items]
+        lengths = [len(memoryview(v).cast("B")) for _, v in items]
+        self.delete_many([k for k, n in zip(keys, lengths) if n <= self.slot_bytes])  # overwrite
+        slots = self.reserve_many(keys, lengths)
+        stored = []
+        for (key, value), slot, n in zip(items, slots, lengths):
+            if slot is not None:
+                self._np[slot, :n] = memoryview(value).cast("B")
+            stored.append(slot is not None)
+        self.commit_many([k for k, s in zip(keys, slots) if s is not None])
+        self._count(puts=sum(stored), put_rejected=len(stored) - sum(stored),
+                    bytes_in=sum(n for n, ok in zip(lengths, stored) if ok))
+        return stored
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        self._check_open()
+        with self._lock:
+            return [(e := self._entries.get(k)) is not None and e.ready for k in keys]
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        self._check_open()
+        n = 0
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is not None and entry.ready and entry.refs == 0:
+                    self._drop(key, entry)
+                    n += 1
+        self._count(deletes=n)
+        return n
+
+    def scan(self, prefix: bytes = b"") -> Iterator[bytes]:
+        with self._lock:
+            keys = [k for k, e in self._entries.items() if e.ready and k.startswith(prefix)]
+        return iter(keys)
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            used, ready = self._used, self._ready
+            pinned = sum(1 for e in self._entries.values() if e.refs)
+        return self._snapshot(entries=ready, used_bytes=used, capacity_bytes=self.capacity,
+                              extra={"slots": self.num_slots, "slot_bytes": self.slot_bytes,
+                                     "pinned_memory": self.pinned, "leased": pinned})
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._entries.clear()
+            self._free = []
+
+    # -- internals -----------------------------------------------------------------------------
+    def _take_slot(self, evicted: list) -> int | None:
+        if self._free:
+            return self._free.pop()
+        for key, entry in self._entries.items():  # least recently used first
+            if entry.ready and entry.refs == 0:
+                if self.on_evict is not None:
+                    evicted.append((key, bytes(self._np[entry.slot, : entry.length])))
+                self._drop(key, entry)
+                self._count(evictions=1)
+                return self._free.pop()
+        return None
+
+    def _drop(self, key: bytes, entry: _Entry) -> None:
+        del self._entries[key]
+        self._used -= entry.length
+        if entry.ready:
+            self._ready -= 1
+        self._free.append(entry.slot)
+
+    def _run_hooks(self, evicted: list) -> None:
+        for key, value in evicted:
+            try:
+                self.on_evict(key, memoryview(value))  # type: ignore[misc]
+            except Exception:  # a failing hook must not break the tier
+                log.exception("host on_evict hook failed for key %s", key.hex())
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("host backend is closed")

@@ -1,0 +1,395 @@
+"""TieredStore: the host tier plus optional disk and remote tiers, with async transfers.
+
+Lifecycle of a block:
+
+- **save**: ``prepare_save(keys)`` reserves host slots (phase one, invisible), the caller fills
+  them (``slot_tensor``), ``commit_save`` makes them visible (phase two) or rolls them back, and
+  queues write-behind to the lower tiers whose policy is ``write_through`` (``on_evict`` tiers
+  get a block when the host tier evicts it). Saves over the in-flight budget are dropped from
+  write-behind and counted (the host copy stays).
+- **lookup(keys)**: the number of leading keys present in some tier; no side effects.
+- **load**: ``prepare_load(keys)`` leases the blocks (host pins, disk pins), ``load(plan)``
+  runs in the pool: host hits are ready at once, disk/remote hits are validated and decoded into
+  freshly reserved host slots (promotion) and leased to the caller; ``release(plan)`` ends the
+  lease. Failures are per block with a counted reason; nothing unvalidated is handed out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from storage_backends.host import HostBackend
+from storage_backends.registry import open_backend
+from tiered_kv.codec import BlockCodec
+from tiered_kv.config import TieredKVConfig
+from tiered_kv.errors import ConfigError
+from tiered_kv.keys import Namespace
+from tiered_kv.metrics import StoreMetrics
+from tiered_kv.tier import EncodedTier
+from tiered_kv.transfer import TransferPool
+from tiered_kv.units import format_size
+
+log = logging.getLogger(__name__)
+
+SAVE_CHUNK_BYTES = 16 << 20  # write-behind job size: enough blocks to amortise a txn
+
+
+def block_shape(ns: Namespace) -> tuple[int, int, int, int, int]:
+    """Canonical payload shape ``[num_layers, 2, block_size, num_kv_heads, head_dim]``."""
+    return (ns.num_layers, 2, ns.block_size, ns.num_kv_heads, ns.head_dim)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"torch has no dtype {name!r}")
+    return dtype
+
+
+@dataclass
+class SaveBatch:
+    """Phase one of a save: host slots reserved for ``keys`` (others were skipped)."""
+
+    keys: list[bytes]
+    slots: list[int]
+    skipped: int = 0  # keys already stored in the host tier or without room
+
+
+@dataclass
+class LoadPlan:
+    """Blocks promised to one load: where each comes from and the host slots leased so far."""
+
+    keys: list[bytes]
+    sources: list[str | None]  # "host" | "lower" per key at prepare time
+    slots: list[int | None] = field(default_factory=list)  # leased host slot per key once ready
+    reasons: list[str | None] = field(default_factory=list)  # miss reason per failed key
+    futures: list[Future] = field(default_factory=list)
+    disk_pinned: list[bytes] = field(default_factory=list)
+    released: bool = False
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def wait(self, timeout: float | None = None) -> "LoadPlan":
+        for f in self.futures:
+            f.result(timeout)
+        return self
+
+    @property
+    def ok(self) -> list[bool]:
+        return [s is not None for s in self.slots]
+
+
+class TieredStore:
+    """All tiers of one namespace (one model shard) in one process."""
+
+    def __init__(self, config: TieredKVConfig, namespace: Namespace) -> None:
+        self.config = config
+        self.namespace = namespace
+        self.shape = block_shape(namespace)
+        self.dtype = torch_dtype(namespace.dtype)
+        self.block_nbytes = self.dtype.itemsize
+        for d in self.shape:
+            self.block_nbytes *= d
+        if config.host.capacity < self.block_nbytes:
+            raise ConfigError(f"host.capacity {format_size(config.host.capacity)} holds no block of "
+                              f"{format_size(self.block_nbytes)}")
+        self.metrics = StoreMetrics()
+        self.pool = TransferPool(config.workers, config.max_inflight_save, config.max_inflight_load)
+        on_evict = [t for t in ("disk", "remote")
+                    if getattr(config, t).url and getattr(config, t).policy == "on_evict"]
+        self.host = HostBackend(capacity=config.host.capacity, slot_bytes=self.block_nbytes,
+                                pinned=config.host.pinned,
+                                on_evict=self._on_host_evict if on_evict else None)
+        self.disk = self._open_tier("disk", config.disk.url, capacity=config.disk.capacity,
+                                    sync=config.disk.sync)
+        self.remote = self._open_tier("remote", config.remote.url, ttl=config.remote.ttl,
+                                      timeout=config.remote.timeout, retries=config.remote.retries)
+        self.lower = [t for t in (self.disk, self.remote) if t is not None]
+        self._lock = threading.Lock()
+        self._closed = False
+        log.info("tiered store for %s: block %s %s = %s; tiers: host%s", namespace.model_id,
+                 self.shape, namespace.dtype, format_size(self.block_nbytes),
+                 "".join(f", {t.name} ({t.backend.url})" for t in self.lower))
+
+    def _open_tier(self, name: str, url: str | None, **options) -> EncodedTier | None:
+        if not url:
+            return None
+        section = getattr(self.config, name)
+        backend = open_backend(url, **options)
+        codec = BlockCodec(section.codec, section.level)
+        return EncodedTier(name, backend, codec, self.namespace, self.shape, self.metrics, section.policy)
+
+    # -- views ---------------------------------------------------------------------------------
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        """Host slot ``slot`` as a canonical block tensor (shares memory with the slab)."""
+        return self.host.slot_view(slot, self.block_nbytes).view(self.dtype).view(self.shape)
+
+    # -- lookup ----------------------------------------------------------------------------------
+    def locate(self, keys: Sequence[bytes]) -> list[str | None]:
+        """The first tier holding each key (None: nowhere). No side effects."""
+        where: list[str | None] = ["host" if p else None for p in self.host.contains_many(keys)]
+        for tier in self.lower:
+            todo = [i for i, w in enumerate(where) if w is None]
+            if not todo:
+                break
+            for i, present in zip(todo, tier.contains([keys[i] for i in todo])):
+                if present:
+                    where[i] = tier.name
+        return where
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` some tier holds. Side-effect free."""
+        where = self.locate(keys)
+        n = 0
+        while n < len(where) and where[n] is not None:
+            n += 1
+        return n
+
+    # -- save ------------------------------------------------------------------------------------
+    def prepare_save(self, keys: Sequence[bytes]) -> SaveBatch:
+        """Phase one: reserve host slots for the keys not stored yet."""
+        slots = self.host.reserve_many(list(keys))
+        kept = [(k, s) for k, s in zip(keys, slots) if s is not None]
+        skipped = len(keys) - len(kept)
+        if skipped:
+            present = sum(self.host.contains_many([k for k, s in zip(keys, slots) if s is None]))
+            if skipped - present:
+                self.metrics.event("saves_no_room", skipped - present)
+        return SaveBatch([k for k, _ in kept], [s for _, s in kept], skipped)
+
+    def commit_save(self, batch: SaveBatch, ok: bool = True) -> Future | None:
+        """Phase two: publish the filled slots (or roll back) and queue write-behind."""
+        if not batch.keys:
+            return None
+        if not ok:
+            self.host.abort_many(batch.keys)
+            self.metrics.event("saves_rolled_back", len(batch.keys))
+            return None
+        self.host.commit_many(batch.keys)
+        self.metrics.wrote("host", len(batch.keys), len(batch.keys) * self.block_nbytes,
+                           len(batch.keys) * self.block_nbytes, 0.0)
+        return self._write_behind(batch.keys)
+
+    def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor]) -> Future | None:
+        """Copy ``payloads`` (canonical block tensors) into the host tier and write behind."""
+        batch = self.prepare_save(keys)
+        index = {k: i for i, k in enumerate(keys)}
+        try:
+            for key, slot in zip(batch.keys, batch.slots):
+                self.slot_tensor(slot).copy_(payloads[index[key]])
+        except Exception:
+            self.commit_save(batch, ok=False)
+            raise
+        return self.commit_save(batch)
+
+    def _write_behind(self, keys: list[bytes]) -> Future | None:
+        targets = [t for t in self.lower if t.policy == "write_through"]
+        if not targets:
+            return None
+        per_job = max(1, min(SAVE_CHUNK_BYTES // self.block_nbytes,
+                             -(-len(keys) // self.config.workers)))
+        futures = []
+        for start in range(0, len(keys), per_job):
+            chunk = keys[start : start + per_job]
+            slots = self.host.pin_many(chunk)
+            pinned = [(k, s) for k, s in zip(chunk, slots) if s is not None]
+            if not pinned:
+                continue
+            fut = self.pool.try_submit_save(len(pinned) * self.block_nbytes,
+                                            lambda p=pinned: self._write_job(p, targets))
+            if fut is None:
+                self.host.unpin_many([k for k, _ in pinned])
+                self.metrics.event("saves_dropped", len(pinned))
+                continue
+            futures.append(fut)
+        return _gather(futures)
+
+    def _write_job(self, pinned: list[tuple[bytes, int]], targets: list[EncodedTier]) -> int:
+        try:
+            items = [(k, self.host.slot_view(s, self.block_nbytes).numpy()) for k, s in pinned]
+            return self._write_lower(items, targets)
+        finally:
+            self.host.unpin_many([k for k, _ in pinned])
+
+    def _write_lower(self, items: list[tuple[bytes, object]], targets: list[EncodedTier]) -> int:
+        """Encode (once per codec setting) and store ``items`` in each target tier."""
+        stored = 0
+        encoded: dict[tuple[str, int], dict[bytes, bytes]] = {}
+        for tier in targets:
+            todo = [(k, p) for (k, p), have in zip(items, tier.contains([k for k, _ in items]))
+                    if not have]
+            if not todo:
+                continue
+            start = time.perf_counter()
+            cache = encoded.setdefault((tier.codec.codec, tier.codec.level), {})
+            blobs = [(k, cache[k] if k in cache else cache.setdefault(k, tier.encode(k, p)))
+                     for k, p in todo]
+            stored += sum(tier.put_blobs(blobs, len(todo) * self.block_nbytes, start))
+        return stored
+
+    def _on_host_evict(self, key: bytes, value: memoryview) -> None:
+        targets = [t for t in self.lower if t.policy == "on_evict"]
+        payload = bytes(value)
+        fut = self.pool.try_submit_save(len(payload),
+                                        lambda: self._write_lower([(key, payload)], targets))
+        if fut is None:
+            self.metrics.event("saves_dropped")
+
+    # -- load ------------------------------------------------------------------------------------
+    def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
+        """Lease ``keys`` for a coming load: host entries are pinned now, disk ones protected."""
+        keys = list(keys)
+        slots = self.host.pin_many(keys)
+        sources = ["host" if s is not None else "lower" for s in slots]
+        plan = LoadPlan(keys, sources, slots=list(slots), reasons=[None] * len(keys))
+        if self.disk is not None:
+            plan.disk_pinned = [k for k, s in zip(keys, slots) if s is None]
+            self.disk.pin(plan.disk_pinned)
+        return plan
+
+    def load(self, plan: LoadPlan) -> LoadPlan:
+        """Start fetching the non-host blocks of ``plan`` into host slots (async)."""
+        host_hits = sum(1 for s in plan.sources if s == "host")
+        if host_hits:
+            self.metrics.hit("host", host_hits, host_hits * self.block_nbytes)
+        todo = [i for i, s in enumerate(plan.sources) if s != "host"]
+        if not todo:
+            return plan
+        per_job = -(-len(todo) // self.config.workers)
+        for start in range(0, len(todo), per_job):
+            idx = todo[start : start + per_job]
+            plan.futures.append(self.pool.submit_load(len(idx) * self.block_nbytes,
+                                                      lambda idx=idx: self._load_job(plan, idx)))
+        return plan
+
+    def _load_job(self, plan: LoadPlan, idx: list[int]) -> None:
+        keys = [plan.keys[i] for i in idx]
+        slots = self.host.reserve_many(keys)
+        # a key another load promoted meanwhile is simply leased; no room is a counted miss
+        for j, (i, slot) in enumerate(zip(idx, slots)):
+            if slot is None:
+                (pinned,) = self.host.pin_many([plan.keys[i]])
+                plan.slots[i] = pinned
+                if pinned is None:
+                    plan.reasons[i] = "no_room"
+                    self.metrics.miss("host", "no_room")
+        want = [(i, s) for i, s in zip(idx, slots) if s is not None]
+        reasons: dict[int, str | None] = {i: "absent" for i, _ in want}
+        for tier in self.lower:
+            pending = [(i, s) for i, s in want if reasons[i] is not None]
+            if not pending:
+                break
+            outs = [self.host.slot_view(s, self.block_nbytes).numpy() for _, s in pending]
+            copy_down = tier is self.remote and self.disk is not None and self.disk.policy != "off"
+            got, blobs = tier.read_into([plan.keys[i] for i, _ in pending], outs, keep_blobs=copy_down)
+            down = []
+            for (i, _), reason, blob in zip(pending, got, blobs):
+                if reason is None or reasons[i] == "absent":
+                    reasons[i] = reason  # keep the first real failure reason for the report
+                if blob is not None:
+                    down.append((plan.keys[i], blob))
+            if down:
+                self.disk.put_blobs(down, len(down) * self.block_nbytes)  # type: ignore[union-attr]
+        good = [plan.keys[i] for i, _ in want if reasons[i] is None]
+        bad = [plan.keys[i] for i, _ in want if reasons[i] is not None]
+        self.host.commit_many(good, pin=True)
+        self.host.abort_many(bad)
+        for i, slot in want:
+            plan.slots[i] = slot if reasons[i] is None else None
+            plan.reasons[i] = reasons[i]
+        if bad:
+            self.metrics.event("loads_failed", len(bad))
+
+    def release(self, plan: LoadPlan) -> None:
+        """End the lease of every block of ``plan`` (after the caller copied them out)."""
+        if plan.released:
+            return
+        plan.released = True
+        for f in plan.futures:
+            f.exception()  # wait: a job may still write into its slots
+        self.host.unpin_many([k for k, s in zip(plan.keys, plan.slots) if s is not None])
+        if self.disk is not None and plan.disk_pinned:
+            self.disk.unpin(plan.disk_pinned)
+
+    def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Synchronous convenience: load ``keys`` and copy them into ``outs``; success per key."""
+        plan = self.load(self.prepare_load(keys)).wait()
+        try:
+            for slot, out in zip(plan.slots, outs):
+                if slot is not None:
+                    out.copy_(self.slot_tensor(slot))
+            return plan.ok
+        finally:
+            self.release(plan)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for queued write-behind and make the disk tier durable."""
+        done = self.pool.drain(timeout)
+        if self.disk is not None:
+            self.disk.backend.flush()
+        return done
+
+    def stats(self) -> dict:
+        snap = self.metrics.snapshot()
+        snap["backends"] = {"host": self.host.stats().as_dict()}
+        for tier in self.lower:
+            try:
+                snap["backends"][tier.name] = tier.backend.stats().as_dict()
+            except Exception as exc:  # a down remote must not break stats
+                snap["backends"][tier.name] = {"error": str(exc)}
+        snap["queued_bytes"] = self.pool.queued_bytes()
+        return snap
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.flush()
+        finally:
+            self.pool.close()
+            for tier in self.lower:
+                tier.backend.close()
+            self.host.close()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _gather(futures: list[Future]) -> Future | None:
+    """One future that completes when all ``futures`` did (result: sum of their results)."""
+    if not futures:
+        return None
+    if len(futures) == 1:
+        return futures[0]
+    out: Future = Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_f: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            if errors:
+                out.set_exception(errors[0])
+            else:
+                out.set_result(sum(f.result() or 0 for f in futures))
+
+    for f in futures:
+        f.add_done_callback(one_done)
+    return out

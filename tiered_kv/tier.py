@@ -1,0 +1,128 @@
+"""A byte backend seen as a tier of stored blocks: encode on write, validate on read.
+
+Every failure becomes a counted miss with a reason (``absent``, ``corrupt``,
+``namespace_mismatch``, ``<tier>_unavailable``, ``no_room``); nothing here raises into the
+engine's path, and nothing that failed validation is handed out.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence
+
+from storage_backends.base import Backend
+from tiered_kv.codec import BlockCodec
+from tiered_kv.errors import BackendUnavailable, CorruptBlock
+from tiered_kv.keys import Namespace
+from tiered_kv.metrics import StoreMetrics
+
+log = logging.getLogger(__name__)
+
+
+class EncodedTier:
+    """Disk or remote tier: ``backend`` holds stored blocks under ``namespace digest ‖ key``."""
+
+    def __init__(self, name: str, backend: Backend, codec: BlockCodec, namespace: Namespace,
+                 shape: tuple[int, ...], metrics: StoreMetrics, policy: str) -> None:
+        self.name = name
+        self.backend = backend
+        self.codec = codec
+        self.namespace = namespace
+        self.ns = namespace.digest()
+        self.shape = shape
+        self.metrics = metrics
+        self.policy = policy
+        self.unavailable = f"{name}_unavailable"
+
+    def storage_key(self, key: bytes) -> bytes:
+        return self.ns + key
+
+    # -- presence ----------------------------------------------------------------------------
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        """Presence of each key; all False (counted) when the medium is down."""
+        if not keys:
+            return []
+        try:
+            return self.backend.contains_many([self.ns + k for k in keys])
+        except BackendUnavailable:
+            self.metrics.miss(self.name, self.unavailable, len(keys))
+            return [False] * len(keys)
+
+    # -- write -------------------------------------------------------------------------------
+    def encode(self, key: bytes, payload) -> bytes:
+        return self.codec.encode(payload, dtype=self.namespace.dtype, shape=self.shape,
+                                 namespace=self.ns, key=key)
+
+    def put_blobs(self, items: Sequence[tuple[bytes, bytes]], raw_bytes: int,
+                  start: float | None = None) -> list[bool]:
+        """Store encoded blocks (``raw_bytes`` of payload in all); ``start`` = when encoding began."""
+        return self._put([(self.ns + k, b) for k, b in items], raw_bytes,
+                         time.perf_counter() if start is None else start)
+
+    def _put(self, blobs: list[tuple[bytes, bytes]], raw: int, start: float) -> list[bool]:
+        try:
+            stored = self.backend.put_many(blobs)
+        except BackendUnavailable:
+            self.metrics.event(f"{self.name}_save_failed", len(blobs))
+            self.metrics.miss(self.name, self.unavailable, 0)
+            return [False] * len(blobs)
+        ok = sum(stored)
+        if ok < len(blobs):
+            self.metrics.event(f"{self.name}_save_rejected", len(blobs) - ok)
+        self.metrics.wrote(self.name, ok, raw * ok // max(1, len(blobs)),
+                           sum(len(b) for (_, b), s in zip(blobs, stored) if s),
+                           time.perf_counter() - start)
+        return stored
+
+    # -- read --------------------------------------------------------------------------------
+    def read_into(self, keys: Sequence[bytes], outs: Sequence[object],
+                  keep_blobs: bool = False) -> tuple[list[str | None], list[bytes | None]]:
+        """Decode each present block into ``outs[i]``; per key None (ok) or a miss reason.
+        With ``keep_blobs`` the validated stored bytes come back too (to copy them down)."""
+        reasons: list[str | None] = ["absent"] * len(keys)
+        blobs: list[bytes | None] = [None] * len(keys)
+        corrupt: list[bytes] = []
+        start = time.perf_counter()
+
+        def decode(i: int, blob: memoryview) -> None:
+            try:
+                self.codec.decode(blob, namespace=self.ns, key=keys[i], out=outs[i])
+            except CorruptBlock as exc:
+                reasons[i] = exc.reason
+                corrupt.append(keys[i])
+                log.warning("%s tier: block %s is unusable (%s): %s", self.name, keys[i].hex(),
+                            exc.reason, exc.detail)
+                return
+            reasons[i] = None
+            if keep_blobs:
+                blobs[i] = bytes(blob)
+
+        try:
+            self.backend.visit_many([self.ns + k for k in keys], decode)
+        except BackendUnavailable:
+            reasons = [self.unavailable if r == "absent" else r for r in reasons]
+        seconds = time.perf_counter() - start
+        hits = [i for i, r in enumerate(reasons) if r is None]
+        if hits:
+            nbytes = sum(memoryview(outs[i]).nbytes for i in hits)
+            self.metrics.hit(self.name, len(hits), nbytes, seconds)
+        for r in reasons:
+            if r is not None:
+                self.metrics.miss(self.name, r)
+        if corrupt:
+            self._discard(corrupt)
+        return reasons, blobs
+
+    def _discard(self, keys: list[bytes]) -> None:
+        """Remove blocks that failed validation so they stop costing misses."""
+        try:
+            self.backend.delete_many([self.ns + k for k in keys])
+        except BackendUnavailable:
+            pass
+
+    def pin(self, keys: Sequence[bytes]) -> None:
+        self.backend.pin_many([self.ns + k for k in keys])
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        self.backend.unpin_many([self.ns + k for k in keys])

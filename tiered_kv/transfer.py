@@ -1,0 +1,99 @@
+"""The transfer pool: a few threads that run encode/decode and backend I/O.
+
+zstd, LMDB, memcpy and redis-py (with hiredis) release the GIL, so ``workers`` threads give
+real parallelism. Loads run before queued saves (a prompt waiting for its KV matters more than
+write-behind). Saves have a byte budget: over it, new saves are refused and the caller counts a
+drop; loads are never dropped (the submitter waits for budget instead).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+log = logging.getLogger(__name__)
+
+LOAD, SAVE = 0, 1
+
+
+class TransferPool:
+    def __init__(self, workers: int, max_save_bytes: int, max_load_bytes: int) -> None:
+        self.max_bytes = {SAVE: max_save_bytes, LOAD: max_load_bytes}
+        self.inflight = {SAVE: 0, LOAD: 0}
+        self.jobs = 0  # queued or running
+        self._cond = threading.Condition()
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._run, name=f"tiered-kv-{i}", daemon=True)
+                         for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def try_submit_save(self, nbytes: int, fn: Callable[[], Any]) -> Future | None:
+        """Queue a save, or return None when the save budget is exhausted (caller counts a drop)."""
+        with self._cond:
+            if self._closed:
+                return None
+            if self.inflight[SAVE] > 0 and self.inflight[SAVE] + nbytes > self.max_bytes[SAVE]:
+                return None
+            self.inflight[SAVE] += nbytes
+        return self._put(SAVE, nbytes, fn)
+
+    def submit_load(self, nbytes: int, fn: Callable[[], Any]) -> Future:
+        """Queue a load; waits while the load budget is exhausted (never drops)."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("transfer pool is closed")
+            while self.inflight[LOAD] > 0 and self.inflight[LOAD] + nbytes > self.max_bytes[LOAD]:
+                self._cond.wait()
+            self.inflight[LOAD] += nbytes
+        return self._put(LOAD, nbytes, fn)
+
+    def _put(self, kind: int, nbytes: int, fn: Callable[[], Any]) -> Future:
+        fut: Future = Future()
+        with self._cond:
+            self.jobs += 1
+        self._queue.put((kind, next(self._seq), fn, fut, nbytes))
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            kind, _, fn, fut, nbytes = self._queue.get()
+            if fn is None:
+                return
+            try:
+                if fut.set_running_or_notify_cancel():
+                    try:
+                        fut.set_result(fn())
+                    except BaseException as exc:  # reported through the future
+                        log.debug("transfer job failed: %r", exc)
+                        fut.set_exception(exc)
+            finally:
+                with self._cond:
+                    self.inflight[kind] -= nbytes
+                    self.jobs -= 1
+                    self._cond.notify_all()
+
+    def queued_bytes(self) -> dict[str, int]:
+        with self._cond:
+            return {"save": self.inflight[SAVE], "load": self.inflight[LOAD]}
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or running; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.jobs == 0, timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        for _ in self._threads:
+            self._queue.put((2, next(self._seq), None, None, 0))
+        for t in self._threads:
+            t.join()
