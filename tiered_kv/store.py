@@ -114,6 +114,7 @@ class TieredStore:
                                       timeout=config.remote.timeout, retries=config.remote.retries)
         self.lower = [t for t in (self.disk, self.remote) if t is not None]
         self._lock = threading.Lock()
+        self._leases: dict[str, LoadPlan] = {}
         self._closed = False
         log.info("tiered store for %s: block %s %s = %s; tiers: host%s", namespace.model_id,
                  self.shape, namespace.dtype, format_size(self.block_nbytes),
@@ -255,6 +256,33 @@ class TieredStore:
             self.disk.pin(plan.disk_pinned)
         return plan
 
+    def lease(self, lease_id: str, keys: Sequence[bytes]) -> LoadPlan:
+        """``prepare_load`` kept under ``lease_id`` for a later :meth:`take_lease` (the scheduler
+        half leases blocks when the engine allocates, the worker half loads them a step later)."""
+        plan = self.prepare_load(keys)
+        with self._lock:
+            old = self._leases.pop(lease_id, None)
+            self._leases[lease_id] = plan
+        if old is not None:
+            self.release(old)
+        return plan
+
+    def take_lease(self, lease_id: str, keys: Sequence[bytes]) -> LoadPlan:
+        """The plan leased under ``lease_id`` when it covers ``keys``, else a fresh one."""
+        with self._lock:
+            plan = self._leases.pop(lease_id, None)
+        if plan is not None and plan.keys == list(keys):
+            return plan
+        if plan is not None:
+            self.release(plan)
+        return self.prepare_load(keys)
+
+    def drop_lease(self, lease_id: str) -> None:
+        with self._lock:
+            plan = self._leases.pop(lease_id, None)
+        if plan is not None:
+            self.release(plan)
+
     def load(self, plan: LoadPlan) -> LoadPlan:
         """Start fetching the non-host blocks of ``plan`` into host slots (async)."""
         host_hits = sum(1 for s in plan.sources if s == "host")
@@ -354,6 +382,10 @@ class TieredStore:
             if self._closed:
                 return
             self._closed = True
+        with self._lock:
+            leases, self._leases = list(self._leases.values()), {}
+        for plan in leases:
+            self.release(plan)
         try:
             self.flush()
         finally:

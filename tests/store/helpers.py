@@ -1,0 +1,43 @@
+"""Small builders shared by the store scenarios."""
+
+from __future__ import annotations
+
+import torch
+
+from tiered_kv.config import TieredKVConfig
+from tiered_kv.keys import Namespace, block_keys
+from tiered_kv.store import TieredStore
+
+NS = Namespace(model_id="test-llama", dtype="bfloat16", num_layers=4, num_kv_heads=2,
+               head_dim=32, block_size=16)  # 16 KiB blocks
+
+
+def payloads(store: TieredStore, n: int, seed: int = 0) -> list[torch.Tensor]:
+    """KV-like blocks: per-channel scales so they compress like real KV."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.rand(store.shape[-2:], generator=g) * 4
+    return [(torch.randn(store.shape, generator=g) * scale).to(store.dtype) for _ in range(n)]
+
+
+def keys_for(n_blocks: int, ns: Namespace = NS, first_token: int = 0) -> list[bytes]:
+    return block_keys(ns, list(range(first_token, first_token + n_blocks * ns.block_size)))
+
+
+def make_store(tmp_path=None, *, ns: Namespace = NS, host: str = "1MiB", disk: str | None = "64MiB",
+               remote_url: str | None = None, **overrides) -> TieredStore:
+    cfg: dict = {"host": {"capacity": host}, "workers": 2}
+    if disk is not None and tmp_path is not None:
+        cfg["disk"] = {"url": f"lmdb://{tmp_path}/lmdb", "capacity": disk}
+    if remote_url is not None:
+        cfg["remote"] = {"url": remote_url, "timeout": 0.5, "retries": 1}
+    for section, values in overrides.items():
+        if isinstance(values, dict):
+            cfg.setdefault(section, {}).update(values)
+        else:
+            cfg[section] = values
+    return TieredStore(TieredKVConfig.from_dict(cfg), ns)
+
+
+def load(store: TieredStore, keys: list[bytes]) -> tuple[list[bool], list[torch.Tensor]]:
+    outs = [torch.zeros(store.shape, dtype=store.dtype) for _ in keys]
+    return store.load_into(keys, outs), outs

@@ -1,0 +1,186 @@
+"""Restart, corruption, wrong namespace and a Redis that dies: misses are counted, never crashes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import lmdb
+import torch
+
+from tests.store.helpers import NS, keys_for, load, make_store, payloads
+from tiered_kv.codec import BlockCodec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _lmdb_values(path: Path) -> list[tuple[bytes, int]]:
+    """(key, length) of every stored block, read with lmdb directly."""
+    env = lmdb.open(str(path), max_dbs=16, readonly=True, lock=True)
+    try:
+        out = []
+        for name in _db_names(env):
+            db = env.open_db(name)
+            with env.begin(db=db) as txn:
+                for k, v in txn.cursor():
+                    if len(k) == 32 and k.startswith(NS.digest()) and v[:4] == b"TKVB":
+                        out.append((name, k, len(v)))
+        return out
+    finally:
+        env.close()
+
+
+def _db_names(env) -> list[bytes]:
+    with env.begin() as txn:
+        return [k for k, _ in txn.cursor()]
+
+
+def _rewrite(path: Path, edit) -> int:
+    """Apply ``edit(key, value) -> new value`` to every stored block, behind the store's back."""
+    env = lmdb.open(str(path), max_dbs=16)
+    n = 0
+    try:
+        for name in _db_names(env):
+            db = env.open_db(name)
+            with env.begin(db=db, write=True) as txn:
+                for k, v in list(txn.cursor()):
+                    if len(k) == 32 and bytes(v[:4]) == b"TKVB":
+                        txn.put(k, edit(k, bytes(v)), db=db)
+                        n += 1
+    finally:
+        env.close()
+    return n
+
+
+def test_restart_child_saves_flushes_exits_and_a_new_process_loads_everything(tmp_path):
+    n = 24
+    child = textwrap.dedent(f"""
+        import json, sys
+        sys.path.insert(0, {str(REPO)!r})
+        from tests.store.helpers import keys_for, make_store, payloads
+        from pathlib import Path
+        store = make_store(Path({str(tmp_path)!r}), host="64KiB")
+        keys = keys_for({n})
+        data = payloads(store, {n}, seed=7)
+        store.save(keys, data)
+        store.flush()
+        print(json.dumps(store.stats()["backends"]["disk"]))
+        store.close()
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    before = json.loads(proc.stdout.strip().splitlines()[-1])
+    with make_store(tmp_path, host="64KiB") as store:
+        after = store.stats()["backends"]["disk"]
+        assert (after["entries"], after["used_bytes"]) == (before["entries"], before["used_bytes"]) == (n, before["used_bytes"])
+        keys = keys_for(n)
+        assert store.lookup(keys) == n
+        ok, outs = load(store, keys)
+        assert all(ok)
+        expected = payloads(store, n, seed=7)
+        assert all(torch.equal(a, b) for a, b in zip(expected, outs))
+
+
+def test_flipped_bytes_in_lmdb_values_are_corrupt_misses_never_returned(tmp_path):
+    keys = keys_for(6)
+    with make_store(tmp_path) as store:
+        store.save(keys, payloads(store, 6))
+        store.flush()
+
+    def flip(k: bytes, v: bytes) -> bytes:
+        pos = len(v) - 7 if k[-1] % 2 else 40  # some bodies, some headers
+        return v[:pos] + bytes([v[pos] ^ 0x5A]) + v[pos + 1:]
+
+    assert _rewrite(tmp_path / "lmdb", flip) == 6
+    with make_store(tmp_path) as store:
+        assert store.lookup(keys) == 6, "lookup only asks for presence"
+        ok, outs = load(store, keys)
+        assert ok == [False] * 6
+        assert all(not o.any() for o in outs), "nothing decoded from a corrupt block reaches the caller"
+        assert store.metrics.misses("corrupt") == 6
+        assert store.lookup(keys) == 0, "corrupt blocks are removed once found"
+
+
+def test_truncated_lmdb_values_are_corrupt_misses(tmp_path):
+    keys = keys_for(3)
+    with make_store(tmp_path) as store:
+        store.save(keys, payloads(store, 3))
+        store.flush()
+    _rewrite(tmp_path / "lmdb", lambda k, v: v[: len(v) // 2])
+    with make_store(tmp_path) as store:
+        ok, _ = load(store, keys)
+        assert ok == [False] * 3
+        assert store.metrics.misses("corrupt") == 3
+
+
+def test_block_stored_under_another_namespace_is_a_namespace_mismatch_miss(tmp_path):
+    from dataclasses import replace
+
+    keys = keys_for(2)
+    with make_store(tmp_path) as store:
+        store.save(keys, payloads(store, 2))
+        store.flush()
+    other = replace(NS, model_id="another-model").digest()
+
+    def reown(k: bytes, v: bytes) -> bytes:
+        header = BlockCodec.read_header(v)
+        shape = header.shape
+        codec = BlockCodec("raw")
+        raw = BlockCodec().decode(v)[1]
+        return codec.encode(raw, dtype=header.dtype, shape=shape, namespace=other, key=header.key)
+
+    _rewrite(tmp_path / "lmdb", reown)
+    with make_store(tmp_path) as store:
+        ok, _ = load(store, keys)
+        assert ok == [False, False]
+        assert store.metrics.misses("namespace_mismatch") == 2
+
+
+def test_redis_killed_mid_test_store_serves_host_and_disk_then_uses_redis_again(tmp_path, own_redis):
+    keys = keys_for(8)
+    with make_store(tmp_path, host="64KiB", remote_url=own_redis.url) as store:
+        data = payloads(store, 8)
+        store.save(keys[:4], data[:4])
+        store.flush()
+        assert store.remote.contains(keys[:4]) == [True] * 4
+        own_redis.stop()
+        t0 = time.perf_counter()
+        store.save(keys[4:], data[4:])
+        store.flush()
+        assert store.lookup(keys) == 8, "host and disk keep serving"
+        ok, outs = load(store, keys)
+        assert all(ok) and all(torch.equal(a, b) for a, b in zip(data, outs))
+        assert time.perf_counter() - t0 < 15
+        assert store.metrics.misses("remote_unavailable") > 0
+        own_redis.start()  # empty again
+        deadline = time.monotonic() + 10
+        while store.remote.contains(keys[:1]) != [False] or not _remote_put_works(store, keys):
+            assert time.monotonic() < deadline, "remote tier did not come back"
+            time.sleep(0.2)
+        assert store.remote.contains(keys[-2:]) == [True, True]
+
+
+def _remote_put_works(store, keys) -> bool:
+    tier = store.remote
+    payload = torch.zeros(store.shape, dtype=store.dtype)
+    blob = tier.encode(keys[-1], payload.view(torch.uint8).numpy())
+    blob2 = tier.encode(keys[-2], payload.view(torch.uint8).numpy())
+    return all(tier.put_blobs([(keys[-1], blob), (keys[-2], blob2)], 2 * store.block_nbytes))
+
+
+def test_remote_hit_is_loaded_and_copied_down_to_disk(tmp_path, redis_url):
+    keys = keys_for(4)
+    with make_store(tmp_path / "a", remote_url=redis_url) as store:
+        data = payloads(store, 4)
+        store.save(keys, data)
+        store.flush()
+    with make_store(tmp_path / "b", remote_url=redis_url) as replica:  # another replica, empty disk
+        assert replica.locate(keys) == ["remote"] * 4
+        ok, outs = load(replica, keys)
+        assert all(ok) and all(torch.equal(a, b) for a, b in zip(data, outs))
+        replica.flush()
+        assert replica.disk.contains(keys) == [True] * 4

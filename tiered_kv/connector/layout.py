@@ -1,0 +1,137 @@
+"""Engine KV layouts: gather device blocks into canonical block tensors and scatter them back.
+
+Canonical block payload: ``[num_layers, 2, block_size, num_kv_heads, head_dim]``. Supported
+engine layouts, detected from shapes (unknown ones are refused with a ConfigError at start-up):
+
+- ``engine``: one buffer ``[2, L, num_blocks, block_size, H, D]`` (our reference engine);
+- ``block_major``: one pool ``[num_blocks, L, 2, block_size, H, D]`` (TensorRT-LLM-like; a
+  trailing ``block_size*H*D`` or ``H*D`` may be flattened);
+- ``layers_nb2``: per-layer tensors ``[num_blocks, 2, block_size, H, D]`` (vLLM CPU / flash);
+- ``layers_2nb``: per-layer tensors ``[2, num_blocks, block_size, H, D]`` (older vLLM).
+
+All moves are batched: one ``index_select`` / ``index_copy_`` per layer or per buffer, never a
+Python loop per block.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+from tiered_kv.errors import ConfigError
+from tiered_kv.keys import Namespace
+
+
+class KVLayout:
+    name = "layout"
+
+    def __init__(self, ns: Namespace) -> None:
+        self.ns = ns
+        self.block = (ns.num_layers, 2, ns.block_size, ns.num_kv_heads, ns.head_dim)
+
+    @property
+    def device(self) -> torch.device:
+        raise NotImplementedError
+
+    @property
+    def dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def gather(self, block_ids: torch.Tensor) -> torch.Tensor:
+        """``[n, L, 2, bs, H, D]`` copy of the device blocks ``block_ids``."""
+        raise NotImplementedError
+
+    def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        """Write ``src`` ``[n, L, 2, bs, H, D]`` into the device blocks ``block_ids``."""
+        raise NotImplementedError
+
+
+class EngineLayout(KVLayout):
+    name = "engine"
+
+    def __init__(self, ns: Namespace, kv: torch.Tensor) -> None:
+        super().__init__(ns)
+        self.kv = kv
+
+    device = property(lambda self: self.kv.device)
+    dtype = property(lambda self: self.kv.dtype)
+
+    def gather(self, block_ids: torch.Tensor) -> torch.Tensor:
+        return self.kv.index_select(2, block_ids).permute(2, 1, 0, 3, 4, 5).contiguous()
+
+    def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        self.kv.index_copy_(2, block_ids, src.permute(2, 1, 0, 3, 4, 5).to(self.kv.dtype))
+
+
+class BlockMajorLayout(KVLayout):
+    name = "block_major"
+
+    def __init__(self, ns: Namespace, pool: torch.Tensor) -> None:
+        super().__init__(ns)
+        self.pool = pool
+        self.view = pool.view(pool.shape[0], *self.block)
+
+    device = property(lambda self: self.pool.device)
+    dtype = property(lambda self: self.pool.dtype)
+
+    def gather(self, block_ids: torch.Tensor) -> torch.Tensor:
+        return self.view.index_select(0, block_ids)
+
+    def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        self.view.index_copy_(0, block_ids, src.to(self.pool.dtype))
+
+
+class LayerListLayout(KVLayout):
+    """Per-layer tensors, blocks on dim 0 (``nb2``) or dim 1 (``2nb``)."""
+
+    def __init__(self, ns: Namespace, layers: Sequence[torch.Tensor], block_dim: int) -> None:
+        super().__init__(ns)
+        self.layers = list(layers)
+        self.block_dim = block_dim
+        self.name = "layers_nb2" if block_dim == 0 else "layers_2nb"
+
+    device = property(lambda self: self.layers[0].device)
+    dtype = property(lambda self: self.layers[0].dtype)
+
+    def gather(self, block_ids: torch.Tensor) -> torch.Tensor:
+        parts = [t.index_select(self.block_dim, block_ids) for t in self.layers]
+        stacked = torch.stack(parts, dim=1)  # nb2: [n, L, 2, ...]; 2nb: [2, L, n, ...]
+        return stacked if self.block_dim == 0 else stacked.permute(2, 1, 0, 3, 4, 5).contiguous()
+
+    def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        for layer, t in enumerate(self.layers):
+            part = src[:, layer].to(t.dtype)
+            t.index_copy_(self.block_dim, block_ids, part if self.block_dim == 0 else part.transpose(0, 1))
+
+
+def make_layout(ns: Namespace, kv: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
+                declared: str | None = None) -> KVLayout:
+    """Detect (or check the ``declared``) layout of the engine's KV tensors."""
+    L, bs, H, D = ns.num_layers, ns.block_size, ns.num_kv_heads, ns.head_dim
+    if isinstance(kv, Mapping):
+        kv = list(kv.values())
+    if isinstance(kv, torch.Tensor):
+        shape = tuple(kv.shape)
+        if (declared in (None, "engine") and len(shape) == 6 and shape[:2] == (2, L)
+                and shape[3:] == (bs, H, D)):
+            return EngineLayout(ns, kv)
+        per_block = L * 2 * bs * H * D
+        if (declared in (None, "block_major") and kv.is_contiguous() and shape[0] > 0
+                and kv.numel() == shape[0] * per_block and (len(shape) < 3 or shape[1:3] == (L, 2))):
+            return BlockMajorLayout(ns, kv)
+        raise ConfigError(f"unsupported KV layout {shape} for {L} layers x block {bs} x {H} heads x "
+                          f"dim {D}; expected [2, L, blocks, {bs}, {H}, {D}] or [blocks, L, 2, ...]")
+    layers = list(kv)
+    if len(layers) != L:
+        raise ConfigError(f"got {len(layers)} per-layer KV tensors, namespace says {L} layers")
+    shape = tuple(layers[0].shape)
+    if any(tuple(t.shape) != shape for t in layers):
+        raise ConfigError("per-layer KV tensors differ in shape")
+    if len(shape) == 5 and shape[2:] == (bs, H, D):
+        if shape[1] == 2 and declared in (None, "layers_nb2"):
+            return LayerListLayout(ns, layers, 0)
+        if shape[0] == 2 and declared in (None, "layers_2nb"):
+            return LayerListLayout(ns, layers, 1)
+    raise ConfigError(f"unsupported per-layer KV layout {shape}; expected [blocks, 2, {bs}, {H}, {D}] "
+                      f"or [2, blocks, {bs}, {H}, {D}]")

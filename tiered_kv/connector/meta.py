@@ -1,0 +1,36 @@
+"""The per-step plan the scheduler half hands the worker half: small, picklable, torch-free."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load ``keys`` into the device blocks ``block_ids`` of one request."""
+
+    request_id: str  # the request the blocks belong to
+    keys: tuple[bytes, ...]  # block keys, in token order
+    block_ids: tuple[int, ...]  # device block per key
+    is_async: bool  # True: completion is reported through get_finished
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Save the device blocks ``block_ids`` of one request under ``keys``."""
+
+    request_id: str  # the request the blocks belong to
+    keys: tuple[bytes, ...]  # block keys, in token order
+    block_ids: tuple[int, ...]  # device block per key
+    first_block: int  # index of the first block within the request
+
+
+@dataclass
+class ConnectorMeta:
+    """Everything the worker half does in one step."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not self.loads and not self.saves

@@ -1,0 +1,139 @@
+"""Scheduler half of the connector: what to load and what to save. Never imports torch.
+
+It keeps, per request, the chained keys of its full blocks and how many of them are stored.
+``get_num_new_matched_tokens`` asks the store how many leading blocks after the device prefix
+hit some tier holds (side-effect free), capped so the engine always computes the last prompt
+token. ``update_state_after_alloc`` leases the matched blocks and records their loads;
+``build_connector_meta`` turns the step's scheduled tokens into saves of every newly completed
+full block (prompt and generated tokens alike).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Protocol, Sequence
+
+from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec
+from tiered_kv.keys import KeyChain, Namespace
+
+log = logging.getLogger(__name__)
+
+
+class BlockIndex(Protocol):
+    """What the scheduler half needs of the store."""
+
+    def lookup(self, keys: Sequence[bytes]) -> int: ...
+
+    def lease(self, lease_id: str, keys: Sequence[bytes]) -> Any: ...
+
+    def drop_lease(self, lease_id: str) -> None: ...
+
+
+@dataclass
+class _Request:
+    chain: KeyChain
+    tokens: list[int]
+    block_ids: list[int] = field(default_factory=list)
+    external: int = 0  # tokens matched externally at allocation
+    saved: int = 1 << 62  # leading blocks already stored (or being stored)
+    had_saves: bool = False  # whether any save was planned (request_finished holds blocks)
+
+
+class ConnectorScheduler:
+    """Engine-neutral scheduler half over a :class:`BlockIndex` (a TieredStore)."""
+
+    def __init__(self, index: BlockIndex, namespace: Namespace, *, load_async: bool = False,
+                 save: bool = True) -> None:
+        self.index = index
+        self.namespace = namespace
+        self.block_size = namespace.block_size
+        self.load_async = load_async
+        self.save_enabled = save
+        self._requests: dict[str, _Request] = {}
+        self._matched_from: dict[str, int] = {}  # request -> first block of the last match
+        self._loads: list[LoadSpec] = []
+
+    # -- keys ----------------------------------------------------------------------------------
+    def _state(self, request_id: str, tokens: Sequence[int]) -> _Request:
+        state = self._requests.get(request_id)
+        if state is None:
+            state = self._requests[request_id] = _Request(KeyChain(self.namespace), list(tokens))
+        elif len(tokens) > len(state.tokens):
+            state.tokens = list(tokens)
+        state.chain.update(state.tokens)
+        return state
+
+    def keys_of(self, request_id: str) -> list[bytes]:
+        return self._requests[request_id].chain.keys
+
+    # -- engine calls ----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """External tokens beyond ``num_computed_tokens``; never the last prompt token."""
+        state = self._state(request.request_id, request.prompt_token_ids)
+        bs = self.block_size
+        first = num_computed_tokens // bs
+        last = (request.num_prompt_tokens - 1) // bs  # blocks we may claim
+        if num_computed_tokens % bs or first >= last:
+            return 0, False
+        n = self.index.lookup(state.chain.keys[first:last])
+        self._matched_from[request.request_id] = first
+        if n == 0:
+            return 0, False
+        return n * bs, self.load_async
+
+    def update_state_after_alloc(self, request, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        state = self._state(request.request_id, request.prompt_token_ids)
+        state.block_ids = list(block_ids)
+        if num_external_tokens <= 0:
+            return
+        bs = self.block_size
+        first = self._matched_from.pop(request.request_id, 0)
+        n = num_external_tokens // bs
+        keys = state.chain.keys[first : first + n]
+        state.external = num_external_tokens
+        self.index.lease(request.request_id, keys)
+        self._loads.append(LoadSpec(request.request_id, tuple(keys),
+                                    tuple(state.block_ids[first : first + n]), self.load_async))
+
+    def build_connector_meta(self, scheduler_output) -> ConnectorMeta:
+        meta = ConnectorMeta(loads=self._loads)
+        self._loads = []
+        for rd in scheduler_output.new_requests:
+            state = self._state(rd.request_id, rd.new_tokens)
+            state.block_ids = list(rd.new_block_ids) or state.block_ids
+            self._plan_saves(meta, state, rd.request_id, rd.computed_position + state.external,
+                             rd.num_scheduled_tokens)
+        for rd in scheduler_output.cached_requests:
+            state = self._requests.get(rd.request_id)
+            if state is None:
+                continue
+            state.tokens.extend(rd.new_tokens)
+            state.block_ids.extend(rd.new_block_ids)
+            state.chain.update(state.tokens)
+            self._plan_saves(meta, state, rd.request_id, rd.computed_position, rd.num_scheduled_tokens)
+        return meta
+
+    def _plan_saves(self, meta: ConnectorMeta, state: _Request, request_id: str,
+                    computed_before: int, scheduled: int) -> None:
+        """Save the blocks that this step completes. A rolled-back request (recompute after a
+        failed load) moves ``saved`` back so the recomputed blocks are saved again."""
+        bs = self.block_size
+        state.saved = min(state.saved, computed_before // bs)
+        full = min((computed_before + scheduled) // bs, len(state.chain.keys), len(state.block_ids))
+        if not self.save_enabled or full <= state.saved:
+            return
+        first = state.saved
+        meta.saves.append(SaveSpec(request_id, tuple(state.chain.keys[first:full]),
+                                   tuple(state.block_ids[first:full]), first))
+        state.saved = full
+        state.had_saves = True
+
+    def request_finished(self, request, block_ids: Sequence[int]) -> bool:
+        """True when saves were planned: the worker reports the id once its copies are done."""
+        state = self._requests.pop(request.request_id, None)
+        self._matched_from.pop(request.request_id, None)
+        if any(spec.request_id == request.request_id for spec in self._loads):
+            self._loads = [s for s in self._loads if s.request_id != request.request_id]
+            self.index.drop_lease(request.request_id)
+        return bool(state and state.had_saves)

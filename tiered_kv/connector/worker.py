@@ -1,0 +1,203 @@
+"""Worker half of the connector: moves KV between the engine's device blocks and host slots.
+
+Loads: ``start_load_kv`` starts every load of the step in the store's pool (leased blocks are
+decoded into host slots there); sync loads are scattered into the device blocks before the
+forward, async ones when ``get_finished`` finds them complete. Saves: ``wait_for_save`` gathers
+the step's completed blocks into reserved host slots in one batched copy and commits them (on
+CUDA: a copy on a side stream, committed once its event completed, so the forward never waits);
+write-behind to disk and remote runs in the pool. Blocks of a request whose load failed in this
+step are not saved (their KV was computed over a missing prefix).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from tiered_kv.connector.layout import KVLayout, make_layout
+from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec
+from tiered_kv.store import LoadPlan, SaveBatch, TieredStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingSave:
+    batch: SaveBatch
+    request_ids: set[str]
+    event: object | None = None  # torch.cuda.Event when the copy is asynchronous
+
+
+@dataclass
+class _PendingLoad:
+    spec: LoadSpec
+    plan: LoadPlan
+    failed: list[int] = field(default_factory=list)
+
+
+class ConnectorWorker:
+    """Engine-neutral worker half over a :class:`TieredStore`."""
+
+    def __init__(self, store: TieredStore, layout: str | None = None) -> None:
+        self.store = store
+        self.declared_layout = layout
+        self.layout: KVLayout | None = None
+        self.meta = ConnectorMeta()
+        self._async_loads: dict[str, _PendingLoad] = {}
+        self._saves: list[_PendingSave] = []
+        self._save_requests: set[str] = set()  # requests that had saves and are not reported
+        self._finished: set[str] = set()  # finished ids passed in, not yet reported
+        self._started_loading: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._failed_requests: set[str] = set()  # requests whose load failed in this step
+        self._stream = None
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches) -> None:
+        self.layout = make_layout(self.store.namespace, kv_caches, self.declared_layout)
+        if self.layout.device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=self.layout.device)
+        log.info("connector worker: %s layout on %s", self.layout.name, self.layout.device)
+
+    def bind_connector_meta(self, meta: ConnectorMeta) -> None:
+        self.meta = meta
+
+    def clear_connector_metadata(self) -> None:
+        self.meta = ConnectorMeta()
+
+    # -- loads -----------------------------------------------------------------------------------
+    def start_load_kv(self, *args, **kwargs) -> None:
+        sync: list[_PendingLoad] = []
+        self._failed_requests = set()
+        for spec in self.meta.loads:
+            plan = self.store.load(self.store.take_lease(spec.request_id, spec.keys))
+            pending = _PendingLoad(spec, plan)
+            if spec.is_async:
+                self._async_loads[spec.request_id] = pending
+            else:
+                sync.append(pending)
+        for pending in sync:
+            pending.plan.wait()
+            self._finish_load(pending)
+
+    def wait_for_layer_load(self, *args, **kwargs) -> None:
+        """Sync loads were scattered in start_load_kv (all layers at once); nothing to wait for."""
+
+    def _finish_load(self, pending: _PendingLoad) -> None:
+        plan, spec = pending.plan, pending.spec
+        try:
+            good = [(b, s) for b, s in zip(spec.block_ids, plan.slots) if s is not None]
+            bad = [b for b, s in zip(spec.block_ids, plan.slots) if s is None]
+            if good:
+                self._scatter([b for b, _ in good], [s for _, s in good])
+        finally:
+            self.store.release(plan)
+        if bad:
+            self._load_errors.update(bad)
+            self._failed_requests.add(spec.request_id)
+            log.info("request %s: %d of %d blocks failed to load and will be recomputed",
+                     spec.request_id, len(bad), len(spec.block_ids))
+
+    def _scatter(self, block_ids: list[int], slots: list[int]) -> None:
+        assert self.layout is not None, "register_kv_caches was not called"
+        slab = self.store.host.slab.view(self.store.host.num_slots, self.store.block_nbytes)
+        src = slab.index_select(0, torch.tensor(slots)).view(self.store.dtype)
+        src = src.view(len(slots), *self.store.shape)
+        ids = torch.tensor(block_ids, device=self.layout.device)
+        if self.layout.device.type == "cuda":
+            src = src.to(self.layout.device, non_blocking=True)
+        self.layout.scatter(ids, src)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves -----------------------------------------------------------------------------------
+    def save_kv_layer(self, *args, **kwargs) -> None:
+        """Blocks are gathered for all layers at once in wait_for_save (one batched copy)."""
+
+    def wait_for_save(self, *args, **kwargs) -> None:
+        specs = [s for s in self.meta.saves if s.keys]
+        if not specs:
+            return
+        keys, block_ids, owners = self._save_items(specs)
+        if not keys:
+            return
+        batch = self.store.prepare_save(keys)
+        if batch.keys:
+            index = {k: i for i, k in enumerate(keys)}
+            self._gather([block_ids[index[k]] for k in batch.keys], batch.slots, batch, owners)
+        self._commit_ready()
+
+    def _save_items(self, specs: list[SaveSpec]) -> tuple[list[bytes], list[int], set[str]]:
+        keys, block_ids, owners = [], [], set()
+        for spec in specs:
+            self._save_requests.add(spec.request_id)
+            if spec.request_id in self._failed_requests:
+                # this step's blocks follow the loaded ones: their KV saw a missing prefix
+                continue
+            keys.extend(spec.keys)
+            block_ids.extend(spec.block_ids)
+            owners.add(spec.request_id)
+        return keys, block_ids, owners
+
+    def _gather(self, block_ids: list[int], slots: list[int], batch: SaveBatch, owners: set[str]) -> None:
+        assert self.layout is not None, "register_kv_caches was not called"
+        host = self.store.host
+        slab = host.slab.view(host.num_slots, self.store.block_nbytes)
+        ids = torch.tensor(block_ids, device=self.layout.device)
+        if self._stream is None:
+            data = self.layout.gather(ids).view(len(block_ids), -1).view(torch.uint8)
+            slab.index_copy_(0, torch.tensor(slots), data)
+            self._saves.append(_PendingSave(batch, owners))
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self.layout.device))
+        with torch.cuda.stream(self._stream):
+            data = self.layout.gather(ids).view(len(block_ids), -1).view(torch.uint8)
+            for i, slot in enumerate(slots):
+                slab[slot].copy_(data[i], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._saves.append(_PendingSave(batch, owners, event))
+
+    def _commit_ready(self) -> None:
+        keep = []
+        for pending in self._saves:
+            if pending.event is None or pending.event.query():
+                self.store.commit_save(pending.batch)
+            else:
+                keep.append(pending)
+        self._saves = keep
+
+    # -- completion ------------------------------------------------------------------------------
+    def get_finished(self, finished_req_ids, started_loading_req_ids=()) -> tuple[list[str], list[str]]:
+        """(saved ids, loaded ids); each id only after the engine passed it in."""
+        self._commit_ready()
+        self._finished.update(finished_req_ids or ())
+        self._started_loading.update(started_loading_req_ids or ())
+        busy = {r for p in self._saves for r in p.request_ids}
+        saved = sorted(r for r in self._finished if r in self._save_requests and r not in busy)
+        for r in saved:
+            self._finished.discard(r)
+            self._save_requests.discard(r)
+        self._finished -= {r for r in self._finished if r not in self._save_requests}
+        loaded = []
+        for rid in sorted(self._started_loading):
+            pending = self._async_loads.get(rid)
+            if pending is None or not pending.plan.done():
+                continue
+            self._finish_load(pending)
+            del self._async_loads[rid]
+            loaded.append(rid)
+        self._started_loading.difference_update(loaded)
+        return saved, loaded
+
+    def close(self) -> None:
+        for pending in self._async_loads.values():
+            self.store.release(pending.plan)
+        self._async_loads.clear()
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._commit_ready()
