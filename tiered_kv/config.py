@@ -56,6 +56,11 @@ def _check_url(section: str, url: str | None) -> None:
         raise ConfigError(f"{section}.url: {exc}") from None
 
 
+def _check_level(key: str, level: int) -> None:
+    if isinstance(level, bool) or not isinstance(level, int) or not -7 <= level <= 22:
+        raise ConfigError(f"{key} must be a zstd level in [-7, 22], got {level!r}")
+
+
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key} must be one of {list(choices)}, got {value!r}")
@@ -83,6 +88,7 @@ class DiskConfig:
         _check_url("disk", self.url)
         _check_choice("disk.policy", self.policy, POLICIES)
         _check_choice("disk.codec", self.codec, ("raw", "zstd", "zstd+shuffle"))
+        _check_level("disk.level", self.level)
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,7 @@ class RemoteConfig:
         _check_url("remote", self.url)
         _check_choice("remote.policy", self.policy, POLICIES)
         _check_choice("remote.codec", self.codec, ("raw", "zstd", "zstd+shuffle"))
+        _check_level("remote.level", self.level)
         if self.retries < 0:
             raise ConfigError(f"remote.retries must not be negative, got {self.retries}")
 
@@ -137,7 +144,7 @@ class TieredKVConfig:
                 data = tomllib.load(fh)
         except FileNotFoundError:
             raise ConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as exc:
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
             raise ConfigError(f"config file {path}: {exc}") from None
         return cls.from_dict(data)
 
@@ -178,7 +185,7 @@ class _reraise:
     def __exit__(self, kind, exc, tb):
         if kind is FileNotFoundError:
             raise ConfigError(f"{self.what}: not found") from None
-        if kind is tomllib.TOMLDecodeError:
+        if kind is not None and issubclass(kind, (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError)):
             raise ConfigError(f"{self.what}: {exc}") from None
         return False
 

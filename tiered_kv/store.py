@@ -70,6 +70,7 @@ class LoadPlan:
     sources: list[str | None]  # "host" | "lower" per key at prepare time
     slots: list[int | None] = field(default_factory=list)  # leased host slot per key once ready
     reasons: list[str | None] = field(default_factory=list)  # miss reason per failed key
+    served: list[str | None] = field(default_factory=list)  # tier that served each key
     futures: list[Future] = field(default_factory=list)
     disk_pinned: list[bytes] = field(default_factory=list)
     released: bool = False
@@ -250,7 +251,8 @@ class TieredStore:
         keys = list(keys)
         slots = self.host.pin_many(keys)
         sources = ["host" if s is not None else "lower" for s in slots]
-        plan = LoadPlan(keys, sources, slots=list(slots), reasons=[None] * len(keys))
+        plan = LoadPlan(keys, sources, slots=list(slots), reasons=[None] * len(keys),
+                        served=["host" if s is not None else None for s in slots])
         if self.disk is not None:
             plan.disk_pinned = [k for k, s in zip(keys, slots) if s is None]
             self.disk.pin(plan.disk_pinned)
@@ -306,6 +308,7 @@ class TieredStore:
             if slot is None:
                 (pinned,) = self.host.pin_many([plan.keys[i]])
                 plan.slots[i] = pinned
+                plan.served[i] = "host" if pinned is not None else None
                 if pinned is None:
                     plan.reasons[i] = "no_room"
                     self.metrics.miss("host", "no_room")
@@ -320,6 +323,8 @@ class TieredStore:
             got, blobs = tier.read_into([plan.keys[i] for i, _ in pending], outs, keep_blobs=copy_down)
             down = []
             for (i, _), reason, blob in zip(pending, got, blobs):
+                if reason is None:
+                    plan.served[i] = tier.name
                 if reason is None or reasons[i] == "absent":
                     reasons[i] = reason  # keep the first real failure reason for the report
                 if blob is not None:

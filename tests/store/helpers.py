@@ -23,11 +23,14 @@ def keys_for(n_blocks: int, ns: Namespace = NS, first_token: int = 0) -> list[by
     return block_keys(ns, list(range(first_token, first_token + n_blocks * ns.block_size)))
 
 
-def make_store(tmp_path=None, *, ns: Namespace = NS, host: str = "1MiB", disk: str | None = "64MiB",
-               remote_url: str | None = None, **overrides) -> TieredStore:
+def make_store(tmp_path=None, *, ns: Namespace = NS, host: str = "1MiB",
+               disk: str | dict | None = "64MiB", remote_url: str | None = None, **overrides) -> TieredStore:
+    """A store with a host tier, an LMDB tier under ``tmp_path`` (``disk``: its capacity, or a
+    dict of disk settings) and optionally a Redis tier."""
     cfg: dict = {"host": {"capacity": host}, "workers": 2}
     if disk is not None and tmp_path is not None:
-        cfg["disk"] = {"url": f"lmdb://{tmp_path}/lmdb", "capacity": disk}
+        cfg["disk"] = {"url": f"lmdb://{tmp_path}/lmdb", "capacity": "64MiB"}
+        cfg["disk"].update(disk if isinstance(disk, dict) else {"capacity": disk})
     if remote_url is not None:
         cfg["remote"] = {"url": remote_url, "timeout": 0.5, "retries": 1}
     for section, values in overrides.items():

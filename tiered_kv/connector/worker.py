@@ -12,6 +12,7 @@ step are not saved (their KV was computed over a missing prefix).
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,8 @@ from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec
 from tiered_kv.store import LoadPlan, SaveBatch, TieredStore
 
 log = logging.getLogger(__name__)
+
+LOAD_STATS_KEPT = 4096
 
 
 @dataclass
@@ -53,6 +56,8 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()
         self._failed_requests: set[str] = set()  # requests whose load failed in this step
         self._stream = None
+        # request -> blocks per serving tier, for reports; the oldest entries are dropped
+        self.load_stats: OrderedDict[str, dict[str, int]] = OrderedDict()
 
     # -- set-up ----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
@@ -94,6 +99,11 @@ class ConnectorWorker:
                 self._scatter([b for b, _ in good], [s for _, s in good])
         finally:
             self.store.release(plan)
+        stats = self.load_stats.setdefault(spec.request_id, {})
+        while len(self.load_stats) > LOAD_STATS_KEPT:
+            self.load_stats.popitem(last=False)
+        for tier in plan.served:
+            stats[tier or "failed"] = stats.get(tier or "failed", 0) + 1
         if bad:
             self._load_errors.update(bad)
             self._failed_requests.add(spec.request_id)

@@ -1,0 +1,97 @@
+"""The ``tiered-kv`` command line.
+
+Exit codes: 0 success; 1 the command ran and found a problem (e.g. outputs differ);
+2 bad usage or configuration (one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from tiered_kv.errors import TieredKVError
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tiered-kv", description="KV-cache tiers for LLM engines")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="demonstrations")
+    demo_sub = demo.add_subparsers(dest="demo", required=True)
+    restart = demo_sub.add_parser("restart", help="restart-and-resume: run 1 saves, run 2 (a new process) loads")
+    restart.add_argument("--dir", type=Path, default=Path("tiered-kv-demo"),
+                         help="work directory; the default store is LMDB in DIR/store (default: %(default)s)")
+    restart.add_argument("--store", dest="store_url", help="store URL instead (lmdb:///path, redis://host:port/0)")
+    restart.add_argument("--model-dir", help="local model directory (config.json + model.safetensors)")
+    restart.add_argument("--prompt-tokens", type=int, default=4000, help="main prompt length (default: %(default)s)")
+    restart.add_argument("--corrupt", type=int, default=0, metavar="N",
+                         help="flip bytes in N stored blocks between the runs")
+    restart.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _cmd_demo_restart(args: argparse.Namespace) -> int:
+    from tiered_kv.demo import DemoOptions, run_demo
+
+    if args.prompt_tokens < 700:
+        raise SystemExit("tiered-kv: error: --prompt-tokens must be at least 700")
+    opts = DemoOptions(args.dir, args.store_url, args.model_dir, args.prompt_tokens, args.corrupt)
+    report = run_demo(opts)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_demo(report)
+    return EXIT_OK if report["outputs_identical"] else EXIT_PROBLEM
+
+
+def _print_demo(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title=f"restart-and-resume demo — store {report['store']}")
+    for col in ("prompt", "tokens", "run 1 TTFT s", "run 2 TTFT s", "run 2 matched (tiers)",
+                "run 2 device", "run 2 prefilled", "same output"):
+        table.add_column(col, justify="right" if col != "prompt" else "left")
+    r1, r2 = report["run1"]["prompts"], report["run2"]["prompts"]
+    for name, p2 in r2.items():
+        p1 = r1.get(name)
+        tiers = ", ".join(f"{t} {n}" for t, n in sorted(p2["tier_blocks"].items())) or "-"
+        table.add_row(name, str(p2["prompt_tokens"]), f"{p1['ttft_s']:.3f}" if p1 else "-",
+                      f"{p2['ttft_s']:.3f}", f"{p2['matched_tokens']} ({tiers} blocks)",
+                      str(p2["device_cached_tokens"]), str(p2["prefilled_tokens"]),
+                      ("yes" if p1["output"] == p2["output"] else "NO") if p1 else "new")
+    console.print(table)
+    console.print(f"TTFT of the {report['main_prompt_tokens']}-token prompt, run 2 / run 1: "
+                  f"[bold]{report['ttft_ratio_main_prompt']:.3f}[/bold]; repeated prompts matched "
+                  f"{report['repeated_prompt_match_fraction']:.1%} of their full-block tokens")
+    if report["corrupted_blocks"]:
+        console.print(f"corrupted {len(report['corrupted_blocks'])} stored blocks between the runs; "
+                      f"run 2 misses: {report['run2']['misses']}")
+    console.print("outputs identical: " + ("[green]yes[/green]" if report["outputs_identical"] else "[red]NO[/red]"))
+
+
+COMMANDS = {("demo", "restart"): _cmd_demo_restart}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    key = (args.command, getattr(args, args.command, None))
+    try:
+        return COMMANDS[key](args)
+    except TieredKVError as exc:
+        print(f"tiered-kv: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

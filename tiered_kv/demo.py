@@ -1,0 +1,218 @@
+"""The restart-and-resume demo.
+
+Run 1 (a child process) serves prompts that share long prefixes — a system prompt, a document
+asked about twice, a chat — with the connector saving their KV to the store (by default LMDB in
+the directory the demo names). The process exits. Run 2 (a new process, same store) serves the
+same prompts and a follow-up chat turn that extends run 1's conversation, loading every stored
+full block instead of prefilling it. The report compares TTFT and outputs of both runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+SYSTEM_TOKENS = 512  # shared system prompt
+DOCUMENT_TOKENS = 3400  # a RAG document asked about twice
+MAX_TOKENS = 16  # generated per prompt
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    workdir: Path  # where the demo keeps its store and run files
+    store_url: str | None = None  # store URL; None = LMDB under workdir
+    model_dir: str | None = None  # local safetensors model; None = seeded demo weights
+    prompt_tokens: int = 4000  # length of the main RAG prompt
+    corrupt: int = 0  # stored blocks to corrupt between the runs
+    seed: int = 0  # weights seed and prompt seed
+
+    @property
+    def disk_url(self) -> str:
+        return f"lmdb://{(self.workdir / 'store').resolve()}"
+
+
+def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(1, vocab) for _ in range(n)]
+
+
+def base_prompts(opts: DemoOptions, vocab: int) -> dict[str, list[int]]:
+    rng = random.Random(opts.seed)
+    system = _tokens(rng, SYSTEM_TOKENS, vocab)
+    doc_len = max(16, opts.prompt_tokens - SYSTEM_TOKENS - 88)
+    document = _tokens(rng, doc_len, vocab)
+    return {
+        "rag-question-1": system + document + _tokens(rng, opts.prompt_tokens - SYSTEM_TOKENS - doc_len, vocab),
+        "rag-question-2": system + document + _tokens(rng, 70, vocab),
+        "chat-turn-1": system + _tokens(rng, 600, vocab),
+    }
+
+
+def _build_engine(opts: DemoOptions, with_connector: bool):
+    from tiered_kv.config import TieredKVConfig
+    from tiered_kv.connector import build_connector
+    from tiered_kv.engine import EngineConfig, LLMEngine, ModelConfig, engine_namespace, weights_revision
+    from tiered_kv.engine.weights import read_config
+
+    model_config = read_config(opts.model_dir) if opts.model_dir else ModelConfig.demo()
+    engine_config = EngineConfig(num_blocks=1024, max_num_batched_tokens=8192)
+    connector = None
+    if with_connector:
+        ns = engine_namespace(model_config, engine_config,
+                              weights_revision(model_config, seed=opts.seed, model_dir=opts.model_dir))
+        cfg: dict[str, Any] = {"host": {"capacity": "256MiB"}}
+        if opts.store_url is None or opts.store_url.startswith("lmdb"):
+            cfg["disk"] = {"url": opts.store_url or opts.disk_url, "capacity": "4GiB"}
+        else:
+            cfg["remote"] = {"url": opts.store_url}
+        connector = build_connector(TieredKVConfig.load(cfg), ns)
+    engine = LLMEngine(model_config, engine_config, connector, seed=opts.seed, model_dir=opts.model_dir)
+    return engine, connector
+
+
+def serve(opts: DemoOptions, prompts: dict[str, list[int]], with_connector: bool = True) -> dict:
+    """Serve ``prompts`` one after another (clean TTFTs); per-prompt figures and outputs."""
+    from tiered_kv.engine import SamplingParams
+
+    engine, connector = _build_engine(opts, with_connector)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    per_prompt = {}
+    try:
+        for name, tokens in prompts.items():
+            [out] = engine.generate([tokens], params)
+            tiers = dict(connector.worker.load_stats.get(out.request_id, {})) if connector else {}
+            full_block_tokens = (len(tokens) // engine.engine_config.block_size) * engine.engine_config.block_size
+            per_prompt[name] = {
+                "prompt_tokens": len(tokens),
+                "full_block_tokens": full_block_tokens,
+                "device_cached_tokens": out.num_cached_tokens,
+                "matched_tokens": out.num_external_tokens,
+                "prefilled_tokens": out.num_prefilled_tokens,
+                "tier_blocks": tiers,
+                "ttft_s": round(out.ttft_s, 4),
+                "output": out.output_token_ids,
+            }
+    finally:
+        if connector is not None:
+            store_stats = connector.store.stats()
+            connector.close()
+        else:
+            store_stats = {}
+    return {"prompts": per_prompt, "store": store_stats}
+
+
+def _summary(run: dict) -> dict:
+    prompts = run["prompts"].values()
+    hits: dict[str, int] = {}
+    for p in prompts:
+        for tier, n in p["tier_blocks"].items():
+            hits[tier] = hits.get(tier, 0) + n
+    return {
+        "ttft_s": round(sum(p["ttft_s"] for p in prompts), 4),
+        "prompt_tokens": sum(p["prompt_tokens"] for p in prompts),
+        "full_block_tokens": sum(p["full_block_tokens"] for p in prompts),
+        "matched_tokens": sum(p["matched_tokens"] for p in prompts),
+        "device_cached_tokens": sum(p["device_cached_tokens"] for p in prompts),
+        "prefilled_tokens": sum(p["prefilled_tokens"] for p in prompts),
+        "tier_hits_blocks": hits,
+        "misses": {r: n for t in run["store"].get("tiers", {}).values() for r, n in t["misses"].items()},
+        "prompts": run["prompts"],
+    }
+
+
+def corrupt_store(url: str, count: int) -> list[str]:
+    """Flip one byte in the body of ``count`` stored blocks, behind the store's back."""
+    from storage_backends.registry import open_backend
+
+    backend = open_backend(url)
+    try:
+        keys = sorted(backend.scan())[:count]
+        damaged = []
+        for key, value in zip(keys, backend.get_many(keys)):
+            if value is None:
+                continue
+            blob = bytearray(value)
+            blob[len(blob) // 2] ^= 0xFF
+            backend.put_many([(key, bytes(blob))])
+            damaged.append(key.hex())
+        backend.flush()
+        return damaged
+    finally:
+        backend.close()
+
+
+def _child(opts: DemoOptions, phase: str, out_file: Path) -> dict:
+    cmd = [sys.executable, "-m", "tiered_kv.demo", phase, str(opts.workdir), str(out_file),
+           json.dumps({"store_url": opts.store_url, "model_dir": opts.model_dir,
+                       "prompt_tokens": opts.prompt_tokens, "seed": opts.seed})]
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"demo {phase} failed:\n{proc.stderr[-4000:]}")
+    result = json.loads(out_file.read_text())
+    result["process_s"] = round(time.perf_counter() - started, 2)
+    return result
+
+
+def run_demo(opts: DemoOptions) -> dict:
+    """Both runs in fresh child processes; returns the report."""
+    store_dir = opts.workdir / "store"
+    if opts.store_url is None and store_dir.exists():
+        shutil.rmtree(store_dir)  # the demo's own store: start cold every time
+    opts.workdir.mkdir(parents=True, exist_ok=True)
+    run1 = _child(opts, "run1", opts.workdir / "run1.json")
+    damaged = corrupt_store(opts.store_url or opts.disk_url, opts.corrupt) if opts.corrupt else []
+    run2 = _child(opts, "run2", opts.workdir / "run2.json")
+    same = [n for n in run1["prompts"] if run1["prompts"][n]["output"] == run2["prompts"][n]["output"]]
+    follow_up_ok = run2.get("follow_up_matches_recompute", True)
+    r1, r2 = _summary(run1), _summary(run2)
+    main = "rag-question-1"
+    ratio = r2["prompts"][main]["ttft_s"] / max(1e-9, r1["prompts"][main]["ttft_s"])
+    repeated = [n for n in run1["prompts"]]
+    matchable = sum(r2["prompts"][n]["full_block_tokens"] for n in repeated)
+    matched = sum(r2["prompts"][n]["matched_tokens"] + r2["prompts"][n]["device_cached_tokens"] for n in repeated)
+    return {
+        "store": opts.store_url or opts.disk_url,
+        "run1": r1,
+        "run2": r2,
+        "corrupted_blocks": damaged,
+        "outputs_identical": len(same) == len(run1["prompts"]) and follow_up_ok,
+        "repeated_prompt_match_fraction": round(matched / max(1, matchable), 4),
+        "ttft_ratio_main_prompt": round(ratio, 4),
+        "main_prompt_tokens": r1["prompts"][main]["prompt_tokens"],
+    }
+
+
+def _phase(phase: str, workdir: str, out_file: str, extra: str) -> None:
+    logging.basicConfig(level=logging.WARNING)
+    opts = DemoOptions(Path(workdir), **json.loads(extra))
+    from tiered_kv.engine import ModelConfig
+    from tiered_kv.engine.weights import read_config
+
+    vocab = (read_config(opts.model_dir) if opts.model_dir else ModelConfig.demo()).vocab_size
+    prompts = base_prompts(opts, vocab)
+    if phase == "run1":
+        result = serve(opts, prompts)
+    else:
+        run1 = json.loads((Path(workdir) / "run1.json").read_text())
+        chat = prompts["chat-turn-1"] + run1["prompts"]["chat-turn-1"]["output"]
+        prompts["chat-turn-2"] = chat + _tokens(random.Random(opts.seed + 1), 120, vocab)
+        result = serve(opts, prompts)
+        # the follow-up turn was never served before: check it against a plain recompute
+        reference = serve(opts, {"chat-turn-2": prompts["chat-turn-2"]}, with_connector=False)
+        result["follow_up_matches_recompute"] = (
+            reference["prompts"]["chat-turn-2"]["output"] == result["prompts"]["chat-turn-2"]["output"])
+    Path(out_file).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _phase(*sys.argv[1:5])
