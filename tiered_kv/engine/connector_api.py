@@ -42,6 +42,8 @@ class RequestView:
     all_token_ids: tuple[int, ...]  # prompt + generated tokens so far
     num_prompt_tokens: int  # len(prompt_token_ids)
     block_ids: tuple[int, ...]  # device blocks of the request, in token order
+    num_computed_tokens: int = 0  # tokens with KV on device; in update_state_after_alloc: the
+    #                               device prefix hit, the external tokens to load excluded
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,7 @@ class Sequence:
             all_token_ids=tuple(self.token_ids),
             num_prompt_tokens=self.num_prompt_tokens,
             block_ids=tuple(self.block_ids),
+            num_computed_tokens=self.num_computed_tokens,
         )
 
     def __repr__(self) -> str:

@@ -1,0 +1,182 @@
+"""Continuous batching with chunked prefill, and the scheduler half of the connector calls.
+
+Each step spends a token budget (``max_num_batched_tokens``) on, in order: one token for every
+decoding request, the next prefill chunk of admitted requests, then new requests (FCFS). A new
+request is admitted only when the pool can hold it to completion (no preemption). On admission the
+connector is asked for external tokens, blocks are allocated, and the connector is told which.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from tiered_kv.engine.config import EngineConfig
+from tiered_kv.engine.connector_api import ConnectorScheduler, RequestData, SchedulerOutput
+from tiered_kv.engine.kv_cache_manager import KVCacheManager
+from tiered_kv.engine.sequence import RequestStatus, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work."""
+
+    requests: list[Sequence] = field(default_factory=list)  # computed this step: decodes, then prefills
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # tokens per computed request
+    new_requests: list[Sequence] = field(default_factory=list)  # admitted this step (incl. async loads)
+    cached_blocks: dict[str, list[int]] = field(default_factory=dict)  # device prefix hits of new ones
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def loading_requests(self) -> list[Sequence]:
+        return [r for r in self.new_requests if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS]
+
+    def add(self, request: Sequence, num_tokens: int) -> None:
+        self.requests.append(request)
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv_cache_manager: KVCacheManager,
+                 connector: ConnectorScheduler | None = None) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.connector = connector
+        self.block_size = config.block_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.loading: dict[str, Sequence] = {}  # async loads in flight
+        self._finished_since_output: list[str] = []
+
+    def add_request(self, request: Sequence) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.loading)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        for request in self.running:  # decodes first
+            if not request.is_prefill and budget > 0:
+                batch.add(request, request.num_tokens - request.num_computed_tokens)
+                budget -= batch.num_scheduled_tokens[request.request_id]
+        for request in self.running:  # then prefill chunks of admitted requests
+            if request.is_prefill and budget > 0:
+                chunk = min(budget, request.num_tokens - request.num_computed_tokens)
+                batch.add(request, chunk)
+                budget -= chunk
+        budget = self._admit(batch, budget)
+        self.kv.prepare_resources(batch)
+        if self.connector is not None:
+            for request in batch.new_requests:
+                self.connector.update_state_after_alloc(request.view(), list(request.block_ids),
+                                                        request.num_external_tokens)
+        for request in batch.new_requests:
+            if request.num_external_tokens:
+                first = request.num_cached_tokens // self.block_size
+                last = (request.num_cached_tokens + request.num_external_tokens) // self.block_size
+                request.pending_load_blocks = request.block_ids[first:last]
+                if not request.load_async:  # a sync load is done before the forward reads it
+                    request.num_computed_tokens += request.num_external_tokens
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> int:
+        available = self.kv.get_num_available_blocks()
+        while self.waiting and budget > 0:
+            if len(self.running) + len(self.loading) >= self.config.max_num_seqs:
+                break
+            request = self.waiting[0]
+            cached = self.kv.get_cached_blocks(request)
+            num_cached = len(cached) * self.block_size
+            num_external, load_async = self._match(request, num_cached)
+            need = self.kv.get_num_blocks_to_admit(request, cached)
+            if need > available:
+                break
+            available -= need
+            self.waiting.popleft()
+            request.num_cached_tokens = num_cached
+            request.num_external_tokens = num_external
+            request.load_async = load_async
+            request.num_computed_tokens = num_cached  # external tokens count once allocated
+            batch.new_requests.append(request)
+            batch.cached_blocks[request.request_id] = cached
+            if load_async:
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.loading[request.request_id] = request
+            else:
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                chunk = min(budget, request.num_tokens - num_cached - num_external)
+                batch.add(request, chunk)
+                budget -= chunk
+            logger.debug("admitted %s: %d device-cached, %d external (%s) of %d prompt tokens",
+                         request.request_id, num_cached, num_external,
+                         "async" if load_async else "sync", request.num_prompt_tokens)
+        return budget
+
+    def _match(self, request: Sequence, num_cached: int) -> tuple[int, bool]:
+        """External tokens after the device hit, capped below the last prompt token, block-aligned."""
+        if self.connector is None:
+            return 0, False
+        matched, load_async = self.connector.get_num_new_matched_tokens(request.view(), num_cached)
+        matched = max(0, int(matched or 0))
+        end = min(num_cached + matched, request.num_prompt_tokens - 1)
+        end -= end % self.block_size
+        num_external = max(0, end - num_cached)
+        if num_external != matched and matched:
+            logger.debug("%s: connector matched %d tokens, using %d", request.request_id, matched, num_external)
+        return num_external, bool(load_async) and num_external > 0
+
+    # ---- connector view of the step ------------------------------------------------------------
+    def build_scheduler_output(self, batch: ScheduledBatch) -> SchedulerOutput:
+        new, cached = [], []
+        for request in batch.new_requests:
+            new.append(RequestData(
+                request_id=request.request_id,
+                new_tokens=tuple(request.prompt_token_ids),
+                new_block_ids=tuple(request.block_ids),
+                computed_position=request.num_cached_tokens,
+                num_scheduled_tokens=batch.num_scheduled_tokens.get(request.request_id, 0),
+            ))
+            request.num_reported_tokens = request.num_prompt_tokens
+            request.num_reported_blocks = len(request.block_ids)
+            request.reported_new = True
+        is_new = {r.request_id for r in batch.new_requests}
+        for request in batch.requests:
+            if request.request_id in is_new:
+                continue
+            cached.append(RequestData(
+                request_id=request.request_id,
+                new_tokens=tuple(request.token_ids[request.num_reported_tokens:]),
+                new_block_ids=tuple(request.block_ids[request.num_reported_blocks:]),
+                computed_position=request.num_computed_tokens,
+                num_scheduled_tokens=batch.num_scheduled_tokens[request.request_id],
+            ))
+            request.num_reported_tokens = request.num_tokens
+            request.num_reported_blocks = len(request.block_ids)
+        finished, self._finished_since_output = tuple(self._finished_since_output), []
+        return SchedulerOutput(new_requests=tuple(new), cached_requests=tuple(cached),
+                               finished_req_ids=finished)
+
+    # ---- transitions ---------------------------------------------------------------------------
+    def finish(self, request: Sequence) -> None:
+        request.status = RequestStatus.FINISHED
+        if request in self.running:
+            self.running.remove(request)
+        self.loading.pop(request.request_id, None)
+        self._finished_since_output.append(request.request_id)
+
+    def loaded(self, request: Sequence) -> None:
+        """An async load finished (and was validated): compute the rest of the prompt next."""
+        if self.loading.pop(request.request_id, None) is None:
+            return
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
