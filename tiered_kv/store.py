@@ -181,16 +181,29 @@ class TieredStore:
         return self._write_behind(batch.keys)
 
     def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor]) -> Future | None:
-        """Copy ``payloads`` (canonical block tensors) into the host tier and write behind."""
-        batch = self.prepare_save(keys)
+        """Copy ``payloads`` (canonical block tensors) into the host tier and write behind.
+
+        More blocks than the host tier holds at once are staged in chunks; a chunk waits for
+        the write-behind of earlier ones when their leased slots are all the room there is."""
         index = {k: i for i, k in enumerate(keys)}
-        try:
-            for key, slot in zip(batch.keys, batch.slots):
-                self.slot_tensor(slot).copy_(payloads[index[key]])
-        except Exception:
-            self.commit_save(batch, ok=False)
-            raise
-        return self.commit_save(batch)
+        chunk = max(1, self.host.num_slots // 2)
+        futures: list[Future] = []
+        for start in range(0, len(keys), chunk):
+            part = list(keys[start : start + chunk])
+            if futures and not self.host.can_reserve(len(part)):
+                for f in futures:
+                    f.exception()
+            batch = self.prepare_save(part)
+            try:
+                for key, slot in zip(batch.keys, batch.slots):
+                    self.slot_tensor(slot).copy_(payloads[index[key]])
+            except Exception:
+                self.commit_save(batch, ok=False)
+                raise
+            fut = self.commit_save(batch)
+            if fut is not None:
+                futures.append(fut)
+        return _gather(futures)
 
     def _write_behind(self, keys: list[bytes]) -> Future | None:
         targets = [t for t in self.lower if t.policy == "write_through"]
@@ -353,15 +366,20 @@ class TieredStore:
             self.disk.unpin(plan.disk_pinned)
 
     def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[bool]:
-        """Synchronous convenience: load ``keys`` and copy them into ``outs``; success per key."""
-        plan = self.load(self.prepare_load(keys)).wait()
-        try:
-            for slot, out in zip(plan.slots, outs):
-                if slot is not None:
-                    out.copy_(self.slot_tensor(slot))
-            return plan.ok
-        finally:
-            self.release(plan)
+        """Synchronous convenience: load ``keys`` and copy them into ``outs``; success per key.
+        Runs in chunks of half the host tier, so any number of blocks can be loaded."""
+        ok: list[bool] = []
+        chunk = max(1, self.host.num_slots // 2)
+        for start in range(0, len(keys), chunk):
+            plan = self.load(self.prepare_load(keys[start : start + chunk])).wait()
+            try:
+                for slot, out in zip(plan.slots, outs[start : start + chunk]):
+                    if slot is not None:
+                        out.copy_(self.slot_tensor(slot))
+                ok.extend(plan.ok)
+            finally:
+                self.release(plan)
+        return ok
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:

