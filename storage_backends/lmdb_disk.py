@@ -140,8 +140,10 @@ class LmdbBackend(Backend):
         return found
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Asks the meta table (small, densely packed pages): asking the block table would
+        fault in the first page of every large value, which is slow on a cold restart."""
         self._check_open()
-        with self.env.begin(db=self.blocks, buffers=True) as txn:
+        with self.env.begin(db=self.meta, buffers=True) as txn:
             return [txn.get(k) is not None for k in keys]
 
     def scan(self, prefix: bytes = b"") -> Iterator[bytes]:

@@ -53,17 +53,17 @@ def _print_demo(report: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 120)
     table = Table(title=f"restart-and-resume demo — store {report['store']}")
-    for col in ("prompt", "tokens", "run 1 TTFT s", "run 2 TTFT s", "run 2 matched (tiers)",
+    for col in ("prompt", "tokens", "TTFT run 1 s", "TTFT run 2 s", "run 2 from store (blocks)",
                 "run 2 device", "run 2 prefilled", "same output"):
         table.add_column(col, justify="right" if col != "prompt" else "left")
     r1, r2 = report["run1"]["prompts"], report["run2"]["prompts"]
     for name, p2 in r2.items():
         p1 = r1.get(name)
-        tiers = ", ".join(f"{t} {n}" for t, n in sorted(p2["tier_blocks"].items())) or "-"
+        tiers = ", ".join(f"{t}:{n}" for t, n in sorted(p2["tier_blocks"].items())) or "-"
         table.add_row(name, str(p2["prompt_tokens"]), f"{p1['ttft_s']:.3f}" if p1 else "-",
-                      f"{p2['ttft_s']:.3f}", f"{p2['matched_tokens']} ({tiers} blocks)",
+                      f"{p2['ttft_s']:.3f}", f"{p2['matched_tokens']} ({tiers})",
                       str(p2["device_cached_tokens"]), str(p2["prefilled_tokens"]),
                       ("yes" if p1["output"] == p2["output"] else "NO") if p1 else "new")
     console.print(table)
