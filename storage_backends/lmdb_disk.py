@@ -400,8 +400,7 @@ class LmdbBackend(Backend):
                 if fix:
                     txn.delete(lru_key, db=self.lru)
             used, entries = self._read_totals(txn)
-            true_used = sum(m[0] for k, m in metas.items() if k in blocks)
-            true_entries = sum(1 for k in metas if k in blocks)
+            true_used, true_entries = sum(blocks.values()), len(blocks)  # the block table is the truth
             if (used, entries) != (true_used, true_entries):
                 problems.append(f"info totals {used} bytes / {entries} entries, tables hold "
                                 f"{true_used} / {true_entries}")
