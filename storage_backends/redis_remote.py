@@ -91,9 +91,9 @@ class RedisBackend(Backend):
         if unknown:
             raise ConfigError(f"unknown redis option {unknown[0]!r}")
         # redis-py parses its own query options (ssl_cert_reqs, db, ...); ours are removed
-        parts = urlsplit(url)
-        rest = "&".join(p for p in parts.query.split("&") if p and p.split("=")[0] not in OUR_OPTIONS)
-        url = parts._replace(query=rest).geturl()
+        head, _, query_text = url.partition("?")  # (urlsplit().geturl() would drop unix:// slashes)
+        rest = "&".join(p for p in query_text.split("&") if p and p.split("=")[0] not in OUR_OPTIONS)
+        url = f"{head}?{rest}" if rest else head
         kwargs: dict = {}
         if "prefix" in mine:
             kwargs["prefix"] = str(mine["prefix"])
