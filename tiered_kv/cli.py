@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     restart.add_argument("--prompt-tokens", type=int, default=4000, help="main prompt length (default: %(default)s)")
     restart.add_argument("--corrupt", type=int, default=0, metavar="N",
                          help="flip bytes in N stored blocks between the runs")
+    restart.add_argument("--model-size", choices=("demo", "tiny"), default="demo",
+                         help="seeded model size without --model-dir (tiny: for quick checks)")
     restart.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
@@ -40,7 +42,8 @@ def _cmd_demo_restart(args: argparse.Namespace) -> int:
 
     if args.prompt_tokens < 700:
         raise SystemExit("tiered-kv: error: --prompt-tokens must be at least 700")
-    opts = DemoOptions(args.dir, args.store_url, args.model_dir, args.prompt_tokens, args.corrupt)
+    opts = DemoOptions(args.dir, args.store_url, args.model_dir, args.prompt_tokens, args.corrupt,
+                       model_size=args.model_size)
     report = run_demo(opts)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -35,6 +35,7 @@ class DemoOptions:
     prompt_tokens: int = 4000  # length of the main RAG prompt
     corrupt: int = 0  # stored blocks to corrupt between the runs
     seed: int = 0  # weights seed and prompt seed
+    model_size: str = "demo"  # seeded model size when no model_dir: "demo" or "tiny" (tests)
 
     @property
     def disk_url(self) -> str:
@@ -57,13 +58,21 @@ def base_prompts(opts: DemoOptions, vocab: int) -> dict[str, list[int]]:
     }
 
 
+def _model_config(opts: DemoOptions):
+    from tiered_kv.engine import ModelConfig
+    from tiered_kv.engine.weights import read_config
+
+    if opts.model_dir:
+        return read_config(opts.model_dir)
+    return ModelConfig.tiny() if opts.model_size == "tiny" else ModelConfig.demo()
+
+
 def _build_engine(opts: DemoOptions, with_connector: bool):
     from tiered_kv.config import TieredKVConfig
     from tiered_kv.connector import build_connector
     from tiered_kv.engine import EngineConfig, LLMEngine, ModelConfig, engine_namespace, weights_revision
-    from tiered_kv.engine.weights import read_config
 
-    model_config = read_config(opts.model_dir) if opts.model_dir else ModelConfig.demo()
+    model_config = _model_config(opts)
     engine_config = EngineConfig(num_blocks=1024, max_num_batched_tokens=8192)
     connector = None
     if with_connector:
@@ -156,7 +165,8 @@ def corrupt_store(url: str, count: int) -> list[str]:
 def _child(opts: DemoOptions, phase: str, out_file: Path) -> dict:
     cmd = [sys.executable, "-m", "tiered_kv.demo", phase, str(opts.workdir), str(out_file),
            json.dumps({"store_url": opts.store_url, "model_dir": opts.model_dir,
-                       "prompt_tokens": opts.prompt_tokens, "seed": opts.seed})]
+                       "prompt_tokens": opts.prompt_tokens, "seed": opts.seed,
+                       "model_size": opts.model_size})]
     started = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -198,10 +208,7 @@ def run_demo(opts: DemoOptions) -> dict:
 def _phase(phase: str, workdir: str, out_file: str, extra: str) -> None:
     logging.basicConfig(level=logging.WARNING)
     opts = DemoOptions(Path(workdir), **json.loads(extra))
-    from tiered_kv.engine import ModelConfig
-    from tiered_kv.engine.weights import read_config
-
-    vocab = (read_config(opts.model_dir) if opts.model_dir else ModelConfig.demo()).vocab_size
+    vocab = _model_config(opts).vocab_size
     prompts = base_prompts(opts, vocab)
     if phase == "run1":
         result = serve(opts, prompts)
