@@ -19,6 +19,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from tiered_kv.connector import block_copy
 from tiered_kv.errors import ConfigError
 from tiered_kv.keys import Namespace
 
@@ -53,15 +54,18 @@ class EngineLayout(KVLayout):
     def __init__(self, ns: Namespace, kv: torch.Tensor) -> None:
         super().__init__(ns)
         self.kv = kv
+        triton = block_copy.use_triton(kv.device) and kv.is_contiguous()
+        self._gather = block_copy.gather_triton if triton else block_copy.gather_torch
+        self._scatter = block_copy.scatter_triton if triton else block_copy.scatter_torch
 
     device = property(lambda self: self.kv.device)
     dtype = property(lambda self: self.kv.dtype)
 
     def gather(self, block_ids: torch.Tensor) -> torch.Tensor:
-        return self.kv.index_select(2, block_ids).permute(2, 1, 0, 3, 4, 5).contiguous()
+        return self._gather(self.kv, block_ids)
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
-        self.kv.index_copy_(2, block_ids, src.permute(2, 1, 0, 3, 4, 5).to(self.kv.dtype))
+        self._scatter(self.kv, block_ids, src)
 
 
 class BlockMajorLayout(KVLayout):
