@@ -111,6 +111,7 @@ class TieredStore:
                                 pinned=config.host.pinned,
                                 on_evict=self._on_host_evict if on_evict else None)
         self._slot_views: list[torch.Tensor | None] = [None] * self.host.num_slots
+        self._slot_rows = self.host.slab.numpy()  # [slot, byte]: host copies without torch ops
         self.disk = self._open_tier("disk", config.disk.url, capacity=config.disk.capacity,
                                     sync=config.disk.sync)
         self.remote = self._open_tier("remote", config.remote.url, ttl=config.remote.ttl,
@@ -139,6 +140,15 @@ class TieredStore:
             view = self._slot_views[slot] = (
                 self.host.slot_view(slot, self.block_nbytes).view(self.dtype).view(self.shape))
         return view
+
+    def _plain(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a whole contiguous CPU block of our dtype and shape: copied to and from
+        host slots with one memcpy on the calling thread. torch's CPU ``copy_`` splits every block
+        over its OpenMP pool, and when another thread holds a core (the transfer pool compressing,
+        the engine, a neighbour process) each block waits for a scheduler tick: host copies ran at
+        0.2-0.5 GB/s that way against ~6 GB/s for one memcpy (tools/bench_tiers.py, 2 cores)."""
+        return (t.device.type == "cpu" and t.dtype == self.dtype and t.shape == self.shape
+                and t.is_contiguous() and not t.requires_grad)
 
     # -- lookup ----------------------------------------------------------------------------------
     def locate(self, keys: Sequence[bytes]) -> list[str | None]:
@@ -202,7 +212,11 @@ class TieredStore:
             batch = self.prepare_save(part)
             try:
                 for key, slot in zip(batch.keys, batch.slots):
-                    copy_block(self.slot_tensor(slot), payloads[index[key]])
+                    src = payloads[index[key]]
+                    if self._plain(src):
+                        np.copyto(self._slot_rows[slot], _bytes_of(src))
+                    else:
+                        self.slot_tensor(slot).copy_(src)
             except Exception:
                 self.commit_save(batch, ok=False)
                 raise
@@ -380,8 +394,12 @@ class TieredStore:
             plan = self.load(self.prepare_load(keys[start : start + chunk])).wait()
             try:
                 for slot, out in zip(plan.slots, outs[start : start + chunk]):
-                    if slot is not None:
-                        copy_block(out, self.slot_tensor(slot))
+                    if slot is None:
+                        continue
+                    if self._plain(out):
+                        np.copyto(_bytes_of(out), self._slot_rows[slot])
+                    else:
+                        out.copy_(self.slot_tensor(slot))
                 ok.extend(plan.ok)
             finally:
                 self.release(plan)
@@ -430,18 +448,9 @@ class TieredStore:
         self.close()
 
 
-def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)``; between contiguous CPU tensors of one dtype and shape, one memcpy on
-    the calling thread. torch's CPU ``copy_`` splits every block over its OpenMP pool, and when
-    another thread holds a core (the transfer pool compressing, the engine, a neighbour process)
-    each block waits for a scheduler tick: tools/bench_tiers.py measured host copies at 0.2-0.5
-    GB/s that way against ~6 GB/s for one memcpy on the 2-core dev host."""
-    if (src.device.type == "cpu" and dst.device.type == "cpu" and src.dtype == dst.dtype
-            and src.shape == dst.shape and src.dim() > 0 and src.is_contiguous()
-            and dst.is_contiguous() and not src.requires_grad and not dst.requires_grad):
-        np.copyto(dst.view(torch.uint8).numpy(), src.view(torch.uint8).numpy())
-    else:
-        dst.copy_(src)
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    """The bytes of a contiguous CPU tensor as a flat uint8 array (shares memory)."""
+    return t.view(torch.uint8).numpy().reshape(-1)
 
 
 def _gather(futures: list[Future]) -> Future | None:
