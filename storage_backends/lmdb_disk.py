@@ -1,18 +1,20 @@
 """Disk tier: one LMDB environment with a meta table and LRU eviction to a byte capacity.
 
-Named databases inside the environment:
+Named databases inside the environment (a directory):
 
 - ``blocks``: key -> stored value (already encoded and compressed by the caller);
 - ``meta``: key -> (stored size, last access ns, hits, created ns);
-- ``lru``: big-endian last access ns || key -> empty, so a cursor from the start yields the
-  least recently used entry;
-- ``info``: ``used`` and ``entries`` totals, updated in the same write transaction as every
-  put, delete and eviction, so they stay right with several processes on one directory.
+- ``lru``: big-endian last access ns || key -> empty: a cursor from the start yields the least
+  recently used entry;
+- ``info``: ``used`` / ``entries`` totals and the ``format``, updated in the same write
+  transaction as every put, delete and eviction, so they stay right with several processes.
 
-Reopening the environment is the whole warm-up: usage, entry count and LRU order come back from
-these tables without a scan. Reads record accesses in memory; they are applied in the next write
-transaction (or on ``flush``/``close``), never with a write per read. A value that cannot fit is
-refused (``False``), and ``lmdb.MapFullError`` never reaches the caller.
+Reopening is the whole warm-up: usage, entry count and LRU order come back from these tables
+without a scan. Reads record accesses in memory; they are applied in the next write transaction
+(or on ``flush``/``close``), never with a write per read. A value that cannot fit is refused
+(``False``); ``lmdb.MapFullError`` never reaches the caller: the map grows (it is sparse) or
+more is evicted. Remapping (ours, or adopting another process's larger map) waits for every
+transaction of this process to end, so zero-copy buffers never outlive their mapping.
 """
 
 from __future__ import annotations
@@ -23,29 +25,46 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from urllib.parse import unquote
 
 import lmdb
 
 from storage_backends.base import Backend, BackendStats, Visitor
 from storage_backends.registry import split_options
-from tiered_kv.errors import ConfigError
+from tiered_kv.errors import BackendError, BackendUnavailable, ConfigError
 from tiered_kv.units import format_size, parse_size
 
 log = logging.getLogger(__name__)
 
-META = struct.Struct("<QQIQ")  # size, last access ns, hits, created ns
+META = struct.Struct("<QQIQ")  # stored size, last access ns, hits, created ns
 U64 = struct.Struct("<Q")
-BATCH_BYTES = 8 << 20  # values per write transaction: a few MiB amortise the commit
-BATCH_ITEMS = 64
+STAMP = struct.Struct(">Q")  # LRU keys sort by time
+FORMAT = 1
+MAX_KEY = 511  # LMDB's default key size limit
 MAX_TOUCHES = 4096  # pending read accesses before they are applied eagerly
+REMAP_WAIT_S = 10.0  # how long a remap waits for this process's transactions to end
+OPTIONS = ("capacity", "sync", "map_size", "readahead", "max_readers", "batch_bytes")
+
+
+class InvalidKey(BackendError, ValueError):
+    """A key LMDB cannot hold: not bytes, empty, or longer than 511 bytes."""
+
+
+class BackendClosed(BackendError, ValueError):
+    """The backend was used after ``close()``."""
+
+
+class _NoSpace(Exception):
+    """The map (or the disk) stayed full after growing and evicting."""
 
 
 def _bool(value, name: str) -> bool:
     if isinstance(value, bool):
         return value
-    text = str(value).lower()
+    text = str(value).strip().lower()
     if text in ("1", "true", "yes", "on"):
         return True
     if text in ("0", "false", "no", "off", ""):
@@ -53,62 +72,252 @@ def _bool(value, name: str) -> bool:
     raise ConfigError(f"{name} must be true or false, got {value!r}")
 
 
+def _int(value, name: str, minimum: int = 1) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+    if number < minimum:
+        raise ConfigError(f"{name} must be at least {minimum}, got {number}")
+    return number
+
+
 def path_of(url: str) -> Path:
-    """``lmdb:///abs/dir`` -> /abs/dir; ``lmdb://./rel`` and ``lmdb:rel`` -> rel."""
+    """``lmdb:///abs/dir`` -> /abs/dir; ``lmdb://./rel``, ``lmdb:rel`` -> rel; ``~`` expands."""
     base, _ = split_options(url)
+    if not base.lower().startswith("lmdb:"):
+        raise ConfigError(f"not an lmdb URL: {url!r}")
     rest = base[len("lmdb:"):]
-    if rest.startswith("//"):
-        rest = rest[2:]
+    rest = rest[2:] if rest.startswith("//") else rest
     if not rest:
         raise ConfigError(f"lmdb URL {url!r} names no directory")
-    return Path(rest)
+    return Path(unquote(rest)).expanduser()
+
+
+def _key(key) -> bytes:
+    if isinstance(key, bytes):
+        return key
+    if isinstance(key, (bytearray, memoryview)):
+        return bytes(key)
+    raise InvalidKey(f"lmdb keys are bytes, got {type(key).__name__}")
+
+
+def _fits(key: bytes) -> bool:
+    return 0 < len(key) <= MAX_KEY
+
+
+def _stamp(atime_ns: int, key: bytes) -> bytes:
+    return STAMP.pack(atime_ns) + key
+
+
+class _Gate:
+    """Shared for every transaction, exclusive for remaps and close. Re-entrant per thread;
+    a waiting exclusive holder blocks new shared holders (no starvation) for at most its
+    timeout, so a stuck reader delays a remap but cannot wedge the process."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._owner: int | None = None
+        self._waiting = 0
+        self._local = threading.local()
+
+    def held(self) -> bool:
+        return getattr(self._local, "depth", 0) > 0
+
+    @contextmanager
+    def shared(self):
+        depth = getattr(self._local, "depth", 0)
+        first = depth == 0 and self._owner != threading.get_ident()
+        if first:
+            with self._cond:
+                self._cond.wait_for(lambda: self._owner is None and not self._waiting)
+                self._shared += 1
+        self._local.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._local.depth = depth
+            if first:
+                with self._cond:
+                    self._shared -= 1
+                    self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self, timeout: float | None):
+        """Yields whether the gate was won (False: held shared here, or timed out)."""
+        me = threading.get_ident()
+        if self._owner == me:
+            yield True
+            return
+        if self.held():
+            yield False
+            return
+        with self._cond:
+            self._waiting += 1
+            won = self._cond.wait_for(lambda: self._owner is None and not self._shared, timeout)
+            self._waiting -= 1
+            if won:
+                self._owner = me
+            self._cond.notify_all()
+        try:
+            yield won
+        finally:
+            if won:
+                with self._cond:
+                    self._owner = None
+                    self._cond.notify_all()
+
+
+class _Write:
+    """One write transaction: totals read once and written once, counters applied on commit."""
+
+    __slots__ = ("txn", "used", "entries", "counts")
+
+    def __init__(self, txn, used: int, entries: int) -> None:
+        self.txn, self.used, self.entries, self.counts = txn, used, entries, Counter()
 
 
 class LmdbBackend(Backend):
     name = "lmdb"
 
-    def __init__(self, path: str | os.PathLike, *, capacity: int, sync: bool = False,
-                 map_size: int | None = None, readahead: bool = True, url: str | None = None) -> None:
-        super().__init__(url or f"lmdb://{Path(path).resolve()}")
-        if capacity <= 0:
-            raise ConfigError(f"lmdb capacity must be positive, got {capacity}")
+    def __init__(self, path: str | os.PathLike, *, capacity: int | str, sync: bool | str = False,
+                 map_size: int | str | None = None, readahead: bool | str = True,
+                 max_readers: int | str = 512, batch_bytes: int | str = 2 << 20,
+                 url: str | None = None) -> None:
         self.path = Path(path)
+        super().__init__(url or f"lmdb://{self.path.resolve()}")
+        self.capacity = parse_size(capacity, name="lmdb capacity")
+        if self.capacity <= 0:
+            raise ConfigError(f"lmdb capacity must be positive, got {capacity!r}")
+        self.sync = _bool(sync, "lmdb sync")
+        # 1-2 MiB per write transaction amortises the commit; 4+ MiB faults fresh pages
+        self.batch_bytes = parse_size(batch_bytes, name="lmdb batch_bytes")
+        wanted = parse_size(map_size, name="lmdb map_size") if map_size is not None else \
+            max(2 * self.capacity, self.capacity + (1 << 30))  # sparse: costs address space only
+        self.max_map = max(wanted, 4 * self.capacity + (1 << 30))
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"lmdb path {self.path} exists and is not a directory")
         self.path.mkdir(parents=True, exist_ok=True)
-        self.capacity = capacity
-        self.map_size = map_size or max(2 * capacity, capacity + (1 << 30))
         try:
-            self.env = lmdb.open(str(self.path), map_size=self.map_size, max_dbs=8, sync=sync,
-                                 metasync=sync, readahead=readahead, max_readers=512, lock=True)
+            self.env = lmdb.open(str(self.path), map_size=wanted, max_dbs=8, sync=self.sync,
+                                 metasync=self.sync, readahead=_bool(readahead, "lmdb readahead"),
+                                 max_readers=_int(max_readers, "lmdb max_readers"), lock=True)
         except lmdb.Error as exc:
             raise ConfigError(f"cannot open LMDB store at {self.path}: {exc}") from None
-        self.map_size = self.env.info()["map_size"]  # another process may have grown it
-        self.blocks = self.env.open_db(b"blocks")
-        self.meta = self.env.open_db(b"meta")
-        self.lru = self.env.open_db(b"lru")
-        self.info = self.env.open_db(b"info")
-        self._lock = threading.Lock()
-        self._touches: dict[bytes, tuple[int, int]] = {}  # key -> (last access ns, extra hits)
+        self.env.reader_check()  # readers left by crashed processes would pin old pages
+        self.blocks, self.meta, self.lru, self.info = (
+            self.env.open_db(name) for name in (b"blocks", b"meta", b"lru", b"info"))
+        self._gate = _Gate()
+        self._lock = threading.Lock()  # touches and pins
+        self._touches: dict[bytes, tuple[int, int]] = {}  # key -> (last access ns, hits)
         self._pins: Counter = Counter()
         self._closed = False
+        self._check_format()
         used, entries = self._totals()
-        log.info("lmdb tier at %s: %d blocks, %s of %s used (map %s)", self.path, entries,
-                 format_size(used), format_size(capacity), format_size(self.map_size))
+        log.info("lmdb tier at %s: %d blocks, %s of %s used (map %s, file %s, %s)", self.path,
+                 entries, format_size(used), format_size(self.capacity),
+                 format_size(self.map_size), format_size(self._file_bytes()[0]),
+                 "sync" if self.sync else "no-sync")
+        if used > self.capacity:
+            log.warning("lmdb tier at %s holds %s, over its capacity %s: the next puts evict",
+                        self.path, format_size(used), format_size(self.capacity))
 
     @classmethod
-    def from_url(cls, url: str, **options) -> "LmdbBackend":
+    def from_url(cls, url: str, **options) -> LmdbBackend:
         _, query = split_options(url)
         query.update({k: v for k, v in options.items() if v is not None})
-        capacity = parse_size(query.pop("capacity", 8 << 30), name="lmdb capacity")
-        sync = _bool(query.pop("sync", False), "lmdb sync")
-        readahead = _bool(query.pop("readahead", True), "lmdb readahead")
-        map_size = query.pop("map_size", None)
-        map_size = parse_size(map_size, name="lmdb map_size") if map_size is not None else None
-        if query:
-            raise ConfigError(f"unknown lmdb option {sorted(query)[0]!r}")
-        return cls(path_of(url), capacity=capacity, sync=sync, map_size=map_size,
-                   readahead=readahead, url=url)
+        unknown = sorted(set(query) - set(OPTIONS))
+        if unknown:
+            raise ConfigError(f"unknown lmdb option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
+        query.setdefault("capacity", 8 << 30)
+        return cls(path_of(url), url=url, **query)
+
+    @property
+    def map_size(self) -> int:
+        return self.env.info()["map_size"]
+
+    # -- transactions ------------------------------------------------------------------------
+    @contextmanager
+    def _txn(self, write: bool = False):
+        """A transaction (zero-copy buffers) under the shared gate; adopts a map another
+        process grew (``MapResizedError``) and retries."""
+        for _ in range(3):
+            with self._gate.shared():
+                if self._closed:
+                    raise BackendClosed(f"lmdb backend at {self.path} is closed")
+                try:
+                    txn = self.env.begin(write=write, buffers=True)
+                except lmdb.MapResizedError:
+                    txn = None
+                if txn is not None:
+                    with txn:
+                        yield txn
+                    return
+            if not self._remap(0):
+                break
+        raise BackendUnavailable(f"lmdb store at {self.path}: cannot adopt the resized map")
+
+    @contextmanager
+    def _guard(self, what: str):
+        """lmdb errors (I/O, reader table full, ...) become BackendUnavailable, counted."""
+        try:
+            yield
+        except lmdb.Error as exc:
+            self._count(errors=1)
+            log.warning("lmdb tier at %s: %s failed: %s", self.path, what, exc)
+            raise BackendUnavailable(f"lmdb store at {self.path}: {what} failed: {exc}") from exc
+
+    def _write(self, body: Callable[[_Write], object], nbytes: int = 0):
+        """``body`` in one write transaction, after the buffered accesses. On a full map
+        (or disk) the transaction is rolled back, room is made and it runs again."""
+        for _ in range(6):
+            touches = self._take_touches()
+            try:
+                with self._txn(write=True) as txn:
+                    w = _Write(txn, *self._read_totals(txn))
+                    before = (w.used, w.entries)
+                    self._apply_touches(txn, touches)
+                    result = body(w)
+                    if (w.used, w.entries) != before:
+                        txn.put(b"used", U64.pack(max(0, w.used)), db=self.info)
+                        txn.put(b"entries", U64.pack(max(0, w.entries)), db=self.info)
+            except (lmdb.MapFullError, lmdb.DiskError) as exc:
+                self._restore_touches(touches)
+                if not self._make_room(nbytes, grow=isinstance(exc, lmdb.MapFullError)):
+                    raise _NoSpace(str(exc)) from exc
+                continue
+            except BaseException:
+                self._restore_touches(touches)
+                raise
+            if w.counts:
+                self._count(**w.counts)
+            return result
+        raise _NoSpace("the map stayed full")
+
+    def _make_room(self, nbytes: int, grow: bool) -> bool:
+        """After MapFull/ENOSPC: drop stale readers, grow the map, else evict beyond capacity."""
+        self.env.reader_check()
+        current = self.map_size
+        if grow and current < self.max_map:
+            new = min(self.max_map, max(2 * current, current + 4 * nbytes))
+            if self._remap(new):
+                return True
+        extra = max(2 * nbytes, self.batch_bytes)
+        evicted = self._write(lambda w: self._evict(w, incoming=extra)) if nbytes else 0
+        log.warning("lmdb tier at %s: map %s full; evicted %d entries beyond capacity", self.path,
+                    format_size(current), evicted)
+        return evicted > 0
+
+    def _remap(self, size: int) -> bool:
+        """Grow the map to ``size`` (0: adopt the size another process set), exclusively."""
+        with self._gate.exclusive(REMAP_WAIT_S) as won:
+            if not won or self._closed:
+                return False
+            old = self.map_size
+            self.env.set_mapsize(size)
+        log.info("lmdb tier at %s: map %s -> %s", self.path, format_size(old), format_size(self.map_size))
+        return True
 
     # -- reads -------------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -121,147 +330,141 @@ class LmdbBackend(Backend):
         return out
 
     def visit_many(self, keys: Sequence[bytes], visitor: Visitor) -> list[bool]:
-        self._check_open()
+        """Zero-copy: ``visitor`` sees LMDB's own pages, inside one read transaction."""
+        keys = [_key(k) for k in keys]
         found = [False] * len(keys)
+        hits: list[bytes] = []
         nbytes = 0
-        now = time.time_ns()
-        with self.env.begin(db=self.blocks, buffers=True) as txn:
+        with self._guard("read"), self._txn() as txn:
             for i, key in enumerate(keys):
-                value = txn.get(key)
-                if value is None:
-                    continue
-                found[i] = True
-                nbytes += len(value)
-                visitor(i, memoryview(value))
-        hits = [k for k, f in zip(keys, found) if f]
+                value = txn.get(key, db=self.blocks) if _fits(key) else None
+                if value is not None:
+                    found[i] = True
+                    hits.append(key)
+                    nbytes += len(value)
+                    visitor(i, value)
         if hits:
-            self._touch(hits, now)
+            self._touch(hits, time.time_ns())
         self._count(gets=len(keys), hits=len(hits), bytes_out=nbytes)
         return found
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Asks the meta table (small, densely packed pages): asking the block table would
-        fault in the first page of every large value, which is slow on a cold restart."""
-        self._check_open()
-        with self.env.begin(db=self.meta, buffers=True) as txn:
-            return [txn.get(k) is not None for k in keys]
+        """Asks the meta table (small, dense pages: the block table would fault in the first
+        page of every large value on a cold restart). No side effects."""
+        keys = [_key(k) for k in keys]
+        with self._guard("contains"), self._txn() as txn:
+            return [_fits(k) and txn.get(k, db=self.meta) is not None for k in keys]
 
     def scan(self, prefix: bytes = b"") -> Iterator[bytes]:
-        self._check_open()
-        keys = []
-        with self.env.begin(db=self.blocks) as txn:
-            cursor = txn.cursor()
+        prefix = bytes(prefix)
+        keys: list[bytes] = []
+        with self._guard("scan"), self._txn() as txn:
+            cursor = txn.cursor(db=self.blocks)
             if cursor.set_range(prefix):
                 for key in cursor.iternext(keys=True, values=False):
-                    if not key.startswith(prefix):
+                    if not key[: len(prefix)] == prefix:
                         break
-                    keys.append(key)
+                    keys.append(bytes(key))
         return iter(keys)
 
     # -- writes ------------------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
-        self._check_open()
-        stored: list[bool] = []
-        batch: list[tuple[bytes, bytes]] = []
-        size = 0
+        """Grouped into write transactions of about ``batch_bytes`` (one per large value)."""
+        batch: list[tuple[bytes, object, int]] = []
         for key, value in items:
-            batch.append((key, value))
-            size += len(value)
-            if size >= BATCH_BYTES or len(batch) >= BATCH_ITEMS:
-                stored.extend(self._put_batch(batch))
-                batch, size = [], 0
-        if batch:
-            stored.extend(self._put_batch(batch))
+            key = _key(key)
+            if not _fits(key):
+                raise InvalidKey(f"lmdb keys must be 1..{MAX_KEY} bytes, got {len(key)}")
+            batch.append((key, value, memoryview(value).nbytes))
+        stored: list[bool] = []
+        start, size = 0, 0
+        for i, (_, _, n) in enumerate(batch):
+            if i > start and size + n > self.batch_bytes:
+                stored += self._put_batch(batch[start:i])
+                start, size = i, 0
+            size += n
+        if start < len(batch):
+            stored += self._put_batch(batch[start:])
         return stored
 
-    def _put_batch(self, batch: list[tuple[bytes, bytes]]) -> list[bool]:
-        for attempt in range(3):
-            try:
-                return self._write(lambda txn: [self._put_one(txn, k, v) for k, v in batch])
-            except lmdb.MapFullError:
-                # the map holds more than the capacity (page overhead, free pages not yet
-                # reusable by long readers): grow it and try again
-                self._grow_map()
-        log.warning("lmdb tier: map still full after growing; %d values refused", len(batch))
-        self._count(put_rejected=len(batch))
-        return [False] * len(batch)
+    def _put_batch(self, batch: list[tuple[bytes, object, int]]) -> list[bool]:
+        try:
+            with self._guard("put"):
+                return self._write(lambda w: [self._put_one(w, *item) for item in batch],
+                                   nbytes=sum(n for _, _, n in batch))
+        except _NoSpace as exc:
+            log.warning("lmdb tier at %s: %d values refused: %s", self.path, len(batch), exc)
+            self._count(put_rejected=len(batch))
+            return [False] * len(batch)
 
-    def _put_one(self, txn, key: bytes, value: bytes) -> bool:
-        if not key or len(key) > 511:
-            raise ValueError("lmdb keys must be 1..511 bytes")
-        size = len(value)
+    def _put_one(self, w: _Write, key: bytes, value, size: int) -> bool:
         if size > self.capacity:
-            self._count(put_rejected=1)
+            w.counts["put_rejected"] += 1
             return False
-        used, entries = self._read_totals(txn)
-        old = txn.get(key, db=self.meta)
-        if old is not None:  # overwrite: the old entry goes first
-            old_size, old_atime, _, _ = META.unpack(old)
-            txn.delete(_lru_key(old_atime, key), db=self.lru)
-            txn.delete(key, db=self.meta)
-            txn.delete(key, db=self.blocks)
-            used -= old_size
-            entries -= 1
-        used, entries = self._evict(txn, used, entries, size, protect=key)
-        if used + size > self.capacity:
-            self._write_totals(txn, used, entries)
-            self._count(put_rejected=1)
+        self._remove(w, key)  # an overwrite replaces the old entry
+        self._evict(w, incoming=size)
+        if w.used + size > self.capacity:  # the rest is pinned
+            w.counts["put_rejected"] += 1
             return False
         now = time.time_ns()
-        txn.put(key, value, db=self.blocks)
-        txn.put(key, META.pack(size, now, 0, now), db=self.meta)
-        txn.put(_lru_key(now, key), b"", db=self.lru)
-        self._write_totals(txn, used + size, entries + 1)
-        self._count(puts=1, bytes_in=size)
+        w.txn.put(key, value, db=self.blocks)
+        w.txn.put(key, META.pack(size, now, 0, now), db=self.meta)
+        w.txn.put(_stamp(now, key), b"", db=self.lru)
+        w.used += size
+        w.entries += 1
+        w.counts["puts"] += 1
+        w.counts["bytes_in"] += size
         return True
 
-    def _evict(self, txn, used: int, entries: int, incoming: int, protect: bytes) -> tuple[int, int]:
+    def _remove(self, w: _Write, key: bytes) -> bool:
+        meta = w.txn.get(key, db=self.meta)
+        if meta is not None:
+            size, atime = META.unpack(meta)[:2]  # before any write invalidates the buffer
+            w.txn.delete(_stamp(atime, key), db=self.lru)
+            w.txn.delete(key, db=self.meta)
+            w.used -= size
+            w.entries -= 1
+        return w.txn.delete(key, db=self.blocks) or meta is not None
+
+    def _evict(self, w: _Write, incoming: int) -> int:
         """Delete least recently used, unpinned entries until ``incoming`` bytes fit."""
-        if used + incoming <= self.capacity:
-            return used, entries
+        if w.used + incoming <= self.capacity:
+            return 0
         with self._lock:
-            pinned = {k for k, n in self._pins.items() if n > 0}
-        cursor = txn.cursor(db=self.lru)
-        victims = []
-        for lru_key in cursor.iternext(keys=True, values=False):
-            if used + incoming <= self.capacity:
+            pinned = set(self._pins)
+        victims, stale = [], []
+        for stamp in w.txn.cursor(db=self.lru).iternext(keys=True, values=False):
+            if w.used + incoming <= self.capacity:
                 break
-            key = bytes(lru_key[8:])
-            if key in pinned or key == protect:
+            key = bytes(stamp[STAMP.size:])
+            if key in pinned:
                 continue
-            meta = txn.get(key, db=self.meta)
-            size = META.unpack(meta)[0] if meta is not None else 0
-            victims.append((bytes(lru_key), key))
-            used -= size
-            entries -= 1
-        for lru_key, key in victims:
-            txn.delete(lru_key, db=self.lru)
-            txn.delete(key, db=self.meta)
-            txn.delete(key, db=self.blocks)
-        if victims:
-            self._count(evictions=len(victims))
-        return used, entries
+            meta = w.txn.get(key, db=self.meta)
+            if meta is None or META.unpack(meta)[1] != STAMP.unpack(stamp[:STAMP.size])[0]:
+                stale.append(bytes(stamp))  # left over by damage; not the key's real position
+                continue
+            victims.append(key)
+            w.used -= META.unpack(meta)[0]
+            w.entries -= 1
+        for stamp in stale:
+            w.txn.delete(stamp, db=self.lru)
+        for key in victims:
+            meta = META.unpack(w.txn.get(key, db=self.meta))
+            w.txn.delete(_stamp(meta[1], key), db=self.lru)
+            w.txn.delete(key, db=self.meta)
+            w.txn.delete(key, db=self.blocks)
+        w.counts["evictions"] += len(victims)
+        return len(victims)
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        self._check_open()
-
-        def delete(txn) -> int:
-            used, entries = self._read_totals(txn)
-            n = 0
-            for key in keys:
-                meta = txn.get(key, db=self.meta)
-                present = txn.delete(key, db=self.blocks)
-                if meta is not None:
-                    size, atime, _, _ = META.unpack(meta)
-                    txn.delete(key, db=self.meta)
-                    txn.delete(_lru_key(atime, key), db=self.lru)
-                    used -= size
-                    entries -= 1
-                n += int(present)
-            self._write_totals(txn, used, entries)
-            return n
-
-        n = self._write(delete)
+        keys = [k for k in map(_key, keys) if _fits(k)]
+        if not keys:
+            return 0
+        try:
+            with self._guard("delete"):
+                n = self._write(lambda w: sum(self._remove(w, k) for k in keys))
+        except _NoSpace as exc:
+            raise BackendUnavailable(f"lmdb store at {self.path} is full: {exc}") from None
         self._count(deletes=n)
         return n
 
@@ -269,166 +472,192 @@ class LmdbBackend(Backend):
     def _touch(self, keys: list[bytes], now: int) -> None:
         with self._lock:
             for key in keys:
-                _, hits = self._touches.get(key, (0, 0))
+                hits = self._touches.get(key, (0, 0))[1]
                 self._touches[key] = (now, hits + 1)
             eager = len(self._touches) >= MAX_TOUCHES
         if eager:
-            self._write(lambda txn: None)
+            self._apply_pending()
 
-    def _apply_touches(self, txn) -> None:
+    def _take_touches(self) -> dict[bytes, tuple[int, int]]:
         with self._lock:
             touches, self._touches = self._touches, {}
+        return touches
+
+    def _restore_touches(self, touches: dict[bytes, tuple[int, int]]) -> None:
+        with self._lock:
+            for key, (atime, hits) in touches.items():
+                now, more = self._touches.get(key, (0, 0))
+                self._touches[key] = (max(atime, now), hits + more)
+
+    def _apply_touches(self, txn, touches: dict[bytes, tuple[int, int]]) -> None:
         for key, (atime, hits) in touches.items():
             meta = txn.get(key, db=self.meta)
             if meta is None:
                 continue  # evicted or deleted meanwhile (maybe by another process)
             size, old_atime, old_hits, created = META.unpack(meta)
-            if atime <= old_atime:
-                atime = old_atime
-            txn.delete(_lru_key(old_atime, key), db=self.lru)
-            txn.put(_lru_key(atime, key), b"", db=self.lru)
-            txn.put(key, META.pack(size, atime, old_hits + hits, created), db=self.meta)
+            if atime > old_atime:
+                txn.delete(_stamp(old_atime, key), db=self.lru)
+                txn.put(_stamp(atime, key), b"", db=self.lru)
+            txn.put(key, META.pack(size, max(atime, old_atime), min(old_hits + hits, 2**32 - 1),
+                                   created), db=self.meta)
 
-    def _write(self, body):
-        """Run ``body(txn)`` in one write transaction, after applying buffered accesses."""
-        with self.env.begin(write=True) as txn:
-            self._apply_touches(txn)
-            return body(txn)
+    def _apply_pending(self) -> None:
+        with self._lock:
+            if not self._touches:
+                return
+        try:
+            with self._guard("recording accesses"):
+                self._write(lambda w: None)
+        except _NoSpace:
+            log.warning("lmdb tier at %s: map full, access times not recorded", self.path)
 
     def pin_many(self, keys: Sequence[bytes]) -> None:
         with self._lock:
-            self._pins.update(keys)
+            self._pins.update(map(_key, keys))
 
     def unpin_many(self, keys: Sequence[bytes]) -> None:
         with self._lock:
-            self._pins.subtract(keys)
-            for key in keys:
+            for key in map(_key, keys):
+                self._pins[key] -= 1
                 if self._pins[key] <= 0:
                     del self._pins[key]
 
     def flush(self) -> None:
-        self._check_open()
-        self._write(lambda txn: None)
-        self.env.sync(True)
-
-    def _grow_map(self) -> None:
-        new = int(self.env.info()["map_size"] * 1.5)
-        log.info("lmdb tier: growing the map to %s", format_size(new))
-        self.env.set_mapsize(new)
-        self.map_size = new
-
-    # -- totals, stats, check ----------------------------------------------------------------
-    def _read_totals(self, txn) -> tuple[int, int]:
-        used = txn.get(b"used", db=self.info)
-        entries = txn.get(b"entries", db=self.info)
-        return (U64.unpack(used)[0] if used else 0, U64.unpack(entries)[0] if entries else 0)
-
-    def _write_totals(self, txn, used: int, entries: int) -> None:
-        txn.put(b"used", U64.pack(max(0, used)), db=self.info)
-        txn.put(b"entries", U64.pack(max(0, entries)), db=self.info)
-
-    def _totals(self) -> tuple[int, int]:
-        with self.env.begin() as txn:
-            return self._read_totals(txn)
-
-    def stats(self) -> BackendStats:
-        self._check_open()
-        used, entries = self._totals()
-        data = self.path / "data.mdb"
-        with self._lock:
-            pending, pinned = len(self._touches), len(self._pins)
-        return self._snapshot(entries=entries, used_bytes=used, capacity_bytes=self.capacity, extra={
-            "map_size": self.map_size, "page_size": self.env.stat()["psize"],
-            "file_bytes": data.stat().st_size if data.exists() else 0,
-            "pending_touches": pending, "pinned": pinned})
-
-    def lru_order(self) -> list[bytes]:
-        """Keys from least to most recently used (after applying pending accesses)."""
-        self._write(lambda txn: None)
-        with self.env.begin(db=self.lru) as txn:
-            return [bytes(k[8:]) for k in txn.cursor().iternext(keys=True, values=False)]
-
-    def entry_meta(self, key: bytes) -> dict | None:
-        """Size, last access, hits and creation time of ``key`` (None when absent)."""
-        with self.env.begin(db=self.meta) as txn:
-            meta = txn.get(key)
-        if meta is None:
-            return None
-        size, atime, hits, created = META.unpack(meta)
-        return {"size": size, "last_access_ns": atime, "hits": hits, "created_ns": created}
-
-    def check(self, fix: bool = False) -> list[str]:
-        """Problems between the block, meta, LRU and info tables; repaired only with ``fix``."""
-        self._check_open()
-        problems: list[str] = []
-
-        def run(txn) -> None:
-            blocks = {bytes(k): len(v) for k, v in txn.cursor(db=self.blocks)}
-            metas = {bytes(k): META.unpack(v) for k, v in txn.cursor(db=self.meta)}
-            lrus = {bytes(k) for k in txn.cursor(db=self.lru).iternext(keys=True, values=False)}
-            now = time.time_ns()
-            for key, size in blocks.items():
-                meta = metas.get(key)
-                if meta is None:
-                    problems.append(f"block without meta: {key.hex()}")
-                    if fix:
-                        txn.put(key, META.pack(size, now, 0, now), db=self.meta)
-                        txn.put(_lru_key(now, key), b"", db=self.lru)
-                        metas[key] = (size, now, 0, now)
-                        lrus.add(_lru_key(now, key))
-                elif meta[0] != size:
-                    problems.append(f"meta size {meta[0]} != stored size {size}: {key.hex()}")
-                    if fix:
-                        txn.put(key, META.pack(size, *meta[1:]), db=self.meta)
-                        metas[key] = (size, *meta[1:])
-            for key, meta in list(metas.items()):
-                if key not in blocks:
-                    problems.append(f"meta without block: {key.hex()}")
-                    if fix:
-                        txn.delete(key, db=self.meta)
-                        txn.delete(_lru_key(meta[1], key), db=self.lru)
-                        lrus.discard(_lru_key(meta[1], key))
-                        del metas[key]
-                elif _lru_key(meta[1], key) not in lrus:
-                    problems.append(f"meta without LRU entry: {key.hex()}")
-                    if fix:
-                        txn.put(_lru_key(meta[1], key), b"", db=self.lru)
-                        lrus.add(_lru_key(meta[1], key))
-            wanted = {_lru_key(m[1], k) for k, m in metas.items()}
-            for lru_key in lrus - wanted:
-                problems.append(f"stale LRU entry: {lru_key[8:].hex()}")
-                if fix:
-                    txn.delete(lru_key, db=self.lru)
-            used, entries = self._read_totals(txn)
-            true_used, true_entries = sum(blocks.values()), len(blocks)  # the block table is the truth
-            if (used, entries) != (true_used, true_entries):
-                problems.append(f"info totals {used} bytes / {entries} entries, tables hold "
-                                f"{true_used} / {true_entries}")
-                if fix:
-                    self._write_totals(txn, true_used, true_entries)
-
-        if fix:
-            self._write(run)
-        else:
-            with self.env.begin() as txn:
-                run(txn)
-        return problems
+        """Apply buffered accesses and make every committed put durable (fsync)."""
+        self._apply_pending()
+        with self._guard("sync"), self._gate.shared():
+            self._check_open()
+            self.env.sync(True)
 
     def close(self) -> None:
-        with self._lock:
+        """Apply buffered accesses, sync and close. Idempotent; waits for running calls."""
+        if self._closed:
+            return
+        if self._gate.held():
+            raise BackendError("lmdb backend closed from inside one of its own visitors")
+        with self._gate.exclusive(None):
             if self._closed:
                 return
-            self._closed = True
-        try:
-            with self.env.begin(write=True) as txn:
-                self._apply_touches(txn)
-        finally:
-            self.env.close()
+            try:
+                self._apply_pending()
+                self.env.sync(True)
+            except (BackendError, lmdb.Error) as exc:
+                log.warning("lmdb tier at %s: closing without the last accesses: %s", self.path, exc)
+            finally:
+                self._closed = True
+                self.env.close()
+        log.info("lmdb tier at %s closed", self.path)
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError("lmdb backend is closed")
+            raise BackendClosed(f"lmdb backend at {self.path} is closed")
 
+    # -- totals, stats, check ----------------------------------------------------------------
+    def _read_totals(self, txn) -> tuple[int, int]:
+        used, entries = txn.get(b"used", db=self.info), txn.get(b"entries", db=self.info)
+        return (U64.unpack(used)[0] if used else 0, U64.unpack(entries)[0] if entries else 0)
 
-def _lru_key(atime_ns: int, key: bytes) -> bytes:
-    return struct.pack(">Q", atime_ns) + key
+    def _totals(self) -> tuple[int, int]:
+        with self._txn() as txn:
+            return self._read_totals(txn)
+
+    def _check_format(self) -> None:
+        with self._txn(write=True) as txn:
+            stored = txn.get(b"format", db=self.info)
+            if stored is None:
+                txn.put(b"format", U64.pack(FORMAT), db=self.info)
+            elif U64.unpack(stored)[0] != FORMAT:
+                self.env.close()
+                raise ConfigError(f"lmdb store at {self.path} has format {U64.unpack(stored)[0]}, "
+                                  f"this version reads {FORMAT}")
+
+    def _file_bytes(self) -> tuple[int, int]:
+        """(apparent size, allocated bytes) of data.mdb (the map is sparse)."""
+        try:
+            st = os.stat(self.path / "data.mdb")
+        except OSError:
+            return 0, 0
+        return st.st_size, st.st_blocks * 512
+
+    def stats(self) -> BackendStats:
+        with self._guard("stats"), self._gate.shared():
+            used, entries = self._totals()
+            info, page = self.env.info(), self.env.stat()["psize"]
+        size, allocated = self._file_bytes()
+        with self._lock:
+            pending, pinned = len(self._touches), len(self._pins)
+        return self._snapshot(entries=entries, used_bytes=used, capacity_bytes=self.capacity, extra={
+            "map_size": info["map_size"], "page_size": page, "file_bytes": size,
+            "file_allocated_bytes": allocated, "readers": info["num_readers"],
+            "last_txnid": info["last_txnid"], "pending_touches": pending, "pinned": pinned})
+
+    def lru_order(self) -> list[bytes]:
+        """Keys from least to most recently used (after applying pending accesses)."""
+        self._apply_pending()
+        with self._txn() as txn:
+            return [bytes(k[STAMP.size:]) for k in txn.cursor(db=self.lru).iternext(values=False)]
+
+    def entry_meta(self, key: bytes) -> dict | None:
+        """Size, last access, hits and creation time of ``key`` (None when absent)."""
+        with self._txn() as txn:
+            meta = txn.get(_key(key), db=self.meta)
+            if meta is None:
+                return None
+            size, atime, hits, created = META.unpack(meta)
+        return {"size": size, "last_access_ns": atime, "hits": hits, "created_ns": created}
+
+    def check(self, fix: bool = False) -> list[str]:
+        """Problems between the block, meta, LRU and info tables (the block table is the
+        truth); repaired only with ``fix``. Reads every value's pages: a maintenance call."""
+        self._apply_pending()
+        if not fix:
+            with self._guard("check"), self._txn() as txn:
+                return self._check_tables(txn, None)
+        with self._guard("check"):
+            return self._write(lambda w: self._check_tables(w.txn, w))
+
+    def _check_tables(self, txn, w: _Write | None) -> list[str]:
+        blocks = {bytes(k): len(v) for k, v in txn.cursor(db=self.blocks)}
+        metas = {bytes(k): META.unpack(v) for k, v in txn.cursor(db=self.meta)}
+        stamps = {bytes(k) for k in txn.cursor(db=self.lru).iternext(values=False)}
+        problems = []
+        for key, size in blocks.items():
+            meta = metas.get(key)
+            if meta is None:
+                problems.append(f"block without meta: {key.hex()}")
+                meta = (size, 0, 0, time.time_ns())  # unknown history: the first to go
+                stamps.add(_stamp(0, key))
+                if w is not None:
+                    txn.put(_stamp(0, key), b"", db=self.lru)
+            elif meta[0] != size:
+                problems.append(f"meta size {meta[0]} != stored size {size}: {key.hex()}")
+                meta = (size, *meta[1:])
+            else:
+                continue
+            metas[key] = meta
+            if w is not None:
+                txn.put(key, META.pack(*meta), db=self.meta)
+        for key in [k for k in metas if k not in blocks]:
+            problems.append(f"meta without block: {key.hex()}")
+            stamp = _stamp(metas.pop(key)[1], key)
+            stamps.discard(stamp)
+            if w is not None:
+                txn.delete(key, db=self.meta)
+                txn.delete(stamp, db=self.lru)
+        wanted = {_stamp(m[1], k) for k, m in metas.items()}
+        for stamp in sorted(wanted - stamps):
+            problems.append(f"missing LRU entry: {stamp[STAMP.size:].hex()}")
+        for stamp in sorted(stamps - wanted):
+            problems.append(f"stale LRU entry: {stamp[STAMP.size:].hex()}")
+        used, entries = self._read_totals(txn)
+        truth = (sum(blocks.values()), len(blocks))
+        if (used, entries) != truth:
+            problems.append(f"info totals {used} bytes / {entries} entries, tables hold "
+                            f"{truth[0]} / {truth[1]}")
+        if w is not None:
+            for stamp in wanted - stamps:
+                txn.put(stamp, b"", db=self.lru)
+            for stamp in stamps - wanted:
+                txn.delete(stamp, db=self.lru)
+            w.used, w.entries = truth
+        return problems
