@@ -1,0 +1,154 @@
+"""Redis tier when Redis misbehaves (real servers, no mocks): killed, restarted, hung, full."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import pytest
+import redis
+
+from storage_backends.registry import open_backend
+from tests.redis_server import RedisServer
+from tiered_kv.errors import BackendUnavailable
+
+
+def wait_until_served(backend, deadline_s: float = 15.0) -> float:
+    """Seconds until ``backend`` stores a value again (BackendUnavailable meanwhile)."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            if backend.put_many([(b"back", b"again")]) == [True]:
+                return time.monotonic() - t0
+        except BackendUnavailable:
+            pass
+        assert time.monotonic() - t0 < deadline_s, "the backend never recovered"
+        time.sleep(0.05)
+
+
+def test_killed_redis_fails_fast_is_counted_and_the_same_object_recovers(own_redis):
+    b = open_backend(own_redis.url, timeout="300ms", retries=1)
+    assert b.put_many([(b"k", b"v"), (b"big", b"w" * (2 << 20))]) == [True, True]
+    own_redis.stop()  # SIGKILL, mid-test
+    t0 = time.perf_counter()
+    with pytest.raises(BackendUnavailable):
+        b.get_many([b"k"])
+    assert time.perf_counter() - t0 < 2  # connection refused, retried with backoff
+    t0 = time.perf_counter()
+    for call in [lambda: b.get_many([b"k"]), lambda: b.put_many([(b"x", b"y")]), lambda: b.contains_many([b"k"]),
+                 lambda: b.delete_many([b"k"]), lambda: list(b.scan())] * 12:
+        with pytest.raises(BackendUnavailable):
+            call()
+    assert time.perf_counter() - t0 < 0.3  # the breaker is open: no time spent on Redis
+    stats = b.stats()  # counters still come back, one more error counted
+    assert stats.errors == 62 and "unavailable" in stats.extra and stats.puts == 2
+    own_redis.restart()
+    assert wait_until_served(b) < 5  # the cool-down is at most a few seconds
+    assert b.get_many([b"back", b"k"]) == [b"again", None]  # a new, empty server
+    assert b.stats().errors >= 62  # and those refused while it came back
+    b.close()
+
+
+def test_a_restart_between_calls_is_invisible(own_redis):
+    b = open_backend(own_redis.url, retries=1)
+    assert b.put_many([(b"k", b"v")]) == [True]
+    own_redis.restart()  # the pooled connection is now dead; it is replaced, not reported
+    assert b.put_many([(b"k", b"v2")]) == [True]
+    assert b.get_many([b"k"]) == [b"v2"] and b.stats().errors == 0
+    b.close()
+
+
+def test_hung_redis_costs_bounded_time_then_one_probe_while_others_fail_at_once(own_redis):
+    b = open_backend(own_redis.url, timeout="200ms", retries=1)
+    assert b.put_many([(b"k", b"v")]) == [True]
+    own_redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(BackendUnavailable):
+            b.get_many([b"k"])
+        assert time.perf_counter() - t0 < 1.5  # 2 tries x 200 ms + backoff
+        time.sleep(0.6)  # past the first cool-down: the next call is the probe
+        probe_errors = []
+
+        def probe() -> None:
+            try:
+                b.get_many([b"k"])
+            except BackendUnavailable as exc:
+                probe_errors.append(exc)
+
+        prober = threading.Thread(target=probe)
+        prober.start()
+        time.sleep(0.1)
+        t0 = time.perf_counter()
+        for _ in range(20):  # while the probe waits on the hung server, other calls do not
+            with pytest.raises(BackendUnavailable):
+                b.contains_many([b"k"])
+        assert time.perf_counter() - t0 < 0.1
+        prober.join()
+        assert len(probe_errors) == 1
+    finally:
+        own_redis.proc.send_signal(signal.SIGCONT)
+    wait_until_served(b)
+    assert b.get_many([b"k"]) == [b"v"]  # the same server, data intact
+    b.close()
+
+
+def test_many_threads_during_an_outage_all_get_backend_unavailable(own_redis):
+    b = open_backend(own_redis.url, timeout="200ms", retries=0)
+    b.put_many([(b"k", b"v")])
+    own_redis.stop()
+    outcomes: list[str] = []
+
+    def work() -> None:
+        for _ in range(25):
+            try:
+                b.get_many([b"k"])
+                outcomes.append("served")
+            except BackendUnavailable:
+                outcomes.append("unavailable")
+            except Exception as exc:  # anything else is a bug
+                outcomes.append(repr(exc))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcomes == ["unavailable"] * 100 and time.perf_counter() - t0 < 2
+    assert b.stats().errors == 101
+    b.close()
+
+
+def test_maxmemory_noeviction_refuses_puts_instead_of_raising(tmp_path):
+    server = RedisServer(tmp_path / "r", maxmemory="4mb").start()
+    try:
+        redis.Redis(port=server.port).config_set("maxmemory-policy", "noeviction")
+        b = open_backend(server.url)
+        results = b.put_many([(bytes([i]), b"x" * (600 << 10)) for i in range(12)])  # pipelined
+        results += [b.put_many([(b"L", b"z" * (5 << 20))])[0]]  # a lone SET
+        results += b.put_many([(b"s" + bytes([i]), b"y" * 1000) for i in range(50)])
+        assert True in results and False in results and results[12] is False
+        stats = b.stats()
+        assert stats.put_rejected == results.count(False) and stats.puts == results.count(True)
+        assert stats.errors == 0 and stats.extra["maxmemory_policy"] == "noeviction"
+        assert b.get_many([bytes([0])]) == [b"x" * (600 << 10)]  # what was stored is still served
+        b.close()
+    finally:
+        server.stop()
+
+
+def test_maxmemory_with_lru_policy_evicts_on_the_server(tmp_path):
+    server = RedisServer(tmp_path / "r", maxmemory="4mb").start()  # allkeys-lru
+    try:
+        b = open_backend(server.url)
+        for i in range(16):
+            assert b.put_many([(bytes([i]), b"x" * (512 << 10))]) == [True]
+        present = b.contains_many([bytes([i]) for i in range(16)])
+        assert present[-1] and not all(present)
+        stats = b.stats()
+        assert stats.extra["server_evicted_keys"] > 0 and stats.capacity_bytes == 4 << 20
+        b.close()
+    finally:
+        server.stop()
