@@ -110,6 +110,16 @@ class Backend(ABC):
         """Undo one :meth:`pin_many` of each key."""
 
     # -- helpers for subclasses ------------------------------------------------------------
+    def _get_by_visiting(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """``get_many`` for media whose native read is :meth:`visit_many` (copies each value)."""
+        out: list[bytes | None] = [None] * len(keys)
+
+        def keep(i: int, value: memoryview) -> None:
+            out[i] = bytes(value)
+
+        self.visit_many(keys, keep)
+        return out
+
     def _count(self, **deltas: int) -> None:
         with self._stats_lock:
             for name, delta in deltas.items():

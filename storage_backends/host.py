@@ -165,13 +165,7 @@ class HostBackend(Backend):
 
     # -- byte interface ------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * len(keys)
-
-        def keep(i: int, value: memoryview) -> None:
-            out[i] = bytes(value)
-
-        self.visit_many(keys, keep)
-        return out
+        return self._get_by_visiting(keys)
 
     def visit_many(self, keys: Sequence[bytes], visitor: Visitor) -> list[bool]:
         self._check_open()
