@@ -4,21 +4,23 @@ Named databases inside the environment (a directory):
 
 - ``blocks``: key -> stored value (already encoded and compressed by the caller);
 - ``meta``: key -> (stored size, last access ns, hits, created ns);
-- ``lru``: big-endian last access ns || key -> empty: a cursor from the start yields the least
-  recently used entry;
+- ``lru``: big-endian last access ns || key -> empty, so a cursor from the start yields the
+  least recently used entry (keys over 503 bytes are indexed by a digest and kept as the value);
 - ``info``: ``used`` / ``entries`` totals and the ``format``, updated in the same write
   transaction as every put, delete and eviction, so they stay right with several processes.
 
 Reopening is the whole warm-up: usage, entry count and LRU order come back from these tables
 without a scan. Reads record accesses in memory; they are applied in the next write transaction
-(or on ``flush``/``close``), never with a write per read. A value that cannot fit is refused
-(``False``); ``lmdb.MapFullError`` never reaches the caller: the map grows (it is sparse) or
-more is evicted. Remapping (ours, or adopting another process's larger map) waits for every
-transaction of this process to end, so zero-copy buffers never outlive their mapping.
+(or on ``flush``/``close``, or when many are pending), never with a write per read. A value that
+cannot fit is refused (``False``); ``lmdb.MapFullError`` never reaches the caller: the map grows
+(it is sparse) or more is evicted. Remapping (ours, or adopting a map another process grew)
+waits for every transaction of this process to end, so zero-copy buffers never outlive their
+mapping.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import struct
@@ -46,7 +48,7 @@ FORMAT = 1
 MAX_KEY = 511  # LMDB's default key size limit
 MAX_TOUCHES = 4096  # pending read accesses before they are applied eagerly
 REMAP_WAIT_S = 10.0  # how long a remap waits for this process's transactions to end
-OPTIONS = ("capacity", "sync", "map_size", "readahead", "max_readers", "batch_bytes")
+OPTIONS = ("capacity", "sync", "map_size", "readahead", "writemap", "max_readers", "batch_bytes")
 
 
 class InvalidKey(BackendError, ValueError):
@@ -107,7 +109,22 @@ def _fits(key: bytes) -> bool:
 
 
 def _stamp(atime_ns: int, key: bytes) -> bytes:
-    return STAMP.pack(atime_ns) + key
+    """LRU index key: time || key (|| a digest of keys too long to follow the time; their
+    index entry then holds the key as its value)."""
+    return STAMP.pack(atime_ns) + (key if len(key) <= MAX_KEY - STAMP.size else _digest(key))
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.blake2b(key, digest_size=16).digest()
+
+
+def _lru_value(key: bytes) -> bytes:
+    return key if len(key) > MAX_KEY - STAMP.size else b""
+
+
+def _indexed(stamp, value) -> bytes:
+    """The key an LRU index entry stands for."""
+    return bytes(value) if len(value) else bytes(stamp[STAMP.size:])
 
 
 class _Gate:
@@ -142,6 +159,20 @@ class _Gate:
                 with self._cond:
                     self._shared -= 1
                     self._cond.notify_all()
+
+    @contextmanager
+    def paused(self):
+        """Hold back new shared holders while the ones inside finish. py-lmdb's abort of a write
+        transaction waits until no call of this process is inside LMDB: readers arriving all
+        the time would starve it."""
+        with self._cond:
+            self._waiting += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._waiting -= 1
+                self._cond.notify_all()
 
     @contextmanager
     def exclusive(self, timeout: float | None):
@@ -183,8 +214,8 @@ class LmdbBackend(Backend):
 
     def __init__(self, path: str | os.PathLike, *, capacity: int | str, sync: bool | str = False,
                  map_size: int | str | None = None, readahead: bool | str = True,
-                 max_readers: int | str = 512, batch_bytes: int | str = 2 << 20,
-                 url: str | None = None) -> None:
+                 writemap: bool | str = False, max_readers: int | str = 512,
+                 batch_bytes: int | str = 2 << 20, url: str | None = None) -> None:
         self.path = Path(path)
         super().__init__(url or f"lmdb://{self.path.resolve()}")
         self.capacity = parse_size(capacity, name="lmdb capacity")
@@ -199,15 +230,17 @@ class LmdbBackend(Backend):
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"lmdb path {self.path} exists and is not a directory")
         self.path.mkdir(parents=True, exist_ok=True)
-        try:
-            self.env = lmdb.open(str(self.path), map_size=wanted, max_dbs=8, sync=self.sync,
-                                 metasync=self.sync, readahead=_bool(readahead, "lmdb readahead"),
-                                 max_readers=_int(max_readers, "lmdb max_readers"), lock=True)
-        except lmdb.Error as exc:
-            raise ConfigError(f"cannot open LMDB store at {self.path}: {exc}") from None
-        self.env.reader_check()  # readers left by crashed processes would pin old pages
-        self.blocks, self.meta, self.lru, self.info = (
-            self.env.open_db(name) for name in (b"blocks", b"meta", b"lru", b"info"))
+        # writemap: puts into reused pages ~1.5x faster, but without sync a machine crash may
+        # corrupt the environment (not only lose the last commits); every process must agree
+        writemap = _bool(writemap, "lmdb writemap")
+        if writemap and not self.sync:
+            log.warning("lmdb tier at %s: writemap without sync: a machine crash may corrupt it",
+                        self.path)
+        options = dict(map_size=wanted, max_dbs=8, sync=self.sync, metasync=self.sync,
+                       readahead=_bool(readahead, "lmdb readahead"), writemap=writemap,
+                       max_readers=_int(max_readers, "lmdb max_readers"), lock=True)
+        self.env = self._open_env(options)
+        self.blocks, self.meta, self.lru, self.info = self._open_tables()
         self._gate = _Gate()
         self._lock = threading.Lock()  # touches and pins
         self._touches: dict[bytes, tuple[int, int]] = {}  # key -> (last access ns, hits)
@@ -222,6 +255,29 @@ class LmdbBackend(Backend):
         if used > self.capacity:
             log.warning("lmdb tier at %s holds %s, over its capacity %s: the next puts evict",
                         self.path, format_size(used), format_size(self.capacity))
+
+    def _open_env(self, options: dict) -> lmdb.Environment:
+        for _ in range(5):
+            try:
+                return lmdb.open(str(self.path), **options)
+            except lmdb.MapResizedError:  # another process grew it while we opened: again
+                continue
+            except lmdb.Error as exc:
+                raise ConfigError(f"cannot open LMDB store at {self.path}: {exc}") from None
+        raise ConfigError(f"cannot open LMDB store at {self.path}: its map keeps being resized")
+
+    def _open_tables(self) -> list:
+        for _ in range(3):
+            try:
+                self.env.reader_check()  # readers left by crashed processes would pin old pages
+                return [self.env.open_db(name) for name in (b"blocks", b"meta", b"lru", b"info")]
+            except lmdb.MapResizedError:  # another process grew the map beyond ours: adopt it
+                self.env.set_mapsize(0)
+            except lmdb.Error as exc:
+                self.env.close()
+                raise ConfigError(f"cannot open LMDB store at {self.path}: {exc}") from None
+        self.env.close()
+        raise ConfigError(f"cannot open LMDB store at {self.path}: its map keeps being resized")
 
     @classmethod
     def from_url(cls, url: str, **options) -> LmdbBackend:
@@ -250,9 +306,18 @@ class LmdbBackend(Backend):
                     txn = self.env.begin(write=write, buffers=True)
                 except lmdb.MapResizedError:
                     txn = None
-                if txn is not None:
+                if txn is not None and not write:
                     with txn:
                         yield txn
+                    return
+                if txn is not None:
+                    try:
+                        yield txn
+                    except BaseException:
+                        with self._gate.paused():  # else readers can starve the abort
+                            txn.abort()
+                        raise
+                    txn.commit()
                     return
             if not self._remap(0):
                 break
@@ -316,7 +381,8 @@ class LmdbBackend(Backend):
                 return False
             old = self.map_size
             self.env.set_mapsize(size)
-        log.info("lmdb tier at %s: map %s -> %s", self.path, format_size(old), format_size(self.map_size))
+            new = self.map_size
+        log.info("lmdb tier at %s: map %s -> %s", self.path, format_size(old), format_size(new))
         return True
 
     # -- reads -------------------------------------------------------------------------------
@@ -409,7 +475,7 @@ class LmdbBackend(Backend):
         now = time.time_ns()
         w.txn.put(key, value, db=self.blocks)
         w.txn.put(key, META.pack(size, now, 0, now), db=self.meta)
-        w.txn.put(_stamp(now, key), b"", db=self.lru)
+        w.txn.put(_stamp(now, key), _lru_value(key), db=self.lru)
         w.used += size
         w.entries += 1
         w.counts["puts"] += 1
@@ -433,10 +499,10 @@ class LmdbBackend(Backend):
         with self._lock:
             pinned = set(self._pins)
         victims, stale = [], []
-        for stamp in w.txn.cursor(db=self.lru).iternext(keys=True, values=False):
+        for stamp, value in w.txn.cursor(db=self.lru):
             if w.used + incoming <= self.capacity:
                 break
-            key = bytes(stamp[STAMP.size:])
+            key = _indexed(stamp, value)
             if key in pinned:
                 continue
             meta = w.txn.get(key, db=self.meta)
@@ -476,7 +542,10 @@ class LmdbBackend(Backend):
                 self._touches[key] = (now, hits + 1)
             eager = len(self._touches) >= MAX_TOUCHES
         if eager:
-            self._apply_pending()
+            try:
+                self._apply_pending()
+            except BackendUnavailable:
+                pass  # logged; the read itself went fine and the accesses stay buffered
 
     def _take_touches(self) -> dict[bytes, tuple[int, int]]:
         with self._lock:
@@ -497,7 +566,7 @@ class LmdbBackend(Backend):
             size, old_atime, old_hits, created = META.unpack(meta)
             if atime > old_atime:
                 txn.delete(_stamp(old_atime, key), db=self.lru)
-                txn.put(_stamp(atime, key), b"", db=self.lru)
+                txn.put(_stamp(atime, key), _lru_value(key), db=self.lru)
             txn.put(key, META.pack(size, max(atime, old_atime), min(old_hits + hits, 2**32 - 1),
                                    created), db=self.meta)
 
@@ -564,12 +633,12 @@ class LmdbBackend(Backend):
     def _check_format(self) -> None:
         with self._txn(write=True) as txn:
             stored = txn.get(b"format", db=self.info)
+            found = FORMAT if stored is None else U64.unpack(stored)[0]
             if stored is None:
                 txn.put(b"format", U64.pack(FORMAT), db=self.info)
-            elif U64.unpack(stored)[0] != FORMAT:
-                self.env.close()
-                raise ConfigError(f"lmdb store at {self.path} has format {U64.unpack(stored)[0]}, "
-                                  f"this version reads {FORMAT}")
+        if found != FORMAT:
+            self.env.close()
+            raise ConfigError(f"lmdb store at {self.path} has format {found}, this version reads {FORMAT}")
 
     def _file_bytes(self) -> tuple[int, int]:
         """(apparent size, allocated bytes) of data.mdb (the map is sparse)."""
@@ -595,7 +664,7 @@ class LmdbBackend(Backend):
         """Keys from least to most recently used (after applying pending accesses)."""
         self._apply_pending()
         with self._txn() as txn:
-            return [bytes(k[STAMP.size:]) for k in txn.cursor(db=self.lru).iternext(values=False)]
+            return [_indexed(stamp, value) for stamp, value in txn.cursor(db=self.lru)]
 
     def entry_meta(self, key: bytes) -> dict | None:
         """Size, last access, hits and creation time of ``key`` (None when absent)."""
@@ -619,16 +688,16 @@ class LmdbBackend(Backend):
     def _check_tables(self, txn, w: _Write | None) -> list[str]:
         blocks = {bytes(k): len(v) for k, v in txn.cursor(db=self.blocks)}
         metas = {bytes(k): META.unpack(v) for k, v in txn.cursor(db=self.meta)}
-        stamps = {bytes(k) for k in txn.cursor(db=self.lru).iternext(values=False)}
+        stamps = {bytes(stamp): _indexed(stamp, value) for stamp, value in txn.cursor(db=self.lru)}
         problems = []
         for key, size in blocks.items():
             meta = metas.get(key)
             if meta is None:
                 problems.append(f"block without meta: {key.hex()}")
                 meta = (size, 0, 0, time.time_ns())  # unknown history: the first to go
-                stamps.add(_stamp(0, key))
+                stamps[_stamp(0, key)] = key
                 if w is not None:
-                    txn.put(_stamp(0, key), b"", db=self.lru)
+                    txn.put(_stamp(0, key), _lru_value(key), db=self.lru)
             elif meta[0] != size:
                 problems.append(f"meta size {meta[0]} != stored size {size}: {key.hex()}")
                 meta = (size, *meta[1:])
@@ -640,24 +709,23 @@ class LmdbBackend(Backend):
         for key in [k for k in metas if k not in blocks]:
             problems.append(f"meta without block: {key.hex()}")
             stamp = _stamp(metas.pop(key)[1], key)
-            stamps.discard(stamp)
+            stamps.pop(stamp, None)
             if w is not None:
                 txn.delete(key, db=self.meta)
                 txn.delete(stamp, db=self.lru)
-        wanted = {_stamp(m[1], k) for k, m in metas.items()}
-        for stamp in sorted(wanted - stamps):
-            problems.append(f"missing LRU entry: {stamp[STAMP.size:].hex()}")
-        for stamp in sorted(stamps - wanted):
-            problems.append(f"stale LRU entry: {stamp[STAMP.size:].hex()}")
+        wanted = {_stamp(m[1], k): k for k, m in metas.items()}
+        missing, stale = sorted(wanted.keys() - stamps.keys()), sorted(stamps.keys() - wanted.keys())
+        problems += [f"missing LRU entry: {wanted[stamp].hex()}" for stamp in missing]
+        problems += [f"stale LRU entry: {stamps[stamp].hex()}" for stamp in stale]
         used, entries = self._read_totals(txn)
         truth = (sum(blocks.values()), len(blocks))
         if (used, entries) != truth:
             problems.append(f"info totals {used} bytes / {entries} entries, tables hold "
                             f"{truth[0]} / {truth[1]}")
         if w is not None:
-            for stamp in wanted - stamps:
-                txn.put(stamp, b"", db=self.lru)
-            for stamp in stamps - wanted:
+            for stamp in missing:
+                txn.put(stamp, _lru_value(wanted[stamp]), db=self.lru)
+            for stamp in stale:
                 txn.delete(stamp, db=self.lru)
             w.used, w.entries = truth
         return problems

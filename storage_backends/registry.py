@@ -36,7 +36,7 @@ def registered_schemes() -> list[str]:
 
 
 def scheme_of(url: str) -> str:
-    scheme = urlsplit(url).scheme.lower() if "://" in url else url.lower()
+    scheme = urlsplit(url).scheme.lower() if ":" in url else url.lower()
     if scheme not in _REGISTRY:
         raise UnknownBackend(f"no storage backend for {url!r}; known schemes: {registered_schemes()}")
     return scheme
