@@ -158,6 +158,12 @@ class HostBackend(Backend):
         """A uint8 tensor over ``slot`` (the first ``nbytes`` bytes)."""
         return self.slab[slot, : self.slot_bytes if nbytes is None else nbytes]
 
+    def reserved(self, key: bytes) -> bool:
+        """Whether ``key`` is reserved (phase one) and not yet committed or aborted."""
+        with self._lock:
+            entry = self._entries.get(key)
+            return entry is not None and not entry.ready
+
     def length_of(self, key: bytes) -> int | None:
         with self._lock:
             entry = self._entries.get(key)

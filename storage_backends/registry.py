@@ -1,7 +1,7 @@
 """Backends by URL scheme or name, imported only when first used.
 
 ``open_backend("lmdb:///var/cache/tkv?capacity=8GiB")``, ``open_backend("redis://h:6379/0")``,
-``open_backend("host://?capacity=1GiB&slot=2MiB")``. Query parameters become keyword arguments
+``open_backend("host://?capacity=1GiB&slot=2MiB")``, ``open_backend("file:///mnt/shared/tkv")``. Query parameters become keyword arguments
 of the backend's ``from_url`` (strings; the backend converts them).
 """
 
@@ -16,6 +16,7 @@ from tiered_kv.errors import UnknownBackend
 # scheme -> "module:Class"; a class provides from_url(url, **options)
 _REGISTRY: dict[str, str] = {
     "host": "storage_backends.host:HostBackend",
+    "file": "storage_backends.file_dir:FileBackend",
     "lmdb": "storage_backends.lmdb_disk:LmdbBackend",
     "redis": "storage_backends.redis_remote:RedisBackend",
     "rediss": "storage_backends.redis_remote:RedisBackend",

@@ -144,10 +144,11 @@ def _summary(run: dict) -> dict:
 def corrupt_store(url: str, count: int) -> list[str]:
     """Flip one byte in the body of ``count`` stored blocks, behind the store's back."""
     from storage_backends.registry import open_backend
+    from tiered_kv.records import is_block_key
 
     backend = open_backend(url)
     try:
-        keys = sorted(backend.scan())[:count]
+        keys = sorted(k for k in backend.scan() if is_block_key(k))[:count]  # not the ns record
         damaged = []
         for key, value in zip(keys, backend.get_many(keys)):
             if value is None:

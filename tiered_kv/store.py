@@ -30,9 +30,10 @@ from storage_backends.host import HostBackend
 from storage_backends.registry import open_backend
 from tiered_kv.codec import BlockCodec
 from tiered_kv.config import TieredKVConfig
-from tiered_kv.errors import ConfigError
+from tiered_kv.errors import BackendError, ConfigError
 from tiered_kv.keys import Namespace
 from tiered_kv.metrics import StoreMetrics
+from tiered_kv.records import encode_namespace, namespace_key
 from tiered_kv.tier import EncodedTier
 from tiered_kv.transfer import TransferPool
 from tiered_kv.units import format_size
@@ -40,6 +41,8 @@ from tiered_kv.units import format_size
 log = logging.getLogger(__name__)
 
 SAVE_CHUNK_BYTES = 16 << 20  # write-behind job size: enough blocks to amortise a txn
+PROMOTION_WAIT_S = 5.0  # how long a load waits for another load promoting the same block
+RECORD_CHECK_S = 60.0  # how often the write path re-checks a tier's namespace record
 
 
 def block_shape(ns: Namespace) -> tuple[int, int, int, int, int]:
@@ -117,9 +120,13 @@ class TieredStore:
         self.remote = self._open_tier("remote", config.remote.url, ttl=config.remote.ttl,
                                       timeout=config.remote.timeout, retries=config.remote.retries)
         self.lower = [t for t in (self.disk, self.remote) if t is not None]
+        self._record_due: dict[str, float] = {}  # tier -> when to check its namespace record
         self._lock = threading.Lock()
         self._leases: dict[str, LoadPlan] = {}
         self._closed = False
+        self._metrics_ports: list[int] = []  # Prometheus exporter ports serving this store
+        if config.metrics_port is not None:
+            _export_metrics(self, config.metrics_port)
         log.info("tiered store for %s: block %s %s = %s; tiers: host%s", namespace.model_id,
                  self.shape, namespace.dtype, format_size(self.block_nbytes),
                  "".join(f", {t.name} ({t.backend.url})" for t in self.lower))
@@ -263,12 +270,30 @@ class TieredStore:
                     if not have]
             if not todo:
                 continue
+            self._record_namespace(tier)
             start = time.perf_counter()
             cache = encoded.setdefault((tier.codec.codec, tier.codec.level), {})
             blobs = [(k, cache[k] if k in cache else cache.setdefault(k, tier.encode(k, p)))
                      for k, p in todo]
             stored += sum(tier.put_blobs(blobs, len(todo) * self.block_nbytes, start))
         return stored
+
+    def _record_namespace(self, tier: EncodedTier) -> None:
+        """Keep the namespace record (``tiered_kv.records``) next to the blocks of ``tier``, for
+        tools that report model id and shape per namespace. Checked on the write path (never on
+        open: no Redis round trip there), at most every RECORD_CHECK_S, so a record that LRU,
+        a TTL or an operator removed comes back."""
+        now = time.monotonic()
+        if now < self._record_due.get(tier.name, 0.0):
+            return
+        self._record_due[tier.name] = now + RECORD_CHECK_S
+        key = namespace_key(tier.ns)
+        try:
+            if not tier.backend.contains_many([key])[0]:
+                tier.backend.put_many([(key, encode_namespace(self.namespace))])
+        except BackendError as exc:  # the blocks' own put reports the outage
+            self._record_due[tier.name] = now
+            log.debug("%s tier: namespace record not written: %s", tier.name, exc)
 
     def _on_host_evict(self, key: bytes, value: memoryview) -> None:
         targets = [t for t in self.lower if t.policy == "on_evict"]
@@ -336,16 +361,22 @@ class TieredStore:
     def _load_job(self, plan: LoadPlan, idx: list[int]) -> None:
         keys = [plan.keys[i] for i in idx]
         slots = self.host.reserve_many(keys)
-        # a key another load promoted meanwhile is simply leased; no room is a counted miss
-        for j, (i, slot) in enumerate(zip(idx, slots)):
-            if slot is None:
-                (pinned,) = self.host.pin_many([plan.keys[i]])
+        # keys this job could not reserve are leased once another load promoted them, after
+        # this job committed its own (a job never waits while holding reservations)
+        others = [i for i, slot in zip(idx, slots) if slot is None]
+        try:
+            self._read_reserved(plan, [(i, s) for i, s in zip(idx, slots) if s is not None])
+        finally:
+            for i in others:
+                pinned = self._pin_promoted(plan.keys[i])
                 plan.slots[i] = pinned
                 plan.served[i] = "host" if pinned is not None else None
-                if pinned is None:
+                if pinned is None:  # no room is a counted miss
                     plan.reasons[i] = "no_room"
                     self.metrics.miss("host", "no_room")
-        want = [(i, s) for i, s in zip(idx, slots) if s is not None]
+
+    def _read_reserved(self, plan: LoadPlan, want: list[tuple[int, int]]) -> None:
+        """Read the blocks of ``want`` (plan index, reserved slot) from the lower tiers."""
         reasons: dict[int, str | None] = {i: "absent" for i, _ in want}
         for tier in self.lower:
             pending = [(i, s) for i, s in want if reasons[i] is not None]
@@ -363,6 +394,7 @@ class TieredStore:
                 if blob is not None:
                     down.append((plan.keys[i], blob))
             if down:
+                self._record_namespace(self.disk)  # type: ignore[arg-type]
                 self.disk.put_blobs(down, len(down) * self.block_nbytes)  # type: ignore[union-attr]
         good = [plan.keys[i] for i, _ in want if reasons[i] is None]
         bad = [plan.keys[i] for i, _ in want if reasons[i] is not None]
@@ -373,6 +405,19 @@ class TieredStore:
             plan.reasons[i] = reasons[i]
         if bad:
             self.metrics.event("loads_failed", len(bad))
+
+    def _pin_promoted(self, key: bytes) -> int | None:
+        """Lease ``key`` in the host tier. When another load is promoting it right now (two
+        requests sharing a prefix load in the same step), wait for that load to commit or abort
+        instead of failing the block (bounded by PROMOTION_WAIT_S)."""
+        deadline = time.monotonic() + PROMOTION_WAIT_S
+        delay = 0.0002
+        while True:
+            (pinned,) = self.host.pin_many([key])
+            if pinned is not None or not self.host.reserved(key) or time.monotonic() > deadline:
+                return pinned
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
 
     def release(self, plan: LoadPlan) -> None:
         """End the lease of every block of ``plan`` (after the caller copied them out)."""
@@ -436,6 +481,10 @@ class TieredStore:
         try:
             self.flush()
         finally:
+            if self._metrics_ports:
+                from tiered_kv.exporter import unexport
+
+                unexport(self)
             self.pool.close()
             for tier in self.lower:
                 tier.backend.close()
@@ -446,6 +495,14 @@ class TieredStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _export_metrics(store: TieredStore, port: int) -> None:
+    try:
+        from tiered_kv.exporter import export
+    except ImportError as exc:
+        raise ConfigError(f"metrics_port needs prometheus-client (pip install 'tiered-kv[metrics]'): {exc}") from None
+    export(store, port)
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:

@@ -15,17 +15,19 @@ from storage_backends.registry import backend_class, open_backend
 CAPACITY = 64 << 20
 BIG = 1 << 20  # the largest value every medium takes (the host slot)
 MODULES = {"host": "storage_backends.host", "lmdb": "storage_backends.lmdb_disk",
-           "redis": "storage_backends.redis_remote"}
+           "redis": "storage_backends.redis_remote", "file": "storage_backends.file_dir"}
 _examples = itertools.count()
 
 
-@pytest.fixture(params=["host", "lmdb", "redis"])
+@pytest.fixture(params=["host", "lmdb", "redis", "file"])
 def url(request, tmp_path) -> str:
     name = request.param
     if name == "host":
         url = "host://?capacity=64MiB&slot=1MiB"
     elif name == "lmdb":
         url = f"lmdb://{tmp_path}/db?capacity=64MiB"
+    elif name == "file":
+        url = f"file://{tmp_path}/files?capacity=64MiB"
     else:
         url = request.getfixturevalue("redis_url")
     try:
@@ -47,7 +49,7 @@ def backend(url):
 def bounded(backend) -> bool:
     """Media that keep our bytes to a capacity of their own (host, lmdb); Redis evicts by its
     server's policy and reports the server's memory."""
-    return backend.name in ("host", "lmdb")
+    return backend.name in ("host", "lmdb", "file")
 
 
 def value(seed: int, n: int) -> bytes:

@@ -7,7 +7,9 @@ engine layouts, detected from shapes (unknown ones are refused with a ConfigErro
 - ``block_major``: one pool ``[num_blocks, L, 2, block_size, H, D]`` (TensorRT-LLM-like; a
   trailing ``block_size*H*D`` or ``H*D`` may be flattened);
 - ``layers_nb2``: per-layer tensors ``[num_blocks, 2, block_size, H, D]`` (vLLM CPU / flash);
-- ``layers_2nb``: per-layer tensors ``[2, num_blocks, block_size, H, D]`` (older vLLM).
+- ``layers_2nb``: per-layer tensors ``[2, num_blocks, block_size, H, D]`` (older vLLM);
+- ``layers_head_major``: per-layer ``[num_blocks, H, block_size, 2*D]``, memory ``[blocks, H, K|V,
+  block_size, D]`` (vLLM 0.32's CPU attention backend).
 
 All moves are batched: one ``index_select`` / ``index_copy_`` per layer or per buffer, never a
 Python loop per block.
@@ -109,6 +111,30 @@ class LayerListLayout(KVLayout):
             t.index_copy_(self.block_dim, block_ids, part if self.block_dim == 0 else part.transpose(0, 1))
 
 
+class HeadMajorLayout(KVLayout):
+    """Per-layer tensors ``[blocks, H, bs, 2*D]`` whose memory is ``[blocks, H, K|V, bs, D]``
+    (vLLM's CPU attention backend: each head's K rows, then its V rows)."""
+
+    name = "layers_head_major"
+
+    def __init__(self, ns: Namespace, layers: Sequence[torch.Tensor]) -> None:
+        super().__init__(ns)
+        self.layers = list(layers)
+        H, bs, D = ns.num_kv_heads, ns.block_size, ns.head_dim
+        self.views = [t.view(t.shape[0], H, 2, bs, D) for t in self.layers]
+
+    device = property(lambda self: self.layers[0].device)
+    dtype = property(lambda self: self.layers[0].dtype)
+
+    def gather(self, block_ids: torch.Tensor) -> torch.Tensor:
+        parts = [v.index_select(0, block_ids).permute(0, 2, 3, 1, 4) for v in self.views]
+        return torch.stack(parts, dim=1)  # [n, L, 2, bs, H, D]
+
+    def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        for layer, v in enumerate(self.views):
+            v.index_copy_(0, block_ids, src[:, layer].to(v.dtype).permute(0, 3, 1, 2, 4))
+
+
 def make_layout(ns: Namespace, kv: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
                 declared: str | None = None) -> KVLayout:
     """Detect (or check the ``declared``) layout of the engine's KV tensors."""
@@ -132,10 +158,13 @@ def make_layout(ns: Namespace, kv: torch.Tensor | Sequence[torch.Tensor] | Mappi
     shape = tuple(layers[0].shape)
     if any(tuple(t.shape) != shape for t in layers):
         raise ConfigError("per-layer KV tensors differ in shape")
+    if (len(shape) == 4 and shape[1:] == (H, bs, 2 * D) and declared in (None, "layers_head_major")
+            and layers[0].is_contiguous()):
+        return HeadMajorLayout(ns, layers)
     if len(shape) == 5 and shape[2:] == (bs, H, D):
         if shape[1] == 2 and declared in (None, "layers_nb2"):
             return LayerListLayout(ns, layers, 0)
         if shape[0] == 2 and declared in (None, "layers_2nb"):
             return LayerListLayout(ns, layers, 1)
-    raise ConfigError(f"unsupported per-layer KV layout {shape}; expected [blocks, 2, {bs}, {H}, {D}] "
-                      f"or [2, blocks, {bs}, {H}, {D}]")
+    raise ConfigError(f"unsupported per-layer KV layout {shape}; expected [blocks, 2, {bs}, {H}, {D}], "
+                      f"[2, blocks, {bs}, {H}, {D}] or [blocks, {H}, {bs}, {2 * D}]")

@@ -55,10 +55,11 @@ class ConnectorScheduler:
         self._loads: list[LoadSpec] = []
 
     # -- keys ----------------------------------------------------------------------------------
-    def _state(self, request_id: str, tokens: Sequence[int]) -> _Request:
+    def _state(self, request_id: str, tokens: Sequence[int], extra: str | None = None) -> _Request:
         state = self._requests.get(request_id)
         if state is None:
-            state = self._requests[request_id] = _Request(KeyChain(self.namespace), list(tokens))
+            chain = KeyChain(self.namespace, lora=extra)
+            state = self._requests[request_id] = _Request(chain, list(tokens))
         elif len(tokens) > len(state.tokens):
             state.tokens = list(tokens)
         state.chain.update(state.tokens)
@@ -67,10 +68,15 @@ class ConnectorScheduler:
     def keys_of(self, request_id: str) -> list[bytes]:
         return self._requests[request_id].chain.keys
 
+    def external_tokens(self, request_id: str) -> int:
+        """Tokens matched externally when the request's blocks were allocated (0 if unknown)."""
+        state = self._requests.get(request_id)
+        return state.external if state is not None else 0
+
     # -- engine calls ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         """External tokens beyond ``num_computed_tokens``; never the last prompt token."""
-        state = self._state(request.request_id, request.prompt_token_ids)
+        state = self._state(request.request_id, request.prompt_token_ids, _extra(request))
         bs = self.block_size
         first = num_computed_tokens // bs
         last = (request.num_prompt_tokens - 1) // bs  # blocks we may claim
@@ -83,7 +89,7 @@ class ConnectorScheduler:
         return n * bs, self.load_async
 
     def update_state_after_alloc(self, request, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        state = self._state(request.request_id, request.prompt_token_ids)
+        state = self._state(request.request_id, request.prompt_token_ids, _extra(request))
         state.block_ids = list(block_ids)
         if num_external_tokens <= 0:
             return
@@ -129,11 +135,32 @@ class ConnectorScheduler:
         state.saved = full
         state.had_saves = True
 
+    def request_preempted(self, request_id: str) -> None:
+        """The engine freed the request's device blocks and will schedule it again later (it is
+        then matched and allocated anew). Its stored blocks stay stored; a load not started yet
+        is dropped with its lease."""
+        state = self._requests.get(request_id)
+        if state is not None:
+            state.block_ids = []
+            state.external = 0
+        self._matched_from.pop(request_id, None)
+        self._drop_loads(request_id)
+
+    def _drop_loads(self, request_id: str) -> None:
+        if any(spec.request_id == request_id for spec in self._loads):
+            self._loads = [s for s in self._loads if s.request_id != request_id]
+            self.index.drop_lease(request_id)
+
     def request_finished(self, request, block_ids: Sequence[int]) -> bool:
         """True when saves were planned: the worker reports the id once its copies are done."""
         state = self._requests.pop(request.request_id, None)
         self._matched_from.pop(request.request_id, None)
-        if any(spec.request_id == request.request_id for spec in self._loads):
-            self._loads = [s for s in self._loads if s.request_id != request.request_id]
-            self.index.drop_lease(request.request_id)
+        self._drop_loads(request.request_id)
         return bool(state and state.had_saves)
+
+
+def _extra(request) -> str | None:
+    """Per-request bytes folded into every key (LoRA adapter, tenant salt), when the engine
+    adapter's request view carries ``key_extra``."""
+    extra = getattr(request, "key_extra", None)
+    return None if extra in (None, "") else str(extra)

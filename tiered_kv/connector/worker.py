@@ -204,10 +204,15 @@ class ConnectorWorker:
         self._started_loading.difference_update(loaded)
         return saved, loaded
 
+    def flush_copies(self) -> None:
+        """Wait for in-flight device->host copies and commit them: the engine is about to reuse
+        blocks it did not hold for us (vLLM frees a preempted request's blocks at once)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._commit_ready()
+
     def close(self) -> None:
         for pending in self._async_loads.values():
             self.store.release(pending.plan)
         self._async_loads.clear()
-        if self._stream is not None:
-            self._stream.synchronize()
-        self._commit_ready()
+        self.flush_copies()

@@ -1,26 +1,16 @@
-"""The ``tiered-kv`` command line.
-
-Exit codes: 0 success; 1 the command ran and found a problem (e.g. outputs differ);
-2 bad usage or configuration (one line on stderr, no traceback).
-"""
+"""``tiered-kv demo restart``: the restart-and-resume demonstration."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from pathlib import Path
 
-from tiered_kv.errors import TieredKVError
-
-EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+from tiered_kv.cli.render import EXIT_OK, EXIT_PROBLEM
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tiered-kv", description="KV-cache tiers for LLM engines")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log progress to stderr")
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_parser(sub) -> None:
     demo = sub.add_parser("demo", help="demonstrations")
     demo_sub = demo.add_subparsers(dest="demo", required=True)
     restart = demo_sub.add_parser("restart", help="restart-and-resume: run 1 saves, run 2 (a new process) loads")
@@ -34,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     restart.add_argument("--model-size", choices=("demo", "tiny"), default="demo",
                          help="seeded model size without --model-dir (tiny: for quick checks)")
     restart.add_argument("--json", action="store_true", help="print one JSON object")
-    return parser
+    restart.set_defaults(handler=_cmd_demo_restart)
 
 
 def _cmd_demo_restart(args: argparse.Namespace) -> int:
@@ -77,24 +67,3 @@ def _print_demo(report: dict) -> None:
         console.print(f"corrupted {len(report['corrupted_blocks'])} stored blocks between the runs; "
                       f"run 2 misses: {report['run2']['misses']}")
     console.print("outputs identical: " + ("[green]yes[/green]" if report["outputs_identical"] else "[red]NO[/red]"))
-
-
-COMMANDS = {("demo", "restart"): _cmd_demo_restart}
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
-    key = (args.command, getattr(args, args.command, None))
-    try:
-        return COMMANDS[key](args)
-    except TieredKVError as exc:
-        print(f"tiered-kv: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,399 @@
+"""A directory of files, one per value: the export format of ``tiered-kv copy`` and a tier for
+shared network filesystems, where LMDB's locking does not hold.
+
+``file:///abs/dir`` (``file://./rel``, ``file:rel``). Layout::
+
+    DIR/.tiered-kv-file-store      marker (format version); a directory without it is refused
+    DIR/<ff>/<key as hex>          one value (for tiered-kv: a stored block, header and body)
+
+``<ff>`` is the last byte of the key in hex (block keys end in hash bytes: an even spread).
+A value is written to a temporary name in the same directory and renamed over the final one,
+so readers on any host see the old value or the new one, never a torn one. Reads and writes
+go through aiofiles on one event loop thread per backend; the sync interface submits to it.
+
+Options: ``capacity`` (bytes; default none: the filesystem decides) evicts least recently
+used files when a put would go over it. The LRU order comes from one scan of access times
+(which reads set), kept up to date in memory and rescanned every RESCAN_S to adopt other
+processes' files: approximate when several processes share the directory;
+``sync`` fsyncs each file before the rename; ``touch=false`` leaves access times alone (tools);
+``create=false`` refuses to make a store where there is none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import os
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from urllib.parse import unquote
+
+import aiofiles
+import aiofiles.os
+
+from storage_backends.base import Backend, BackendStats
+from storage_backends.registry import split_options
+from tiered_kv.errors import BackendError, BackendUnavailable, ConfigError
+from tiered_kv.units import parse_size
+
+log = logging.getLogger(__name__)
+
+MARKER = ".tiered-kv-file-store"
+FORMAT = 1
+MAX_KEY = 120  # bytes: 240 hex characters, within every filesystem's 255-byte name limit
+CONCURRENCY = 16  # files read or written at once per call
+STALE_TEMP_S = 600.0  # check(): temporary files older than this were left by a crash
+RESCAN_S = 60.0  # with a capacity: how old the in-memory LRU order may get before a rescan
+OPTIONS = ("capacity", "sync", "touch", "create")
+IGNORED = ("timeout", "retries")  # remote-tier settings with no meaning for a local path
+
+
+class InvalidKey(BackendError, ValueError):
+    """A key the file medium cannot name: not bytes, empty, or longer than MAX_KEY bytes."""
+
+
+class BackendClosed(BackendError, ValueError):
+    """The backend was used after ``close()``."""
+
+
+def path_of(url: str) -> Path:
+    base, _ = split_options(url)
+    if not base.lower().startswith("file:"):
+        raise ConfigError(f"not a file URL: {url!r}")
+    rest = base[len("file:"):]
+    rest = rest[2:] if rest.startswith("//") else rest
+    if not rest:
+        raise ConfigError(f"file URL {url!r} names no directory")
+    return Path(unquote(rest)).expanduser()
+
+
+def _flag(value, name: str) -> bool:
+    text = str(value).strip().lower()
+    if isinstance(value, bool) or text in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        return value if isinstance(value, bool) else text in ("1", "true", "yes", "on")
+    raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
+def _key(key) -> bytes:
+    if not isinstance(key, (bytes, bytearray, memoryview)):
+        raise InvalidKey(f"file keys are bytes, got {type(key).__name__}")
+    key = bytes(key)
+    if not 0 < len(key) <= MAX_KEY:
+        raise InvalidKey(f"file keys must be 1..{MAX_KEY} bytes, got {len(key)}")
+    return key
+
+
+class FileBackend(Backend):
+    name = "file"
+
+    def __init__(self, path: str | os.PathLike, *, capacity: int | str | None = None,
+                 sync: bool | str = False, touch: bool | str = True, create: bool | str = True,
+                 url: str | None = None) -> None:
+        self.path = Path(path)
+        super().__init__(url or f"file://{self.path.resolve()}")
+        self.capacity = None if capacity in (None, "") else parse_size(capacity, name="file capacity")
+        if self.capacity is not None and self.capacity <= 0:
+            raise ConfigError(f"file capacity must be positive, got {capacity!r}")
+        self.sync = _flag(sync, "file sync")
+        self.touch = _flag(touch, "file touch")
+        self._open_dir(_flag(create, "file create"))
+        self._lock = threading.Lock()
+        self._pins: Counter = Counter()
+        self._lru: OrderedDict[bytes, int] | None = None  # key -> size, LRU first (capacity only)
+        self._lru_bytes = 0  # sum of the sizes in _lru
+        self._scanned = 0.0  # when _lru was built from the directory
+        self._made: set[str] = set()
+        self._names = itertools.count()
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tiered-kv-file", daemon=True)
+        self._thread.start()
+
+    def _open_dir(self, create: bool) -> None:
+        marker = self.path / MARKER
+        if self.path.exists() and not self.path.is_dir():
+            raise ConfigError(f"{self.path} is a file, not a file store directory")
+        if marker.is_file():
+            try:
+                found = json.loads(marker.read_text()).get("format")
+            except (OSError, ValueError, AttributeError) as exc:
+                raise ConfigError(f"file store at {self.path}: unreadable marker: {exc}") from None
+            if found != FORMAT:
+                raise ConfigError(f"file store at {self.path} has format {found}, this version reads {FORMAT}")
+            return
+        if not create:
+            what = "does not exist" if not self.path.exists() else f"is not a file store (no {MARKER})"
+            raise ConfigError(f"{self.path} {what}")
+        if self.path.exists() and any(self.path.iterdir()):
+            raise ConfigError(f"{self.path} is not empty and not a file store: refusing to write there")
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps({"format": FORMAT}))
+        except OSError as exc:
+            raise ConfigError(f"cannot create a file store at {self.path}: {exc}") from None
+
+    @classmethod
+    def from_url(cls, url: str, **options) -> FileBackend:
+        _, query = split_options(url)
+        query.update({k: v for k, v in options.items() if v is not None})
+        for name in IGNORED:
+            query.pop(name, None)
+        unknown = sorted(set(query) - set(OPTIONS))
+        if unknown:
+            raise ConfigError(f"unknown file option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
+        return cls(path_of(url), url=url, **query)
+
+    # -- names and the event loop ------------------------------------------------------------
+    def _file(self, key: bytes) -> Path:
+        name = key.hex()
+        return self.path / name[-2:] / name
+
+    def _run(self, coro):
+        if self._closed:
+            coro.close()
+            raise BackendClosed(f"file backend at {self.path} is closed")
+        try:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        except OSError as exc:
+            self._count(errors=1)
+            raise BackendUnavailable(f"file store at {self.path}: {exc}") from exc
+
+    @staticmethod
+    async def _each(items, fn) -> list:
+        gate = asyncio.Semaphore(CONCURRENCY)
+
+        async def one(item):
+            async with gate:
+                return await fn(item)
+
+        return list(await asyncio.gather(*(one(item) for item in items)))
+
+    # -- reads -------------------------------------------------------------------------------
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        keys = [_key(k) for k in keys]
+        values = self._run(self._each(keys, self._read))
+        hits = [v for v in values if v is not None]
+        self._count(gets=len(keys), hits=len(hits), bytes_out=sum(map(len, hits)))
+        return values
+
+    async def _read(self, key: bytes) -> bytes | None:
+        path = self._file(key)
+        try:
+            async with aiofiles.open(path, "rb") as fh:
+                data = await fh.read()
+        except FileNotFoundError:
+            return None
+        if self.touch:
+            await _touch(path)
+        if self._lru is not None:
+            with self._lock:
+                if key in self._lru:
+                    self._lru.move_to_end(key)
+        return data
+
+    def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        keys = [_key(k) for k in keys]
+        return self._run(self._each(keys, lambda k: aiofiles.os.path.isfile(self._file(k))))
+
+    def scan(self, prefix: bytes = b"") -> Iterator[bytes]:
+        prefix = bytes(prefix)
+        return iter([k for k, _ in self._listing() if k.startswith(prefix)])
+
+    def _listing(self) -> list[tuple[bytes, os.stat_result]]:
+        """(key, stat) of every stored value; temporary and foreign files are skipped."""
+        if self._closed:
+            raise BackendClosed(f"file backend at {self.path} is closed")
+        out = []
+        try:
+            for sub in os.scandir(self.path):
+                if not sub.is_dir() or len(sub.name) != 2:
+                    continue
+                for entry in os.scandir(sub.path):
+                    key = _parse(entry.name)
+                    if key is not None and entry.name.endswith(sub.name):
+                        try:
+                            out.append((key, entry.stat()))
+                        except FileNotFoundError:  # deleted meanwhile
+                            continue
+        except OSError as exc:
+            self._count(errors=1)
+            raise BackendUnavailable(f"file store at {self.path}: {exc}") from exc
+        return out
+
+    # -- writes ------------------------------------------------------------------------------
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        items = [(_key(k), v) for k, v in items]
+        sizes = [memoryview(v).nbytes for _, v in items]
+        fits = [self.capacity is None or n <= self.capacity for n in sizes]
+        if self.capacity is not None and any(fits):
+            self._make_room(sum(n for n, f in zip(sizes, fits) if f))
+        todo = [(k, v) for (k, v), f in zip(items, fits) if f]
+        stored = iter(self._run(self._each(todo, self._write)))
+        ok = [next(stored) if f else False for f in fits]
+        if self._lru is not None:
+            with self._lock:  # in batch order: the files were written concurrently
+                for (key, _), size, done in zip(items, sizes, ok):
+                    if done:
+                        self._lru_bytes += size - self._lru.get(key, 0)
+                        self._lru[key] = size
+                        self._lru.move_to_end(key)
+        self._count(puts=sum(ok), put_rejected=len(ok) - sum(ok),
+                    bytes_in=sum(n for n, s in zip(sizes, ok) if s))
+        return ok
+
+    async def _write(self, item: tuple[bytes, bytes]) -> bool:
+        key, value = item
+        path = self._file(key)
+        if path.parent.name not in self._made:
+            await aiofiles.os.makedirs(path.parent, exist_ok=True)
+            self._made.add(path.parent.name)
+        tmp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(self._names)}.tmp"
+        try:
+            async with aiofiles.open(tmp, "wb") as fh:
+                await fh.write(value)
+                if self.sync:
+                    await fh.flush()
+                    await _fsync(fh.fileno())
+            await aiofiles.os.replace(tmp, path)
+        except BaseException:
+            await _unlink(tmp)
+            raise
+        return True
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        keys = [_key(k) for k in keys]
+        sizes = self._run(self._each([self._file(k) for k in keys], _unlink))
+        if self._lru is not None:
+            with self._lock:
+                for key in keys:
+                    self._lru_bytes -= self._lru.pop(key, 0)
+        n = sum(1 for s in sizes if s is not None)
+        self._count(deletes=n)
+        return n
+
+    def _make_room(self, incoming: int) -> None:
+        """Evict least recently used, unpinned files until ``incoming`` more bytes fit."""
+        if self._lru is None or time.monotonic() - self._scanned > RESCAN_S:
+            listing = sorted(self._listing(), key=lambda e: e[1].st_atime_ns)
+            with self._lock:
+                self._lru = OrderedDict((k, st.st_size) for k, st in listing)
+                self._lru_bytes = sum(self._lru.values())
+                self._scanned = time.monotonic()
+        with self._lock:
+            used = self._lru_bytes
+            victims = []
+            for key, size in self._lru.items():
+                if used + incoming <= self.capacity:
+                    break
+                if key not in self._pins:
+                    victims.append(key)
+                    used -= size
+            for key in victims:
+                self._lru_bytes -= self._lru.pop(key)
+        if victims:
+            self._run(self._each([self._file(k) for k in victims], _unlink))
+            self._count(evictions=len(victims))
+
+    # -- pins, figures, maintenance ----------------------------------------------------------
+    def pin_many(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            self._pins.update(map(_key, keys))
+
+    def unpin_many(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in map(_key, keys):
+                self._pins[key] -= 1
+                if self._pins[key] <= 0:
+                    del self._pins[key]
+
+    def stats(self) -> BackendStats:
+        listing = self._listing()
+        return self._snapshot(entries=len(listing), used_bytes=sum(st.st_size for _, st in listing),
+                              capacity_bytes=self.capacity,
+                              extra={"sync": self.sync, "pinned": len(self._pins)})
+
+    def entry_meta(self, key: bytes) -> dict | None:
+        """Size, last access (atime) and creation (the rename: mtime) of ``key``; no hit count."""
+        try:
+            st = os.stat(self._file(_key(key)))
+        except FileNotFoundError:
+            return None
+        return {"size": st.st_size, "last_access_ns": st.st_atime_ns, "hits": None,
+                "created_ns": st.st_mtime_ns}
+
+    def lru_order(self) -> list[bytes]:
+        return [k for k, _ in sorted(self._listing(), key=lambda e: e[1].st_atime_ns)]
+
+    def check(self, fix: bool = False) -> list[str]:
+        """Leftover temporary files (older than STALE_TEMP_S) and foreign files; removed with
+        ``fix``."""
+        problems, doomed = [], []
+        now = time.time()
+        for sub in os.scandir(self.path):
+            if not sub.is_dir():
+                if sub.name != MARKER:
+                    problems.append(f"foreign file: {sub.name}")
+                continue
+            for entry in os.scandir(sub.path):
+                key = _parse(entry.name)
+                if key is not None and entry.name.endswith(sub.name) and len(sub.name) == 2:
+                    continue
+                if entry.name.endswith(".tmp"):
+                    if now - entry.stat().st_mtime < STALE_TEMP_S:
+                        continue  # maybe being written right now
+                    problems.append(f"leftover temporary file: {sub.name}/{entry.name}")
+                else:
+                    problems.append(f"foreign file: {sub.name}/{entry.name}")
+                doomed.append(entry.path)
+        if fix:
+            for path in doomed:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        return problems
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+
+def _parse(name: str) -> bytes | None:
+    if name.startswith(".") or len(name) % 2:
+        return None
+    try:
+        return bytes.fromhex(name)
+    except ValueError:
+        return None
+
+
+def _set_atime(path: Path) -> None:
+    try:
+        st = os.stat(path)
+        os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
+    except FileNotFoundError:  # replaced or deleted meanwhile
+        pass
+
+
+def _unlink_sized(path: Path) -> int | None:
+    """Remove ``path``; its size, or None when it was not there."""
+    try:
+        size = os.stat(path).st_size
+        os.unlink(path)
+        return size
+    except FileNotFoundError:
+        return None
+
+
+_touch = aiofiles.os.wrap(_set_atime)
+_unlink = aiofiles.os.wrap(_unlink_sized)
+_fsync = aiofiles.os.wrap(os.fsync)

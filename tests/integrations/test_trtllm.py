@@ -1,0 +1,242 @@
+"""The TensorRT-LLM adapter driven in the executor's exact call order (tensorrt_llm is not
+installed here; ``trtllm_executor`` stands in for PyExecutor with the same fields and order)."""
+
+from __future__ import annotations
+
+import random
+
+import lmdb
+import pytest
+
+from tests.integrations.trtllm_executor import BS, Executor, KvCacheConfig, LlmArgs, write_model_config
+from tiered_kv.errors import ConfigError
+from tiered_kv.integrations.trtllm import TieredKVScheduler, TieredKVWorker
+
+
+@pytest.fixture
+def llm_args(tmp_path, monkeypatch):
+    for name in [n for n in __import__("os").environ if n.startswith("TIERED_KV_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TIERED_KV_DISK_URL", f"lmdb://{tmp_path}/db")
+    monkeypatch.setenv("TIERED_KV_HOST_CAPACITY", "256KiB")
+    write_model_config(tmp_path / "model")
+    return LlmArgs(model=str(tmp_path / "model"), kv_cache_config=KvCacheConfig())
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(n)]
+
+
+def run(llm_args, prompts: dict[int, list[int]], *, budget: int = 64, connector: bool = True):
+    """One engine (connector halves opened and closed around it): outputs, executor."""
+    if connector:
+        sched, worker = TieredKVScheduler(llm_args), TieredKVWorker(llm_args)
+    else:
+        sched = worker = _NoConnector()
+    ex = Executor(sched, worker, max_tokens_per_step=budget)
+    for rid, p in prompts.items():
+        ex.add(rid, p)
+    try:
+        return ex.run(), ex
+    finally:
+        if connector:
+            sched.close()
+            worker.close()
+
+
+class _NoConnector:
+    """Scheduler and worker halves that do nothing: the reference run."""
+
+    def get_num_new_matched_tokens(self, request, n):
+        return 0, False
+
+    def update_state_after_alloc(self, request, block_ids):
+        pass
+
+    def build_connector_meta(self, so):
+        return None
+
+    def request_finished(self, request, block_ids):
+        return False
+
+    def __getattr__(self, name):
+        return lambda *a, **k: ([], []) if name == "get_finished" else None
+
+
+PROMPTS = {1: prompt(30, 1), 2: prompt(17, 2), 3: prompt(24, 3)}  # 24 = exactly 6 blocks
+
+
+def matched(ex) -> dict[int, tuple[int, bool]]:
+    return {rid: detail for _, event, rid, detail in ex.log if event == "matched"}
+
+
+def test_new_requests_hit_every_full_block_but_the_last_tokens_and_outputs_match(llm_args):
+    reference, _ = run(llm_args, PROMPTS, connector=False)
+    first, ex1 = run(llm_args, PROMPTS)
+    assert first == reference
+    assert all(m == (0, False) for m in matched(ex1).values())
+    second, ex2 = run(llm_args, PROMPTS)
+    assert second == reference
+    assert matched(ex2) == {1: (28, False), 2: (16, False), 3: (20, False)}
+    # only the unmatched tail of each prompt and the generated tokens were computed
+    assert ex2.computed_tokens == (30 - 28) + (17 - 16) + (24 - 20) + 3 * 2
+
+
+def test_chunked_prefill_saves_every_chunk_and_a_second_engine_hits_them(llm_args):
+    reference, _ = run(llm_args, PROMPTS, connector=False)
+    first, ex1 = run(llm_args, PROMPTS, budget=6)  # 6 tokens a step: chunks end mid-block
+    assert first == reference
+    assert ex1.step_no > 10
+    second, ex2 = run(llm_args, PROMPTS, budget=6)
+    assert second == reference
+    assert {rid: m[0] for rid, m in matched(ex2).items()} == {1: 28, 2: 16, 3: 20}
+
+
+def test_generated_tokens_are_saved_so_a_follow_up_turn_hits_them(llm_args):
+    turn1 = prompt(21, 7)
+    out, _ = run(llm_args, {1: turn1})
+    turn2 = turn1 + out[1] + prompt(5, 8)  # 21 + 3 + 5 = 29 tokens
+    again, ex = run(llm_args, {2: turn2})
+    # prompt + generated tokens but the last one (its KV is never computed) lie in saved blocks
+    assert matched(ex)[2][0] == ((21 + 3 - 1) // BS) * BS
+    assert again == run(llm_args, {2: turn2}, connector=False)[0]
+
+
+def test_async_load_completes_through_get_finished_polling(llm_args, monkeypatch):
+    reference, _ = run(llm_args, PROMPTS, connector=False)
+    run(llm_args, PROMPTS)
+    monkeypatch.setenv("TIERED_KV_LOAD_ASYNC", "true")
+    outs, ex = run(llm_args, PROMPTS)
+    assert outs == reference
+    assert matched(ex) == {1: (28, True), 2: (16, True), 3: (20, True)}
+    events = [(step, event, rid) for step, event, rid, _ in ex.log]
+    for rid in PROMPTS:
+        admitted = next(s for s, e, r in events if e == "matched" and r == rid)
+        loaded = next(s for s, e, r in events if e == "loaded" and r == rid)
+        assert loaded >= admitted  # reported by get_finished after the id was passed in
+    # a loading request was not scheduled before it was reported loaded
+    assert ex.computed_tokens == (30 - 28) + (17 - 16) + (24 - 20) + 3 * 2
+
+
+def test_async_save_holds_blocks_through_request_finished_until_reported(llm_args):
+    sched, worker = TieredKVScheduler(llm_args), TieredKVWorker(llm_args)
+    try:
+        ex = Executor(sched, worker)
+        ex.add(1, PROMPTS[1], max_new_tokens=1)
+        ex.step()  # the whole prompt in one step, one token sampled: finished
+        [(_, _, _, hold)] = [e for e in ex.log if e[1] == "finished"]
+        assert hold is True
+        # the executor passed the id in get_finished at the end of the step; saves are copied to
+        # host slots before wait_for_save returns on CPU, so it is reported in that same call
+        assert [e[1] for e in ex.log if e[2] == 1] == ["matched", "finished", "saved"]
+        # never reported before the id was passed in, and only once
+        held_blocks = [b for b in range(ex.pool.shape[0]) if b not in ex.free]
+        assert held_blocks == []
+        assert worker.get_finished([], []) == ([], [])
+        assert worker.get_finished([1], []) == ([], [])  # already reported: not again
+    finally:
+        sched.close()
+        worker.close()
+
+
+def test_worker_reports_a_held_request_only_after_it_was_passed_in(llm_args):
+    sched, worker = TieredKVScheduler(llm_args), TieredKVWorker(llm_args)
+    try:
+        ex = Executor(sched, worker)
+        ex.add(1, PROMPTS[3], max_new_tokens=1)
+        ex.new_saving = set()
+        # run the step by hand, holding back the finished id from get_finished this time
+        original = ex._get_finished
+        ex._get_finished = lambda: None
+        ex.step()
+        assert 1 in ex.held and ex.requests[1].state == "saving"
+        assert worker.get_finished([], []) == ([], [])  # not passed in yet: not reported
+        assert ex.requests[1].block_ids  # blocks still held by the engine
+        ex._get_finished = original
+        ex.step()
+        assert 1 not in ex.held and ex.requests[1].block_ids == []
+    finally:
+        sched.close()
+        worker.close()
+
+
+def _corrupt_block(path, block_key: bytes) -> None:
+    """Flip a body byte of the stored block with key ``block_key`` in the LMDB store."""
+    env = lmdb.open(str(path), max_dbs=16)
+    try:
+        db = env.open_db(b"blocks")
+        with env.begin(db=db, write=True) as txn:
+            [(key, value)] = [(bytes(k), bytes(v)) for k, v in txn.cursor() if bytes(k).endswith(block_key)]
+            txn.put(key, value[:-5] + bytes([value[-5] ^ 0xFF]) + value[-4:], db=db)
+    finally:
+        env.close()
+
+
+def test_a_corrupt_block_is_never_promised_and_the_output_still_matches(llm_args, tmp_path):
+    prompts = {1: PROMPTS[1]}
+    reference, _ = run(llm_args, prompts, connector=False)
+    run(llm_args, prompts)  # 30 tokens: blocks 0-6 saved (7 full blocks)
+    # the chain's keys, from the scheduler half itself: corrupt the 4th block
+    sched = TieredKVScheduler(llm_args)
+    try:
+        from tests.integrations.trtllm_executor import LlmRequest
+
+        req = LlmRequest(9, PROMPTS[1], 30, 1)
+        sched.get_num_new_matched_tokens(req, 0)
+        keys = sched.core.keys_of(9)
+        sched.request_finished(req, [])
+    finally:
+        sched.close()
+    _corrupt_block(tmp_path / "db", keys[3])
+
+    outs, ex = run(llm_args, prompts)
+    assert outs == reference
+    assert matched(ex)[1] == (3 * BS, False)  # blocks 0-2 promised; 3 failed validation
+    # the recomputed block was saved again: a third engine hits all but the last token's block
+    outs3, ex3 = run(llm_args, prompts)
+    assert outs3 == reference and matched(ex3)[1] == (28, False)
+
+
+def test_corrupt_block_miss_is_counted(llm_args, tmp_path):
+    run(llm_args, {1: PROMPTS[2]})
+    env = lmdb.open(str(tmp_path / "db"), max_dbs=16)
+    db = env.open_db(b"blocks")
+    with env.begin(db=db, write=True) as txn:
+        for k, v in [(bytes(k), bytes(v)) for k, v in txn.cursor()]:
+            txn.put(k, v[:-5] + bytes([v[-5] ^ 0xFF]) + v[-4:], db=db)
+    env.close()
+    sched, worker = TieredKVScheduler(llm_args), TieredKVWorker(llm_args)
+    try:
+        ex = Executor(sched, worker)
+        ex.add(1, PROMPTS[2])
+        ex.run()
+        assert matched(ex)[1] == (0, False)
+        assert sched.store.metrics.misses("corrupt") == 4  # 17 tokens: 4 full blocks
+    finally:
+        sched.close()
+        worker.close()
+
+
+def test_misconfiguration_fails_at_construction_naming_the_key(llm_args, monkeypatch):
+    monkeypatch.setenv("TIERED_KV_DISK_URLL", "lmdb:///tmp/x")
+    with pytest.raises(ConfigError, match="disk.urll"):
+        TieredKVScheduler(llm_args)
+    monkeypatch.delenv("TIERED_KV_DISK_URLL")
+    monkeypatch.setenv("TIERED_KV_DISK_URL", "nosuch://x")
+    with pytest.raises(ConfigError, match="disk.url"):
+        TieredKVWorker(llm_args)
+    monkeypatch.setenv("TIERED_KV_DISK_URL", "lmdb:///tmp/x")
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2"):
+        TieredKVScheduler(LlmArgs(llm_args.model, llm_args.kv_cache_config, tensor_parallel_size=2))
+
+
+def test_an_unsupported_pool_layout_is_refused_at_registration(llm_args):
+    import torch
+
+    worker = TieredKVWorker(llm_args)
+    try:
+        with pytest.raises(ConfigError, match="unsupported KV layout"):
+            worker.register_kv_caches(torch.zeros(8, 3, 2, 64))  # 3 layers, the model has 2
+    finally:
+        worker.close()

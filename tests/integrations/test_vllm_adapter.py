@@ -1,0 +1,255 @@
+"""``TieredKVConnector`` driven the way vLLM 0.32 drives a KV connector, with stand-ins for the
+engine (``vllm_engine``): runs without vllm installed (and against the real base class with it)."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.integrations.vllm_engine import (BS, Engine, FullAttentionSpec, Request, kv_cache_config,
+                                            vllm_config)
+from tiered_kv.errors import ConfigError
+from tiered_kv.integrations.vllm import KVConnectorRole, TieredKVConnector
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    for name in [n for n in os.environ if n.startswith("TIERED_KV_")]:
+        monkeypatch.delenv(name)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 1000) for _ in range(n)]
+
+
+SHARED = prompt(22, 0)
+PROMPTS = {"a": SHARED + prompt(9, 1), "b": SHARED + prompt(6, 2), "c": prompt(24, 3)}
+
+
+class Halves:
+    """Scheduler-role and worker-role connectors of one engine, as vLLM builds them."""
+
+    def __init__(self, extra: dict) -> None:
+        cfg, kvc = vllm_config(extra), kv_cache_config()
+        self.worker = TieredKVConnector(cfg, KVConnectorRole.WORKER, kvc)  # the executor comes first
+        self.sched = TieredKVConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        self.sched.shutdown()
+
+
+def extra(tmp_path, **more) -> dict:
+    return {"disk": {"url": f"lmdb://{tmp_path}/db"}, "host": {"capacity": "256KiB"}, **more}
+
+
+def run(extra_cfg: dict | None, prompts: dict, **engine_kw):
+    """One engine: (outputs, engine)."""
+    halves = Halves(extra_cfg) if extra_cfg is not None else None
+    eng = Engine(halves.sched if halves else _Null(), halves.worker if halves else _Null(), **engine_kw)
+    for rid, p in prompts.items():
+        eng.add(rid, p)
+    try:
+        return eng.run(), eng
+    finally:
+        if halves:
+            halves.close()
+
+
+class _Null:
+    def get_num_new_matched_tokens(self, request, n):
+        return 0, False
+
+    def request_finished(self, request, block_ids):
+        return False, None
+
+    def get_finished(self, ids):
+        return None, None
+
+    def get_block_ids_with_load_errors(self):
+        return set()
+
+    def __getattr__(self, name):
+        return lambda *a, **k: None
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run(None, PROMPTS)[0]
+
+
+def cached_tokens(eng) -> dict[str, int]:
+    return {rid: r.num_cached_tokens for rid, r in eng.requests.items()}
+
+
+def test_second_engine_hits_every_full_block_but_the_last_tokens(tmp_path, reference):
+    first, eng1 = run(extra(tmp_path), PROMPTS)
+    assert first == reference and set(cached_tokens(eng1).values()) == {0}
+    second, eng2 = run(extra(tmp_path), PROMPTS)
+    assert second == reference
+    assert cached_tokens(eng2) == {"a": 28, "b": 24, "c": 20}  # (n - 1) // 4 * 4
+    assert eng2.computed == (31 - 28) + (28 - 24) + (24 - 20) + 3 * 2
+
+
+def test_several_requests_per_step_share_blocks_saved_in_the_same_run(tmp_path, reference):
+    outs, eng = run(extra(tmp_path), {"a": PROMPTS["a"]})
+    outs, eng = run(extra(tmp_path), PROMPTS)  # b shares a's first 5 blocks; c is new
+    assert outs == reference
+    assert cached_tokens(eng) == {"a": 28, "b": 20, "c": 0}
+
+
+def test_chunked_prefill_saves_each_chunk(tmp_path, reference):
+    first, eng1 = run(extra(tmp_path), PROMPTS, budget=7)
+    assert first == reference and eng1.steps > 8
+    second, eng2 = run(extra(tmp_path), PROMPTS, budget=7)
+    assert second == reference and cached_tokens(eng2) == {"a": 28, "b": 24, "c": 20}
+
+
+def test_async_loads_finish_through_finished_recving(tmp_path, reference):
+    run(extra(tmp_path), PROMPTS)
+    outs, eng = run(extra(tmp_path, load_async=True), PROMPTS)
+    assert outs == reference
+    assert {rid: r.external for rid, r in eng.requests.items()} == {"a": 28, "b": 24, "c": 20}
+
+
+def test_finished_sending_only_after_the_id_was_passed_in_and_blocks_held_until_then(tmp_path):
+    halves = Halves(extra(tmp_path))
+    try:
+        eng = Engine(halves.sched, halves.worker)
+        eng.add("a", PROMPTS["a"], max_tokens=1)
+        eng.step()  # prefill + the one token: finished, held
+        assert eng.held == {"a"} and eng.requests["a"].block_ids
+        # the worker saw no finished id yet: nothing to report (the engine asserts the same)
+        assert halves.worker.get_finished(set()) == (None, None)
+        eng.step()  # finished_req_ids={"a"} reaches the worker: reported, blocks freed
+        assert eng.held == set() and eng.requests["a"].block_ids == []
+    finally:
+        halves.close()
+
+
+def test_preempted_request_is_resumed_with_its_saved_blocks(tmp_path, reference):
+    halves = Halves(extra(tmp_path))
+    try:
+        eng = Engine(halves.sched, halves.worker)
+        for rid, p in PROMPTS.items():
+            eng.add(rid, p, max_tokens=3)
+        eng.preempt_at = {3: "a"}  # after its prefill and a decode step
+        outs = eng.run()
+        assert outs == reference
+        # resumed: matched anew from the store (its prompt blocks were saved before preemption)
+        assert eng.requests["a"].external == 28
+    finally:
+        halves.close()
+
+
+def _flip_all(path) -> int:
+    import lmdb
+
+    env = lmdb.open(str(path), max_dbs=16)
+    db = env.open_db(b"blocks")
+    with env.begin(db=db, write=True) as txn:
+        items = [(bytes(k), bytes(v)) for k, v in txn.cursor()]
+        for k, v in items:
+            txn.put(k, v[:-5] + bytes([v[-5] ^ 0xFF]) + v[-4:], db=db)
+    env.close()
+    return len(items)
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_load_errors_are_reported_and_recomputed(tmp_path, reference, load_async):
+    run(extra(tmp_path), PROMPTS)
+    assert _flip_all(tmp_path / "db") > 0
+    outs, eng = run(extra(tmp_path, load_async=load_async), PROMPTS)
+    assert outs == reference  # every failed block was reported and recomputed
+    outs, eng = run(extra(tmp_path), PROMPTS)  # and saved again
+    assert outs == reference and cached_tokens(eng) == {"a": 28, "b": 24, "c": 20}
+
+
+def test_keys_fold_in_lora_and_cache_salt(tmp_path):
+    halves = Halves(extra(tmp_path))
+    try:
+        core = halves.sched._sched
+        plain, salted = Request("p", PROMPTS["c"], 1), Request("s", PROMPTS["c"], 1)
+        salted.cache_salt = "tenant-1"
+        for r in (plain, salted):
+            halves.sched.get_num_new_matched_tokens(r, 0)
+        assert core.core.keys_of("p")[0] != core.core.keys_of("s")[0]
+    finally:
+        halves.close()
+
+
+def test_scheduler_alone_looks_up_the_disk_tier_without_a_host_slab(tmp_path):
+    run(extra(tmp_path), PROMPTS)  # engine A wrote the LMDB store and is gone
+    sched = TieredKVConnector(vllm_config(extra(tmp_path)), KVConnectorRole.SCHEDULER, kv_cache_config())
+    try:
+        req = Request("a", PROMPTS["a"], 1)
+        assert sched.get_num_new_matched_tokens(req, 0) == (28, False)
+        assert sched.get_num_new_matched_tokens(req, 0) == (28, False)  # side-effect free
+        from tiered_kv.lookup import LowerTierIndex
+
+        assert isinstance(sched._sched.index, LowerTierIndex)
+        sched.update_state_after_alloc(req, ([1, 2, 3, 4, 5, 6, 7, 8],), 28)
+        meta = sched.build_connector_meta(
+            type("SO", (), {"scheduled_new_reqs": [], "scheduled_cached_reqs":
+                            type("C", (), {"req_ids": [], "resumed_req_ids": set()})(),
+                            "num_scheduled_tokens": {}, "preempted_req_ids": set()})())
+        [load] = meta.meta.loads
+        assert load.block_ids == (1, 2, 3, 4, 5, 6, 7) and len(load.keys) == 7
+    finally:
+        sched.shutdown()
+
+
+@pytest.mark.parametrize("bad, key", [
+    ({"disk": {"urll": "lmdb:///tmp/x"}}, "disk.urll"),
+    ({"disk": {"url": "nosuch:///tmp/x"}}, "disk.url"),
+    ({"worker": 2}, "worker"),
+    ({"load_async": "maybe"}, "load_async"),
+    ({"config_file": "/nonexistent/tiered-kv.toml"}, "config file"),
+])
+def test_misconfiguration_fails_at_construction_naming_the_key(bad, key):
+    with pytest.raises(ConfigError, match=key) as err:
+        TieredKVConnector(vllm_config(bad), KVConnectorRole.SCHEDULER, kv_cache_config())
+    assert "\n" not in str(err.value)
+    assert str(err.value).startswith("kv_connector_extra_config")
+
+
+def test_config_file_plus_overrides(tmp_path):
+    (tmp_path / "tkv.toml").write_text(f'[disk]\nurl = "lmdb://{tmp_path}/db"\ncapacity = "64MiB"\n')
+    from tiered_kv.integrations.common import parse_settings
+
+    settings = parse_settings({"config_file": str(tmp_path / "tkv.toml"), "disk": {"capacity": "32MiB"},
+                               "load_async": True}, source="x")
+    assert settings.config.disk.url == f"lmdb://{tmp_path}/db"
+    assert settings.config.disk.capacity == 32 << 20 and settings.load_async
+
+
+@pytest.mark.parametrize("spec, match", [
+    (FullAttentionSpec(sliding_window=128), "unsupported KV cache spec"),
+    (type("MLAAttentionSpec", (FullAttentionSpec,), {})(), "MLAAttentionSpec"),
+])
+def test_unsupported_kv_specs_are_refused(spec, match, tmp_path):
+    with pytest.raises(ConfigError, match=match):
+        TieredKVConnector(vllm_config(extra(tmp_path)), KVConnectorRole.WORKER, kv_cache_config(spec))
+
+
+def test_an_unknown_kv_layout_is_refused_when_caches_are_registered(tmp_path):
+    worker = TieredKVConnector(vllm_config(extra(tmp_path)), KVConnectorRole.WORKER, kv_cache_config())
+    try:
+        caches = {f"l{i}": torch.zeros(16, BS, 2, 2, 4) for i in range(2)}  # [blocks, bs, 2, H, D]
+        with pytest.raises(ConfigError, match="unsupported per-layer KV layout"):
+            worker.register_kv_caches(caches)
+    finally:
+        worker.shutdown()
+
+
+def test_importing_tiered_kv_needs_no_engine():
+    code = ("import sys, tiered_kv, tiered_kv.integrations, tiered_kv.integrations.common, "
+            "tiered_kv.integrations.trtllm; assert 'vllm' not in sys.modules; "
+            "assert 'tensorrt_llm' not in sys.modules or True")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,127 @@
+"""``verify``: decode every stored block and report what is wrong, optionally fixing it.
+
+Findings:
+
+- ``corrupt``: a block (or namespace record) that fails validation — header, body check, zstd
+  frame or payload checksum;
+- ``mismatched``: a valid block stored under a key other than the one its header names, or whose
+  dtype / shape differ from its namespace record;
+- ``orphaned``: an entry that is neither a block nor a namespace record (nothing ever reads it);
+- ``meta_drift``: the medium's own bookkeeping disagrees with its contents (LMDB meta / LRU /
+  totals tables, leftover temporary files of the file medium), from the backend's ``check``.
+
+``fix`` deletes corrupt, mismatched and orphaned entries (the engine recomputes those blocks)
+and lets the backend repair its bookkeeping; the report says what was done.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from tiered_kv.catalog import READ_BATCH, Tier, block_shape, kind_of, namespaces
+from tiered_kv.codec import BlockCodec
+from tiered_kv.errors import CorruptBlock
+from tiered_kv.records import namespace_key, split_key
+
+log = logging.getLogger(__name__)
+
+REMOVABLE = ("corrupt", "mismatched", "orphaned")
+
+
+@dataclass
+class Finding:
+    tier: str
+    kind: str  # corrupt | mismatched | orphaned | meta_drift
+    key: str | None  # hex; None for findings about the medium as a whole
+    detail: str
+    fixed: bool = False
+
+
+def verify_tier(tier: Tier, *, fix: bool = False, progress: Callable[[int, int], None] | None = None) -> dict:
+    backend = tier.backend
+    codec = BlockCodec()
+    found = namespaces(backend)
+    findings = [Finding(tier.name, "corrupt" if "unreadable" in why else "mismatched",
+                        namespace_key(d).hex(), f"namespace record: {why}")
+                for d, why in found.broken.items()]
+    keys = sorted(backend.scan())
+    blocks: Counter = Counter()
+    checked = 0
+    for start in range(0, len(keys), READ_BATCH):
+        batch = keys[start : start + READ_BATCH]
+        for key, value in zip(batch, backend.get_many(batch)):
+            if value is None:
+                continue  # removed since the scan (evicted, or by a serving process)
+            checked += 1
+            kind = kind_of(key)
+            if kind == "foreign":
+                findings.append(Finding(tier.name, "orphaned", key.hex(),
+                                        f"not a block nor a namespace record ({len(value)} bytes)"))
+            elif kind == "block":
+                problem = _check_block(codec, key, value, found.known.get(split_key(key)[0]))
+                if problem is None:
+                    blocks[split_key(key)[0]] += 1
+                else:
+                    findings.append(Finding(tier.name, problem[0], key.hex(), problem[1]))
+        if progress is not None:
+            progress(len(batch), len(keys))
+    check = getattr(backend, "check", None)
+    if check is not None:
+        findings += [Finding(tier.name, "meta_drift", None, p) for p in check(False)]
+    actions = _fix(tier, findings) if fix and findings else []
+    notes = [f"namespace {d.hex()} ({ns.model_id}) has a record but no blocks"
+             for d, ns in found.known.items() if not blocks[d]]
+    notes += [f"{n} blocks of namespace {d.hex()} have no namespace record (model id unknown)"
+              for d, n in blocks.items() if d not in found.known and d not in found.broken]
+    counts = Counter(f.kind for f in findings)
+    return {
+        "tier": tier.name, "url": backend.url, "checked": checked, "valid_blocks": sum(blocks.values()),
+        "namespaces": len(found.known), "problems": {k: counts[k] for k in (*REMOVABLE, "meta_drift")},
+        "ok": not findings or all(f.fixed for f in findings),
+        "findings": [asdict(f) for f in findings], "actions": actions, "notes": notes,
+    }
+
+
+def _check_block(codec: BlockCodec, key: bytes, value, ns) -> tuple[str, str] | None:
+    digest, block = split_key(key)
+    try:
+        header = codec.read_header(value)
+    except CorruptBlock as exc:
+        return "corrupt", exc.detail
+    if header.namespace != digest or header.key != block:
+        return "mismatched", (f"header names namespace {header.namespace.hex()} key {header.key.hex()}"
+                              f"{'' if header.namespace == digest else ' (another namespace)'}")
+    if ns is not None and (header.dtype != ns.dtype or list(header.shape) != block_shape(ns)):
+        return "mismatched", (f"block is {header.dtype} {list(header.shape)}, its namespace record "
+                              f"says {ns.dtype} {block_shape(ns)}")
+    try:
+        codec.decode(value, namespace=digest, key=block)
+    except CorruptBlock as exc:
+        return "corrupt", exc.detail
+    return None
+
+
+def _fix(tier: Tier, findings: list[Finding]) -> list[str]:
+    actions = []
+    doomed = [f for f in findings if f.kind in REMOVABLE]
+    if doomed:
+        keys = [bytes.fromhex(f.key) for f in doomed if f.key]
+        removed = tier.backend.delete_many(keys)
+        still = set(k for k, there in zip(keys, tier.backend.contains_many(keys)) if there)
+        for f in doomed:
+            f.fixed = bytes.fromhex(f.key) not in still
+        actions.append(f"removed {removed} of {len(keys)} entries "
+                       f"({', '.join(f'{n} {k}' for k, n in Counter(f.kind for f in doomed).items())})")
+        log.info("%s tier: removed %d entries", tier.name, removed)
+    drift = [f for f in findings if f.kind == "meta_drift"]
+    check = getattr(tier.backend, "check", None)
+    if check is not None and drift:
+        check(True)
+        left = check(False)
+        for f in drift:
+            f.fixed = f.detail not in left
+        actions.append(f"repaired {sum(f.fixed for f in drift)} of {len(drift)} bookkeeping problems")
+    return actions

@@ -1,0 +1,63 @@
+"""Arguments shared by the store commands and opening the store they name."""
+
+from __future__ import annotations
+
+import argparse
+from contextlib import contextmanager
+
+from tiered_kv.catalog import Tier, open_config, open_tier
+from tiered_kv.errors import ConfigError
+from tiered_kv.units import parse_duration, parse_size
+
+
+def add_store_args(p: argparse.ArgumentParser, *, json_help: str = "print one JSON document") -> None:
+    p.add_argument("store", nargs="?", metavar="STORE",
+                   help="store URL (lmdb:///dir, file:///dir, redis://host:port/0) or a store directory")
+    p.add_argument("--config", metavar="FILE", help="TOML config: its disk and remote tiers instead of STORE")
+    p.add_argument("--tier", choices=("disk", "remote"), help="with --config: only this tier")
+    add_common(p, json_help)
+
+
+def add_common(p: argparse.ArgumentParser, json_help: str = "print one JSON document") -> None:
+    p.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                   help="seconds to wait for a remote store (default: %(default)s)")
+    p.add_argument("--json", action="store_true", help=json_help)
+
+
+@contextmanager
+def opened(args: argparse.Namespace):
+    """The tiers STORE or --config name; closed afterwards."""
+    if bool(args.store) == bool(args.config):
+        raise ConfigError("give either STORE or --config FILE")
+    if args.tier and not args.config:
+        raise ConfigError("--tier goes with --config")
+    tiers = open_config(args.config, timeout=args.timeout, only=args.tier) if args.config else \
+        [open_tier(args.store, timeout=args.timeout)]
+    try:
+        yield tiers
+    finally:
+        for tier in tiers:
+            tier.close()
+
+
+@contextmanager
+def opened_url(url: str, args: argparse.Namespace, *, create: bool = False, name: str = "store"):
+    tier: Tier = open_tier(url, name=name, create=create, timeout=args.timeout)
+    try:
+        yield tier
+    finally:
+        tier.close()
+
+
+def size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def duration_arg(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -1,0 +1,166 @@
+"""Read-only store commands: ``inspect``, ``ls``, ``show``, ``explain``."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from tiered_kv.cli import render
+from tiered_kv.cli.options import add_store_args, duration_arg, opened, size_arg
+from tiered_kv.cli.render import EXIT_OK, EXIT_PROBLEM
+from tiered_kv.errors import ConfigError
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("inspect", help="per tier and namespace: blocks, tokens, bytes, ratio, model, ages")
+    add_store_args(p)
+    p.set_defaults(handler=cmd_inspect)
+
+    p = sub.add_parser("ls", help="list stored blocks (filters, sorting, paging)")
+    add_store_args(p)
+    p.add_argument("--namespace", metavar="NS", help="digest prefix, model id or namespace JSON file")
+    p.add_argument("--older-than", type=duration_arg, metavar="AGE", help="last access (or creation) at least AGE ago")
+    p.add_argument("--newer-than", type=duration_arg, metavar="AGE", help="last access (or creation) less than AGE ago")
+    p.add_argument("--min-size", type=size_arg, metavar="SIZE")
+    p.add_argument("--max-size", type=size_arg, metavar="SIZE")
+    p.add_argument("--all", action="store_true", help="namespace records and foreign entries too")
+    p.add_argument("--sort", choices=("key", "size", "created", "access"), default="key")
+    p.add_argument("--limit", type=int, default=100, help="rows per page; 0: all (default: %(default)s)")
+    p.add_argument("--offset", type=int, default=0, help="rows to skip (paging)")
+    p.set_defaults(handler=cmd_ls)
+
+    p = sub.add_parser("show", help="one entry: header fields and per-layer K/V statistics")
+    add_store_args(p)
+    p.add_argument("key", metavar="KEY", help="key in hex (whole, a unique prefix of 8+, or the 32-hex block key)")
+    p.add_argument("--namespace", metavar="NS", help="namespace of a 32-hex block key")
+    p.add_argument("--no-stats", action="store_true", help="skip decoding the payload for statistics")
+    p.set_defaults(handler=cmd_show)
+
+    p = sub.add_parser("explain", help="for a prompt: which blocks each tier holds, and the first miss")
+    add_store_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", metavar="FILE", help="token ids: a JSON list or whitespace/comma separated")
+    src.add_argument("--token-ids", metavar="IDS", help="token ids, e.g. 1,2,3")
+    p.add_argument("--namespace", metavar="NS", help="digest prefix, model id or namespace JSON file "
+                   "(default: the only namespace stored)")
+    p.add_argument("--lora", help="LoRA id folded into the keys")
+    p.set_defaults(handler=cmd_explain)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from tiered_kv.inventory import inspect_tier
+
+    with opened(args) as tiers:
+        reports = [inspect_tier(t) for t in tiers]
+    if args.json:
+        render.emit_json({"tiers": reports})
+        return EXIT_OK
+    out = render.console()
+    for r in reports:
+        cap = f" of {render.size(r['capacity_bytes'])} ({r['capacity_used']:.1%})" if r["capacity_bytes"] else ""
+        out.print(f"[bold]{r['tier']}[/bold] {r['url']} ({r['medium']}): {r['blocks']} blocks, "
+                  f"{r['namespace_records']} namespace records, {r['foreign_entries']} foreign entries; "
+                  f"{render.size(r['used_bytes'])} used{cap}")
+        rows = []
+        for digest, n in r["namespaces"].items():
+            ages = " ".join(f"{k}:{v}" for k, v in (n["last_access_age"] or {}).items() if v)
+            rows.append([digest[:12], n["model_id"] or "?", n.get("dtype"), n.get("block_shape"), n["blocks"],
+                         n["tokens"], render.size(n["raw_bytes"]), render.size(n["stored_bytes"]),
+                         n["compression_ratio"], n["oldest"], n["newest"], ages or None])
+        out.print(render.table(None, ["namespace", "model", "dtype", "block shape", "blocks", "tokens", "raw",
+                                      "stored", "ratio", "oldest", "newest", "last access"], rows,
+                               right=("blocks", "tokens", "raw", "stored", "ratio")))
+    return EXIT_OK
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from tiered_kv.inventory import Filter, list_entries, namespace_filter
+
+    if args.limit < 0 or args.offset < 0:
+        raise ConfigError("--limit and --offset must not be negative")
+    now = time.time()
+    pages = []
+    with opened(args) as tiers:
+        for tier in tiers:
+            flt = Filter(namespace_filter(tier, args.namespace), args.older_than, args.newer_than,
+                         args.min_size, args.max_size, args.all)
+            total, rows = list_entries(tier, flt, sort=args.sort, offset=args.offset,
+                                       limit=args.limit or None, now=now)
+            pages.append({"tier": tier.name, "url": tier.backend.url, "total": total,
+                          "offset": args.offset, "rows": rows})
+    if args.json:
+        render.emit_json({"tiers": pages})
+        return EXIT_OK
+    out = render.console()
+    for page in pages:
+        rows = [[r["key"], r["kind"] if r["kind"] != "block" else r["model_id"], render.size(r["size"]),
+                 r["created"], render.age(r["age_s"]), r["hits"]] for r in page["rows"]]
+        shown = f"{page['offset'] + 1}-{page['offset'] + len(rows)}" if rows else "none"
+        out.print(render.table(f"{page['tier']} {page['url']}: {shown} of {page['total']}",
+                               ["key", "model", "size", "created", "last access", "hits"], rows,
+                               right=("size", "hits")))
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from tiered_kv.inventory import find_key, show_entry
+
+    with opened(args) as tiers:
+        tier, key = find_key(tiers, args.key, args.namespace)
+        report = show_entry(tier, key, stats=not args.no_stats)
+    if args.json:
+        render.emit_json(report)
+    else:
+        out = render.console()
+        fields = {k: v for k, v in report.items() if k not in ("header", "layers")}
+        out.print(render.table(None, ["field", "value"], list(fields.items())))
+        if "header" in report:
+            out.print(render.table("header", ["field", "value"], list(report["header"].items())))
+        if report.get("layers"):
+            rows = [[r["layer"], r["part"], *(_num(r[k]) for k in ("min", "max", "mean", "std")), r["nan"], r["inf"]]
+                    for r in report["layers"]]
+            out.print(render.table("per-layer statistics", ["layer", "K/V", "min", "max", "mean", "std", "NaN", "Inf"],
+                                   rows, right=("min", "max", "mean", "std", "NaN", "Inf")))
+    return EXIT_OK if report.get("valid", True) else EXIT_PROBLEM
+
+
+def _num(x) -> str | None:
+    return None if x is None else f"{x:.4g}"
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from tiered_kv.explainer import explain, parse_token_ids, read_tokens
+
+    tokens = read_tokens(args.tokens) if args.tokens else parse_token_ids(args.token_ids)
+    with opened(args) as tiers:
+        report = explain(tiers, tokens, args.namespace, args.lora)
+    if args.json:
+        render.emit_json(report)
+        return EXIT_OK
+    out = render.console()
+    rows = []
+    for run in _runs(report["blocks"]):
+        first, last = run[0], run[-1]
+        where = first["tier"] or "; ".join(f"{t}: {s}" for t, s in first["status"].items())
+        rows.append([f"{first['index']}-{last['index']}" if len(run) > 1 else first["index"],
+                     f"{first['tokens'][0]}-{last['tokens'][1]}", len(run), where])
+    out.print(f"{report['model_id']} (namespace {report['namespace'][:12]}): {report['tokens']} tokens, "
+              f"{report['full_blocks']} full blocks of {report['block_size']}; tiers: {', '.join(report['tiers'])}")
+    out.print(render.table(None, ["blocks", "tokens", "n", "where"], rows, right=("n",)))
+    miss = report["first_miss"]
+    out.print(f"reusable: [bold]{report['matched_tokens']}[/bold] tokens ({report['matched_blocks']} blocks: "
+              + (", ".join(f"{t} {n}" for t, n in report["tier_blocks"].items()) or "none") + ")")
+    if miss:
+        out.print(f"first miss: block {miss['index']} (tokens {miss['tokens'][0]}-{miss['tokens'][1]}): "
+                  f"[bold]{miss['reason']}[/bold] — {miss['detail']}")
+    return EXIT_OK
+
+
+def _runs(blocks: list[dict]) -> list[list[dict]]:
+    runs: list[list[dict]] = []
+    for b in blocks:
+        if runs and runs[-1][-1]["tier"] == b["tier"] and runs[-1][-1]["status"] == b["status"]:
+            runs[-1].append(b)
+        else:
+            runs.append([b])
+    return runs

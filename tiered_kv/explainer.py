@@ -1,0 +1,116 @@
+"""``explain``: for one prompt, which of its blocks each tier holds and why the reuse stops where
+it stops (the first block no tier can serve, with its reason) — the same chained keys, order of
+tiers and validation the store uses, without loading anything into an engine."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from tiered_kv.catalog import Namespaces, Tier, kind_of, namespaces, resolve_namespace
+from tiered_kv.codec import BlockCodec
+from tiered_kv.errors import BackendUnavailable, ConfigError, CorruptBlock, TokenError
+from tiered_kv.keys import block_keys
+from tiered_kv.records import split_key
+
+_SEPARATORS = re.compile(r"[\s,]+")
+
+
+def parse_token_ids(text: str, source: str = "--token-ids") -> list[int]:
+    """Token ids from ``1,2,3``, whitespace-separated text or a JSON list."""
+    text = text.strip()
+    try:
+        ids = json.loads(text) if text.startswith("[") else [int(t) for t in _SEPARATORS.split(text) if t]
+    except ValueError as exc:
+        raise TokenError(f"{source}: expected integers separated by commas or spaces, or a JSON list: {exc}") from None
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise TokenError(f"{source}: expected a list of integers")
+    if not ids:
+        raise TokenError(f"{source}: no token ids")
+    return ids
+
+
+def read_tokens(path: str) -> list[int]:
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read tokens from {path}: {exc.strerror or exc}") from None
+    return parse_token_ids(text, path)
+
+
+def _merged(tiers: list[Tier]) -> tuple[Namespaces, list[bytes]]:
+    found = Namespaces()
+    digests: set[bytes] = set()
+    for tier in tiers:
+        part = namespaces(tier.backend)
+        found.known.update(part.known)
+        found.broken.update(part.broken)
+        digests |= {split_key(k)[0] for k in tier.backend.scan() if kind_of(k) == "block"}
+    return found, sorted(digests)
+
+
+def explain(tiers: list[Tier], tokens: list[int], namespace: str | None = None,
+            lora: str | None = None) -> dict:
+    found, digests = _merged(tiers)
+    digest = resolve_namespace(namespace, found, digests)
+    ns = found.known.get(digest)
+    if ns is None:
+        raise ConfigError(f"namespace {digest.hex()} has no record in this store: pass --namespace "
+                          "FILE.json with its fields (Namespace.describe())")
+    keys = block_keys(ns, tokens, lora=lora)
+    bs = ns.block_size
+    status: list[dict[str, str]] = [{} for _ in keys]  # per block: tier -> "ok" | reason
+    codec = BlockCodec()
+    for tier in tiers:
+        _probe(tier, codec, digest, keys, status)
+    claimable = max(0, (len(tokens) - 1) // bs)  # the engine always computes the last token
+    blocks, first_miss = [], None
+    for i, (key, st) in enumerate(zip(keys, status)):
+        served = next((t for t in st if st[t] == "ok"), None)
+        blocks.append({"index": i, "tokens": [i * bs, (i + 1) * bs], "key": key.hex(),
+                       "tier": served, "status": st})
+        if served is None and first_miss is None:
+            reasons = [r for r in st.values() if r != "absent"] or ["absent"]
+            first_miss = {"index": i, "tokens": [i * bs, (i + 1) * bs], "reason": reasons[0],
+                          "detail": "; ".join(f"{t}: {r}" for t, r in st.items())}
+    run = first_miss["index"] if first_miss else len(keys)
+    matched = min(run, claimable)
+    if first_miss is None and len(tokens) % bs:
+        first_miss = {"index": len(keys), "tokens": [len(keys) * bs, len(tokens)],
+                      "reason": "partial_block", "detail": "only full blocks are stored"}
+    elif first_miss is None:  # every full block is stored: the last one is not claimed
+        first_miss = {"index": claimable, "tokens": [claimable * bs, len(tokens)], "reason": "last_token",
+                      "detail": "the engine always computes the last prompt token itself"}
+    tiers_used: dict[str, int] = {}
+    for b in blocks[:matched]:
+        tiers_used[b["tier"]] = tiers_used.get(b["tier"], 0) + 1
+    return {
+        "namespace": digest.hex(), "model_id": ns.model_id, "block_size": bs, "tokens": len(tokens),
+        "full_blocks": len(keys), "claimable_blocks": claimable, "matched_blocks": matched,
+        "matched_tokens": matched * bs, "stored_blocks": sum(b["tier"] is not None for b in blocks),
+        "tier_blocks": tiers_used, "tiers": [t.name for t in tiers], "first_miss": first_miss,
+        "blocks": blocks,
+    }
+
+
+def _probe(tier: Tier, codec: BlockCodec, digest: bytes, keys: list[bytes], status: list[dict]) -> None:
+    """Per key: ``ok`` when ``tier`` holds a valid block, else the reason the store would count."""
+    try:
+        present = tier.backend.contains_many([digest + k for k in keys])
+        todo = [i for i, p in enumerate(present) if p]
+        values = tier.backend.get_many([digest + keys[i] for i in todo])
+    except BackendUnavailable:
+        for st in status:
+            st[tier.name] = f"{tier.name}_unavailable"
+        return
+    for i in range(len(keys)):
+        status[i][tier.name] = "absent"
+    for i, value in zip(todo, values):
+        if value is None:
+            continue  # evicted since
+        try:
+            codec.decode(value, namespace=digest, key=keys[i])
+            status[i][tier.name] = "ok"
+        except CorruptBlock as exc:
+            status[i][tier.name] = exc.reason

@@ -1,0 +1,300 @@
+"""TensorRT-LLM adapter: ``TieredKVScheduler`` / ``TieredKVWorker`` for ``KvCacheConnectorConfig``.
+
+Attach by configuration only::
+
+    LLM(model, backend="pytorch", kv_connector_config=KvCacheConnectorConfig(
+        connector_module="tiered_kv.integrations.trtllm",
+        connector_scheduler_class="TieredKVScheduler",
+        connector_worker_class="TieredKVWorker"))
+
+with the store configured by ``TIERED_KV_*`` variables (``TIERED_KV_CONFIG_FILE`` for a TOML
+file, ``TIERED_KV_DISK_URL``, … see :mod:`tiered_kv.integrations.common`): TensorRT-LLM's
+connector config carries no settings of its own. The namespace comes from ``llm_args`` (block
+size) and the model's ``config.json`` (layers, KV heads, head size, dtype).
+
+TensorRT-LLM has no way to report a failed load back to the engine. So the scheduler half
+(rank 0, the same process as rank 0's worker) promises only blocks it has already validated:
+``get_num_new_matched_tokens`` reads the matched blocks into leased host slots (a disk or Redis
+block that is corrupt, foreign or gone is a counted miss that shortens the match) and the worker
+then copies host slots into the pool, which cannot fail. For the same reason only one rank
+(no tensor or pipeline parallelism) is supported.
+
+The executor's order per step: schedule -> ``get_num_new_matched_tokens`` / allocation /
+``update_state_after_alloc`` -> ``build_connector_meta`` -> ``start_load_kv`` -> forward
+(``wait_for_layer_load`` / ``save_kv_layer`` per layer) -> ``wait_for_save`` -> sample ->
+``request_finished`` -> ``get_finished``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from tiered_kv.config import TieredKVConfig
+from tiered_kv.connector.meta import ConnectorMeta
+from tiered_kv.connector.scheduler import ConnectorScheduler
+from tiered_kv.errors import ConfigError
+from tiered_kv.integrations.common import (acquire_store, parse_settings, release_store,
+                                           torch_dtype_name)
+from tiered_kv.keys import Namespace
+
+log = logging.getLogger(__name__)
+
+SOURCE = "TensorRT-LLM tiered-kv settings (TIERED_KV_*)"
+
+try:  # the documented interface; its module moved between releases
+    from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (  # type: ignore
+        KvCacheConnectorScheduler as _SchedulerBase,
+    )
+    from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (  # type: ignore
+        KvCacheConnectorWorker as _WorkerBase,
+    )
+except ImportError:
+    try:
+        from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import (  # type: ignore
+            KvCacheConnectorScheduler as _SchedulerBase,
+        )
+        from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import (  # type: ignore
+            KvCacheConnectorWorker as _WorkerBase,
+        )
+    except ImportError:  # not installed: duck-typed bases with the same constructor and helpers
+
+        class _SchedulerBase:  # type: ignore[no-redef]
+            def __init__(self, llm_args: Any) -> None:
+                self._llm_args = llm_args
+
+        class _WorkerBase:  # type: ignore[no-redef]
+            def __init__(self, llm_args: Any) -> None:
+                self._llm_args = llm_args
+                self._metadata = None
+
+            def bind_connector_meta(self, metadata: object) -> None:
+                self._metadata = metadata
+
+            def get_connector_meta(self) -> object:
+                return self._metadata
+
+            def _clear_connector_meta(self) -> None:
+                self._metadata = None
+
+
+def _model_config(llm_args: Any) -> dict:
+    for candidate in (getattr(llm_args, "model", None), getattr(llm_args, "_hf_model_dir", None)):
+        if candidate is None:
+            continue
+        path = Path(str(candidate)) / "config.json"
+        if path.is_file():
+            try:
+                return json.loads(path.read_text())
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"{SOURCE}: cannot read {path}: {exc}") from None
+    raise ConfigError(f"{SOURCE}: llm_args.model {getattr(llm_args, 'model', None)!r} is not a local "
+                      "directory with a config.json (the namespace needs layers, heads and head size)")
+
+
+def trtllm_namespace(llm_args: Any, config: TieredKVConfig) -> Namespace:
+    """The namespace of this engine's KV blocks, from ``llm_args`` and the model's config.json."""
+    tp = int(getattr(llm_args, "tensor_parallel_size", 1) or 1)
+    pp = int(getattr(llm_args, "pipeline_parallel_size", 1) or 1)
+    if tp != 1 or pp != 1:
+        raise ConfigError(f"{SOURCE}: tensor_parallel_size={tp}, pipeline_parallel_size={pp}: the "
+                          "TensorRT-LLM adapter supports one rank (load failures on other ranks "
+                          "cannot be reported to the engine)")
+    hf = _model_config(llm_args)
+    hf = hf.get("text_config", hf) if "num_hidden_layers" not in hf else hf
+    try:
+        heads = int(hf["num_attention_heads"])
+        kv_heads = int(hf.get("num_key_value_heads") or heads)
+        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
+        layers = int(hf["num_hidden_layers"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{SOURCE}: the model's config.json lacks {exc}") from None
+    kv_cache_config = getattr(llm_args, "kv_cache_config", None)
+    block_size = getattr(kv_cache_config, "tokens_per_block", None) or 32
+    dtype = getattr(kv_cache_config, "dtype", None)
+    if dtype in (None, "auto"):
+        dtype = getattr(llm_args, "dtype", None)
+    if dtype in (None, "auto"):
+        dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
+    revision = config.model_revision or str(getattr(llm_args, "revision", None) or "")
+    return Namespace(model_id=str(llm_args.model), dtype=torch_dtype_name(dtype), num_layers=layers,
+                     num_kv_heads=kv_heads, head_dim=head_dim, block_size=int(block_size),
+                     revision=revision, cache_salt=config.cache_salt, hash_algo=config.hash_algo)
+
+
+@dataclass(frozen=True)
+class _View:
+    """What the connector core reads of an ``LlmRequest``."""
+
+    request_id: Any
+    prompt_token_ids: list[int]
+    num_prompt_tokens: int
+    key_extra: str | None
+
+
+def _view(request: Any) -> _View:
+    n = int(request.prompt_len)
+    tokens = list(request.get_tokens(0))[:n]
+    parts = []
+    for name in ("cache_salt_id", "lora_task_id"):
+        value = getattr(request, name, None)
+        if value is not None:
+            parts.append(f"{name}={value}")
+    return _View(request.request_id, tokens, n, ";".join(parts) or None)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A ``RequestData`` with ``computed_position`` = the device prefix only."""
+
+    request_id: Any
+    new_tokens: Sequence[int]
+    new_block_ids: Sequence[int]
+    computed_position: int
+    num_scheduled_tokens: int
+
+
+@dataclass(frozen=True)
+class _Output:
+    new_requests: list
+    cached_requests: list
+
+
+class TieredKVScheduler(_SchedulerBase):
+    """Scheduler half (rank 0): what to load and what to save."""
+
+    def __init__(self, llm_args: Any) -> None:
+        super().__init__(llm_args)
+        self.settings = parse_settings(None, source=SOURCE)
+        self.namespace = trtllm_namespace(llm_args, self.settings.config)
+        self.store = acquire_store(self.settings.config, self.namespace)
+        self.core = ConnectorScheduler(self.store, self.namespace, load_async=self.settings.load_async,
+                                       save=self.settings.save)
+        self._verified: dict[Any, tuple[int, int, Any]] = {}  # request -> (device, external, plan)
+        self._device_prefix: dict[Any, int] = {}  # request -> device prefix at allocation
+        log.info("tiered-kv TensorRT-LLM scheduler: %s, block %d tokens, %s loads",
+                 self.namespace.model_id, self.namespace.block_size,
+                 "async" if self.settings.load_async else "sync")
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        view = _view(request)
+        self._drop_verified(view.request_id)
+        n, _ = self.core.get_num_new_matched_tokens(view, num_computed_tokens)
+        if n <= 0:
+            self._verified[view.request_id] = (num_computed_tokens, 0, None)
+            return 0, False
+        bs = self.namespace.block_size
+        first = num_computed_tokens // bs
+        keys = self.core.keys_of(view.request_id)[first : first + n // bs]
+        plan = self.store.load(self.store.prepare_load(keys))
+        try:
+            plan.wait()
+        except Exception:  # a failed read job: nothing of it is promised
+            log.exception("tiered-kv: reading matched blocks of %s failed", view.request_id)
+        good = 0
+        while good < len(keys) and good < len(plan.slots) and plan.slots[good] is not None:
+            good += 1
+        if good < len(keys):
+            log.info("request %s: %d of %d matched blocks failed validation; promising %d",
+                     view.request_id, len(keys) - good, len(keys), good)
+        self._verified[view.request_id] = (num_computed_tokens, good * bs, plan)
+        return good * bs, bool(good) and self.settings.load_async
+
+    def update_state_after_alloc(self, request: Any, block_ids: Sequence[int]) -> None:
+        view = _view(request)
+        device, external, plan = self._verified.pop(view.request_id, (0, 0, None))
+        self._device_prefix[view.request_id] = device
+        # the core leases the promised blocks (now host-resident) before our read plan lets go
+        self.core.update_state_after_alloc(view, list(block_ids), external)
+        if plan is not None:
+            self.store.release(plan)
+
+    def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
+        new = [_Step(rd.request_id, rd.new_tokens, rd.new_block_ids,
+                     self._device_prefix.pop(rd.request_id, rd.computed_position),
+                     rd.num_scheduled_tokens) for rd in scheduler_output.new_requests]
+        return self.core.build_connector_meta(_Output(new, list(scheduler_output.cached_requests)))
+
+    def request_finished(self, request: Any, cache_block_ids: Sequence[int]) -> bool:
+        self._drop_verified(request.request_id)
+        self._device_prefix.pop(request.request_id, None)
+        return self.core.request_finished(request, list(cache_block_ids))
+
+    def _drop_verified(self, request_id: Any) -> None:
+        entry = self._verified.pop(request_id, None)
+        if entry is not None and entry[2] is not None:
+            self.store.release(entry[2])
+
+    def close(self) -> None:
+        for request_id in list(self._verified):
+            self._drop_verified(request_id)
+        release_store(self.store)
+
+
+class TieredKVWorker(_WorkerBase):
+    """Worker half: copies blocks between TensorRT-LLM's pool and the store."""
+
+    def __init__(self, llm_args: Any) -> None:
+        super().__init__(llm_args)
+        from tiered_kv.connector.worker import ConnectorWorker
+
+        self.settings = parse_settings(None, source=SOURCE)
+        self.namespace = trtllm_namespace(llm_args, self.settings.config)
+        self.store = acquire_store(self.settings.config, self.namespace)
+        self.core = ConnectorWorker(self.store, layout=self.settings.kv_layout)
+
+    def register_kv_caches(self, kv_cache_tensor) -> None:
+        """One pool tensor, block id on dim 0: ``[blocks, layers, 2, block elements]``."""
+        self.core.register_kv_caches(kv_cache_tensor)
+
+    def bind_connector_meta(self, metadata: object) -> None:
+        super().bind_connector_meta(metadata)
+        self.core.bind_connector_meta(metadata if isinstance(metadata, ConnectorMeta) else ConnectorMeta())
+
+    def start_load_kv(self, stream=None) -> None:
+        with _on(stream):
+            self.core.start_load_kv()
+
+    def wait_for_layer_load(self, layer_idx: int, stream=None) -> None:
+        """Loads are scattered for all layers in start_load_kv."""
+
+    def save_kv_layer(self, layer_idx: int, stream=None) -> None:
+        """Blocks are gathered for all layers in wait_for_save."""
+
+    def wait_for_save(self, stream=None) -> None:
+        with _on(stream):
+            self.core.wait_for_save()
+
+    def get_finished(self, finished_gen_req_ids: list, started_loading_req_ids: list) -> tuple[list, list]:
+        saved, loaded = self.core.get_finished(finished_gen_req_ids, started_loading_req_ids)
+        errors = self.core.get_block_ids_with_load_errors()
+        if errors:  # promised blocks were validated host slots: this is a bug, and it is loud
+            log.error("tiered-kv: %d promised blocks failed to load: %s", len(errors), sorted(errors))
+        return list(saved), list(loaded)
+
+    def close(self) -> None:
+        self.core.close()
+        release_store(self.store)
+
+
+class _on:
+    """Run on the engine's CUDA stream when one is given (a no-op on CPU)."""
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.ctx = None
+
+    def __enter__(self):
+        if self.stream is not None and type(self.stream).__module__.startswith("torch.cuda"):
+            import torch
+
+            self.ctx = torch.cuda.stream(self.stream)
+            self.ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)

@@ -1,0 +1,378 @@
+"""vLLM adapter: ``TieredKVConnector``, a ``KVConnectorBase_V1`` over the connector core.
+
+Attach by configuration only::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "TieredKVConnector",
+        "kv_connector_module_path": "tiered_kv.integrations.vllm", "kv_role": "kv_both",
+        "kv_connector_extra_config": {"disk": {"url": "lmdb:///var/cache/tiered-kv"}}}'
+
+``kv_connector_extra_config`` takes the keys of our TOML file plus ``config_file``, ``load_async``,
+``save`` and ``kv_layout`` (:mod:`tiered_kv.integrations.common`). vLLM builds one instance per
+role, usually in different processes: the scheduler one looks blocks up in the worker's store
+when a worker lives in its process, else in the disk/remote tiers (:mod:`tiered_kv.lookup`).
+
+Semantics kept: keys come from token ids (vLLM's own block hashes are process-seeded), with
+LoRA, ``cache_salt`` and multimodal hashes folded in; the KV layout is detected when the worker
+registers its caches and an unknown one stops start-up with one ConfigError line; a finished
+request with saves is held (``request_finished -> True``) and reported in ``finished_sending``
+only after vLLM passed its id in ``finished_req_ids``; preempted requests forget their blocks and
+are matched anew when resumed; failed blocks go to ``get_block_ids_with_load_errors``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from tiered_kv.connector.meta import ConnectorMeta
+from tiered_kv.connector.scheduler import ConnectorScheduler
+from tiered_kv.errors import ConfigError
+from tiered_kv.integrations.common import (acquire_store, parse_settings, release_index,
+                                           release_store, scheduler_index, torch_dtype_name)
+from tiered_kv.keys import Namespace
+
+log = logging.getLogger(__name__)
+
+SOURCE = "kv_connector_extra_config"
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+except ImportError:  # vllm not installed: duck-typed stand-ins, so the adapter can be unit-tested
+
+    class KVConnectorRole(enum.Enum):  # type: ignore[no-redef]
+        SCHEDULER = 0
+        WORKER = 1
+
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+    class KVConnectorBase_V1:  # type: ignore[no-redef]
+        def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+            self._vllm_config = vllm_config
+            self._kv_transfer_config = vllm_config.kv_transfer_config
+            self._kv_cache_config = kv_cache_config
+            self._role = role
+            self._connector_metadata = None
+
+        def bind_connector_metadata(self, connector_metadata: Any) -> None:
+            self._connector_metadata = connector_metadata
+
+        def clear_connector_metadata(self) -> None:
+            self._connector_metadata = None
+
+try:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    _DISK: Any = CacheHitSource.DISK
+except ImportError:
+    _DISK = None
+
+
+@dataclass
+class TieredKVMetadata(KVConnectorMetadata):
+    """One step's plan for the workers (picklable: keys, block ids and request ids only)."""
+
+    meta: ConnectorMeta = field(default_factory=ConnectorMeta)
+    async_loads: tuple[str, ...] = ()  # requests whose loads complete through get_finished
+    preempted: tuple[str, ...] = ()  # requests whose blocks vLLM freed in this step
+
+
+def vllm_namespace(vllm_config: Any, kv_cache_config: Any, settings_config: Any, *,
+                   tp_rank: int = 0) -> Namespace:
+    """The namespace of this engine's KV blocks, from the KV cache spec vLLM allocates by."""
+    pc = vllm_config.parallel_config
+    if int(getattr(pc, "pipeline_parallel_size", 1) or 1) != 1:
+        raise ConfigError(f"{SOURCE}: pipeline parallelism is not supported by tiered-kv")
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1:
+        raise ConfigError(f"{SOURCE}: the model has {len(groups)} KV cache groups (hybrid or "
+                          "multi-spec); tiered-kv supports one full-attention group")
+    spec = groups[0].kv_cache_spec
+    kind = type(spec).__name__
+    head_v = getattr(spec, "head_size_v", None)
+    if (kind != "FullAttentionSpec" or getattr(spec, "sliding_window", None)
+            or getattr(spec, "attention_chunk_size", None) or head_v not in (None, spec.head_size)):
+        raise ConfigError(f"{SOURCE}: unsupported KV cache spec {kind} (MLA, sliding-window, "
+                          "chunked or uneven K/V heads); tiered-kv stores full-attention K/V")
+    mc = vllm_config.model_config
+    revision = settings_config.model_revision or str(getattr(mc, "revision", None) or "")
+    if str(getattr(getattr(vllm_config, "load_config", None), "load_format", "")).endswith("dummy"):
+        revision += "+dummy-weights"
+    return Namespace(
+        model_id=str(mc.model), dtype=torch_dtype_name(spec.dtype), num_layers=len(groups[0].layer_names),
+        num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size), block_size=int(spec.block_size),
+        revision=revision, tp_rank=tp_rank, tp_size=int(getattr(pc, "tensor_parallel_size", 1) or 1),
+        cache_salt=settings_config.cache_salt, hash_algo=settings_config.hash_algo)
+
+
+@dataclass(frozen=True)
+class _View:
+    request_id: str
+    prompt_token_ids: list[int]
+    num_prompt_tokens: int
+    key_extra: str | None
+
+
+def _key_extra(request: Any) -> str | None:
+    """LoRA adapter, tenant salt and multimodal inputs change the KV of the same token ids."""
+    parts = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}")
+    if getattr(request, "cache_salt", None):
+        parts.append(f"salt={request.cache_salt}")
+    for feature in getattr(request, "mm_features", None) or ():
+        ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
+        pos = getattr(getattr(feature, "mm_position", None), "offset", "")
+        parts.append(f"mm={ident}@{pos}")
+    return ";".join(parts) or None
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One request's part of a step, as the core reads it (``computed_position`` = device
+    prefix; the core adds the tokens matched externally)."""
+
+    request_id: str
+    new_tokens: Sequence[int]
+    new_block_ids: Sequence[int]
+    computed_position: int
+    num_scheduled_tokens: int
+
+
+@dataclass(frozen=True)
+class _Output:
+    new_requests: list
+    cached_requests: list
+
+
+def _group0(block_ids: Any) -> list[int]:
+    """The block ids of the single KV cache group (``([ids],)`` in vLLM's outputs)."""
+    if not block_ids:
+        return []
+    return list(block_ids[0])
+
+
+class TieredKVConnector(KVConnectorBase_V1):
+    """tiered-kv as a vLLM KV connector (``kv_role`` ``kv_both``)."""
+
+    _cache_hit_source = _DISK
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None)
+        is_worker = getattr(role, "name", str(role)).endswith("WORKER")
+        try:
+            self.settings = parse_settings(extra, source=SOURCE)
+            self.namespace = vllm_namespace(vllm_config, kv_cache_config, self.settings.config,
+                                            tp_rank=_tp_rank() if is_worker else 0)
+        except ConfigError as exc:
+            log.error("tiered-kv: %s", exc)  # the one line to read in the start-up log
+            raise
+        self._sched: _SchedulerSide | None = None
+        self._worker: _WorkerSide | None = None
+        if is_worker:
+            self._worker = _WorkerSide(self.settings, self.namespace)
+        else:
+            self._sched = _SchedulerSide(self.settings, self.namespace)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A cache, not a hand-off: a save lost to preemption is a future miss, nothing more."""
+        return False
+
+    # -- scheduler side ----------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        ids = blocks.get_block_ids() if hasattr(blocks, "get_block_ids") else blocks
+        self._sched.update_state_after_alloc(request, _group0(ids), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
+        return self._sched.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self._sched.request_finished(request, block_ids), None
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """Nothing to track: the engine frees held blocks on ``finished_sending``."""
+
+    # -- worker side ---------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        try:
+            self._worker.core.register_kv_caches(kv_caches)
+        except ConfigError as exc:
+            log.error("tiered-kv: %s: %s", SOURCE, exc)
+            raise
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.bind(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        self._worker.core.clear_connector_metadata()
+
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        if getattr(kv_connector_metadata, "preempted", ()):
+            self._worker.core.flush_copies()  # their blocks may be reused by this step
+
+    def start_load_kv(self, forward_context: Any = None, **kwargs: Any) -> None:
+        self._worker.core.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are scattered into every layer in start_load_kv."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any = None, attn_metadata: Any = None,
+                      **kwargs: Any) -> None:
+        """Blocks are gathered from every layer in wait_for_save."""
+
+    def wait_for_save(self) -> None:
+        self._worker.core.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.core.get_block_ids_with_load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._sched is not None:
+            self._sched.close()
+
+
+def _tp_rank() -> int:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+    except Exception:  # no TP group (stand-ins, or a single process without one)
+        return 0
+
+
+class _SchedulerSide:
+    """vLLM's scheduler outputs translated into the core's new/cached request data."""
+
+    def __init__(self, settings, namespace: Namespace) -> None:
+        self.settings, self.namespace = settings, namespace
+        self.index = None  # opened at the first request, when the worker of this process exists
+        self.core: ConnectorScheduler | None = None
+        self.requests: dict[str, Any] = {}  # live vLLM Request objects (all_token_ids grows)
+        self.reported: dict[str, int] = {}  # tokens handed to the core per request
+        self.matched_tokens = 0  # external tokens promised so far (for reports)
+        self.matched_requests = 0
+
+    def _core(self) -> ConnectorScheduler:
+        if self.core is None:
+            self.index = scheduler_index(self.settings.config, self.namespace)
+            self.core = ConnectorScheduler(self.index, self.namespace, load_async=self.settings.load_async,
+                                           save=self.settings.save)
+        return self.core
+
+    @staticmethod
+    def _view(request: Any) -> _View | None:
+        if getattr(request, "prompt_token_ids", None) is None:
+            return None  # prompt embeddings: no token ids to key by
+        return _View(request.request_id, list(request.prompt_token_ids), int(request.num_prompt_tokens),
+                     _key_extra(request))
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        view = self._view(request)
+        if view is None:
+            return 0, False
+        self.requests[view.request_id] = request
+        n, is_async = self._core().get_num_new_matched_tokens(view, num_computed_tokens)
+        return n, bool(is_async and n)
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        view = self._view(request)
+        if view is None:
+            return
+        self.requests[view.request_id] = request
+        self._core().update_state_after_alloc(view, block_ids, num_external_tokens)
+        if num_external_tokens > 0:
+            self.matched_tokens += num_external_tokens
+            self.matched_requests += 1
+            log.info("tiered-kv: request %s: %d tokens from the store", view.request_id, num_external_tokens)
+
+    def build_connector_meta(self, so: Any) -> TieredKVMetadata:
+        core = self._core()
+        preempted = tuple(getattr(so, "preempted_req_ids", None) or ())
+        for rid in preempted:
+            core.request_preempted(rid)
+        new, cached = [], []
+        for nr in so.scheduled_new_reqs:
+            request = self.requests.get(nr.req_id)
+            if request is None:
+                continue  # never matched: prompt embeddings
+            tokens = list(request.all_token_ids)
+            new.append(_Step(nr.req_id, tokens, _group0(nr.block_ids),
+                             nr.num_computed_tokens - core.external_tokens(nr.req_id),
+                             so.num_scheduled_tokens.get(nr.req_id, 0)))
+            self.reported[nr.req_id] = len(tokens)
+        cr = so.scheduled_cached_reqs
+        resumed = set(getattr(cr, "resumed_req_ids", None) or ())
+        legacy = getattr(cr, "resumed_from_preemption", None)  # older vLLM: one bool per request
+        for i, rid in enumerate(cr.req_ids):
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            tokens = list(request.all_token_ids)
+            scheduled = so.num_scheduled_tokens.get(rid, 0)
+            blocks = _group0(cr.new_block_ids[i])
+            if rid in resumed or (legacy is not None and legacy[i]):  # all its blocks are new
+                new.append(_Step(rid, tokens, blocks, cr.num_computed_tokens[i] - core.external_tokens(rid),
+                                 scheduled))
+            else:
+                cached.append(_Step(rid, tokens[self.reported.get(rid, len(tokens)):], blocks,
+                                    cr.num_computed_tokens[i], scheduled))
+            self.reported[rid] = len(tokens)
+        meta = core.build_connector_meta(_Output(new, cached))
+        return TieredKVMetadata(meta, tuple(s.request_id for s in meta.loads if s.is_async), preempted)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+        self.requests.pop(request.request_id, None)
+        self.reported.pop(request.request_id, None)
+        if self.core is None:
+            return False
+        return self.core.request_finished(request, block_ids)
+
+    def close(self) -> None:
+        release_index(self.index)
+        self.index = None
+
+
+class _WorkerSide:
+    def __init__(self, settings, namespace: Namespace) -> None:
+        from tiered_kv.connector.worker import ConnectorWorker
+
+        self.store = acquire_store(settings.config, namespace)
+        self.core = ConnectorWorker(self.store, layout=settings.kv_layout)
+        self.async_loads: tuple[str, ...] = ()
+        self.closed = False
+
+    def bind(self, metadata: Any) -> None:
+        meta = getattr(metadata, "meta", None)
+        self.core.bind_connector_meta(meta if isinstance(meta, ConnectorMeta) else ConnectorMeta())
+        self.async_loads = tuple(getattr(metadata, "async_loads", ()) or ())
+
+    def get_finished(self, finished_req_ids) -> tuple[set[str] | None, set[str] | None]:
+        saved, loaded = self.core.get_finished(finished_req_ids or (), self.async_loads)
+        self.async_loads = ()
+        return set(saved) or None, set(loaded) or None
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.core.close()
+        release_store(self.store)

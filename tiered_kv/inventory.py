@@ -1,0 +1,250 @@
+"""Reports on what a store holds: the per-tier, per-namespace summary (``inspect``), filtered
+listings (``ls``) and one block in detail (``show``, with per-layer K/V statistics)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from tiered_kv.catalog import (
+    Entry,
+    Namespaces,
+    Tier,
+    block_shape,
+    entries,
+    kind_of,
+    namespaces,
+    raw_block_bytes,
+    resolve_namespace,
+    sample_header,
+)
+from tiered_kv.codec import BlockCodec
+from tiered_kv.errors import ConfigError, CorruptBlock
+from tiered_kv.keys import KEY_BYTES
+from tiered_kv.records import split_key
+
+log = logging.getLogger(__name__)
+
+# last-access age buckets: (label, upper bound in seconds)
+AGE_BUCKETS = (("<1m", 60), ("<1h", 3600), ("<1d", 86400), ("<7d", 7 * 86400), (">=7d", float("inf")))
+
+
+def iso(ts: float | None) -> str | None:
+    return None if ts is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def age_bucket(age: float) -> str:
+    return next(label for label, bound in AGE_BUCKETS if age < bound)
+
+
+# -- inspect ----------------------------------------------------------------------------------
+def inspect_tier(tier: Tier, now: float | None = None) -> dict:
+    """Blocks, tokens, bytes, ratio, model and shape, oldest/newest and last-access ages per
+    namespace of one tier, and the tier's totals and capacity use."""
+    now = time.time() if now is None else now
+    found = namespaces(tier.backend)
+    listing = list(entries(tier.backend))
+    per_ns: dict[bytes, list[Entry]] = {}
+    kinds = Counter(e.kind for e in listing)
+    for e in listing:
+        if e.kind == "block":
+            per_ns.setdefault(e.namespace, []).append(e)
+    keys = [e.key for e in listing]
+    report = {}
+    for digest in sorted(per_ns.keys() | found.known.keys()):
+        report[digest.hex()] = _namespace_summary(tier, digest, per_ns.get(digest, []), found, keys, now)
+    stats = tier.backend.stats()
+    stored = sum(e.size or 0 for e in listing)
+    return {
+        "tier": tier.name, "url": tier.backend.url, "medium": tier.backend.name,
+        "entries": len(listing), "blocks": kinds["block"], "namespace_records": kinds["namespace"],
+        "foreign_entries": kinds["foreign"], "stored_bytes": stored,
+        "used_bytes": stats.used_bytes, "capacity_bytes": tier.capacity,
+        "capacity_used": round(stats.used_bytes / tier.capacity, 4) if tier.capacity else None,
+        "broken_namespace_records": {d.hex(): why for d, why in found.broken.items()},
+        "namespaces": report,
+    }
+
+
+def _namespace_summary(tier: Tier, digest: bytes, blocks: list[Entry], found: Namespaces,
+                       keys: list[bytes], now: float) -> dict:
+    ns = found.known.get(digest)
+    out: dict = {"record": ns is not None, "model_id": ns.model_id if ns else None}
+    if ns is not None:
+        out.update(dtype=ns.dtype, block_size=ns.block_size, block_shape=block_shape(ns),
+                   revision=ns.revision, tp=f"{ns.tp_rank}/{ns.tp_size}", cache_salt=bool(ns.cache_salt),
+                   hash_algo=ns.hash_algo)
+        raw_each, block_size = raw_block_bytes(ns), ns.block_size
+    else:  # no record: dtype and shape from a block's header; tokens unknown
+        header = sample_header(tier.backend, digest, keys)
+        raw_each = header.raw_len if header else None
+        block_size = header.shape[2] if header and len(header.shape) == 5 else None
+        if header is not None:
+            out.update(dtype=header.dtype, block_shape=list(header.shape))
+    stored = sum(e.size or 0 for e in blocks)
+    raw = sum(e.header.raw_len if e.header else (raw_each or 0) for e in blocks)
+    created = [e.created for e in blocks if e.created is not None]
+    ages = Counter(age_bucket(now - e.last_access) for e in blocks if e.last_access is not None)
+    out.update(
+        blocks=len(blocks), tokens=len(blocks) * block_size if block_size else None,
+        raw_bytes=raw if raw_each or any(e.header for e in blocks) else None, stored_bytes=stored,
+        compression_ratio=round(raw / stored, 4) if stored and raw else None,
+        oldest=iso(min(created)) if created else None, newest=iso(max(created)) if created else None,
+        last_access_age={label: ages[label] for label, _ in AGE_BUCKETS} if ages else None,
+        hits=sum(e.hits for e in blocks if e.hits is not None) if any(e.hits is not None for e in blocks) else None,
+    )
+    return out
+
+
+# -- ls ---------------------------------------------------------------------------------------
+@dataclass
+class Filter:
+    namespace: bytes | None = None
+    older_than: float | None = None  # seconds since last access (or creation)
+    newer_than: float | None = None
+    min_size: int | None = None
+    max_size: int | None = None
+    include_all: bool = False  # namespace records and foreign entries too
+
+    def accepts(self, e: Entry, now: float) -> bool:
+        if not self.include_all and e.kind != "block":
+            return False
+        if self.namespace is not None and e.namespace != self.namespace:
+            return False
+        age = None if e.age_basis is None else now - e.age_basis
+        if self.older_than is not None and (age is None or age < self.older_than):
+            return False
+        if self.newer_than is not None and (age is None or age >= self.newer_than):
+            return False
+        if self.min_size is not None and (e.size or 0) < self.min_size:
+            return False
+        return self.max_size is None or (e.size or 0) <= self.max_size
+
+
+SORTS = {"key": lambda e: e.key, "size": lambda e: e.size or 0,
+         "created": lambda e: e.created or 0.0, "access": lambda e: e.age_basis or 0.0}
+
+
+def namespace_filter(tier: Tier, spec: str | None) -> bytes | None:
+    if spec is None:
+        return None
+    digests = {split_key(k)[0] for k in tier.backend.scan() if kind_of(k) == "block"}
+    return resolve_namespace(spec, namespaces(tier.backend), sorted(digests))
+
+
+def list_entries(tier: Tier, flt: Filter, *, sort: str = "key", offset: int = 0,
+                 limit: int | None = None, now: float | None = None) -> tuple[int, list[dict]]:
+    """(entries matching ``flt``, the page ``offset .. offset+limit`` of them as rows)."""
+    now = time.time() if now is None else now
+    found = namespaces(tier.backend)
+    hits = sorted((e for e in entries(tier.backend) if flt.accepts(e, now)), key=SORTS[sort])
+    page = hits[offset : None if limit is None else offset + limit]
+    return len(hits), [entry_row(tier, e, found, now) for e in page]
+
+
+def entry_row(tier: Tier, e: Entry, found: Namespaces, now: float) -> dict:
+    return {
+        "tier": tier.name, "key": e.key.hex(), "kind": e.kind,
+        "namespace": e.namespace.hex() if e.namespace else None,
+        "model_id": found.describe(e.namespace) if e.namespace else None,
+        "size": e.size, "created": iso(e.created), "last_access": iso(e.last_access),
+        "age_s": None if e.age_basis is None else round(now - e.age_basis, 3), "hits": e.hits,
+    }
+
+
+# -- show -------------------------------------------------------------------------------------
+def find_key(tiers: Iterable[Tier], spec: str, namespace: str | None = None) -> tuple[Tier, bytes]:
+    """The tier and full key that ``spec`` names: the whole key in hex, a unique hex prefix of
+    it (8+ characters), or a 32-hex block key (with ``namespace`` when several are stored)."""
+    spec = spec.strip().lower()
+    try:
+        bytes.fromhex(spec if len(spec) % 2 == 0 else spec + "0")
+    except ValueError:
+        raise ConfigError(f"KEY must be hexadecimal, got {spec!r}") from None
+    if len(spec) < 8:
+        raise ConfigError("KEY needs at least 8 hex characters")
+    matches = []
+    for tier in tiers:
+        keys = list(tier.backend.scan())
+        found = [k for k in keys if k.hex().startswith(spec)]
+        if len(spec) == 2 * KEY_BYTES and len(found) != 1:  # a block key without its namespace
+            digests = sorted({split_key(k)[0] for k in keys if kind_of(k) == "block"})
+            digest = resolve_namespace(namespace, namespaces(tier.backend), digests)
+            found = [k for k in keys if k == digest + bytes.fromhex(spec)]
+        matches += [(tier, k) for k in found]
+    if not matches:
+        raise LookupError(f"no entry with key {spec}")
+    if len({k for _, k in matches}) > 1:
+        raise ConfigError(f"key prefix {spec} matches {len(matches)} entries; give more characters")
+    return matches[0]
+
+
+def show_entry(tier: Tier, key: bytes, *, stats: bool = True) -> dict:
+    """Header fields, medium meta data and (for a valid block) per-layer K/V statistics."""
+    found = namespaces(tier.backend)
+    [entry] = list(entries(tier.backend, headers=True, keys=[key])) or [None]
+    if entry is None:
+        raise LookupError(f"entry {key.hex()} vanished")
+    out: dict = {"tier": tier.name, "url": tier.backend.url, "kind": entry.kind, "key": key.hex(),
+                 "size": entry.size, "created": iso(entry.created), "last_access": iso(entry.last_access),
+                 "hits": entry.hits}
+    if entry.kind != "block":
+        return out
+    digest, block = split_key(key)
+    out["namespace"] = digest.hex()
+    out["model_id"] = found.known[digest].model_id if digest in found.known else None
+    h = entry.header
+    if h is not None:
+        out["header"] = {
+            "version": h.version, "codec": h.codec, "level": h.level, "dtype": h.dtype,
+            "shape": list(h.shape), "namespace": h.namespace.hex(), "key": h.key.hex(),
+            "raw_len": h.raw_len, "stored_len": h.stored_len, "ratio": round(h.ratio, 4),
+            "checksum": f"{h.checksum:016x}", "body_check": f"{h.body_check:08x}", "created": iso(h.created),
+        }
+    [value] = tier.backend.get_many([key])
+    try:
+        header, payload = BlockCodec().decode(value, namespace=digest, key=block)
+    except CorruptBlock as exc:
+        out.update(valid=False, reason=exc.reason, error=exc.detail)
+        return out
+    out["valid"] = True
+    if stats:
+        out["layers"] = layer_stats(payload, header.dtype, header.shape)
+    return out
+
+
+def as_float(payload: memoryview, dtype: str) -> np.ndarray:
+    """The payload as float32 (bfloat16 by its high half; float8 through torch)."""
+    buf = np.frombuffer(payload, dtype=np.uint8)
+    if dtype == "bfloat16":
+        return (buf.view("<u2").astype(np.uint32) << 16).view(np.float32)
+    if dtype.startswith("float8"):
+        import torch  # numpy has no float8
+
+        return torch.frombuffer(bytearray(buf), dtype=getattr(torch, dtype)).float().numpy()
+    return buf.view(np.dtype(dtype).newbyteorder("<")).astype(np.float32)
+
+
+def layer_stats(payload: memoryview, dtype: str, shape: tuple[int, ...]) -> list[dict]:
+    """min/max/mean/std and NaN/Inf counts of K and V per layer (canonical [L, 2, ...] layout;
+    the whole block as one row for other shapes). Statistics skip non-finite values."""
+    values = as_float(payload, dtype)
+    groups = values.reshape(shape[0], 2, -1) if len(shape) >= 2 and shape[1] == 2 else values.reshape(1, 1, -1)
+    rows = []
+    for layer, pair in enumerate(groups):
+        for part, data in zip("KV" if len(pair) == 2 else "*", pair):
+            finite = data[np.isfinite(data)]
+            rows.append({
+                "layer": layer, "part": part,
+                "min": float(finite.min()) if finite.size else None,
+                "max": float(finite.max()) if finite.size else None,
+                "mean": float(finite.mean(dtype=np.float64)) if finite.size else None,
+                "std": float(finite.std(dtype=np.float64)) if finite.size else None,
+                "nan": int(np.isnan(data).sum()), "inf": int(np.isinf(data).sum()),
+            })
+    return rows

@@ -1,0 +1,116 @@
+"""Operations that change a store: ``evict`` (by size, age or namespace) and ``copy`` (blocks
+and their namespace records from one medium to another, e.g. warm a Redis from an LMDB, or
+export to a ``file://`` directory). Both only ever delete or copy whole entries."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from tiered_kv.catalog import READ_BATCH, Entry, Tier, entries, kind_of
+from tiered_kv.codec import BlockCodec
+from tiered_kv.errors import ConfigError, CorruptBlock
+from tiered_kv.records import namespace_key, split_key
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int, int], None]  # (advance, total)
+
+
+def evict_plan(tier: Tier, *, to: int | None = None, older_than: float | None = None,
+               namespace: bytes | None = None, now: float | None = None) -> tuple[list[Entry], int]:
+    """(blocks to evict, least recently used first; stored bytes of the whole tier now)."""
+    if to is None and older_than is None and namespace is None:
+        raise ConfigError("evict needs --to SIZE, --older-than AGE or --namespace NS")
+    now = time.time() if now is None else now
+    listing = list(entries(tier.backend))
+    used = sum(e.size or 0 for e in listing)
+    chosen = [e for e in listing if e.kind == "block" and (namespace is None or e.namespace == namespace)]
+    if older_than is not None:
+        chosen = [e for e in chosen if e.age_basis is not None and now - e.age_basis >= older_than]
+    chosen.sort(key=lambda e: (e.age_basis or 0.0, e.key))
+    if to is not None:
+        left, keep = used, []
+        for e in chosen:
+            if left <= to:
+                break
+            keep.append(e)
+            left -= e.size or 0
+        chosen = keep
+    return chosen, used
+
+
+def evict(tier: Tier, *, to: int | None = None, older_than: float | None = None,
+          namespace: bytes | None = None, dry_run: bool = False, progress: Progress | None = None) -> dict:
+    chosen, used = evict_plan(tier, to=to, older_than=older_than, namespace=namespace)
+    keys = [e.key for e in chosen]
+    if namespace is not None and to is None and older_than is None:
+        keys.append(namespace_key(namespace))  # the whole namespace goes: its record too
+    freed = sum(e.size or 0 for e in chosen)
+    removed = 0
+    if not dry_run:
+        for start in range(0, len(keys), READ_BATCH):
+            batch = keys[start : start + READ_BATCH]
+            removed += tier.backend.delete_many(batch)
+            if progress is not None:
+                progress(len(batch), len(keys))
+        tier.backend.flush()
+        log.info("%s tier: evicted %d blocks (%d bytes)", tier.name, len(chosen), freed)
+    return {"tier": tier.name, "url": tier.backend.url, "dry_run": dry_run,
+            "order": "last access" if any(e.last_access is not None for e in chosen) else "creation",
+            "evicted_blocks": len(chosen), "removed_entries": removed, "freed_bytes": freed,
+            "stored_bytes_before": used, "stored_bytes_after": used - freed,
+            "keys": [k.hex() for k in keys] if dry_run else None}
+
+
+def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: bool = False,
+         verify: bool = True, progress: Progress | None = None) -> dict:
+    """Copy every block (of ``namespace``) and its namespace record from ``src`` to ``dst``.
+    Blocks are validated on the way (fully decoded with ``verify``, else their header only):
+    corrupt ones are skipped and reported, never copied."""
+    keys = [k for k in sorted(src.backend.scan())
+            if kind_of(k) == "block" and (namespace is None or k.startswith(namespace))]
+    digests = sorted({split_key(k)[0] for k in keys} | ({namespace} if namespace else set()))
+    records = [(k, v) for k, v in zip(map(namespace_key, digests), src.backend.get_many(
+        [namespace_key(d) for d in digests])) if v is not None]
+    if records:
+        dst.backend.put_many(records)
+    codec = BlockCodec()
+    copied = present = rejected = nbytes = 0
+    corrupt: list[str] = []
+    before = dst.backend.stats().evictions
+    for start in range(0, len(keys), READ_BATCH):
+        batch = keys[start : start + READ_BATCH]
+        if not overwrite:
+            have = dst.backend.contains_many(batch)
+            present += sum(have)
+            batch_todo = [k for k, h in zip(batch, have) if not h]
+        else:
+            batch_todo = batch
+        good = []
+        for key, value in zip(batch_todo, src.backend.get_many(batch_todo)):
+            if value is None:
+                continue  # gone since the scan
+            try:
+                digest, block = split_key(key)
+                if verify:
+                    codec.decode(value, namespace=digest, key=block)
+                else:
+                    codec.read_header(value, namespace=digest, key=block)
+            except CorruptBlock as exc:
+                corrupt.append(key.hex())
+                log.warning("copy: skipped %s: %s", key.hex(), exc.detail)
+                continue
+            good.append((key, value))
+        stored = dst.backend.put_many(good) if good else []
+        copied += sum(stored)
+        rejected += len(stored) - sum(stored)
+        nbytes += sum(len(v) for (_, v), s in zip(good, stored) if s)
+        if progress is not None:
+            progress(len(batch), len(keys))
+    dst.backend.flush()
+    return {"source": src.backend.url, "destination": dst.backend.url, "blocks": len(keys),
+            "copied": copied, "copied_bytes": nbytes, "already_present": present,
+            "corrupt_skipped": corrupt, "rejected": rejected, "namespace_records": len(records),
+            "evicted_at_destination": dst.backend.stats().evictions - before}
