@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterator, Sequence
 
 Visitor = Callable[[int, memoryview], None]
 

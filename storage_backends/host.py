@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -72,7 +72,7 @@ class HostBackend(Backend):
         self._closed = False
 
     @classmethod
-    def from_url(cls, url: str, **options) -> "HostBackend":
+    def from_url(cls, url: str, **options) -> HostBackend:
         _, query = split_options(url)
         query.update(options)
         try:

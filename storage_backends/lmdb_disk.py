@@ -20,193 +20,55 @@ mapping.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import struct
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import unquote
 
 import lmdb
 
 from storage_backends.base import Backend, BackendStats, Visitor
+from storage_backends.lmdb_gate import RemapGate
+from storage_backends.lmdb_tables import (
+    FORMAT,
+    MAX_KEY,
+    META,
+    STAMP,
+    U64,
+    Write,
+    as_key,
+    check_tables,
+    fits,
+    indexed,
+    lru_value,
+    read_totals,
+    stamp_of,
+)
+from storage_backends.options import as_bool, as_int, directory_of
 from storage_backends.registry import split_options
-from tiered_kv.errors import BackendError, BackendUnavailable, ConfigError
+from tiered_kv.errors import BackendClosed, BackendError, BackendUnavailable, ConfigError, InvalidKey
 from tiered_kv.units import format_size, parse_size
+
+__all__ = ["BackendClosed", "InvalidKey", "LmdbBackend", "path_of"]
 
 log = logging.getLogger(__name__)
 
-META = struct.Struct("<QQIQ")  # stored size, last access ns, hits, created ns
-U64 = struct.Struct("<Q")
-STAMP = struct.Struct(">Q")  # LRU keys sort by time
-FORMAT = 1
-MAX_KEY = 511  # LMDB's default key size limit
 MAX_TOUCHES = 4096  # pending read accesses before they are applied eagerly
 REMAP_WAIT_S = 10.0  # how long a remap waits for this process's transactions to end
 OPTIONS = ("capacity", "sync", "map_size", "readahead", "writemap", "max_readers", "batch_bytes")
 
 
-class InvalidKey(BackendError, ValueError):
-    """A key LMDB cannot hold: not bytes, empty, or longer than 511 bytes."""
-
-
-class BackendClosed(BackendError, ValueError):
-    """The backend was used after ``close()``."""
+def path_of(url: str) -> Path:
+    """``lmdb:///abs/dir`` -> /abs/dir; ``lmdb://./rel``, ``lmdb:rel`` -> rel; ``~`` expands."""
+    return directory_of(url, "lmdb")
 
 
 class _NoSpace(Exception):
     """The map (or the disk) stayed full after growing and evicting."""
-
-
-def _bool(value, name: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ConfigError(f"{name} must be true or false, got {value!r}")
-
-
-def _int(value, name: str, minimum: int = 1) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
-    if number < minimum:
-        raise ConfigError(f"{name} must be at least {minimum}, got {number}")
-    return number
-
-
-def path_of(url: str) -> Path:
-    """``lmdb:///abs/dir`` -> /abs/dir; ``lmdb://./rel``, ``lmdb:rel`` -> rel; ``~`` expands."""
-    base, _ = split_options(url)
-    if not base.lower().startswith("lmdb:"):
-        raise ConfigError(f"not an lmdb URL: {url!r}")
-    rest = base[len("lmdb:"):]
-    rest = rest[2:] if rest.startswith("//") else rest
-    if not rest:
-        raise ConfigError(f"lmdb URL {url!r} names no directory")
-    return Path(unquote(rest)).expanduser()
-
-
-def _key(key) -> bytes:
-    if isinstance(key, bytes):
-        return key
-    if isinstance(key, (bytearray, memoryview)):
-        return bytes(key)
-    raise InvalidKey(f"lmdb keys are bytes, got {type(key).__name__}")
-
-
-def _fits(key: bytes) -> bool:
-    return 0 < len(key) <= MAX_KEY
-
-
-def _stamp(atime_ns: int, key: bytes) -> bytes:
-    """LRU index key: time || key (|| a digest of keys too long to follow the time; their
-    index entry then holds the key as its value)."""
-    return STAMP.pack(atime_ns) + (key if len(key) <= MAX_KEY - STAMP.size else _digest(key))
-
-
-def _digest(key: bytes) -> bytes:
-    return hashlib.blake2b(key, digest_size=16).digest()
-
-
-def _lru_value(key: bytes) -> bytes:
-    return key if len(key) > MAX_KEY - STAMP.size else b""
-
-
-def _indexed(stamp, value) -> bytes:
-    """The key an LRU index entry stands for."""
-    return bytes(value) if len(value) else bytes(stamp[STAMP.size:])
-
-
-class _Gate:
-    """Shared for every transaction, exclusive for remaps and close. Re-entrant per thread;
-    a waiting exclusive holder blocks new shared holders (no starvation) for at most its
-    timeout, so a stuck reader delays a remap but cannot wedge the process."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._shared = 0
-        self._owner: int | None = None
-        self._waiting = 0
-        self._local = threading.local()
-
-    def held(self) -> bool:
-        return getattr(self._local, "depth", 0) > 0
-
-    @contextmanager
-    def shared(self):
-        depth = getattr(self._local, "depth", 0)
-        first = depth == 0 and self._owner != threading.get_ident()
-        if first:
-            with self._cond:
-                self._cond.wait_for(lambda: self._owner is None and not self._waiting)
-                self._shared += 1
-        self._local.depth = depth + 1
-        try:
-            yield
-        finally:
-            self._local.depth = depth
-            if first:
-                with self._cond:
-                    self._shared -= 1
-                    self._cond.notify_all()
-
-    @contextmanager
-    def paused(self):
-        """Hold back new shared holders while the ones inside finish. py-lmdb's abort of a write
-        transaction waits until no call of this process is inside LMDB: readers arriving all
-        the time would starve it."""
-        with self._cond:
-            self._waiting += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._waiting -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self, timeout: float | None):
-        """Yields whether the gate was won (False: held shared here, or timed out)."""
-        me = threading.get_ident()
-        if self._owner == me:
-            yield True
-            return
-        if self.held():
-            yield False
-            return
-        with self._cond:
-            self._waiting += 1
-            won = self._cond.wait_for(lambda: self._owner is None and not self._shared, timeout)
-            self._waiting -= 1
-            if won:
-                self._owner = me
-            self._cond.notify_all()
-        try:
-            yield won
-        finally:
-            if won:
-                with self._cond:
-                    self._owner = None
-                    self._cond.notify_all()
-
-
-class _Write:
-    """One write transaction: totals read once and written once, counters applied on commit."""
-
-    __slots__ = ("txn", "used", "entries", "counts")
-
-    def __init__(self, txn, used: int, entries: int) -> None:
-        self.txn, self.used, self.entries, self.counts = txn, used, entries, Counter()
 
 
 class LmdbBackend(Backend):
@@ -221,7 +83,7 @@ class LmdbBackend(Backend):
         self.capacity = parse_size(capacity, name="lmdb capacity")
         if self.capacity <= 0:
             raise ConfigError(f"lmdb capacity must be positive, got {capacity!r}")
-        self.sync = _bool(sync, "lmdb sync")
+        self.sync = as_bool(sync, "lmdb sync")
         # 1-2 MiB per write transaction amortises the commit; 4+ MiB faults fresh pages
         self.batch_bytes = parse_size(batch_bytes, name="lmdb batch_bytes")
         wanted = parse_size(map_size, name="lmdb map_size") if map_size is not None else \
@@ -232,16 +94,16 @@ class LmdbBackend(Backend):
         self.path.mkdir(parents=True, exist_ok=True)
         # writemap: puts into reused pages ~1.5x faster, but without sync a machine crash may
         # corrupt the environment (not only lose the last commits); every process must agree
-        writemap = _bool(writemap, "lmdb writemap")
+        writemap = as_bool(writemap, "lmdb writemap")
         if writemap and not self.sync:
             log.warning("lmdb tier at %s: writemap without sync: a machine crash may corrupt it",
                         self.path)
         options = dict(map_size=wanted, max_dbs=8, sync=self.sync, metasync=self.sync,
-                       readahead=_bool(readahead, "lmdb readahead"), writemap=writemap,
-                       max_readers=_int(max_readers, "lmdb max_readers"), lock=True)
+                       readahead=as_bool(readahead, "lmdb readahead"), writemap=writemap,
+                       max_readers=as_int(max_readers, "lmdb max_readers"), lock=True)
         self.env = self._open_env(options)
         self.blocks, self.meta, self.lru, self.info = self._open_tables()
-        self._gate = _Gate()
+        self._gate = RemapGate()
         self._lock = threading.Lock()  # touches and pins
         self._touches: dict[bytes, tuple[int, int]] = {}  # key -> (last access ns, hits)
         self._pins: Counter = Counter()
@@ -333,14 +195,14 @@ class LmdbBackend(Backend):
             log.warning("lmdb tier at %s: %s failed: %s", self.path, what, exc)
             raise BackendUnavailable(f"lmdb store at {self.path}: {what} failed: {exc}") from exc
 
-    def _write(self, body: Callable[[_Write], object], nbytes: int = 0):
+    def _write(self, body: Callable[[Write], object], nbytes: int = 0):
         """``body`` in one write transaction, after the buffered accesses. On a full map
         (or disk) the transaction is rolled back, room is made and it runs again."""
         for _ in range(6):
             touches = self._take_touches()
             try:
                 with self._txn(write=True) as txn:
-                    w = _Write(txn, *self._read_totals(txn))
+                    w = Write(txn, *read_totals(self, txn))
                     before = (w.used, w.entries)
                     self._apply_touches(txn, touches)
                     result = body(w)
@@ -397,13 +259,13 @@ class LmdbBackend(Backend):
 
     def visit_many(self, keys: Sequence[bytes], visitor: Visitor) -> list[bool]:
         """Zero-copy: ``visitor`` sees LMDB's own pages, inside one read transaction."""
-        keys = [_key(k) for k in keys]
+        keys = [as_key(k) for k in keys]
         found = [False] * len(keys)
         hits: list[bytes] = []
         nbytes = 0
         with self._guard("read"), self._txn() as txn:
             for i, key in enumerate(keys):
-                value = txn.get(key, db=self.blocks) if _fits(key) else None
+                value = txn.get(key, db=self.blocks) if fits(key) else None
                 if value is not None:
                     found[i] = True
                     hits.append(key)
@@ -417,9 +279,9 @@ class LmdbBackend(Backend):
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Asks the meta table (small, dense pages: the block table would fault in the first
         page of every large value on a cold restart). No side effects."""
-        keys = [_key(k) for k in keys]
+        keys = [as_key(k) for k in keys]
         with self._guard("contains"), self._txn() as txn:
-            return [_fits(k) and txn.get(k, db=self.meta) is not None for k in keys]
+            return [fits(k) and txn.get(k, db=self.meta) is not None for k in keys]
 
     def scan(self, prefix: bytes = b"") -> Iterator[bytes]:
         prefix = bytes(prefix)
@@ -438,8 +300,8 @@ class LmdbBackend(Backend):
         """Grouped into write transactions of about ``batch_bytes`` (one per large value)."""
         batch: list[tuple[bytes, object, int]] = []
         for key, value in items:
-            key = _key(key)
-            if not _fits(key):
+            key = as_key(key)
+            if not fits(key):
                 raise InvalidKey(f"lmdb keys must be 1..{MAX_KEY} bytes, got {len(key)}")
             batch.append((key, value, memoryview(value).nbytes))
         stored: list[bool] = []
@@ -463,7 +325,7 @@ class LmdbBackend(Backend):
             self._count(put_rejected=len(batch))
             return [False] * len(batch)
 
-    def _put_one(self, w: _Write, key: bytes, value, size: int) -> bool:
+    def _put_one(self, w: Write, key: bytes, value, size: int) -> bool:
         if size > self.capacity:
             w.counts["put_rejected"] += 1
             return False
@@ -475,24 +337,24 @@ class LmdbBackend(Backend):
         now = time.time_ns()
         w.txn.put(key, value, db=self.blocks)
         w.txn.put(key, META.pack(size, now, 0, now), db=self.meta)
-        w.txn.put(_stamp(now, key), _lru_value(key), db=self.lru)
+        w.txn.put(stamp_of(now, key), lru_value(key), db=self.lru)
         w.used += size
         w.entries += 1
         w.counts["puts"] += 1
         w.counts["bytes_in"] += size
         return True
 
-    def _remove(self, w: _Write, key: bytes) -> bool:
+    def _remove(self, w: Write, key: bytes) -> bool:
         meta = w.txn.get(key, db=self.meta)
         if meta is not None:
             size, atime = META.unpack(meta)[:2]  # before any write invalidates the buffer
-            w.txn.delete(_stamp(atime, key), db=self.lru)
+            w.txn.delete(stamp_of(atime, key), db=self.lru)
             w.txn.delete(key, db=self.meta)
             w.used -= size
             w.entries -= 1
         return w.txn.delete(key, db=self.blocks) or meta is not None
 
-    def _evict(self, w: _Write, incoming: int) -> int:
+    def _evict(self, w: Write, incoming: int) -> int:
         """Delete least recently used, unpinned entries until ``incoming`` bytes fit."""
         if w.used + incoming <= self.capacity:
             return 0
@@ -502,7 +364,7 @@ class LmdbBackend(Backend):
         for stamp, value in w.txn.cursor(db=self.lru):
             if w.used + incoming <= self.capacity:
                 break
-            key = _indexed(stamp, value)
+            key = indexed(stamp, value)
             if key in pinned:
                 continue
             meta = w.txn.get(key, db=self.meta)
@@ -516,14 +378,14 @@ class LmdbBackend(Backend):
             w.txn.delete(stamp, db=self.lru)
         for key in victims:
             meta = META.unpack(w.txn.get(key, db=self.meta))
-            w.txn.delete(_stamp(meta[1], key), db=self.lru)
+            w.txn.delete(stamp_of(meta[1], key), db=self.lru)
             w.txn.delete(key, db=self.meta)
             w.txn.delete(key, db=self.blocks)
         w.counts["evictions"] += len(victims)
         return len(victims)
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        keys = [k for k in map(_key, keys) if _fits(k)]
+        keys = [k for k in map(as_key, keys) if fits(k)]
         if not keys:
             return 0
         try:
@@ -565,8 +427,8 @@ class LmdbBackend(Backend):
                 continue  # evicted or deleted meanwhile (maybe by another process)
             size, old_atime, old_hits, created = META.unpack(meta)
             if atime > old_atime:
-                txn.delete(_stamp(old_atime, key), db=self.lru)
-                txn.put(_stamp(atime, key), _lru_value(key), db=self.lru)
+                txn.delete(stamp_of(old_atime, key), db=self.lru)
+                txn.put(stamp_of(atime, key), lru_value(key), db=self.lru)
             txn.put(key, META.pack(size, max(atime, old_atime), min(old_hits + hits, 2**32 - 1),
                                    created), db=self.meta)
 
@@ -582,11 +444,11 @@ class LmdbBackend(Backend):
 
     def pin_many(self, keys: Sequence[bytes]) -> None:
         with self._lock:
-            self._pins.update(map(_key, keys))
+            self._pins.update(map(as_key, keys))
 
     def unpin_many(self, keys: Sequence[bytes]) -> None:
         with self._lock:
-            for key in map(_key, keys):
+            for key in map(as_key, keys):
                 self._pins[key] -= 1
                 if self._pins[key] <= 0:
                     del self._pins[key]
@@ -622,13 +484,9 @@ class LmdbBackend(Backend):
             raise BackendClosed(f"lmdb backend at {self.path} is closed")
 
     # -- totals, stats, check ----------------------------------------------------------------
-    def _read_totals(self, txn) -> tuple[int, int]:
-        used, entries = txn.get(b"used", db=self.info), txn.get(b"entries", db=self.info)
-        return (U64.unpack(used)[0] if used else 0, U64.unpack(entries)[0] if entries else 0)
-
     def _totals(self) -> tuple[int, int]:
         with self._txn() as txn:
-            return self._read_totals(txn)
+            return read_totals(self, txn)
 
     def _check_format(self) -> None:
         with self._txn(write=True) as txn:
@@ -664,12 +522,12 @@ class LmdbBackend(Backend):
         """Keys from least to most recently used (after applying pending accesses)."""
         self._apply_pending()
         with self._txn() as txn:
-            return [_indexed(stamp, value) for stamp, value in txn.cursor(db=self.lru)]
+            return [indexed(stamp, value) for stamp, value in txn.cursor(db=self.lru)]
 
     def entry_meta(self, key: bytes) -> dict | None:
         """Size, last access, hits and creation time of ``key`` (None when absent)."""
         with self._txn() as txn:
-            meta = txn.get(_key(key), db=self.meta)
+            meta = txn.get(as_key(key), db=self.meta)
             if meta is None:
                 return None
             size, atime, hits, created = META.unpack(meta)
@@ -681,51 +539,6 @@ class LmdbBackend(Backend):
         self._apply_pending()
         if not fix:
             with self._guard("check"), self._txn() as txn:
-                return self._check_tables(txn, None)
+                return check_tables(self, txn, None)
         with self._guard("check"):
-            return self._write(lambda w: self._check_tables(w.txn, w))
-
-    def _check_tables(self, txn, w: _Write | None) -> list[str]:
-        blocks = {bytes(k): len(v) for k, v in txn.cursor(db=self.blocks)}
-        metas = {bytes(k): META.unpack(v) for k, v in txn.cursor(db=self.meta)}
-        stamps = {bytes(stamp): _indexed(stamp, value) for stamp, value in txn.cursor(db=self.lru)}
-        problems = []
-        for key, size in blocks.items():
-            meta = metas.get(key)
-            if meta is None:
-                problems.append(f"block without meta: {key.hex()}")
-                meta = (size, 0, 0, time.time_ns())  # unknown history: the first to go
-                stamps[_stamp(0, key)] = key
-                if w is not None:
-                    txn.put(_stamp(0, key), _lru_value(key), db=self.lru)
-            elif meta[0] != size:
-                problems.append(f"meta size {meta[0]} != stored size {size}: {key.hex()}")
-                meta = (size, *meta[1:])
-            else:
-                continue
-            metas[key] = meta
-            if w is not None:
-                txn.put(key, META.pack(*meta), db=self.meta)
-        for key in [k for k in metas if k not in blocks]:
-            problems.append(f"meta without block: {key.hex()}")
-            stamp = _stamp(metas.pop(key)[1], key)
-            stamps.pop(stamp, None)
-            if w is not None:
-                txn.delete(key, db=self.meta)
-                txn.delete(stamp, db=self.lru)
-        wanted = {_stamp(m[1], k): k for k, m in metas.items()}
-        missing, stale = sorted(wanted.keys() - stamps.keys()), sorted(stamps.keys() - wanted.keys())
-        problems += [f"missing LRU entry: {wanted[stamp].hex()}" for stamp in missing]
-        problems += [f"stale LRU entry: {stamps[stamp].hex()}" for stamp in stale]
-        used, entries = self._read_totals(txn)
-        truth = (sum(blocks.values()), len(blocks))
-        if (used, entries) != truth:
-            problems.append(f"info totals {used} bytes / {entries} entries, tables hold "
-                            f"{truth[0]} / {truth[1]}")
-        if w is not None:
-            for stamp in missing:
-                txn.put(stamp, _lru_value(wanted[stamp]), db=self.lru)
-            for stamp in stale:
-                txn.delete(stamp, db=self.lru)
-            w.used, w.entries = truth
-        return problems
+            return self._write(lambda w: check_tables(self, w.txn, w))

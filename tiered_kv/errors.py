@@ -46,6 +46,14 @@ class BackendUnavailable(BackendError):
     """The medium cannot be reached right now (Redis down, connection refused, timeout)."""
 
 
+class InvalidKey(BackendError, ValueError):
+    """A key a medium cannot hold: not bytes, empty, or longer than the medium allows."""
+
+
+class BackendClosed(BackendError, ValueError):
+    """A backend was used after ``close()``."""
+
+
 class NoRoom(BackendError):
     """The medium has no room for a value even after eviction (value larger than capacity)."""
 

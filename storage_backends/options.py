@@ -1,0 +1,46 @@
+"""Option values and paths from backend URLs (``?sync=true&max_readers=64``, ``lmdb:///dir``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from urllib.parse import unquote
+
+from storage_backends.registry import split_options
+from tiered_kv.errors import ConfigError
+
+
+def as_bool(value, name: str) -> bool:
+    """``value`` (a bool or a URL string such as "1", "yes", "off") as a bool."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
+def as_int(value, name: str, minimum: int = 1) -> int:
+    """``value`` as an integer of at least ``minimum``."""
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+    if number < minimum:
+        raise ConfigError(f"{name} must be at least {minimum}, got {number}")
+    return number
+
+
+def directory_of(url: str, scheme: str) -> Path:
+    """The directory a ``scheme:`` URL names: ``scheme:///abs/dir`` -> /abs/dir;
+    ``scheme://./rel`` and ``scheme:rel`` -> rel; ``~`` expands; percent-escapes decode."""
+    base, _ = split_options(url)
+    prefix = f"{scheme}:"
+    if not base.lower().startswith(prefix):
+        raise ConfigError(f"not a {scheme} URL: {url!r}")
+    rest = base[len(prefix):]
+    rest = rest[2:] if rest.startswith("//") else rest
+    if not rest:
+        raise ConfigError(f"{scheme} URL {url!r} names no directory")
+    return Path(unquote(rest)).expanduser()
