@@ -242,7 +242,7 @@ def test_an_unknown_kv_layout_is_refused_when_caches_are_registered(tmp_path):
     worker = TieredKVConnector(vllm_config(extra(tmp_path)), KVConnectorRole.WORKER, kv_cache_config())
     try:
         caches = {f"l{i}": torch.zeros(16, BS, 2, 2, 4) for i in range(2)}  # [blocks, bs, 2, H, D]
-        with pytest.raises(ConfigError, match="unsupported per-layer KV layout"):
+        with pytest.raises(ConfigError, match="unsupported per-layer KV tensors"):
             worker.register_kv_caches(caches)
     finally:
         worker.shutdown()

@@ -150,7 +150,8 @@ def make_layout(ns: Namespace, kv: torch.Tensor | Sequence[torch.Tensor] | Mappi
         if (declared in (None, "block_major") and kv.is_contiguous() and shape[0] > 0
                 and kv.numel() == shape[0] * per_block and (len(shape) < 3 or shape[1:3] == (L, 2))):
             return BlockMajorLayout(ns, kv)
-        raise ConfigError(f"unsupported KV layout {shape} for {L} layers x block {bs} x {H} heads x "
+        what = f"kv_layout {declared!r} does not fit the" if declared else "unsupported"
+        raise ConfigError(f"{what} KV layout {shape} for {L} layers x block {bs} x {H} heads x "
                           f"dim {D}; expected [2, L, blocks, {bs}, {H}, {D}] or [blocks, L, 2, ...]")
     layers = list(kv)
     if len(layers) != L:
@@ -166,5 +167,7 @@ def make_layout(ns: Namespace, kv: torch.Tensor | Sequence[torch.Tensor] | Mappi
             return LayerListLayout(ns, layers, 0)
         if shape[0] == 2 and declared in (None, "layers_2nb"):
             return LayerListLayout(ns, layers, 1)
-    raise ConfigError(f"unsupported per-layer KV layout {shape}; expected [blocks, 2, {bs}, {H}, {D}], "
-                      f"[2, blocks, {bs}, {H}, {D}] or [blocks, {H}, {bs}, {2 * D}]")
+    what = f"kv_layout {declared!r} does not fit" if declared else "unsupported"
+    raise ConfigError(f"{what} per-layer KV tensors {shape}; supported: [blocks, 2, {bs}, {H}, {D}] "
+                      f"(layers_nb2), [2, blocks, {bs}, {H}, {D}] (layers_2nb) or "
+                      f"[blocks, {H}, {bs}, {2 * D}] (layers_head_major)")
