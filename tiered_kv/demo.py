@@ -99,7 +99,10 @@ def serve(opts: DemoOptions, prompts: dict[str, list[int]], with_connector: bool
         # warm-up: first-call costs (allocator, kernels) would otherwise land on one prompt's
         # TTFT; 8 tokens fill no block, so nothing is looked up or saved
         engine.generate([list(range(1, 9))], SamplingParams(max_tokens=2, temperature=0.0))
+        saved = opts.workdir / "prompts"  # token ids, for `tiered-kv explain --tokens FILE`
+        saved.mkdir(parents=True, exist_ok=True)
         for name, tokens in prompts.items():
+            (saved / f"{name}.json").write_text(json.dumps(tokens))
             [out] = engine.generate([tokens], params)
             tiers = dict(connector.worker.load_stats.get(out.request_id, {})) if connector else {}
             full_block_tokens = (len(tokens) // engine.engine_config.block_size) * engine.engine_config.block_size

@@ -137,3 +137,12 @@ def test_the_demo_json_itself_is_what_the_cli_read(demo_store):
     assert demo_store.report["store"] == demo_store.url
     assert demo_store.report["outputs_identical"] is True
     assert json.loads((demo_store.workdir / "run2.json").read_text())["prompts"].keys() == demo_store.prompts.keys()
+
+
+def test_the_demo_leaves_its_prompts_for_explain_tokens_file(demo_store):
+    for name, tokens in demo_store.prompts.items():
+        path = demo_store.workdir / "prompts" / f"{name}.json"
+        assert json.loads(path.read_text()) == tokens
+        by_file = cli("explain", demo_store.url, "--tokens", path, "--json").json()
+        by_ids = cli("explain", demo_store.url, "--token-ids", ",".join(map(str, tokens)), "--json").json()
+        assert by_file == by_ids and by_file["matched_tokens"] > 0

@@ -240,3 +240,22 @@ def test_an_unsupported_pool_layout_is_refused_at_registration(llm_args):
             worker.register_kv_caches(torch.zeros(8, 3, 2, 64))  # 3 layers, the model has 2
     finally:
         worker.close()
+
+
+def test_the_llm_api_example_attaches_our_classes_with_a_valid_environment(tmp_path, monkeypatch):
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    from tiered_kv.config import TieredKVConfig
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "trtllm_llm_api.py"
+    spec = importlib.util.spec_from_file_location("trtllm_llm_api", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)  # imports no tensorrt_llm until main() runs
+    names = example.connector_config_kwargs()
+    module = importlib.import_module(names["connector_module"])
+    assert getattr(module, names["connector_scheduler_class"]) is TieredKVScheduler
+    assert getattr(module, names["connector_worker_class"]) is TieredKVWorker
+    config = TieredKVConfig.from_env(example.connector_environment(f"lmdb://{tmp_path}/db"))
+    assert config.disk.url == f"lmdb://{tmp_path}/db" and config.host.capacity == 4 << 30
