@@ -1,7 +1,7 @@
 """A directory of files, one per value: the export format of ``tiered-kv copy`` and a tier for
 shared network filesystems, where LMDB's locking does not hold.
 
-``file:///abs/dir`` (``file://./rel``, ``file:rel``). Layout::
+``file:///abs/dir`` (``file://./rel``, ``file:rel``). Layout (``storage_backends.file_layout``)::
 
     DIR/.tiered-kv-file-store      marker (format version); a directory without it is refused
     DIR/<ff>/<key as hex>          one value (for tiered-kv: a stored block, header and body)
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import os
 import threading
@@ -31,61 +30,30 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from urllib.parse import unquote
 
 import aiofiles
 import aiofiles.os
 
 from storage_backends.base import Backend, BackendStats
+from storage_backends.file_layout import as_key, check_dir, file_of, open_store, stored_files, temp_of
+from storage_backends.options import as_bool, directory_of
 from storage_backends.registry import split_options
-from tiered_kv.errors import BackendError, BackendUnavailable, ConfigError
+from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError
 from tiered_kv.units import parse_size
 
 log = logging.getLogger(__name__)
 
-MARKER = ".tiered-kv-file-store"
-FORMAT = 1
-MAX_KEY = 120  # bytes: 240 hex characters, within every filesystem's 255-byte name limit
 CONCURRENCY = 16  # files read or written at once per call
-STALE_TEMP_S = 600.0  # check(): temporary files older than this were left by a crash
 RESCAN_S = 60.0  # with a capacity: how old the in-memory LRU order may get before a rescan
 OPTIONS = ("capacity", "sync", "touch", "create")
 IGNORED = ("timeout", "retries")  # remote-tier settings with no meaning for a local path
 
 
-class InvalidKey(BackendError, ValueError):
-    """A key the file medium cannot name: not bytes, empty, or longer than MAX_KEY bytes."""
-
-
-class BackendClosed(BackendError, ValueError):
-    """The backend was used after ``close()``."""
-
-
-def path_of(url: str) -> Path:
-    base, _ = split_options(url)
-    if not base.lower().startswith("file:"):
-        raise ConfigError(f"not a file URL: {url!r}")
-    rest = base[len("file:"):]
-    rest = rest[2:] if rest.startswith("//") else rest
-    if not rest:
-        raise ConfigError(f"file URL {url!r} names no directory")
-    return Path(unquote(rest)).expanduser()
-
-
 def _flag(value, name: str) -> bool:
-    text = str(value).strip().lower()
-    if isinstance(value, bool) or text in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return value if isinstance(value, bool) else text in ("1", "true", "yes", "on")
-    raise ConfigError(f"{name} must be true or false, got {value!r}")
-
-
-def _key(key) -> bytes:
-    if not isinstance(key, (bytes, bytearray, memoryview)):
-        raise InvalidKey(f"file keys are bytes, got {type(key).__name__}")
-    key = bytes(key)
-    if not 0 < len(key) <= MAX_KEY:
-        raise InvalidKey(f"file keys must be 1..{MAX_KEY} bytes, got {len(key)}")
-    return key
+    """:func:`as_bool`, except that a blank value is refused (``?sync=`` is no setting)."""
+    if not isinstance(value, bool) and not str(value).strip():
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    return as_bool(value, name)
 
 
 class FileBackend(Backend):
@@ -101,7 +69,7 @@ class FileBackend(Backend):
             raise ConfigError(f"file capacity must be positive, got {capacity!r}")
         self.sync = _flag(sync, "file sync")
         self.touch = _flag(touch, "file touch")
-        self._open_dir(_flag(create, "file create"))
+        open_store(self.path, _flag(create, "file create"))
         self._lock = threading.Lock()
         self._pins: Counter = Counter()
         self._lru: OrderedDict[bytes, int] | None = None  # key -> size, LRU first (capacity only)
@@ -114,29 +82,6 @@ class FileBackend(Backend):
         self._thread = threading.Thread(target=self._loop.run_forever, name="tiered-kv-file", daemon=True)
         self._thread.start()
 
-    def _open_dir(self, create: bool) -> None:
-        marker = self.path / MARKER
-        if self.path.exists() and not self.path.is_dir():
-            raise ConfigError(f"{self.path} is a file, not a file store directory")
-        if marker.is_file():
-            try:
-                found = json.loads(marker.read_text()).get("format")
-            except (OSError, ValueError, AttributeError) as exc:
-                raise ConfigError(f"file store at {self.path}: unreadable marker: {exc}") from None
-            if found != FORMAT:
-                raise ConfigError(f"file store at {self.path} has format {found}, this version reads {FORMAT}")
-            return
-        if not create:
-            what = "does not exist" if not self.path.exists() else f"is not a file store (no {MARKER})"
-            raise ConfigError(f"{self.path} {what}")
-        if self.path.exists() and any(self.path.iterdir()):
-            raise ConfigError(f"{self.path} is not empty and not a file store: refusing to write there")
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            marker.write_text(json.dumps({"format": FORMAT}))
-        except OSError as exc:
-            raise ConfigError(f"cannot create a file store at {self.path}: {exc}") from None
-
     @classmethod
     def from_url(cls, url: str, **options) -> FileBackend:
         _, query = split_options(url)
@@ -146,12 +91,11 @@ class FileBackend(Backend):
         unknown = sorted(set(query) - set(OPTIONS))
         if unknown:
             raise ConfigError(f"unknown file option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
-        return cls(path_of(url), url=url, **query)
+        return cls(directory_of(url, "file"), url=url, **query)
 
     # -- names and the event loop ------------------------------------------------------------
     def _file(self, key: bytes) -> Path:
-        name = key.hex()
-        return self.path / name[-2:] / name
+        return file_of(self.path, key)
 
     def _run(self, coro):
         if self._closed:
@@ -175,7 +119,7 @@ class FileBackend(Backend):
 
     # -- reads -------------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        keys = [_key(k) for k in keys]
+        keys = [as_key(k) for k in keys]
         values = self._run(self._each(keys, self._read))
         hits = [v for v in values if v is not None]
         self._count(gets=len(keys), hits=len(hits), bytes_out=sum(map(len, hits)))
@@ -197,7 +141,7 @@ class FileBackend(Backend):
         return data
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        keys = [_key(k) for k in keys]
+        keys = [as_key(k) for k in keys]
         return self._run(self._each(keys, lambda k: aiofiles.os.path.isfile(self._file(k))))
 
     def scan(self, prefix: bytes = b"") -> Iterator[bytes]:
@@ -208,26 +152,15 @@ class FileBackend(Backend):
         """(key, stat) of every stored value; temporary and foreign files are skipped."""
         if self._closed:
             raise BackendClosed(f"file backend at {self.path} is closed")
-        out = []
         try:
-            for sub in os.scandir(self.path):
-                if not sub.is_dir() or len(sub.name) != 2:
-                    continue
-                for entry in os.scandir(sub.path):
-                    key = _parse(entry.name)
-                    if key is not None and entry.name.endswith(sub.name):
-                        try:
-                            out.append((key, entry.stat()))
-                        except FileNotFoundError:  # deleted meanwhile
-                            continue
+            return stored_files(self.path)
         except OSError as exc:
             self._count(errors=1)
             raise BackendUnavailable(f"file store at {self.path}: {exc}") from exc
-        return out
 
     # -- writes ------------------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
-        items = [(_key(k), v) for k, v in items]
+        items = [(as_key(k), v) for k, v in items]
         sizes = [memoryview(v).nbytes for _, v in items]
         fits = [self.capacity is None or n <= self.capacity for n in sizes]
         if self.capacity is not None and any(fits):
@@ -252,7 +185,7 @@ class FileBackend(Backend):
         if path.parent.name not in self._made:
             await aiofiles.os.makedirs(path.parent, exist_ok=True)
             self._made.add(path.parent.name)
-        tmp = path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.{next(self._names)}.tmp"
+        tmp = temp_of(path, next(self._names))
         try:
             async with aiofiles.open(tmp, "wb") as fh:
                 await fh.write(value)
@@ -266,7 +199,7 @@ class FileBackend(Backend):
         return True
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        keys = [_key(k) for k in keys]
+        keys = [as_key(k) for k in keys]
         sizes = self._run(self._each([self._file(k) for k in keys], _unlink))
         if self._lru is not None:
             with self._lock:
@@ -302,11 +235,11 @@ class FileBackend(Backend):
     # -- pins, figures, maintenance ----------------------------------------------------------
     def pin_many(self, keys: Sequence[bytes]) -> None:
         with self._lock:
-            self._pins.update(map(_key, keys))
+            self._pins.update(map(as_key, keys))
 
     def unpin_many(self, keys: Sequence[bytes]) -> None:
         with self._lock:
-            for key in map(_key, keys):
+            for key in map(as_key, keys):
                 self._pins[key] -= 1
                 if self._pins[key] <= 0:
                     del self._pins[key]
@@ -320,7 +253,7 @@ class FileBackend(Backend):
     def entry_meta(self, key: bytes) -> dict | None:
         """Size, last access (atime) and creation (the rename: mtime) of ``key``; no hit count."""
         try:
-            st = os.stat(self._file(_key(key)))
+            st = os.stat(self._file(as_key(key)))
         except FileNotFoundError:
             return None
         return {"size": st.st_size, "last_access_ns": st.st_atime_ns, "hits": None,
@@ -330,33 +263,9 @@ class FileBackend(Backend):
         return [k for k, _ in sorted(self._listing(), key=lambda e: e[1].st_atime_ns)]
 
     def check(self, fix: bool = False) -> list[str]:
-        """Leftover temporary files (older than STALE_TEMP_S) and foreign files; removed with
-        ``fix``."""
-        problems, doomed = [], []
-        now = time.time()
-        for sub in os.scandir(self.path):
-            if not sub.is_dir():
-                if sub.name != MARKER:
-                    problems.append(f"foreign file: {sub.name}")
-                continue
-            for entry in os.scandir(sub.path):
-                key = _parse(entry.name)
-                if key is not None and entry.name.endswith(sub.name) and len(sub.name) == 2:
-                    continue
-                if entry.name.endswith(".tmp"):
-                    if now - entry.stat().st_mtime < STALE_TEMP_S:
-                        continue  # maybe being written right now
-                    problems.append(f"leftover temporary file: {sub.name}/{entry.name}")
-                else:
-                    problems.append(f"foreign file: {sub.name}/{entry.name}")
-                doomed.append(entry.path)
-        if fix:
-            for path in doomed:
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-        return problems
+        """Leftover temporary files (older than ``file_layout.STALE_TEMP_S``) and foreign files;
+        removed with ``fix``."""
+        return check_dir(self.path, fix)
 
     def close(self) -> None:
         if self._closed:
@@ -365,15 +274,6 @@ class FileBackend(Backend):
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
-
-
-def _parse(name: str) -> bytes | None:
-    if name.startswith(".") or len(name) % 2:
-        return None
-    try:
-        return bytes.fromhex(name)
-    except ValueError:
-        return None
 
 
 def _set_atime(path: Path) -> None:

@@ -33,7 +33,7 @@ from tiered_kv.units import parse_size
 log = logging.getLogger(__name__)
 
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
-FILE_MARKER = ".tiered-kv-file-store"  # storage_backends.file_dir.MARKER
+FILE_MARKER = ".tiered-kv-file-store"  # storage_backends.file_layout.MARKER
 READ_BATCH = 64  # values read per call when headers are needed
 
 
