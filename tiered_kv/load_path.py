@@ -1,0 +1,212 @@
+"""The load path of the tiered store: leases, loads in the transfer pool that validate, decode
+and promote lower-tier blocks into host slots, and the release of what was leased."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from storage_backends.host import HostBackend
+from tiered_kv.block_views import bytes_of
+from tiered_kv.config import TieredKVConfig
+from tiered_kv.metrics import StoreMetrics
+from tiered_kv.tier import EncodedTier
+from tiered_kv.transfer import TransferPool
+
+PROMOTION_WAIT_S = 5.0  # how long a load waits for another load promoting the same block
+
+
+@dataclass
+class LoadPlan:
+    """Blocks promised to one load: where each comes from and the host slots leased so far."""
+
+    keys: list[bytes]
+    sources: list[str | None]  # "host" | "lower" per key at prepare time
+    slots: list[int | None] = field(default_factory=list)  # leased host slot per key once ready
+    reasons: list[str | None] = field(default_factory=list)  # miss reason per failed key
+    served: list[str | None] = field(default_factory=list)  # tier that served each key
+    futures: list[Future] = field(default_factory=list)
+    disk_pinned: list[bytes] = field(default_factory=list)
+    released: bool = False
+
+    def done(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+    def wait(self, timeout: float | None = None) -> "LoadPlan":
+        for f in self.futures:
+            f.result(timeout)
+        return self
+
+    @property
+    def ok(self) -> list[bool]:
+        return [s is not None for s in self.slots]
+
+
+class LoadPath:
+    """Loading from a :class:`tiered_kv.store.TieredStore` (a mixin: the store sets the
+    attributes below; ``slot_tensor`` and ``_plain`` come from :class:`SlotViews`,
+    ``_record_namespace`` from :class:`SavePath`)."""
+
+    config: TieredKVConfig
+    host: HostBackend
+    disk: EncodedTier | None
+    remote: EncodedTier | None
+    lower: list[EncodedTier]
+    pool: TransferPool
+    metrics: StoreMetrics
+    block_nbytes: int
+    _slot_rows: np.ndarray
+    _lock: threading.Lock
+    _leases: dict[str, LoadPlan]
+
+    def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
+        """Lease ``keys`` for a coming load: host entries are pinned now, disk ones protected."""
+        keys = list(keys)
+        slots = self.host.pin_many(keys)
+        sources = ["host" if s is not None else "lower" for s in slots]
+        plan = LoadPlan(keys, sources, slots=list(slots), reasons=[None] * len(keys),
+                        served=["host" if s is not None else None for s in slots])
+        if self.disk is not None:
+            plan.disk_pinned = [k for k, s in zip(keys, slots) if s is None]
+            self.disk.pin(plan.disk_pinned)
+        return plan
+
+    def lease(self, lease_id: str, keys: Sequence[bytes]) -> LoadPlan:
+        """``prepare_load`` kept under ``lease_id`` for a later :meth:`take_lease` (the scheduler
+        half leases blocks when the engine allocates, the worker half loads them a step later)."""
+        plan = self.prepare_load(keys)
+        with self._lock:
+            old = self._leases.pop(lease_id, None)
+            self._leases[lease_id] = plan
+        if old is not None:
+            self.release(old)
+        return plan
+
+    def take_lease(self, lease_id: str, keys: Sequence[bytes]) -> LoadPlan:
+        """The plan leased under ``lease_id`` when it covers ``keys``, else a fresh one."""
+        with self._lock:
+            plan = self._leases.pop(lease_id, None)
+        if plan is not None and plan.keys == list(keys):
+            return plan
+        if plan is not None:
+            self.release(plan)
+        return self.prepare_load(keys)
+
+    def drop_lease(self, lease_id: str) -> None:
+        with self._lock:
+            plan = self._leases.pop(lease_id, None)
+        if plan is not None:
+            self.release(plan)
+
+    def load(self, plan: LoadPlan) -> LoadPlan:
+        """Start fetching the non-host blocks of ``plan`` into host slots (async)."""
+        host_hits = sum(1 for s in plan.sources if s == "host")
+        if host_hits:
+            self.metrics.hit("host", host_hits, host_hits * self.block_nbytes)
+        todo = [i for i, s in enumerate(plan.sources) if s != "host"]
+        if not todo:
+            return plan
+        per_job = -(-len(todo) // self.config.workers)
+        for start in range(0, len(todo), per_job):
+            idx = todo[start : start + per_job]
+            plan.futures.append(self.pool.submit_load(len(idx) * self.block_nbytes,
+                                                      lambda idx=idx: self._load_job(plan, idx)))
+        return plan
+
+    def _load_job(self, plan: LoadPlan, idx: list[int]) -> None:
+        keys = [plan.keys[i] for i in idx]
+        slots = self.host.reserve_many(keys)
+        # keys this job could not reserve are leased once another load promoted them, after
+        # this job committed its own (a job never waits while holding reservations)
+        others = [i for i, slot in zip(idx, slots) if slot is None]
+        try:
+            self._read_reserved(plan, [(i, s) for i, s in zip(idx, slots) if s is not None])
+        finally:
+            for i in others:
+                pinned = self._pin_promoted(plan.keys[i])
+                plan.slots[i] = pinned
+                plan.served[i] = "host" if pinned is not None else None
+                if pinned is None:  # no room is a counted miss
+                    plan.reasons[i] = "no_room"
+                    self.metrics.miss("host", "no_room")
+
+    def _read_reserved(self, plan: LoadPlan, want: list[tuple[int, int]]) -> None:
+        """Read the blocks of ``want`` (plan index, reserved slot) from the lower tiers."""
+        reasons: dict[int, str | None] = {i: "absent" for i, _ in want}
+        for tier in self.lower:
+            pending = [(i, s) for i, s in want if reasons[i] is not None]
+            if not pending:
+                break
+            outs = [self.host.slot_view(s, self.block_nbytes).numpy() for _, s in pending]
+            copy_down = tier is self.remote and self.disk is not None and self.disk.policy != "off"
+            got, blobs = tier.read_into([plan.keys[i] for i, _ in pending], outs, keep_blobs=copy_down)
+            down = []
+            for (i, _), reason, blob in zip(pending, got, blobs):
+                if reason is None:
+                    plan.served[i] = tier.name
+                if reason is None or reasons[i] == "absent":
+                    reasons[i] = reason  # keep the first real failure reason for the report
+                if blob is not None:
+                    down.append((plan.keys[i], blob))
+            if down:
+                self._record_namespace(self.disk)  # type: ignore[arg-type]
+                self.disk.put_blobs(down, len(down) * self.block_nbytes)  # type: ignore[union-attr]
+        good = [plan.keys[i] for i, _ in want if reasons[i] is None]
+        bad = [plan.keys[i] for i, _ in want if reasons[i] is not None]
+        self.host.commit_many(good, pin=True)
+        self.host.abort_many(bad)
+        for i, slot in want:
+            plan.slots[i] = slot if reasons[i] is None else None
+            plan.reasons[i] = reasons[i]
+        if bad:
+            self.metrics.event("loads_failed", len(bad))
+
+    def _pin_promoted(self, key: bytes) -> int | None:
+        """Lease ``key`` in the host tier. When another load is promoting it right now (two
+        requests sharing a prefix load in the same step), wait for that load to commit or abort
+        instead of failing the block (bounded by PROMOTION_WAIT_S)."""
+        deadline = time.monotonic() + PROMOTION_WAIT_S
+        delay = 0.0002
+        while True:
+            (pinned,) = self.host.pin_many([key])
+            if pinned is not None or not self.host.reserved(key) or time.monotonic() > deadline:
+                return pinned
+            time.sleep(delay)
+            delay = min(delay * 2, 0.01)
+
+    def release(self, plan: LoadPlan) -> None:
+        """End the lease of every block of ``plan`` (after the caller copied them out)."""
+        if plan.released:
+            return
+        plan.released = True
+        for f in plan.futures:
+            f.exception()  # wait: a job may still write into its slots
+        self.host.unpin_many([k for k, s in zip(plan.keys, plan.slots) if s is not None])
+        if self.disk is not None and plan.disk_pinned:
+            self.disk.unpin(plan.disk_pinned)
+
+    def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Synchronous convenience: load ``keys`` and copy them into ``outs``; success per key.
+        Runs in chunks of half the host tier, so any number of blocks can be loaded."""
+        ok: list[bool] = []
+        chunk = max(1, self.host.num_slots // 2)
+        for start in range(0, len(keys), chunk):
+            plan = self.load(self.prepare_load(keys[start : start + chunk])).wait()
+            try:
+                for slot, out in zip(plan.slots, outs[start : start + chunk]):
+                    if slot is None:
+                        continue
+                    if self._plain(out):
+                        np.copyto(bytes_of(out), self._slot_rows[slot])
+                    else:
+                        out.copy_(self.slot_tensor(slot))
+                ok.extend(plan.ok)
+            finally:
+                self.release(plan)
+        return ok
