@@ -25,29 +25,24 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import lmdb
 
 from storage_backends.base import Backend, BackendStats, Visitor
+from storage_backends.lmdb_entries import put_entry, remove_entry
 from storage_backends.lmdb_gate import RemapGate
 from storage_backends.lmdb_tables import (
-    FORMAT,
     MAX_KEY,
     META,
-    STAMP,
-    U64,
-    Write,
     as_key,
     check_tables,
     fits,
     indexed,
-    lru_value,
     read_totals,
-    stamp_of,
 )
+from storage_backends.lmdb_transactions import LmdbTransactions, NoSpace
 from storage_backends.options import as_bool, as_int, directory_of
 from storage_backends.registry import split_options
 from tiered_kv.errors import BackendClosed, BackendError, BackendUnavailable, ConfigError, InvalidKey
@@ -57,8 +52,6 @@ __all__ = ["BackendClosed", "InvalidKey", "LmdbBackend", "path_of"]
 
 log = logging.getLogger(__name__)
 
-MAX_TOUCHES = 4096  # pending read accesses before they are applied eagerly
-REMAP_WAIT_S = 10.0  # how long a remap waits for this process's transactions to end
 OPTIONS = ("capacity", "sync", "map_size", "readahead", "writemap", "max_readers", "batch_bytes")
 
 
@@ -67,11 +60,7 @@ def path_of(url: str) -> Path:
     return directory_of(url, "lmdb")
 
 
-class _NoSpace(Exception):
-    """The map (or the disk) stayed full after growing and evicting."""
-
-
-class LmdbBackend(Backend):
+class LmdbBackend(LmdbTransactions, Backend):
     name = "lmdb"
 
     def __init__(self, path: str | os.PathLike, *, capacity: int | str, sync: bool | str = False,
@@ -118,29 +107,6 @@ class LmdbBackend(Backend):
             log.warning("lmdb tier at %s holds %s, over its capacity %s: the next puts evict",
                         self.path, format_size(used), format_size(self.capacity))
 
-    def _open_env(self, options: dict) -> lmdb.Environment:
-        for _ in range(5):
-            try:
-                return lmdb.open(str(self.path), **options)
-            except lmdb.MapResizedError:  # another process grew it while we opened: again
-                continue
-            except lmdb.Error as exc:
-                raise ConfigError(f"cannot open LMDB store at {self.path}: {exc}") from None
-        raise ConfigError(f"cannot open LMDB store at {self.path}: its map keeps being resized")
-
-    def _open_tables(self) -> list:
-        for _ in range(3):
-            try:
-                self.env.reader_check()  # readers left by crashed processes would pin old pages
-                return [self.env.open_db(name) for name in (b"blocks", b"meta", b"lru", b"info")]
-            except lmdb.MapResizedError:  # another process grew the map beyond ours: adopt it
-                self.env.set_mapsize(0)
-            except lmdb.Error as exc:
-                self.env.close()
-                raise ConfigError(f"cannot open LMDB store at {self.path}: {exc}") from None
-        self.env.close()
-        raise ConfigError(f"cannot open LMDB store at {self.path}: its map keeps being resized")
-
     @classmethod
     def from_url(cls, url: str, **options) -> LmdbBackend:
         _, query = split_options(url)
@@ -150,102 +116,6 @@ class LmdbBackend(Backend):
             raise ConfigError(f"unknown lmdb option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
         query.setdefault("capacity", 8 << 30)
         return cls(path_of(url), url=url, **query)
-
-    @property
-    def map_size(self) -> int:
-        return self.env.info()["map_size"]
-
-    # -- transactions ------------------------------------------------------------------------
-    @contextmanager
-    def _txn(self, write: bool = False):
-        """A transaction (zero-copy buffers) under the shared gate; adopts a map another
-        process grew (``MapResizedError``) and retries."""
-        for _ in range(3):
-            with self._gate.shared():
-                if self._closed:
-                    raise BackendClosed(f"lmdb backend at {self.path} is closed")
-                try:
-                    txn = self.env.begin(write=write, buffers=True)
-                except lmdb.MapResizedError:
-                    txn = None
-                if txn is not None and not write:
-                    with txn:
-                        yield txn
-                    return
-                if txn is not None:
-                    try:
-                        yield txn
-                    except BaseException:
-                        with self._gate.paused():  # else readers can starve the abort
-                            txn.abort()
-                        raise
-                    txn.commit()
-                    return
-            if not self._remap(0):
-                break
-        raise BackendUnavailable(f"lmdb store at {self.path}: cannot adopt the resized map")
-
-    @contextmanager
-    def _guard(self, what: str):
-        """lmdb errors (I/O, reader table full, ...) become BackendUnavailable, counted."""
-        try:
-            yield
-        except lmdb.Error as exc:
-            self._count(errors=1)
-            log.warning("lmdb tier at %s: %s failed: %s", self.path, what, exc)
-            raise BackendUnavailable(f"lmdb store at {self.path}: {what} failed: {exc}") from exc
-
-    def _write(self, body: Callable[[Write], object], nbytes: int = 0):
-        """``body`` in one write transaction, after the buffered accesses. On a full map
-        (or disk) the transaction is rolled back, room is made and it runs again."""
-        for _ in range(6):
-            touches = self._take_touches()
-            try:
-                with self._txn(write=True) as txn:
-                    w = Write(txn, *read_totals(self, txn))
-                    before = (w.used, w.entries)
-                    self._apply_touches(txn, touches)
-                    result = body(w)
-                    if (w.used, w.entries) != before:
-                        txn.put(b"used", U64.pack(max(0, w.used)), db=self.info)
-                        txn.put(b"entries", U64.pack(max(0, w.entries)), db=self.info)
-            except (lmdb.MapFullError, lmdb.DiskError) as exc:
-                self._restore_touches(touches)
-                if not self._make_room(nbytes, grow=isinstance(exc, lmdb.MapFullError)):
-                    raise _NoSpace(str(exc)) from exc
-                continue
-            except BaseException:
-                self._restore_touches(touches)
-                raise
-            if w.counts:
-                self._count(**w.counts)
-            return result
-        raise _NoSpace("the map stayed full")
-
-    def _make_room(self, nbytes: int, grow: bool) -> bool:
-        """After MapFull/ENOSPC: drop stale readers, grow the map, else evict beyond capacity."""
-        self.env.reader_check()
-        current = self.map_size
-        if grow and current < self.max_map:
-            new = min(self.max_map, max(2 * current, current + 4 * nbytes))
-            if self._remap(new):
-                return True
-        extra = max(2 * nbytes, self.batch_bytes)
-        evicted = self._write(lambda w: self._evict(w, incoming=extra)) if nbytes else 0
-        log.warning("lmdb tier at %s: map %s full; evicted %d entries beyond capacity", self.path,
-                    format_size(current), evicted)
-        return evicted > 0
-
-    def _remap(self, size: int) -> bool:
-        """Grow the map to ``size`` (0: adopt the size another process set), exclusively."""
-        with self._gate.exclusive(REMAP_WAIT_S) as won:
-            if not won or self._closed:
-                return False
-            old = self.map_size
-            self.env.set_mapsize(size)
-            new = self.map_size
-        log.info("lmdb tier at %s: map %s -> %s", self.path, format_size(old), format_size(new))
-        return True
 
     # -- reads -------------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -318,71 +188,12 @@ class LmdbBackend(Backend):
     def _put_batch(self, batch: list[tuple[bytes, object, int]]) -> list[bool]:
         try:
             with self._guard("put"):
-                return self._write(lambda w: [self._put_one(w, *item) for item in batch],
-                                   nbytes=sum(n for _, _, n in batch))
-        except _NoSpace as exc:
+                return self._write(lambda w: [put_entry(self, w, *item, self.capacity, self._pinned)
+                                              for item in batch], nbytes=sum(n for _, _, n in batch))
+        except NoSpace as exc:
             log.warning("lmdb tier at %s: %d values refused: %s", self.path, len(batch), exc)
             self._count(put_rejected=len(batch))
             return [False] * len(batch)
-
-    def _put_one(self, w: Write, key: bytes, value, size: int) -> bool:
-        if size > self.capacity:
-            w.counts["put_rejected"] += 1
-            return False
-        self._remove(w, key)  # an overwrite replaces the old entry
-        self._evict(w, incoming=size)
-        if w.used + size > self.capacity:  # the rest is pinned
-            w.counts["put_rejected"] += 1
-            return False
-        now = time.time_ns()
-        w.txn.put(key, value, db=self.blocks)
-        w.txn.put(key, META.pack(size, now, 0, now), db=self.meta)
-        w.txn.put(stamp_of(now, key), lru_value(key), db=self.lru)
-        w.used += size
-        w.entries += 1
-        w.counts["puts"] += 1
-        w.counts["bytes_in"] += size
-        return True
-
-    def _remove(self, w: Write, key: bytes) -> bool:
-        meta = w.txn.get(key, db=self.meta)
-        if meta is not None:
-            size, atime = META.unpack(meta)[:2]  # before any write invalidates the buffer
-            w.txn.delete(stamp_of(atime, key), db=self.lru)
-            w.txn.delete(key, db=self.meta)
-            w.used -= size
-            w.entries -= 1
-        return w.txn.delete(key, db=self.blocks) or meta is not None
-
-    def _evict(self, w: Write, incoming: int) -> int:
-        """Delete least recently used, unpinned entries until ``incoming`` bytes fit."""
-        if w.used + incoming <= self.capacity:
-            return 0
-        with self._lock:
-            pinned = set(self._pins)
-        victims, stale = [], []
-        for stamp, value in w.txn.cursor(db=self.lru):
-            if w.used + incoming <= self.capacity:
-                break
-            key = indexed(stamp, value)
-            if key in pinned:
-                continue
-            meta = w.txn.get(key, db=self.meta)
-            if meta is None or META.unpack(meta)[1] != STAMP.unpack(stamp[:STAMP.size])[0]:
-                stale.append(bytes(stamp))  # left over by damage; not the key's real position
-                continue
-            victims.append(key)
-            w.used -= META.unpack(meta)[0]
-            w.entries -= 1
-        for stamp in stale:
-            w.txn.delete(stamp, db=self.lru)
-        for key in victims:
-            meta = META.unpack(w.txn.get(key, db=self.meta))
-            w.txn.delete(stamp_of(meta[1], key), db=self.lru)
-            w.txn.delete(key, db=self.meta)
-            w.txn.delete(key, db=self.blocks)
-        w.counts["evictions"] += len(victims)
-        return len(victims)
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         keys = [k for k in map(as_key, keys) if fits(k)]
@@ -390,58 +201,13 @@ class LmdbBackend(Backend):
             return 0
         try:
             with self._guard("delete"):
-                n = self._write(lambda w: sum(self._remove(w, k) for k in keys))
-        except _NoSpace as exc:
+                n = self._write(lambda w: sum(remove_entry(self, w, k) for k in keys))
+        except NoSpace as exc:
             raise BackendUnavailable(f"lmdb store at {self.path} is full: {exc}") from None
         self._count(deletes=n)
         return n
 
-    # -- accesses, pins, durability ----------------------------------------------------------
-    def _touch(self, keys: list[bytes], now: int) -> None:
-        with self._lock:
-            for key in keys:
-                hits = self._touches.get(key, (0, 0))[1]
-                self._touches[key] = (now, hits + 1)
-            eager = len(self._touches) >= MAX_TOUCHES
-        if eager:
-            try:
-                self._apply_pending()
-            except BackendUnavailable:
-                pass  # logged; the read itself went fine and the accesses stay buffered
-
-    def _take_touches(self) -> dict[bytes, tuple[int, int]]:
-        with self._lock:
-            touches, self._touches = self._touches, {}
-        return touches
-
-    def _restore_touches(self, touches: dict[bytes, tuple[int, int]]) -> None:
-        with self._lock:
-            for key, (atime, hits) in touches.items():
-                now, more = self._touches.get(key, (0, 0))
-                self._touches[key] = (max(atime, now), hits + more)
-
-    def _apply_touches(self, txn, touches: dict[bytes, tuple[int, int]]) -> None:
-        for key, (atime, hits) in touches.items():
-            meta = txn.get(key, db=self.meta)
-            if meta is None:
-                continue  # evicted or deleted meanwhile (maybe by another process)
-            size, old_atime, old_hits, created = META.unpack(meta)
-            if atime > old_atime:
-                txn.delete(stamp_of(old_atime, key), db=self.lru)
-                txn.put(stamp_of(atime, key), lru_value(key), db=self.lru)
-            txn.put(key, META.pack(size, max(atime, old_atime), min(old_hits + hits, 2**32 - 1),
-                                   created), db=self.meta)
-
-    def _apply_pending(self) -> None:
-        with self._lock:
-            if not self._touches:
-                return
-        try:
-            with self._guard("recording accesses"):
-                self._write(lambda w: None)
-        except _NoSpace:
-            log.warning("lmdb tier at %s: map full, access times not recorded", self.path)
-
+    # -- pins, durability --------------------------------------------------------------------
     def pin_many(self, keys: Sequence[bytes]) -> None:
         with self._lock:
             self._pins.update(map(as_key, keys))
@@ -452,6 +218,10 @@ class LmdbBackend(Backend):
                 self._pins[key] -= 1
                 if self._pins[key] <= 0:
                     del self._pins[key]
+
+    def _pinned(self) -> set[bytes]:
+        with self._lock:
+            return set(self._pins)
 
     def flush(self) -> None:
         """Apply buffered accesses and make every committed put durable (fsync)."""
@@ -487,16 +257,6 @@ class LmdbBackend(Backend):
     def _totals(self) -> tuple[int, int]:
         with self._txn() as txn:
             return read_totals(self, txn)
-
-    def _check_format(self) -> None:
-        with self._txn(write=True) as txn:
-            stored = txn.get(b"format", db=self.info)
-            found = FORMAT if stored is None else U64.unpack(stored)[0]
-            if stored is None:
-                txn.put(b"format", U64.pack(FORMAT), db=self.info)
-        if found != FORMAT:
-            self.env.close()
-            raise ConfigError(f"lmdb store at {self.path} has format {found}, this version reads {FORMAT}")
 
     def _file_bytes(self) -> tuple[int, int]:
         """(apparent size, allocated bytes) of data.mdb (the map is sparse)."""
@@ -542,3 +302,4 @@ class LmdbBackend(Backend):
                 return check_tables(self, txn, None)
         with self._guard("check"):
             return self._write(lambda w: check_tables(self, w.txn, w))
+
