@@ -6,8 +6,8 @@ hiredis, 2 vCPUs): SETs and GETs go in pipelines of about ``pipeline_bytes`` (4 
 GETs sized by the value size seen so far, so 2 MiB values travel two at a time and 64 KiB ones
 64 at a time. Against one command per value that made GETs 1.8x (2 MiB) to 3.5x (64 KiB) and
 64 KiB SETs 2x faster (2 MiB SETs: the same); 32-deep pipelines of 2 MiB values and MGET (one
-multi-value reply) are slower. Commands are packed without copying large values: redis-py's
-hiredis packer copies each one (pipelined 2 MiB SETs: ~0.5 GB/s with it, ~0.9-1.0 without).
+multi-value reply) are slower. Commands are packed without copying large values
+(``storage_backends.redis_packer``); URL options are read by ``storage_backends.redis_options``.
 
 Failures are misses: connection errors and timeouts are retried with exponential backoff
 (redis-py's ``Retry``: at most ``retries`` more tries of ``timeout`` seconds each), then raise
@@ -24,20 +24,19 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
-from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import ExponentialBackoff
-from redis.connection import Connection, parse_url
-from redis.exceptions import ClusterDownError, DataError, RedisClusterException, ResponseError, TryAgainError
+from redis.connection import parse_url
+from redis.exceptions import ClusterDownError, RedisClusterException, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from storage_backends.base import Backend, BackendStats, Visitor
-from storage_backends.registry import split_options
+from storage_backends.redis_options import redacted, redis_arguments
+from storage_backends.redis_packer import PACKER, PackedConnection
 from tiered_kv.errors import BackendUnavailable, ConfigError
-from tiered_kv.units import parse_duration, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -48,79 +47,12 @@ DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAga
 PIPELINE_BYTES = 4 << 20  # default: bytes of values per pipeline of SETs or GETs
 VALUE_SIZE_GUESS = 2 << 20  # value size assumed until some are seen (sizes the first GETs)
 KEYS_PER_CALL = 1000  # keys per EXISTS pipeline, UNLINK and SCAN page
-INLINE_ARG = 16 << 10  # command arguments from this size are sent as they are, not copied
 COOLDOWN_MIN, COOLDOWN_MAX = 0.5, 4.0  # seconds the breaker stays open, doubling per failure
 ENTRY_SAMPLE = 10_000  # stats(): keys a SCAN samples before extrapolating with the key count
 
 
-class _Packer:
-    """RESP command packer that hands large arguments to ``sendall`` without copying them."""
-
-    def pack(self, *args: Any) -> list:
-        name = args[0].encode() if isinstance(args[0], str) else bytes(args[0])
-        words = [*name.split(), *args[1:]]
-        out: list = []
-        head = bytearray(b"*%d\r\n" % len(words))
-        for arg in words:
-            if isinstance(arg, str):
-                arg = arg.encode()
-            elif isinstance(arg, memoryview):
-                arg = arg.cast("B") if arg.format != "B" or arg.ndim != 1 else arg
-            elif isinstance(arg, (int, float)) and not isinstance(arg, bool):
-                arg = repr(arg).encode()
-            elif not isinstance(arg, (bytes, bytearray)):
-                raise DataError(f"cannot send a {type(arg).__name__} to Redis")
-            head += b"$%d\r\n" % len(arg)
-            if len(arg) >= INLINE_ARG:
-                out += [bytes(head), arg]
-                head = bytearray(b"\r\n")
-            else:
-                head += arg
-                head += b"\r\n"
-        out.append(bytes(head))
-        return out
-
-
-_PACKER = _Packer()
-
-
-class _PackedConnection(Connection):
-    """A TCP connection with :class:`_Packer` (the cluster client drops ``command_packer``)."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**{"command_packer": _PACKER, **kwargs})
-
-
 def _glob_escape(data: bytes) -> bytes:
     return b"".join(b"\\" + bytes([c]) if c in b"*?[]\\" else bytes([c]) for c in data)
-
-
-def _redacted(url: str) -> str:
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    return parts._replace(netloc=f"{parts.username or ''}:***@" + parts.netloc.rpartition("@")[2]).geturl()
-
-
-def _int(value: Any, name: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
-
-
-def _flag(value: Any, name: str) -> bool:
-    if str(value).lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise ConfigError(f"{name} must be true or false, got {value!r}")
-    return str(value).lower() in ("1", "true", "yes", "on")
-
-
-_PARSERS: dict[str, Callable[[Any, str], Any]] = {
-    "prefix": lambda v, name: v, "retries": _int, "max_connections": _int, "cluster": _flag,
-    "ttl": lambda v, name: None if str(v).lower() in ("none", "", "0") else parse_duration(v, name=name),
-    "timeout": lambda v, name: parse_duration(v, name=name),
-    "pipeline_bytes": lambda v, name: parse_size(v, name=name),
-}
 
 
 def _nbytes(value: Any) -> int:
@@ -133,7 +65,7 @@ class RedisBackend(Backend):
     def __init__(self, url: str, *, prefix: bytes | str = b"tkv:", ttl: float | None = None,
                  timeout: float = 2.0, retries: int = 2, max_connections: int = 64, cluster: bool = False,
                  pipeline_bytes: int = PIPELINE_BYTES) -> None:
-        super().__init__(_redacted(url))  # stats and logs never show a password
+        super().__init__(redacted(url))  # stats and logs never show a password
         if timeout <= 0 or retries < 0 or max_connections < 1 or pipeline_bytes < 1:
             raise ConfigError("redis timeout and pipeline_bytes must be positive, retries >= 0 "
                               "and max_connections >= 1")
@@ -155,11 +87,11 @@ class RedisBackend(Backend):
         target = url.replace("redis+cluster://", "redis://", 1)
         try:
             if not self.cluster:  # makes no connection yet
-                self._client = redis.Redis.from_url(target, command_packer=_PACKER, **common)
+                self._client = redis.Redis.from_url(target, command_packer=PACKER, **common)
             elif parse_url(target).get("path"):
                 raise ConfigError("Redis Cluster cannot be reached over a unix socket")
             elif not target.startswith("rediss://"):  # the TLS cluster client sets its own class
-                common["connection_class"] = _PackedConnection
+                common["connection_class"] = PackedConnection
             self._make_cluster = lambda: redis.RedisCluster.from_url(target, **common)  # connects
         except (ValueError, TypeError, redis.RedisError) as exc:
             raise ConfigError(f"bad Redis URL {self.url!r}: {exc}") from None
@@ -173,16 +105,8 @@ class RedisBackend(Backend):
     def from_url(cls, url: str, **options: Any) -> RedisBackend:
         """Our options come from the query string or keywords (keywords win); the rest of the
         query (``db``, ``ssl_cert_reqs``, ``ssl_ca_certs``, ...) is left to redis-py."""
-        _, query = split_options(url)
-        mine: dict[str, Any] = {k: query[k] for k in _PARSERS if k in query}
-        mine.update({k: v for k, v in options.items() if v is not None})
-        unknown = sorted(set(mine) - set(_PARSERS))
-        if unknown:
-            raise ConfigError(f"unknown redis option {unknown[0]!r}")
-        head, _, text = url.partition("?")  # (urlsplit().geturl() drops unix:/// slashes)
-        rest = "&".join(p for p in text.split("&") if p and p.split("=")[0] not in _PARSERS)
-        kwargs = {name: _PARSERS[name](value, f"redis {name}") for name, value in mine.items()}
-        return cls(f"{head}?{rest}" if rest else head, **kwargs)
+        target, kwargs = redis_arguments(url, options)
+        return cls(target, **kwargs)
 
     @property
     def client(self) -> Any:

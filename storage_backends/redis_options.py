@@ -1,0 +1,56 @@
+"""Options of the Redis tier from its URL and keywords, and URLs fit to show (no password)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+from storage_backends.registry import split_options
+from tiered_kv.errors import ConfigError
+from tiered_kv.units import parse_duration, parse_size
+
+
+def _int(value: Any, name: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+
+
+def _flag(value: Any, name: str) -> bool:
+    if str(value).lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+        raise ConfigError(f"{name} must be true or false, got {value!r}")
+    return str(value).lower() in ("1", "true", "yes", "on")
+
+
+PARSERS: dict[str, Callable[[Any, str], Any]] = {
+    "prefix": lambda v, name: v, "retries": _int, "max_connections": _int, "cluster": _flag,
+    "ttl": lambda v, name: None if str(v).lower() in ("none", "", "0") else parse_duration(v, name=name),
+    "timeout": lambda v, name: parse_duration(v, name=name),
+    "pipeline_bytes": lambda v, name: parse_size(v, name=name),
+}
+
+
+def redis_arguments(url: str, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """(URL for redis-py, keyword arguments of the backend). Our options come from the query
+    string or ``options`` (those win); the rest of the query (``db``, ``ssl_cert_reqs``,
+    ``ssl_ca_certs``, ...) stays in the URL for redis-py."""
+    _, query = split_options(url)
+    mine: dict[str, Any] = {k: query[k] for k in PARSERS if k in query}
+    mine.update({k: v for k, v in options.items() if v is not None})
+    unknown = sorted(set(mine) - set(PARSERS))
+    if unknown:
+        raise ConfigError(f"unknown redis option {unknown[0]!r}")
+    head, _, text = url.partition("?")  # (urlsplit().geturl() drops unix:/// slashes)
+    rest = "&".join(p for p in text.split("&") if p and p.split("=")[0] not in PARSERS)
+    kwargs = {name: PARSERS[name](value, f"redis {name}") for name, value in mine.items()}
+    return (f"{head}?{rest}" if rest else head), kwargs
+
+
+def redacted(url: str) -> str:
+    """``url`` with its password, if any, as ``***``."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    return parts._replace(netloc=f"{parts.username or ''}:***@" + parts.netloc.rpartition("@")[2]).geturl()

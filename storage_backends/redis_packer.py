@@ -1,0 +1,50 @@
+"""The Redis tier's command packer: RESP commands whose large arguments go to ``sendall`` as
+they are. redis-py's hiredis packer copies each value (pipelined 2 MiB SETs: ~0.5 GB/s with
+it, ~0.9-1.0 without)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.connection import Connection
+from redis.exceptions import DataError
+
+INLINE_ARG = 16 << 10  # command arguments from this size are sent as they are, not copied
+
+
+class Packer:
+    """RESP command packer that hands large arguments to ``sendall`` without copying them."""
+
+    def pack(self, *args: Any) -> list:
+        name = args[0].encode() if isinstance(args[0], str) else bytes(args[0])
+        words = [*name.split(), *args[1:]]
+        out: list = []
+        head = bytearray(b"*%d\r\n" % len(words))
+        for arg in words:
+            if isinstance(arg, str):
+                arg = arg.encode()
+            elif isinstance(arg, memoryview):
+                arg = arg.cast("B") if arg.format != "B" or arg.ndim != 1 else arg
+            elif isinstance(arg, (int, float)) and not isinstance(arg, bool):
+                arg = repr(arg).encode()
+            elif not isinstance(arg, (bytes, bytearray)):
+                raise DataError(f"cannot send a {type(arg).__name__} to Redis")
+            head += b"$%d\r\n" % len(arg)
+            if len(arg) >= INLINE_ARG:
+                out += [bytes(head), arg]
+                head = bytearray(b"\r\n")
+            else:
+                head += arg
+                head += b"\r\n"
+        out.append(bytes(head))
+        return out
+
+
+PACKER = Packer()
+
+
+class PackedConnection(Connection):
+    """A TCP connection with :class:`Packer` (the cluster client drops ``command_packer``)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**{"command_packer": PACKER, **kwargs})
