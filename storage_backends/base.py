@@ -100,13 +100,15 @@ class Backend(ABC):
             n += 1
         return n
 
-    def flush(self) -> None:
+    # -- optional hooks: deliberately empty, a medium overrides those that apply to it ------
+    def flush(self) -> None:  # noqa: B027  # optional hook, no-op by default
         """Make every completed put durable (no-op for media without a notion of it)."""
 
-    def pin_many(self, keys: Sequence[bytes]) -> None:
-        """Protect ``keys`` from eviction by this process until :meth:`unpin_many`."""
+    def pin_many(self, keys: Sequence[bytes]) -> None:  # noqa: B027  # optional hook, no-op by default
+        """Protect ``keys`` from eviction by this process until :meth:`unpin_many` (no-op for
+        media that evict by their own policy, or not at all)."""
 
-    def unpin_many(self, keys: Sequence[bytes]) -> None:
+    def unpin_many(self, keys: Sequence[bytes]) -> None:  # noqa: B027  # optional hook, no-op by default
         """Undo one :meth:`pin_many` of each key."""
 
     # -- helpers for subclasses ------------------------------------------------------------

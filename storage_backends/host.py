@@ -199,7 +199,7 @@ class HostBackend(Backend):
         self.delete_many([k for k, n in zip(keys, lengths) if n <= self.slot_bytes])  # overwrite
         slots = self.reserve_many(keys, lengths)
         stored = []
-        for (key, value), slot, n in zip(items, slots, lengths):
+        for (_key, value), slot, n in zip(items, slots, lengths):
             if slot is not None:
                 self._np[slot, :n] = memoryview(value).cast("B")
             stored.append(slot is not None)

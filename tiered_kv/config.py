@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 try:
     import tomllib
@@ -134,11 +135,11 @@ class TieredKVConfig:
 
     # -- constructors ------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> "TieredKVConfig":
+    def from_dict(cls, data: Mapping[str, Any] | None) -> TieredKVConfig:
         return _build(cls, dict(data or {}), "")
 
     @classmethod
-    def from_toml(cls, path: str | os.PathLike) -> "TieredKVConfig":
+    def from_toml(cls, path: str | os.PathLike) -> TieredKVConfig:
         try:
             with open(path, "rb") as fh:
                 data = tomllib.load(fh)
@@ -149,12 +150,12 @@ class TieredKVConfig:
         return cls.from_dict(data)
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> "TieredKVConfig":
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> TieredKVConfig:
         return cls.from_dict(env_dict(os.environ if environ is None else environ))
 
     @classmethod
     def load(cls, source: str | os.PathLike | Mapping[str, Any] | None = None,
-             environ: Mapping[str, str] | None = None) -> "TieredKVConfig":
+             environ: Mapping[str, str] | None = None) -> TieredKVConfig:
         """A dict or a TOML path (or nothing), overlaid with ``TIERED_KV_*`` variables."""
         if source is None:
             base: dict = {}
@@ -171,7 +172,7 @@ class TieredKVConfig:
                 base[key] = value
         return cls.from_dict(base)
 
-    def with_overrides(self, **changes: Any) -> "TieredKVConfig":
+    def with_overrides(self, **changes: Any) -> TieredKVConfig:
         return replace(self, **changes)
 
 

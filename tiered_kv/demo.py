@@ -70,7 +70,7 @@ def _model_config(opts: DemoOptions):
 def _build_engine(opts: DemoOptions, with_connector: bool):
     from tiered_kv.config import TieredKVConfig
     from tiered_kv.connector import build_connector
-    from tiered_kv.engine import EngineConfig, LLMEngine, ModelConfig, engine_namespace, weights_revision
+    from tiered_kv.engine import EngineConfig, LLMEngine, engine_namespace, weights_revision
 
     model_config = _model_config(opts)
     engine_config = EngineConfig(num_blocks=1024, max_num_batched_tokens=8192)

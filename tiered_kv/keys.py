@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Callable, Mapping, Sequence
 
 import xxhash
 

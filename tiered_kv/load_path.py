@@ -38,7 +38,7 @@ class LoadPlan:
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
 
-    def wait(self, timeout: float | None = None) -> "LoadPlan":
+    def wait(self, timeout: float | None = None) -> LoadPlan:
         for f in self.futures:
             f.result(timeout)
         return self

@@ -11,7 +11,7 @@ block evicted in between is a counted load failure that the engine recomputes.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from collections.abc import Sequence
 
 from storage_backends.registry import open_backend
 from tiered_kv.config import TieredKVConfig

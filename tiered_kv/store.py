@@ -150,7 +150,7 @@ class TieredStore(SavePath, LoadPath, SlotViews):
                 tier.backend.close()
             self.host.close()
 
-    def __enter__(self) -> "TieredStore":
+    def __enter__(self) -> TieredStore:
         return self
 
     def __exit__(self, *exc) -> None:

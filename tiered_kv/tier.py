@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from storage_backends.base import Backend
 from tiered_kv.codec import BlockCodec

@@ -12,8 +12,9 @@ import itertools
 import logging
 import queue
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger(__name__)
 

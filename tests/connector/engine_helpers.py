@@ -6,7 +6,14 @@ from pathlib import Path
 
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.connector import TieredKVConnector, build_connector
-from tiered_kv.engine import EngineConfig, LLMEngine, ModelConfig, SamplingParams, engine_namespace, weights_revision
+from tiered_kv.engine import (
+    EngineConfig,
+    LLMEngine,
+    ModelConfig,
+    SamplingParams,
+    engine_namespace,
+    weights_revision,
+)
 
 MODEL = ModelConfig.tiny()
 ENGINE = EngineConfig(num_blocks=256, max_num_batched_tokens=512)

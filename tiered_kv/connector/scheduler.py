@@ -11,8 +11,9 @@ full block (prompt and generated tokens alike).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec
 from tiered_kv.keys import KeyChain, Namespace
