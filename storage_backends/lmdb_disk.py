@@ -119,13 +119,7 @@ class LmdbBackend(LmdbTransactions, Backend):
 
     # -- reads -------------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        out: list[bytes | None] = [None] * len(keys)
-
-        def keep(i: int, value: memoryview) -> None:
-            out[i] = bytes(value)
-
-        self.visit_many(keys, keep)
-        return out
+        return self._get_by_visiting(keys)
 
     def visit_many(self, keys: Sequence[bytes], visitor: Visitor) -> list[bool]:
         """Zero-copy: ``visitor`` sees LMDB's own pages, inside one read transaction."""
