@@ -155,7 +155,7 @@ class Probe:
 
         setattr(owner, name, timed)
 
-    def install(self) -> "Probe":
+    def install(self) -> Probe:
         from storage_backends.lmdb_disk import LmdbBackend
         from tiered_kv.codec import BlockCodec
         from tiered_kv.connector.worker import ConnectorWorker
@@ -349,7 +349,7 @@ def child_decode(spec: dict) -> dict:
     per_request = prompt_len + steps + 1
     engines = {"off": build(spec["max_position"], per_request, None, batch),
                "saving": build(spec["max_position"], per_request, spec["dir"], batch)}
-    for name, (engine, _) in engines.items():  # same shapes, a block boundary crossed: saves too
+    for engine, _ in engines.values():  # same shapes, a block boundary crossed: saves too
         _warm_up(engine)
         _decode_run(engine, [prompt_tokens(prompt_len, seed=10_000 + i) for i in range(batch)],
                     min(steps, 2 * BLOCK_SIZE + 2))
@@ -375,7 +375,7 @@ def child_decode(spec: dict) -> dict:
             runs.append({"rep": rep, "mode": mode, **result})
     info = {"threads": {"torch_intra_op": _torch_threads(),
                         "transfer_workers": connector.store.config.workers}}
-    for engine, conn in engines.values():
+    for _engine, conn in engines.values():
         if conn is not None:
             conn.close()
     return {"runs": runs, "info": info}
@@ -470,7 +470,7 @@ def ttft_section(args, max_position: int, scratch: str) -> tuple[list[dict], dic
             store = str(Path(d) / "store")
             cold_runs = [run_child("serve", {**base, "variant": "cold", "dir": store})]
             env = env or cold_runs[0].pop("env", {})
-            for rep in range(1, cold_repeats):  # more cold runs, each on its own empty store
+            for _ in range(1, cold_repeats):  # more cold runs, each on its own empty store
                 with tempfile.TemporaryDirectory(prefix="cold-", dir=d) as other:
                     cold_runs.append(run_child("serve", {**base, "variant": "cold",
                                                          "dir": str(Path(other) / "store")}))

@@ -11,8 +11,14 @@ import sys
 import pytest
 import torch
 
-from tests.integrations.vllm_engine import (BS, Engine, FullAttentionSpec, Request, kv_cache_config,
-                                            vllm_config)
+from tests.integrations.vllm_engine import (
+    BS,
+    Engine,
+    FullAttentionSpec,
+    Request,
+    kv_cache_config,
+    vllm_config,
+)
 from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.vllm import KVConnectorRole, TieredKVConnector
 

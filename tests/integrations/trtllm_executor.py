@@ -21,6 +21,7 @@ a wrong or missing loaded block changes the output.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -80,10 +81,9 @@ class LlmRequest:
 
 def write_model_config(path) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(
-        '{"num_hidden_layers": %d, "num_attention_heads": %d, "num_key_value_heads": %d, '
-        '"head_dim": %d, "hidden_size": %d, "torch_dtype": "float32"}' % (LAYERS, HEADS * 2, HEADS, DIM,
-                                                                          HEADS * 2 * DIM))
+    config = {"num_hidden_layers": LAYERS, "num_attention_heads": HEADS * 2, "num_key_value_heads": HEADS,
+              "head_dim": DIM, "hidden_size": HEADS * 2 * DIM, "torch_dtype": "float32"}
+    (path / "config.json").write_text(json.dumps(config))
 
 
 def kv_of(tokens: list[int], pos: int) -> torch.Tensor:

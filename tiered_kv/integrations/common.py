@@ -19,8 +19,9 @@ import atexit
 import logging
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from tiered_kv.config import ENV_PREFIX, TieredKVConfig
 from tiered_kv.errors import ConfigError

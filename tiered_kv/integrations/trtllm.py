@@ -29,16 +29,16 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.connector.scheduler import ConnectorScheduler
 from tiered_kv.errors import ConfigError
-from tiered_kv.integrations.common import (acquire_store, parse_settings, release_store,
-                                           torch_dtype_name)
+from tiered_kv.integrations.common import acquire_store, parse_settings, release_store, torch_dtype_name
 from tiered_kv.keys import Namespace
 
 log = logging.getLogger(__name__)

@@ -23,14 +23,21 @@ from __future__ import annotations
 
 import enum
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.connector.scheduler import ConnectorScheduler
 from tiered_kv.errors import ConfigError
-from tiered_kv.integrations.common import (acquire_store, parse_settings, release_index,
-                                           release_store, scheduler_index, torch_dtype_name)
+from tiered_kv.integrations.common import (
+    acquire_store,
+    parse_settings,
+    release_index,
+    release_store,
+    scheduler_index,
+    torch_dtype_name,
+)
 from tiered_kv.keys import Namespace
 
 log = logging.getLogger(__name__)
