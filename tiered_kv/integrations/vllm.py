@@ -23,21 +23,18 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from tiered_kv.connector.meta import ConnectorMeta
-from tiered_kv.connector.scheduler import ConnectorScheduler
 from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.common import (
     acquire_store,
     parse_settings,
-    release_index,
     release_store,
-    scheduler_index,
     torch_dtype_name,
 )
+from tiered_kv.integrations.vllm_scheduler import SchedulerSide, group0
 from tiered_kv.keys import Namespace
 
 log = logging.getLogger(__name__)
@@ -118,54 +115,6 @@ def vllm_namespace(vllm_config: Any, kv_cache_config: Any, settings_config: Any,
         cache_salt=settings_config.cache_salt, hash_algo=settings_config.hash_algo)
 
 
-@dataclass(frozen=True)
-class _View:
-    request_id: str
-    prompt_token_ids: list[int]
-    num_prompt_tokens: int
-    key_extra: str | None
-
-
-def _key_extra(request: Any) -> str | None:
-    """LoRA adapter, tenant salt and multimodal inputs change the KV of the same token ids."""
-    parts = []
-    lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        parts.append(f"lora={getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}")
-    if getattr(request, "cache_salt", None):
-        parts.append(f"salt={request.cache_salt}")
-    for feature in getattr(request, "mm_features", None) or ():
-        ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
-        pos = getattr(getattr(feature, "mm_position", None), "offset", "")
-        parts.append(f"mm={ident}@{pos}")
-    return ";".join(parts) or None
-
-
-@dataclass(frozen=True)
-class _Step:
-    """One request's part of a step, as the core reads it (``computed_position`` = device
-    prefix; the core adds the tokens matched externally)."""
-
-    request_id: str
-    new_tokens: Sequence[int]
-    new_block_ids: Sequence[int]
-    computed_position: int
-    num_scheduled_tokens: int
-
-
-@dataclass(frozen=True)
-class _Output:
-    new_requests: list
-    cached_requests: list
-
-
-def _group0(block_ids: Any) -> list[int]:
-    """The block ids of the single KV cache group (``([ids],)`` in vLLM's outputs)."""
-    if not block_ids:
-        return []
-    return list(block_ids[0])
-
-
 class TieredKVConnector(KVConnectorBase_V1):
     """tiered-kv as a vLLM KV connector (``kv_role`` ``kv_both``)."""
 
@@ -182,12 +131,12 @@ class TieredKVConnector(KVConnectorBase_V1):
         except ConfigError as exc:
             log.error("tiered-kv: %s", exc)  # the one line to read in the start-up log
             raise
-        self._sched: _SchedulerSide | None = None
+        self._sched: SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if is_worker:
             self._worker = _WorkerSide(self.settings, self.namespace)
         else:
-            self._sched = _SchedulerSide(self.settings, self.namespace)
+            self._sched = SchedulerSide(self.settings, self.namespace)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -200,10 +149,10 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         ids = blocks.get_block_ids() if hasattr(blocks, "get_block_ids") else blocks
-        self._sched.update_state_after_alloc(request, _group0(ids), num_external_tokens)
+        self._sched.update_state_after_alloc(request, group0(ids), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
-        return self._sched.build_connector_meta(scheduler_output)
+        return TieredKVMetadata(*self._sched.build_connector_meta(scheduler_output))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         return self._sched.request_finished(request, block_ids), None
@@ -264,98 +213,6 @@ def _tp_rank() -> int:
         return int(get_tensor_model_parallel_rank())
     except Exception:  # no TP group (stand-ins, or a single process without one)
         return 0
-
-
-class _SchedulerSide:
-    """vLLM's scheduler outputs translated into the core's new/cached request data."""
-
-    def __init__(self, settings, namespace: Namespace) -> None:
-        self.settings, self.namespace = settings, namespace
-        self.index = None  # opened at the first request, when the worker of this process exists
-        self.core: ConnectorScheduler | None = None
-        self.requests: dict[str, Any] = {}  # live vLLM Request objects (all_token_ids grows)
-        self.reported: dict[str, int] = {}  # tokens handed to the core per request
-        self.matched_tokens = 0  # external tokens promised so far (for reports)
-        self.matched_requests = 0
-
-    def _core(self) -> ConnectorScheduler:
-        if self.core is None:
-            self.index = scheduler_index(self.settings.config, self.namespace)
-            self.core = ConnectorScheduler(self.index, self.namespace, load_async=self.settings.load_async,
-                                           save=self.settings.save)
-        return self.core
-
-    @staticmethod
-    def _view(request: Any) -> _View | None:
-        if getattr(request, "prompt_token_ids", None) is None:
-            return None  # prompt embeddings: no token ids to key by
-        return _View(request.request_id, list(request.prompt_token_ids), int(request.num_prompt_tokens),
-                     _key_extra(request))
-
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        view = self._view(request)
-        if view is None:
-            return 0, False
-        self.requests[view.request_id] = request
-        n, is_async = self._core().get_num_new_matched_tokens(view, num_computed_tokens)
-        return n, bool(is_async and n)
-
-    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
-        view = self._view(request)
-        if view is None:
-            return
-        self.requests[view.request_id] = request
-        self._core().update_state_after_alloc(view, block_ids, num_external_tokens)
-        if num_external_tokens > 0:
-            self.matched_tokens += num_external_tokens
-            self.matched_requests += 1
-            log.info("tiered-kv: request %s: %d tokens from the store", view.request_id, num_external_tokens)
-
-    def build_connector_meta(self, so: Any) -> TieredKVMetadata:
-        core = self._core()
-        preempted = tuple(getattr(so, "preempted_req_ids", None) or ())
-        for rid in preempted:
-            core.request_preempted(rid)
-        new, cached = [], []
-        for nr in so.scheduled_new_reqs:
-            request = self.requests.get(nr.req_id)
-            if request is None:
-                continue  # never matched: prompt embeddings
-            tokens = list(request.all_token_ids)
-            new.append(_Step(nr.req_id, tokens, _group0(nr.block_ids),
-                             nr.num_computed_tokens - core.external_tokens(nr.req_id),
-                             so.num_scheduled_tokens.get(nr.req_id, 0)))
-            self.reported[nr.req_id] = len(tokens)
-        cr = so.scheduled_cached_reqs
-        resumed = set(getattr(cr, "resumed_req_ids", None) or ())
-        legacy = getattr(cr, "resumed_from_preemption", None)  # older vLLM: one bool per request
-        for i, rid in enumerate(cr.req_ids):
-            request = self.requests.get(rid)
-            if request is None:
-                continue
-            tokens = list(request.all_token_ids)
-            scheduled = so.num_scheduled_tokens.get(rid, 0)
-            blocks = _group0(cr.new_block_ids[i])
-            if rid in resumed or (legacy is not None and legacy[i]):  # all its blocks are new
-                new.append(_Step(rid, tokens, blocks, cr.num_computed_tokens[i] - core.external_tokens(rid),
-                                 scheduled))
-            else:
-                cached.append(_Step(rid, tokens[self.reported.get(rid, len(tokens)):], blocks,
-                                    cr.num_computed_tokens[i], scheduled))
-            self.reported[rid] = len(tokens)
-        meta = core.build_connector_meta(_Output(new, cached))
-        return TieredKVMetadata(meta, tuple(s.request_id for s in meta.loads if s.is_async), preempted)
-
-    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
-        self.requests.pop(request.request_id, None)
-        self.reported.pop(request.request_id, None)
-        if self.core is None:
-            return False
-        return self.core.request_finished(request, block_ids)
-
-    def close(self) -> None:
-        release_index(self.index)
-        self.index = None
 
 
 class _WorkerSide:

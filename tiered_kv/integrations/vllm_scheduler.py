@@ -1,0 +1,162 @@
+"""The scheduler half of the vLLM adapter: vLLM's requests and scheduler outputs translated into
+the connector core's request views and new/cached request steps (no torch import).
+
+Keys come from token ids (``prompt_token_ids`` / ``all_token_ids``), never vLLM's own
+process-seeded block hashes; LoRA, ``cache_salt`` and multimodal hashes are folded in as the
+key's extra. A request resumed after preemption is handed to the core as new, with all its blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from tiered_kv.connector.meta import ConnectorMeta
+from tiered_kv.connector.scheduler import ConnectorScheduler
+from tiered_kv.integrations.common import release_index, scheduler_index
+from tiered_kv.keys import Namespace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _View:
+    request_id: str
+    prompt_token_ids: list[int]
+    num_prompt_tokens: int
+    key_extra: str | None
+
+
+def _key_extra(request: Any) -> str | None:
+    """LoRA adapter, tenant salt and multimodal inputs change the KV of the same token ids."""
+    parts = []
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        parts.append(f"lora={getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}")
+    if getattr(request, "cache_salt", None):
+        parts.append(f"salt={request.cache_salt}")
+    for feature in getattr(request, "mm_features", None) or ():
+        ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
+        pos = getattr(getattr(feature, "mm_position", None), "offset", "")
+        parts.append(f"mm={ident}@{pos}")
+    return ";".join(parts) or None
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One request's part of a step, as the core reads it (``computed_position`` = device
+    prefix; the core adds the tokens matched externally)."""
+
+    request_id: str
+    new_tokens: Sequence[int]
+    new_block_ids: Sequence[int]
+    computed_position: int
+    num_scheduled_tokens: int
+
+
+@dataclass(frozen=True)
+class _Output:
+    new_requests: list
+    cached_requests: list
+
+
+def group0(block_ids: Any) -> list[int]:
+    """The block ids of the single KV cache group (``([ids],)`` in vLLM's outputs)."""
+    if not block_ids:
+        return []
+    return list(block_ids[0])
+
+
+class SchedulerSide:
+    """vLLM's scheduler outputs translated into the core's new/cached request data."""
+
+    def __init__(self, settings, namespace: Namespace) -> None:
+        self.settings, self.namespace = settings, namespace
+        self.index = None  # opened at the first request, when the worker of this process exists
+        self.core: ConnectorScheduler | None = None
+        self.requests: dict[str, Any] = {}  # live vLLM Request objects (all_token_ids grows)
+        self.reported: dict[str, int] = {}  # tokens handed to the core per request
+        self.matched_tokens = 0  # external tokens promised so far (for reports)
+        self.matched_requests = 0
+
+    def _core(self) -> ConnectorScheduler:
+        if self.core is None:
+            self.index = scheduler_index(self.settings.config, self.namespace)
+            self.core = ConnectorScheduler(self.index, self.namespace, load_async=self.settings.load_async,
+                                           save=self.settings.save)
+        return self.core
+
+    @staticmethod
+    def _view(request: Any) -> _View | None:
+        if getattr(request, "prompt_token_ids", None) is None:
+            return None  # prompt embeddings: no token ids to key by
+        return _View(request.request_id, list(request.prompt_token_ids), int(request.num_prompt_tokens),
+                     _key_extra(request))
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        view = self._view(request)
+        if view is None:
+            return 0, False
+        self.requests[view.request_id] = request
+        n, is_async = self._core().get_num_new_matched_tokens(view, num_computed_tokens)
+        return n, bool(is_async and n)
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        view = self._view(request)
+        if view is None:
+            return
+        self.requests[view.request_id] = request
+        self._core().update_state_after_alloc(view, block_ids, num_external_tokens)
+        if num_external_tokens > 0:
+            self.matched_tokens += num_external_tokens
+            self.matched_requests += 1
+            log.info("tiered-kv: request %s: %d tokens from the store", view.request_id, num_external_tokens)
+
+    def build_connector_meta(self, so: Any) -> tuple[ConnectorMeta, tuple[str, ...], tuple[str, ...]]:
+        """The core's plan, the requests whose loads are async, and the preempted requests."""
+        core = self._core()
+        preempted = tuple(getattr(so, "preempted_req_ids", None) or ())
+        for rid in preempted:
+            core.request_preempted(rid)
+        new, cached = [], []
+        for nr in so.scheduled_new_reqs:
+            request = self.requests.get(nr.req_id)
+            if request is None:
+                continue  # never matched: prompt embeddings
+            tokens = list(request.all_token_ids)
+            new.append(_Step(nr.req_id, tokens, group0(nr.block_ids),
+                             nr.num_computed_tokens - core.external_tokens(nr.req_id),
+                             so.num_scheduled_tokens.get(nr.req_id, 0)))
+            self.reported[nr.req_id] = len(tokens)
+        cr = so.scheduled_cached_reqs
+        resumed = set(getattr(cr, "resumed_req_ids", None) or ())
+        legacy = getattr(cr, "resumed_from_preemption", None)  # older vLLM: one bool per request
+        for i, rid in enumerate(cr.req_ids):
+            request = self.requests.get(rid)
+            if request is None:
+                continue
+            tokens = list(request.all_token_ids)
+            scheduled = so.num_scheduled_tokens.get(rid, 0)
+            blocks = group0(cr.new_block_ids[i])
+            if rid in resumed or (legacy is not None and legacy[i]):  # all its blocks are new
+                new.append(_Step(rid, tokens, blocks, cr.num_computed_tokens[i] - core.external_tokens(rid),
+                                 scheduled))
+            else:
+                cached.append(_Step(rid, tokens[self.reported.get(rid, len(tokens)):], blocks,
+                                    cr.num_computed_tokens[i], scheduled))
+            self.reported[rid] = len(tokens)
+        meta = core.build_connector_meta(_Output(new, cached))
+        return meta, tuple(s.request_id for s in meta.loads if s.is_async), preempted
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> bool:
+        self.requests.pop(request.request_id, None)
+        self.reported.pop(request.request_id, None)
+        if self.core is None:
+            return False
+        return self.core.request_finished(request, block_ids)
+
+    def close(self) -> None:
+        release_index(self.index)
+        self.index = None
