@@ -199,13 +199,15 @@ class LoadPath:
         for start in range(0, len(keys), chunk):
             plan = self.load(self.prepare_load(keys[start : start + chunk])).wait()
             try:
+                plain = []
                 for slot, out in zip(plan.slots, outs[start : start + chunk]):
                     if slot is None:
                         continue
                     if self._plain(out):
-                        np.copyto(bytes_of(out), self._slot_rows[slot])
+                        plain.append((bytes_of(out), self._slot_rows[slot]))
                     else:
                         out.copy_(self.slot_tensor(slot))
+                self.copier.copy(plain)
                 ok.extend(plan.ok)
             finally:
                 self.release(plan)

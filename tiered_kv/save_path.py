@@ -92,12 +92,14 @@ class SavePath:
                     f.exception()
             batch = self.prepare_save(part)
             try:
+                plain = []
                 for key, slot in zip(batch.keys, batch.slots):
                     src = payloads[index[key]]
                     if self._plain(src):
-                        np.copyto(self._slot_rows[slot], bytes_of(src))
+                        plain.append((self._slot_rows[slot], bytes_of(src)))
                     else:
                         self.slot_tensor(slot).copy_(src)
+                self.copier.copy(plain)
             except Exception:
                 self.commit_save(batch, ok=False)
                 raise

@@ -28,6 +28,7 @@ from tiered_kv.block_views import SlotViews, block_shape, torch_dtype
 from tiered_kv.codec import BlockCodec
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import ConfigError
+from tiered_kv.host_copy import HostCopier
 from tiered_kv.keys import Namespace
 from tiered_kv.load_path import LoadPath, LoadPlan
 from tiered_kv.metrics import StoreMetrics
@@ -58,6 +59,7 @@ class TieredStore(SavePath, LoadPath, SlotViews):
                               f"{format_size(self.block_nbytes)}")
         self.metrics = StoreMetrics()
         self.pool = TransferPool(config.workers, config.max_inflight_save, config.max_inflight_load)
+        self.copier = HostCopier(config.workers)  # large host<->caller batches on several threads
         on_evict = [t for t in ("disk", "remote")
                     if getattr(config, t).url and getattr(config, t).policy == "on_evict"]
         self.host = HostBackend(capacity=config.host.capacity, slot_bytes=self.block_nbytes,
@@ -146,6 +148,7 @@ class TieredStore(SavePath, LoadPath, SlotViews):
 
                 unexport(self)
             self.pool.close()
+            self.copier.close()
             for tier in self.lower:
                 tier.backend.close()
             self.host.close()
