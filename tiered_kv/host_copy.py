@@ -32,8 +32,8 @@ class HostCopier:
                       if self.helpers else None)
 
     def copy(self, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
-        if (self._pool is None or len(pairs) < 2
-                or sum(dst.nbytes for dst, _ in pairs) < self.min_bytes):
+        pool = self._pool  # read once: close() may run concurrently
+        if pool is None or len(pairs) < 2 or sum(dst.nbytes for dst, _ in pairs) < self.min_bytes:
             for dst, src in pairs:
                 np.copyto(dst, src)
             return
@@ -43,8 +43,13 @@ class HostCopier:
             while (i := cursor.take()) is not None:
                 np.copyto(*pairs[i])
 
-        futures = [self._pool.submit(drain) for _ in range(min(self.helpers, len(pairs) - 1))]
+        futures = []
         try:
+            for _ in range(min(self.helpers, len(pairs) - 1)):
+                try:
+                    futures.append(pool.submit(drain))
+                except RuntimeError:  # pool shut down (close(), interpreter exit): copy alone
+                    break
             drain()
         finally:  # never return (or raise) while a helper may still write into a destination
             errors = [f.exception() for f in futures if not f.cancel()]

@@ -15,6 +15,7 @@ import torch
 from storage_backends.host import HostBackend
 from tiered_kv.block_views import bytes_of
 from tiered_kv.config import TieredKVConfig
+from tiered_kv.host_copy import HostCopier
 from tiered_kv.metrics import StoreMetrics
 from tiered_kv.tier import EncodedTier
 from tiered_kv.transfer import TransferPool
@@ -55,6 +56,7 @@ class LoadPath:
 
     config: TieredKVConfig
     host: HostBackend
+    copier: HostCopier
     disk: EncodedTier | None
     remote: EncodedTier | None
     lower: list[EncodedTier]

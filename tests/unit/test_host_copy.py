@@ -47,6 +47,16 @@ def test_a_failed_copy_raises_after_every_helper_stopped():
     try:
         with pytest.raises(ValueError):
             copier.copy(list(zip(dst, src)))
+        # checked before close(): copy() itself waited for the helper
+        assert all(np.array_equal(d, s) for d, s in zip(dst[:7], src[:7]))
     finally:
         copier.close()
-    assert all(np.array_equal(d, s) for d, s in zip(dst[:7], src[:7]))
+
+
+def test_a_copier_closed_under_a_caller_copies_alone():
+    copier = HostCopier(3, min_bytes=0)
+    copier._pool.shutdown()  # what a concurrent close() or interpreter exit leaves behind
+    src, dst = blocks(5, 4096, 4), [np.zeros(4096, np.uint8) for _ in range(5)]
+    copier.copy(list(zip(dst, src)))
+    assert all(np.array_equal(d, s) for d, s in zip(dst, src))
+    copier.close()
