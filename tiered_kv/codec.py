@@ -118,11 +118,11 @@ _local = _Local()
 
 def _planes(raw: memoryview, size: int) -> tuple[bytes, bytes]:
     """Split ``raw`` (items of ``size`` bytes, little-endian) into (high planes, low plane)."""
+    if size == 2:  # whole-word shifts and casts: ~8x faster than strided byte gathers
+        words = np.frombuffer(raw, dtype="<u2")
+        return np.right_shift(words, 8).astype(np.uint8).data, words.astype(np.uint8).data
     arr = np.frombuffer(raw, dtype=np.uint8).reshape(-1, size)
-    if size == 2:
-        high = np.right_shift(np.frombuffer(raw, dtype="<u2"), 8).astype(np.uint8)
-    else:
-        high = np.ascontiguousarray(arr[:, :0:-1].T)
+    high = np.ascontiguousarray(arr[:, :0:-1].T)
     low = np.ascontiguousarray(arr[:, 0])
     return high.data, low.data
 
