@@ -19,7 +19,7 @@ import atexit
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,36 @@ class AdapterSettings:
     load_async: bool = False
     save: bool = True
     kv_layout: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """What the connector core reads of an engine's request."""
+
+    request_id: Any
+    prompt_token_ids: list[int]
+    num_prompt_tokens: int
+    key_extra: str | None  # LoRA, tenant salt, multimodal hashes: folded into the keys
+
+
+@dataclass(frozen=True)
+class RequestStep:
+    """One request's part of a step, as the core reads it (``computed_position`` = the device
+    prefix only; the core adds the tokens it matched externally)."""
+
+    request_id: Any
+    new_tokens: Sequence[int]
+    new_block_ids: Sequence[int]
+    computed_position: int
+    num_scheduled_tokens: int
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """A scheduler step in the core's terms: requests new to it and requests it already knows."""
+
+    new_requests: list
+    cached_requests: list
 
 
 def parse_settings(extra: Mapping[str, Any] | None, *, source: str,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,15 @@ from tiered_kv.config import TieredKVConfig
 from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.connector.scheduler import ConnectorScheduler
 from tiered_kv.errors import ConfigError
-from tiered_kv.integrations.common import acquire_store, parse_settings, release_store, torch_dtype_name
+from tiered_kv.integrations.common import (
+    RequestStep,
+    RequestView,
+    StepOutput,
+    acquire_store,
+    parse_settings,
+    release_store,
+    torch_dtype_name,
+)
 from tiered_kv.keys import Namespace
 
 log = logging.getLogger(__name__)
@@ -125,17 +132,7 @@ def trtllm_namespace(llm_args: Any, config: TieredKVConfig) -> Namespace:
                      revision=revision, cache_salt=config.cache_salt, hash_algo=config.hash_algo)
 
 
-@dataclass(frozen=True)
-class _View:
-    """What the connector core reads of an ``LlmRequest``."""
-
-    request_id: Any
-    prompt_token_ids: list[int]
-    num_prompt_tokens: int
-    key_extra: str | None
-
-
-def _view(request: Any) -> _View:
+def _view(request: Any) -> RequestView:
     n = int(request.prompt_len)
     tokens = list(request.get_tokens(0))[:n]
     parts = []
@@ -143,24 +140,7 @@ def _view(request: Any) -> _View:
         value = getattr(request, name, None)
         if value is not None:
             parts.append(f"{name}={value}")
-    return _View(request.request_id, tokens, n, ";".join(parts) or None)
-
-
-@dataclass(frozen=True)
-class _Step:
-    """A ``RequestData`` with ``computed_position`` = the device prefix only."""
-
-    request_id: Any
-    new_tokens: Sequence[int]
-    new_block_ids: Sequence[int]
-    computed_position: int
-    num_scheduled_tokens: int
-
-
-@dataclass(frozen=True)
-class _Output:
-    new_requests: list
-    cached_requests: list
+    return RequestView(request.request_id, tokens, n, ";".join(parts) or None)
 
 
 class TieredKVScheduler(_SchedulerBase):
@@ -213,10 +193,10 @@ class TieredKVScheduler(_SchedulerBase):
             self.store.release(plan)
 
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
-        new = [_Step(rd.request_id, rd.new_tokens, rd.new_block_ids,
+        new = [RequestStep(rd.request_id, rd.new_tokens, rd.new_block_ids,
                      self._device_prefix.pop(rd.request_id, rd.computed_position),
                      rd.num_scheduled_tokens) for rd in scheduler_output.new_requests]
-        return self.core.build_connector_meta(_Output(new, list(scheduler_output.cached_requests)))
+        return self.core.build_connector_meta(StepOutput(new, list(scheduler_output.cached_requests)))
 
     def request_finished(self, request: Any, cache_block_ids: Sequence[int]) -> bool:
         self._drop_verified(request.request_id)

@@ -9,24 +9,14 @@ key's extra. A request resumed after preemption is handed to the core as new, wi
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.connector.scheduler import ConnectorScheduler
-from tiered_kv.integrations.common import release_index, scheduler_index
+from tiered_kv.integrations.common import RequestStep, RequestView, StepOutput, release_index, scheduler_index
 from tiered_kv.keys import Namespace
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class _View:
-    request_id: str
-    prompt_token_ids: list[int]
-    num_prompt_tokens: int
-    key_extra: str | None
 
 
 def _key_extra(request: Any) -> str | None:
@@ -42,24 +32,6 @@ def _key_extra(request: Any) -> str | None:
         pos = getattr(getattr(feature, "mm_position", None), "offset", "")
         parts.append(f"mm={ident}@{pos}")
     return ";".join(parts) or None
-
-
-@dataclass(frozen=True)
-class _Step:
-    """One request's part of a step, as the core reads it (``computed_position`` = device
-    prefix; the core adds the tokens matched externally)."""
-
-    request_id: str
-    new_tokens: Sequence[int]
-    new_block_ids: Sequence[int]
-    computed_position: int
-    num_scheduled_tokens: int
-
-
-@dataclass(frozen=True)
-class _Output:
-    new_requests: list
-    cached_requests: list
 
 
 def group0(block_ids: Any) -> list[int]:
@@ -89,10 +61,10 @@ class SchedulerSide:
         return self.core
 
     @staticmethod
-    def _view(request: Any) -> _View | None:
+    def _view(request: Any) -> RequestView | None:
         if getattr(request, "prompt_token_ids", None) is None:
             return None  # prompt embeddings: no token ids to key by
-        return _View(request.request_id, list(request.prompt_token_ids), int(request.num_prompt_tokens),
+        return RequestView(request.request_id, list(request.prompt_token_ids), int(request.num_prompt_tokens),
                      _key_extra(request))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -126,7 +98,7 @@ class SchedulerSide:
             if request is None:
                 continue  # never matched: prompt embeddings
             tokens = list(request.all_token_ids)
-            new.append(_Step(nr.req_id, tokens, group0(nr.block_ids),
+            new.append(RequestStep(nr.req_id, tokens, group0(nr.block_ids),
                              nr.num_computed_tokens - core.external_tokens(nr.req_id),
                              so.num_scheduled_tokens.get(nr.req_id, 0)))
             self.reported[nr.req_id] = len(tokens)
@@ -141,13 +113,13 @@ class SchedulerSide:
             scheduled = so.num_scheduled_tokens.get(rid, 0)
             blocks = group0(cr.new_block_ids[i])
             if rid in resumed or (legacy is not None and legacy[i]):  # all its blocks are new
-                new.append(_Step(rid, tokens, blocks, cr.num_computed_tokens[i] - core.external_tokens(rid),
+                new.append(RequestStep(rid, tokens, blocks, cr.num_computed_tokens[i] - core.external_tokens(rid),
                                  scheduled))
             else:
-                cached.append(_Step(rid, tokens[self.reported.get(rid, len(tokens)):], blocks,
+                cached.append(RequestStep(rid, tokens[self.reported.get(rid, len(tokens)):], blocks,
                                     cr.num_computed_tokens[i], scheduled))
             self.reported[rid] = len(tokens)
-        meta = core.build_connector_meta(_Output(new, cached))
+        meta = core.build_connector_meta(StepOutput(new, cached))
         return meta, tuple(s.request_id for s in meta.loads if s.is_async), preempted
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
