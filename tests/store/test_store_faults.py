@@ -87,6 +87,42 @@ def test_restart_child_saves_flushes_exits_and_a_new_process_loads_everything(tm
         assert all(torch.equal(a, b) for a, b in zip(expected, outs))
 
 
+def test_disk_full_mid_write_behind_is_counted_and_what_was_committed_survives(tmp_path):
+    """The disk fills up (RLIMIT_FSIZE stands in for a full filesystem): saves keep returning,
+    failed writes are counted, and after a restart every block that was committed loads
+    byte-identical while the rest are plain misses, never damaged blocks."""
+    n = 400  # 16 KiB raw blocks: 6.25 MiB against a 2 MiB file-size limit
+    child = textwrap.dedent(f"""
+        import json, resource, signal, sys
+        sys.path.insert(0, {str(REPO)!r})
+        from pathlib import Path
+        from tests.store.helpers import keys_for, make_store, payloads
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+        store = make_store(Path({str(tmp_path)!r}), disk={{"codec": "raw"}})
+        keys, data = keys_for({n}), payloads(store, {n}, seed=3)
+        for i in range(0, {n}, 20):
+            store.save(keys[i:i + 20], data[i:i + 20])
+            store.flush()
+        snap = store.stats()
+        store.close()
+        print(json.dumps({{"events": snap["events"], "disk": snap["tiers"]["disk"]}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["events"].get("disk_save_failed", 0) > 0
+    committed = report["disk"]["blocks_in"]
+    assert 0 < committed < n
+    with make_store(tmp_path, host="8MiB", disk={"codec": "raw"}) as store:
+        keys, expected = keys_for(n), payloads(store, n, seed=3)
+        ok, outs = load(store, keys)
+        assert sum(ok) == committed
+        assert all(torch.equal(a, b) for a, b, good in zip(expected, outs, ok) if good)
+        misses = store.stats()["tiers"]["disk"]["misses"]
+        assert misses.get("absent", 0) == n - committed and "corrupt" not in misses
+
+
 def test_flipped_bytes_in_lmdb_values_are_corrupt_misses_never_returned(tmp_path):
     keys = keys_for(6)
     with make_store(tmp_path) as store:
