@@ -43,9 +43,11 @@ from storage_backends.lmdb_tables import (
     read_totals,
 )
 from storage_backends.lmdb_transactions import LmdbTransactions, NoSpace
+from storage_backends.lmdb_transactions import log as transactions_log
 from storage_backends.options import as_bool, as_int, directory_of
 from storage_backends.registry import split_options
 from tiered_kv.errors import BackendClosed, BackendError, BackendUnavailable, ConfigError, InvalidKey
+from tiered_kv.log_throttle import LogThrottle
 from tiered_kv.units import format_size, parse_size
 
 __all__ = ["BackendClosed", "InvalidKey", "LmdbBackend", "path_of"]
@@ -93,6 +95,7 @@ class LmdbBackend(LmdbTransactions, Backend):
         self.env = self._open_env(options)
         self.blocks, self.meta, self.lru, self.info = self._open_tables()
         self._gate = RemapGate()
+        self._failures = LogThrottle(transactions_log)
         self._lock = threading.Lock()  # touches and pins
         self._touches: dict[bytes, tuple[int, int]] = {}  # key -> (last access ns, hits)
         self._pins: Counter = Counter()

@@ -16,6 +16,7 @@ from storage_backends.lmdb_entries import apply_accesses, evict_lru
 from storage_backends.lmdb_gate import RemapGate
 from storage_backends.lmdb_tables import FORMAT, U64, Write, read_totals
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError
+from tiered_kv.log_throttle import LogThrottle
 from tiered_kv.units import format_size
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ class LmdbTransactions:
     batch_bytes: int
     max_map: int
     _gate: RemapGate
+    _failures: LogThrottle  # failed calls repeat while a disk is full: one warning a minute
     _lock: threading.Lock
     _touches: dict[bytes, tuple[int, int]]
     _closed: bool
@@ -121,7 +123,7 @@ class LmdbTransactions:
             yield
         except lmdb.Error as exc:
             self._count(errors=1)
-            log.warning("lmdb tier at %s: %s failed: %s", self.path, what, exc)
+            self._failures.warning("lmdb tier at %s: %s failed: %s", self.path, what, exc)
             raise BackendUnavailable(f"lmdb store at {self.path}: {what} failed: {exc}") from exc
 
     def _write(self, body: Callable[[Write], object], nbytes: int = 0):
