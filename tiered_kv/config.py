@@ -123,6 +123,7 @@ class TieredKVConfig:
     cache_salt: str = ""  # tenant salt folded into every key
     model_revision: str = ""  # weights fingerprint folded into the namespace
     metrics_port: int | None = None  # serve Prometheus metrics on this port; None = off
+    metrics_log_interval: float | None = _duration(None)  # log a one-line traffic summary this often; None = off
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -132,6 +133,8 @@ class TieredKVConfig:
         _check_choice("hash_algo", self.hash_algo, tuple(HASHES))
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be a TCP port, got {self.metrics_port}")
+        if self.metrics_log_interval is not None and not self.metrics_log_interval > 0:
+            raise ConfigError(f"metrics_log_interval must be positive, got {self.metrics_log_interval}")
 
     # -- constructors ------------------------------------------------------------------------
     @classmethod

@@ -33,6 +33,7 @@ from tiered_kv.keys import Namespace
 from tiered_kv.load_path import LoadPath, LoadPlan
 from tiered_kv.metrics import StoreMetrics
 from tiered_kv.save_path import SaveBatch, SavePath
+from tiered_kv.stats_log import StatsLogger
 from tiered_kv.tier import EncodedTier
 from tiered_kv.transfer import TransferPool
 from tiered_kv.units import format_size
@@ -79,6 +80,8 @@ class TieredStore(SavePath, LoadPath, SlotViews):
         self._metrics_ports: list[int] = []  # Prometheus exporter ports serving this store
         if config.metrics_port is not None:
             _export_metrics(self, config.metrics_port)
+        self._stats_log = (StatsLogger(self, config.metrics_log_interval)
+                           if config.metrics_log_interval else None)
         log.info("tiered store for %s: block %s %s = %s; tiers: host%s", namespace.model_id,
                  self.shape, namespace.dtype, format_size(self.block_nbytes),
                  "".join(f", {t.name} ({t.backend.url})" for t in self.lower))
@@ -136,6 +139,8 @@ class TieredStore(SavePath, LoadPath, SlotViews):
             if self._closed:
                 return
             self._closed = True
+        if self._stats_log is not None:
+            self._stats_log.close()
         with self._lock:
             leases, self._leases = list(self._leases.values()), {}
         for plan in leases:
