@@ -13,9 +13,7 @@ import numpy as np
 import torch
 
 from storage_backends.host import HostBackend
-from tiered_kv.block_views import bytes_of
 from tiered_kv.config import TieredKVConfig
-from tiered_kv.host_copy import HostCopier
 from tiered_kv.metrics import StoreMetrics
 from tiered_kv.tier import EncodedTier
 from tiered_kv.transfer import TransferPool
@@ -51,12 +49,11 @@ class LoadPlan:
 
 class LoadPath:
     """Loading from a :class:`tiered_kv.store.TieredStore` (a mixin: the store sets the
-    attributes below; ``slot_tensor`` and ``_plain`` come from :class:`SlotViews`,
+    attributes below; ``slot_tensor`` and ``copy_blocks`` come from :class:`SlotViews`,
     ``_record_namespace`` from :class:`SavePath`)."""
 
     config: TieredKVConfig
     host: HostBackend
-    copier: HostCopier
     disk: EncodedTier | None
     remote: EncodedTier | None
     lower: list[EncodedTier]
@@ -201,15 +198,8 @@ class LoadPath:
         for start in range(0, len(keys), chunk):
             plan = self.load(self.prepare_load(keys[start : start + chunk])).wait()
             try:
-                plain = []
-                for slot, out in zip(plan.slots, outs[start : start + chunk]):
-                    if slot is None:
-                        continue
-                    if self._plain(out):
-                        plain.append((bytes_of(out), self._slot_rows[slot]))
-                    else:
-                        out.copy_(self.slot_tensor(slot))
-                self.copier.copy(plain)
+                found = [(s, o) for s, o in zip(plan.slots, outs[start : start + chunk]) if s is not None]
+                self.copy_blocks([s for s, _ in found], [o for _, o in found], into_slots=False)
                 ok.extend(plan.ok)
             finally:
                 self.release(plan)

@@ -15,10 +15,8 @@ import numpy as np
 import torch
 
 from storage_backends.host import HostBackend
-from tiered_kv.block_views import bytes_of
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import BackendError
-from tiered_kv.host_copy import HostCopier
 from tiered_kv.keys import Namespace
 from tiered_kv.metrics import StoreMetrics
 from tiered_kv.records import encode_namespace, namespace_key
@@ -42,14 +40,13 @@ class SaveBatch:
 
 class SavePath:
     """Saving into a :class:`tiered_kv.store.TieredStore` (a mixin: the store sets the
-    attributes below; ``slot_tensor`` and ``_plain`` come from :class:`SlotViews`)."""
+    attributes below; ``copy_blocks`` comes from :class:`SlotViews`)."""
 
     config: TieredKVConfig
     namespace: Namespace
     host: HostBackend
     lower: list[EncodedTier]
     pool: TransferPool
-    copier: HostCopier
     metrics: StoreMetrics
     block_nbytes: int
     _slot_rows: np.ndarray
@@ -94,14 +91,7 @@ class SavePath:
                     f.exception()
             batch = self.prepare_save(part)
             try:
-                plain = []
-                for key, slot in zip(batch.keys, batch.slots):
-                    src = payloads[index[key]]
-                    if self._plain(src):
-                        plain.append((self._slot_rows[slot], bytes_of(src)))
-                    else:
-                        self.slot_tensor(slot).copy_(src)
-                self.copier.copy(plain)
+                self.copy_blocks(batch.slots, [payloads[index[k]] for k in batch.keys], into_slots=True)
             except Exception:
                 self.commit_save(batch, ok=False)
                 raise
