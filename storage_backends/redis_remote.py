@@ -9,12 +9,14 @@ GETs sized by the value size seen so far, so 2 MiB values travel two at a time a
 multi-value reply) are slower. Commands are packed without copying large values
 (``storage_backends.redis_packer``); URL options are read by ``storage_backends.redis_options``.
 
-Failures are misses: connection errors and timeouts are retried with exponential backoff
-(redis-py's ``Retry``: at most ``retries`` more tries of ``timeout`` seconds each), then raise
-:class:`BackendUnavailable`. A circuit breaker then fails calls at once for a cool-down that
-doubles (0.5 s to 4 s) while Redis stays down, lets one call through as a probe, and closes when
-it succeeds: the same object works again once Redis is back. ``maxmemory`` refusals (OOM) make
-that put ``False`` (``put_rejected``).
+Failures are misses: refused or dropped connections are retried with exponential backoff
+(redis-py's ``Retry``: at most ``retries`` more tries), a timeout is not (a server that did not
+answer in ``timeout`` seconds is hung or black-holed; asking again only doubles the wait); then
+the call raises :class:`BackendUnavailable` and the circuit breaker opens. While it is open every
+call fails at once, and one background probe (a PING, every cool-down that doubles from 0.5 s to
+4 s) watches for Redis to come back and closes it: no caller ever waits on a probe, and the same
+object works again on its own once Redis is healthy. ``maxmemory`` refusals (OOM) make that put
+``False`` (``put_rejected``).
 """
 
 from __future__ import annotations
@@ -77,11 +79,13 @@ class RedisBackend(Backend):
         self._breaker = threading.Lock()
         self._failures = 0  # consecutive failed calls; > 0: the breaker is open
         self._retry_at = 0.0  # when the breaker lets a probe through
-        self._probing = False
+        self._prober: threading.Thread | None = None  # the background probe while open
         self._closed = False
         self._client: Any = None
         self._client_lock = threading.Lock()
-        retry = Retry(ExponentialBackoff(cap=min(0.5, timeout), base=0.02), retries)
+        # connection errors are retried, timeouts are not (see the module docstring)
+        retry = Retry(ExponentialBackoff(cap=min(0.5, timeout), base=0.02), retries,
+                      supported_errors=(RedisConnectionError, ConnectionError))
         common: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout,
                                       retry=retry, max_connections=max_connections)
         target = url.replace("redis+cluster://", "redis://", 1)
@@ -122,37 +126,53 @@ class RedisBackend(Backend):
         """``fn(client)`` behind the breaker; Redis being away raises BackendUnavailable."""
         if self._closed:
             raise ValueError("redis backend is closed")
-        with self._breaker:
-            wait = self._retry_at - time.monotonic()
-            refuse = self._failures > 0 and (self._probing or wait > 0)
-            probe = self._failures > 0 and not refuse  # the one call let through when half-open
-            self._probing = self._probing or probe
-        if refuse:
+        if self._failures > 0:  # open: the background probe decides when to close
             self._count(errors=1)
-            raise BackendUnavailable(f"redis at {self.url} is down (next try in {max(wait, 0):.1f}s)")
+            wait = max(self._retry_at - time.monotonic(), 0.0)
+            raise BackendUnavailable(f"redis at {self.url} is down (next probe in {wait:.1f}s)")
         try:
-            result = fn(self.client)
+            return fn(self.client)
         except DOWN_ERRORS as exc:
-            with self._breaker:
-                self._failures += 1
-                cooldown = min(COOLDOWN_MAX, COOLDOWN_MIN * 2 ** (self._failures - 1))
-                self._retry_at = time.monotonic() + cooldown
-                self._probing = self._probing and not probe
-                first = self._failures == 1
             self._count(errors=1)
-            log.log(logging.WARNING if first else logging.DEBUG, "redis at %s unavailable: %r", self.url, exc)
+            self._open(exc)
             raise BackendUnavailable(f"redis at {self.url} unavailable: {exc}") from None
-        except BaseException:
-            if probe:
+
+    def _open(self, exc: BaseException) -> None:
+        """Open the breaker (or keep it open) and make sure one background probe runs."""
+        with self._breaker:
+            self._failures += 1
+            first = self._failures == 1
+            if first:
+                self._retry_at = time.monotonic() + COOLDOWN_MIN
+            start = self._prober is None and not self._closed
+            if start:
+                self._prober = threading.Thread(target=self._probe, name="tiered-kv-redis-probe",
+                                                daemon=True)
+        log.log(logging.WARNING if first else logging.DEBUG, "redis at %s unavailable: %r", self.url, exc)
+        if start:
+            self._prober.start()  # type: ignore[union-attr]
+
+    def _probe(self) -> None:
+        """PING once per cool-down (doubling) until Redis answers, then close the breaker."""
+        tries = 0
+        while not self._closed:
+            time.sleep(max(0.0, self._retry_at - time.monotonic()))
+            if self._closed:
+                break
+            try:
+                self.client.ping()
+            except DOWN_ERRORS + (redis.RedisError,):
+                tries += 1
                 with self._breaker:
-                    self._probing = False
-            raise
-        if self._failures or self._probing:
+                    self._failures += 1
+                    self._retry_at = time.monotonic() + min(COOLDOWN_MAX, COOLDOWN_MIN * 2 ** tries)
+                continue
             with self._breaker:
-                down, self._failures, self._probing = self._failures, 0, False
-            if down:
-                log.warning("redis at %s is back after %d failed call(s)", self.url, down)
-        return result
+                down, self._failures, self._prober = self._failures, 0, None
+            log.warning("redis at %s is back after %d failed call(s)", self.url, down)
+            return
+        with self._breaker:
+            self._prober = None
 
     # -- reads -------------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:

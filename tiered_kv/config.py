@@ -118,7 +118,8 @@ class TieredKVConfig:
     remote: RemoteConfig = field(default_factory=RemoteConfig)  # remote (Redis) tier
     workers: int = 2  # transfer threads (zstd, LMDB and redis-py release the GIL)
     max_inflight_save: int = _size(512 << 20)  # write-behind bytes queued before saves drop
-    max_inflight_load: int = _size(512 << 20)  # load bytes in flight before loads wait
+    max_inflight_load: int = _size(512 << 20)  # load bytes in flight; later loads queue behind them
+    lookup_timeout: float = _duration(0.05)  # scheduler-side lookup deadline per tier; unanswered = miss
     hash_algo: str = "xxh3_128"  # block key hash: xxh3_128, blake2b_128 or sha256_128
     cache_salt: str = ""  # tenant salt folded into every key
     model_revision: str = ""  # weights fingerprint folded into the namespace
@@ -133,6 +134,8 @@ class TieredKVConfig:
         _check_choice("hash_algo", self.hash_algo, tuple(HASHES))
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be a TCP port, got {self.metrics_port}")
+        if not self.lookup_timeout > 0:
+            raise ConfigError(f"lookup_timeout must be positive, got {self.lookup_timeout}")
         if self.metrics_log_interval is not None and not self.metrics_log_interval > 0:
             raise ConfigError(f"metrics_log_interval must be positive, got {self.metrics_log_interval}")
 

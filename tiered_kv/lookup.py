@@ -11,56 +11,53 @@ block evicted in between is a counted load failure that the engine recomputes.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 
 from storage_backends.registry import open_backend
 from tiered_kv.config import TieredKVConfig
-from tiered_kv.errors import BackendUnavailable
 from tiered_kv.keys import Namespace
+from tiered_kv.presence import RankedPresence
 
 log = logging.getLogger(__name__)
 
 
 class LowerTierIndex:
-    """``lookup`` over the disk and remote tiers of ``config``; ``lease`` is a no-op."""
+    """``lookup`` over the disk and remote tiers of ``config``; ``lease`` is a no-op.
+
+    A block counts as present only when every tensor-parallel rank's copy is held, and each
+    tier answers within ``config.lookup_timeout`` or counts as a miss (:mod:`tiered_kv.presence`)."""
 
     def __init__(self, config: TieredKVConfig, namespace: Namespace) -> None:
         self.namespace = namespace
-        self._prefix = namespace.digest()  # stored keys are namespace digest || block key
-        self.tiers = []
+        self.misses: Counter[str] = Counter()  # reason -> blocks the lookups counted as missing
+        tiers = []
         if config.disk.url:
-            self.tiers.append(("disk", open_backend(config.disk.url, capacity=config.disk.capacity,
-                                                    sync=config.disk.sync)))
+            tiers.append(("disk", open_backend(config.disk.url, capacity=config.disk.capacity,
+                                               sync=config.disk.sync)))
         if config.remote.url:
-            self.tiers.append(("remote", open_backend(
+            tiers.append(("remote", open_backend(
                 config.remote.url, ttl=config.remote.ttl, timeout=config.remote.timeout,
                 retries=config.remote.retries)))
-        self.unavailable = 0  # lookups that found a tier down
+        self.tiers = tiers
+        self.presence = RankedPresence(namespace, tiers, config.lookup_timeout, self._count)
         if not self.tiers:
             log.warning("tiered-kv: the scheduler runs apart from the workers and no disk or remote "
                         "tier is configured: it sees no stored block, so nothing will be loaded")
 
+    @property
+    def unavailable(self) -> int:
+        """Blocks that lookups counted as missing because a tier was down or did not answer."""
+        return sum(self.misses.values())
+
+    def _count(self, tier: str, reason: str, blocks: int) -> None:
+        self.misses[reason] += blocks
+
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` the disk or remote tier holds. Side-effect free."""
+        """How many leading ``keys`` every rank can load from the disk or remote tier."""
         if not keys:
             return 0
-        present = [False] * len(keys)
-        for name, backend in self.tiers:
-            todo = [i for i, p in enumerate(present) if not p]
-            if not todo:
-                break
-            try:
-                found = backend.contains_many([self._prefix + keys[i] for i in todo])
-            except BackendUnavailable:
-                self.unavailable += 1
-                log.debug("tiered-kv lookup: %s tier unavailable", name)
-                continue
-            for i, hit in zip(todo, found):
-                present[i] = bool(hit)
-        n = 0
-        while n < len(present) and present[n]:
-            n += 1
-        return n
+        return self.presence.lookup(keys)
 
     def lease(self, lease_id: str, keys: Sequence[bytes]) -> None:
         """Nothing to pin from here: the worker leases the blocks when it loads them."""
@@ -69,6 +66,7 @@ class LowerTierIndex:
         """See :meth:`lease`."""
 
     def close(self) -> None:
+        self.presence.close()
         for _, backend in self.tiers:
             backend.close()
         self.tiers = []

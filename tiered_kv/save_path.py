@@ -36,6 +36,7 @@ class SaveBatch:
     keys: list[bytes]
     slots: list[int]
     skipped: int = 0  # keys already stored in the host tier or without room
+    replace: bool = False  # overwrite copies of these keys in every tier (recomputed KV)
 
 
 class SavePath:
@@ -52,8 +53,16 @@ class SavePath:
     _slot_rows: np.ndarray
     _record_due: dict[str, float]
 
-    def prepare_save(self, keys: Sequence[bytes]) -> SaveBatch:
-        """Phase one: reserve host slots for the keys not stored yet."""
+    def prepare_save(self, keys: Sequence[bytes], *, replace: bool = False) -> SaveBatch:
+        """Phase one: reserve host slots for the keys not stored yet. With ``replace`` (the KV
+        was recomputed because a stored copy may be wrong) existing host copies are dropped first
+        and write-behind overwrites the lower tiers' copies; a host copy leased by a load in
+        flight cannot be dropped, so that key is skipped (counted ``replace_skipped_leased``)."""
+        if replace:
+            present = [k for k, p in zip(keys, self.host.contains_many(list(keys))) if p]
+            if present and self.host.delete_many(present) < len(present):
+                self.metrics.event("replace_skipped_leased",
+                                   sum(self.host.contains_many(present)))
         slots = self.host.reserve_many(list(keys))
         kept = [(k, s) for k, s in zip(keys, slots) if s is not None]
         skipped = len(keys) - len(kept)
@@ -61,7 +70,7 @@ class SavePath:
             present = sum(self.host.contains_many([k for k, s in zip(keys, slots) if s is None]))
             if skipped - present:
                 self.metrics.event("saves_no_room", skipped - present)
-        return SaveBatch([k for k, _ in kept], [s for _, s in kept], skipped)
+        return SaveBatch([k for k, _ in kept], [s for _, s in kept], skipped, replace)
 
     def commit_save(self, batch: SaveBatch, ok: bool = True) -> Future | None:
         """Phase two: publish the filled slots (or roll back) and queue write-behind."""
@@ -74,7 +83,7 @@ class SavePath:
         self.host.commit_many(batch.keys)
         self.metrics.wrote("host", len(batch.keys), len(batch.keys) * self.block_nbytes,
                            len(batch.keys) * self.block_nbytes, 0.0)
-        return self._write_behind(batch.keys)
+        return self._write_behind(batch.keys, replace=batch.replace)
 
     def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor]) -> Future | None:
         """Copy ``payloads`` (canonical block tensors) into the host tier and write behind.
@@ -100,7 +109,7 @@ class SavePath:
                 futures.append(fut)
         return gather(futures)
 
-    def _write_behind(self, keys: list[bytes]) -> Future | None:
+    def _write_behind(self, keys: list[bytes], *, replace: bool = False) -> Future | None:
         targets = [t for t in self.lower if t.policy == "write_through"]
         if not targets:
             return None
@@ -114,7 +123,7 @@ class SavePath:
             if not pinned:
                 continue
             fut = self.pool.try_submit_save(len(pinned) * self.block_nbytes,
-                                            lambda p=pinned: self._write_job(p, targets))
+                                            lambda p=pinned: self._write_job(p, targets, replace))
             if fut is None:
                 self.host.unpin_many([k for k, _ in pinned])
                 self.metrics.event("saves_dropped", len(pinned))
@@ -122,20 +131,23 @@ class SavePath:
             futures.append(fut)
         return gather(futures)
 
-    def _write_job(self, pinned: list[tuple[bytes, int]], targets: list[EncodedTier]) -> int:
+    def _write_job(self, pinned: list[tuple[bytes, int]], targets: list[EncodedTier],
+                   replace: bool = False) -> int:
         try:
             items = [(k, self.host.slot_view(s, self.block_nbytes).numpy()) for k, s in pinned]
-            return self._write_lower(items, targets)
+            return self._write_lower(items, targets, replace)
         finally:
             self.host.unpin_many([k for k, _ in pinned])
 
-    def _write_lower(self, items: list[tuple[bytes, object]], targets: list[EncodedTier]) -> int:
-        """Encode (once per codec setting) and store ``items`` in each target tier."""
+    def _write_lower(self, items: list[tuple[bytes, object]], targets: list[EncodedTier],
+                     replace: bool = False) -> int:
+        """Encode (once per codec setting) and store ``items`` in each target tier (keys the tier
+        holds already are skipped unless ``replace``)."""
         stored = 0
         encoded: dict[tuple[str, int], dict[bytes, bytes]] = {}
         for tier in targets:
-            todo = [(k, p) for (k, p), have in zip(items, tier.contains([k for k, _ in items]))
-                    if not have]
+            have = [False] * len(items) if replace else tier.contains([k for k, _ in items])
+            todo = [(k, p) for (k, p), held in zip(items, have) if not held]
             if not todo:
                 continue
             self._record_namespace(tier)

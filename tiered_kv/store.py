@@ -32,6 +32,7 @@ from tiered_kv.host_copy import HostCopier
 from tiered_kv.keys import Namespace
 from tiered_kv.load_path import LoadPath, LoadPlan
 from tiered_kv.metrics import StoreMetrics
+from tiered_kv.presence import RankedPresence
 from tiered_kv.save_path import SaveBatch, SavePath
 from tiered_kv.stats_log import StatsLogger
 from tiered_kv.tier import EncodedTier
@@ -73,6 +74,8 @@ class TieredStore(SavePath, LoadPath, SlotViews):
         self.remote = self._open_tier("remote", config.remote.url, ttl=config.remote.ttl,
                                       timeout=config.remote.timeout, retries=config.remote.retries)
         self.lower = [t for t in (self.disk, self.remote) if t is not None]
+        self.presence = RankedPresence(namespace, [(t.name, t.backend) for t in self.lower],
+                                       config.lookup_timeout, self.metrics.miss)
         self._record_due: dict[str, float] = {}  # tier -> when to check its namespace record
         self._lock = threading.Lock()
         self._leases: dict[str, LoadPlan] = {}
@@ -96,24 +99,14 @@ class TieredStore(SavePath, LoadPath, SlotViews):
 
     # -- lookup ----------------------------------------------------------------------------------
     def locate(self, keys: Sequence[bytes]) -> list[str | None]:
-        """The first tier holding each key (None: nowhere). No side effects."""
-        where: list[str | None] = ["host" if p else None for p in self.host.contains_many(keys)]
-        for tier in self.lower:
-            todo = [i for i, w in enumerate(where) if w is None]
-            if not todo:
-                break
-            for i, present in zip(todo, tier.contains([keys[i] for i in todo])):
-                if present:
-                    where[i] = tier.name
-        return where
+        """The first tier holding this rank's copy of each key (None: nowhere). No side effects;
+        each lower tier answers within ``lookup_timeout`` or counts as a miss."""
+        return self.presence.locate(keys, self.host.contains_many(keys))[0]
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` some tier holds. Side-effect free."""
-        where = self.locate(keys)
-        n = 0
-        while n < len(where) and where[n] is not None:
-            n += 1
-        return n
+        """How many leading ``keys`` every tensor-parallel rank can load (this rank from any
+        tier, the others from the shared lower tiers). Side-effect free, bounded in time."""
+        return self.presence.lookup(keys, self.host.contains_many(keys))
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
@@ -154,6 +147,7 @@ class TieredStore(SavePath, LoadPath, SlotViews):
                 unexport(self)
             self.pool.close()
             self.copier.close()
+            self.presence.close()
             for tier in self.lower:
                 tier.backend.close()
             self.host.close()

@@ -3,7 +3,9 @@
 zstd, LMDB, memcpy and redis-py (with hiredis) release the GIL, so ``workers`` threads give
 real parallelism. Loads run before queued saves (a prompt waiting for its KV matters more than
 write-behind). Saves have a byte budget: over it, new saves are refused and the caller counts a
-drop; loads are never dropped (the submitter waits for budget instead).
+drop. Loads have a byte budget too, but are never dropped and never make the submitter wait
+(``start_load_kv`` runs on the forward pass): a load over the budget is queued, in order, and
+started as earlier loads finish.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import itertools
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -30,6 +33,7 @@ class TransferPool:
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._closed = False
+        self._waiting_loads: deque[tuple[int, Callable[[], Any], Future]] = deque()  # over budget
         self._threads = [threading.Thread(target=self._run, name=f"tiered-kv-{i}", daemon=True)
                          for i in range(workers)]
         for t in self._threads:
@@ -46,14 +50,30 @@ class TransferPool:
         return self._put(SAVE, nbytes, fn)
 
     def submit_load(self, nbytes: int, fn: Callable[[], Any]) -> Future:
-        """Queue a load; waits while the load budget is exhausted (never drops)."""
+        """Queue a load and return at once (never drops, never waits): over the load budget it
+        waits in line and starts when earlier loads have finished."""
+        fut: Future = Future()
         with self._cond:
             if self._closed:
                 raise RuntimeError("transfer pool is closed")
-            while self.inflight[LOAD] > 0 and self.inflight[LOAD] + nbytes > self.max_bytes[LOAD]:
-                self._cond.wait()
+            self.jobs += 1
+            if self._waiting_loads or not self._load_fits(nbytes):
+                self._waiting_loads.append((nbytes, fn, fut))
+                return fut
             self.inflight[LOAD] += nbytes
-        return self._put(LOAD, nbytes, fn)
+        self._queue.put((LOAD, next(self._seq), fn, fut, nbytes))
+        return fut
+
+    def _load_fits(self, nbytes: int) -> bool:
+        """Whether a load of ``nbytes`` may start now (one load always may, however large)."""
+        return self.inflight[LOAD] == 0 or self.inflight[LOAD] + nbytes <= self.max_bytes[LOAD]
+
+    def _admit_waiting_loads(self) -> None:
+        """Start waiting loads, in order, while they fit the budget (called holding _cond)."""
+        while self._waiting_loads and self._load_fits(self._waiting_loads[0][0]):
+            nbytes, fn, fut = self._waiting_loads.popleft()
+            self.inflight[LOAD] += nbytes
+            self._queue.put((LOAD, next(self._seq), fn, fut, nbytes))
 
     def _put(self, kind: int, nbytes: int, fn: Callable[[], Any]) -> Future:
         fut: Future = Future()
@@ -78,11 +98,14 @@ class TransferPool:
                 with self._cond:
                     self.inflight[kind] -= nbytes
                     self.jobs -= 1
+                    if kind == LOAD:
+                        self._admit_waiting_loads()
                     self._cond.notify_all()
 
     def queued_bytes(self) -> dict[str, int]:
         with self._cond:
-            return {"save": self.inflight[SAVE], "load": self.inflight[LOAD]}
+            waiting = sum(n for n, _, _ in self._waiting_loads)
+            return {"save": self.inflight[SAVE], "load": self.inflight[LOAD] + waiting}
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or running; False on timeout."""
@@ -94,6 +117,11 @@ class TransferPool:
             if self._closed:
                 return
             self._closed = True
+            waiting, self._waiting_loads = list(self._waiting_loads), deque()
+            self.jobs -= len(waiting)
+        for _, _, fut in waiting:  # never started: their callers see the pool closed
+            if fut.set_running_or_notify_cancel():
+                fut.set_exception(RuntimeError("transfer pool closed before the load started"))
         for _ in self._threads:
             self._queue.put((2, next(self._seq), None, None, 0))
         for t in self._threads:

@@ -23,6 +23,8 @@ class SaveSpec:
     keys: tuple[bytes, ...]  # block keys, in token order
     block_ids: tuple[int, ...]  # device block per key
     first_block: int  # index of the first block within the request
+    context_block_ids: tuple[int, ...] = ()  # the request's blocks before first_block (its prefix)
+    replace: bool = False  # recomputed after a rollback: overwrite stored copies of these keys
 
 
 @dataclass

@@ -5,7 +5,13 @@ It keeps, per request, the chained keys of its full blocks and how many of them 
 hit some tier holds (side-effect free), capped so the engine always computes the last prompt
 token. ``update_state_after_alloc`` leases the matched blocks and records their loads;
 ``build_connector_meta`` turns the step's scheduled tokens into saves of every newly completed
-full block (prompt and generated tokens alike).
+full block (prompt and generated tokens alike), each with the request's block table before it
+(the worker drops a save whose prefix holds a block that failed to load).
+
+When the engine rolls a request back (it recomputes from a failed load's first bad block), its
+next saves are marked ``replace``: a stored copy of those keys may be wrong and the recomputed
+KV overwrites it. A request whose promised async load failed is never promised external tokens
+again (engines re-match it; promising the same failing blocks would loop forever).
 """
 
 from __future__ import annotations
@@ -38,7 +44,10 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     external: int = 0  # tokens matched externally at allocation
     saved: int = 1 << 62  # leading blocks already stored (or being stored)
+    planned: int = 0  # blocks planned for saving so far (a rollback below it means recompute)
     had_saves: bool = False  # whether any save was planned (request_finished holds blocks)
+    promised: bool = False  # an async load was promised and has not been seen to complete
+    no_loads: bool = False  # a promised load failed: claim nothing more for this request
 
 
 class ConnectorScheduler:
@@ -78,10 +87,14 @@ class ConnectorScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         """External tokens beyond ``num_computed_tokens``; never the last prompt token."""
         state = self._state(request.request_id, request.prompt_token_ids, _extra(request))
+        if state.promised:  # matched again after a promise: its load failed (see module doc)
+            state.promised, state.no_loads = False, True
+            log.warning("request %s: its promised load failed; it is recomputed, not matched again",
+                        request.request_id)
         bs = self.block_size
         first = num_computed_tokens // bs
         last = (request.num_prompt_tokens - 1) // bs  # blocks we may claim
-        if num_computed_tokens % bs or first >= last:
+        if num_computed_tokens % bs or first >= last or state.no_loads:
             return 0, False
         n = self.index.lookup(state.chain.keys[first:last])
         self._matched_from[request.request_id] = first
@@ -93,12 +106,14 @@ class ConnectorScheduler:
         state = self._state(request.request_id, request.prompt_token_ids, _extra(request))
         state.block_ids = list(block_ids)
         if num_external_tokens <= 0:
+            state.promised = False  # (engines call again with 0 once an async load completed)
             return
         bs = self.block_size
         first = self._matched_from.pop(request.request_id, 0)
         n = num_external_tokens // bs
         keys = state.chain.keys[first : first + n]
         state.external = num_external_tokens
+        state.promised = self.load_async
         self.index.lease(request.request_id, keys)
         self._loads.append(LoadSpec(request.request_id, tuple(keys),
                                     tuple(state.block_ids[first : first + n]), self.load_async))
@@ -132,8 +147,11 @@ class ConnectorScheduler:
             return
         first = state.saved
         meta.saves.append(SaveSpec(request_id, tuple(state.chain.keys[first:full]),
-                                   tuple(state.block_ids[first:full]), first))
+                                   tuple(state.block_ids[first:full]), first,
+                                   context_block_ids=tuple(state.block_ids[:first]),
+                                   replace=first < state.planned))
         state.saved = full
+        state.planned = max(state.planned, full)
         state.had_saves = True
 
     def request_preempted(self, request_id: str) -> None:
@@ -144,6 +162,7 @@ class ConnectorScheduler:
         if state is not None:
             state.block_ids = []
             state.external = 0
+            state.promised = state.no_loads = False
         self._matched_from.pop(request_id, None)
         self._drop_loads(request_id)
 

@@ -5,8 +5,14 @@ decoded into host slots there); sync loads are scattered into the device blocks 
 forward, async ones when ``get_finished`` finds them complete. Saves: ``wait_for_save`` gathers
 the step's completed blocks into reserved host slots in one batched copy and commits them (on
 CUDA: a copy on a side stream, committed once its event completed, so the forward never waits);
-write-behind to disk and remote runs in the pool. Blocks of a request whose load failed in this
-step are not saved (their KV was computed over a missing prefix).
+write-behind to disk and remote runs in the pool.
+
+Nothing computed over a block that failed to load is saved. Engines share a block loaded for
+one request with other requests of the same step (vLLM's prefix cache), so failures are tracked
+by *block id*: a failed block is tainted until a later step computes it again (it then appears
+among a save's own blocks), and a save whose request's block table holds a tainted block before
+its own blocks is dropped (counted ``saves_dropped_failed_load``). Saves the scheduler marks
+``replace`` (recomputed after a rollback) overwrite stored copies of their keys.
 """
 
 from __future__ import annotations
@@ -53,8 +59,8 @@ class ConnectorWorker:
         self._save_requests: set[str] = set()  # requests that had saves and are not reported
         self._finished: set[str] = set()  # finished ids passed in, not yet reported
         self._started_loading: set[str] = set()
-        self._load_errors: set[int] = set()
-        self._failed_requests: set[str] = set()  # requests whose load failed in this step
+        self._load_errors: set[int] = set()  # failed block ids not yet reported to the engine
+        self._tainted: set[int] = set()  # failed block ids no step has computed again since
         self._stream = None
         # request -> blocks per serving tier, for reports; the oldest entries are dropped
         self.load_stats: OrderedDict[str, dict[str, int]] = OrderedDict()
@@ -75,7 +81,6 @@ class ConnectorWorker:
     # -- loads -----------------------------------------------------------------------------------
     def start_load_kv(self, *args, **kwargs) -> None:
         sync: list[_PendingLoad] = []
-        self._failed_requests = set()
         for spec in self.meta.loads:
             plan = self.store.load(self.store.take_lease(spec.request_id, spec.keys))
             pending = _PendingLoad(spec, plan)
@@ -84,7 +89,10 @@ class ConnectorWorker:
             else:
                 sync.append(pending)
         for pending in sync:
-            pending.plan.wait()
+            try:
+                pending.plan.wait()
+            except Exception:  # a load job that failed as a whole: all its blocks are errors
+                log.exception("request %s: load job failed", pending.spec.request_id)
             self._finish_load(pending)
 
     def wait_for_layer_load(self, *args, **kwargs) -> None:
@@ -92,11 +100,15 @@ class ConnectorWorker:
 
     def _finish_load(self, pending: _PendingLoad) -> None:
         plan, spec = pending.plan, pending.spec
+        failed_jobs = any(f.done() and f.exception() is not None for f in plan.futures)
+        good = [] if failed_jobs else [(b, s) for b, s in zip(spec.block_ids, plan.slots) if s is not None]
+        bad = [b for b in spec.block_ids if b not in {g for g, _ in good}]
         try:
-            good = [(b, s) for b, s in zip(spec.block_ids, plan.slots) if s is not None]
-            bad = [b for b, s in zip(spec.block_ids, plan.slots) if s is None]
             if good:
                 self._scatter([b for b, _ in good], [s for _, s in good])
+        except Exception:  # a copy that failed leaves nothing trustworthy in those blocks
+            log.exception("request %s: scattering loaded blocks failed", spec.request_id)
+            bad = list(spec.block_ids)
         finally:
             self.store.release(plan)
         stats = self.load_stats.setdefault(spec.request_id, {})
@@ -106,7 +118,7 @@ class ConnectorWorker:
             stats[tier or "failed"] = stats.get(tier or "failed", 0) + 1
         if bad:
             self._load_errors.update(bad)
-            self._failed_requests.add(spec.request_id)
+            self._tainted.update(bad)
             log.info("request %s: %d of %d blocks failed to load and will be recomputed",
                      spec.request_id, len(bad), len(spec.block_ids))
 
@@ -132,26 +144,35 @@ class ConnectorWorker:
         specs = [s for s in self.meta.saves if s.keys]
         if not specs:
             return
-        keys, block_ids, owners = self._save_items(specs)
-        if not keys:
-            return
-        batch = self.store.prepare_save(keys)
-        if batch.keys:
-            index = {k: i for i, k in enumerate(keys)}
-            self._gather([block_ids[index[k]] for k in batch.keys], batch.slots, batch, owners)
+        items, owners = self._save_items(specs)
+        for replace in (False, True):
+            part = [(k, b) for k, b, r in items if r == replace]
+            if not part:
+                continue
+            batch = self.store.prepare_save([k for k, _ in part], replace=replace)
+            if batch.keys:
+                index = {k: b for k, b in part}
+                self._gather([index[k] for k in batch.keys], batch.slots, batch, owners)
         self._commit_ready()
 
-    def _save_items(self, specs: list[SaveSpec]) -> tuple[list[bytes], list[int], set[str]]:
-        keys, block_ids, owners = [], [], set()
+    def _save_items(self, specs: list[SaveSpec]) -> tuple[list[tuple[bytes, int, bool]], set[str]]:
+        """(key, block id, replace) of the saves to make, and the requests they belong to."""
+        kept, dropped = [], []
         for spec in specs:
             self._save_requests.add(spec.request_id)
-            if spec.request_id in self._failed_requests:
-                # this step's blocks follow the loaded ones: their KV saw a missing prefix
-                continue
-            keys.extend(spec.keys)
-            block_ids.extend(spec.block_ids)
-            owners.add(spec.request_id)
-        return keys, block_ids, owners
+            over_failed = self._tainted and not self._tainted.isdisjoint(spec.context_block_ids)
+            (dropped if over_failed else kept).append(spec)
+        for spec in kept:  # computed in this step over a clean prefix: trustworthy again
+            self._tainted.difference_update(spec.block_ids)
+        for spec in dropped:  # computed over garbage: as untrustworthy as the failed block
+            self._tainted.update(spec.block_ids)
+        if dropped:
+            n = sum(len(spec.keys) for spec in dropped)
+            self.store.metrics.event("saves_dropped_failed_load", n)
+            log.info("%d blocks of %d requests were computed over a failed load and are not saved",
+                     n, len({spec.request_id for spec in dropped}))
+        items = [(k, b, spec.replace) for spec in kept for k, b in zip(spec.keys, spec.block_ids)]
+        return items, {spec.request_id for spec in kept}
 
     def _gather(self, block_ids: list[int], slots: list[int], batch: SaveBatch, owners: set[str]) -> None:
         assert self.layout is not None, "register_kv_caches was not called"
