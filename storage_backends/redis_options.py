@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import urlsplit
 
+from storage_backends.redaction import redact_url
 from storage_backends.registry import split_options
 from tiered_kv.errors import ConfigError
 from tiered_kv.units import parse_duration, parse_size
@@ -49,8 +49,6 @@ def redis_arguments(url: str, options: dict[str, Any]) -> tuple[str, dict[str, A
 
 
 def redacted(url: str) -> str:
-    """``url`` with its password, if any, as ``***``."""
-    parts = urlsplit(url)
-    if not parts.password:
-        return url
-    return parts._replace(netloc=f"{parts.username or ''}:***@" + parts.netloc.rpartition("@")[2]).geturl()
+    """``url`` without credentials: its userinfo password and secret query parameters
+    (``?password=…``) as ``***`` (see :mod:`storage_backends.redaction`)."""
+    return redact_url(url)

@@ -11,6 +11,7 @@ import importlib
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
+from storage_backends.redaction import redact_url
 from tiered_kv.errors import UnknownBackend
 
 # scheme -> "module:Class"; a class provides from_url(url, **options)
@@ -39,7 +40,7 @@ def registered_schemes() -> list[str]:
 def scheme_of(url: str) -> str:
     scheme = urlsplit(url).scheme.lower() if ":" in url else url.lower()
     if scheme not in _REGISTRY:
-        raise UnknownBackend(f"no storage backend for {url!r}; known schemes: {registered_schemes()}")
+        raise UnknownBackend(f"no storage backend for {redact_url(url)!r}; known schemes: {registered_schemes()}")
     return scheme
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from storage_backends.base import Backend
+from storage_backends.redaction import redact_url
 from storage_backends.registry import open_backend, scheme_of, split_options
 from tiered_kv.codec import BlockCodec, BlockHeader, itemsize
 from tiered_kv.config import TieredKVConfig
@@ -45,6 +46,14 @@ class Tier:
     url: str
     backend: Backend
     capacity: int | None = None  # the configured byte capacity, when one was given
+
+    def __post_init__(self) -> None:
+        self.url = redact_url(self.url)  # what tools show; the backend holds what it needs
+
+    @property
+    def shown_url(self) -> str:
+        """The medium's URL without credentials, for tables, JSON and logs."""
+        return redact_url(self.backend.url)
 
     def close(self) -> None:
         self.backend.close()

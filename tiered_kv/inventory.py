@@ -61,7 +61,7 @@ def inspect_tier(tier: Tier, now: float | None = None) -> dict:
     stats = tier.backend.stats()
     stored = sum(e.size or 0 for e in listing)
     return {
-        "tier": tier.name, "url": tier.backend.url, "medium": tier.backend.name,
+        "tier": tier.name, "url": tier.shown_url, "medium": tier.backend.name,
         "entries": len(listing), "blocks": kinds["block"], "namespace_records": kinds["namespace"],
         "foreign_entries": kinds["foreign"], "stored_bytes": stored,
         "used_bytes": stats.used_bytes, "capacity_bytes": tier.capacity,
@@ -190,7 +190,7 @@ def show_entry(tier: Tier, key: bytes, *, stats: bool = True) -> dict:
     [entry] = list(entries(tier.backend, headers=True, keys=[key])) or [None]
     if entry is None:
         raise LookupError(f"entry {key.hex()} vanished")
-    out: dict = {"tier": tier.name, "url": tier.backend.url, "kind": entry.kind, "key": key.hex(),
+    out: dict = {"tier": tier.name, "url": tier.shown_url, "kind": entry.kind, "key": key.hex(),
                  "size": entry.size, "created": iso(entry.created), "last_access": iso(entry.last_access),
                  "hits": entry.hits}
     if entry.kind != "block":

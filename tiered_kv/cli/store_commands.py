@@ -86,7 +86,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                          args.min_size, args.max_size, args.all)
             total, rows = list_entries(tier, flt, sort=args.sort, offset=args.offset,
                                        limit=args.limit or None, now=now)
-            pages.append({"tier": tier.name, "url": tier.backend.url, "total": total,
+            pages.append({"tier": tier.name, "url": tier.shown_url, "total": total,
                           "offset": args.offset, "rows": rows})
     if args.json:
         render.emit_json({"tiers": pages})
