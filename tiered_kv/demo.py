@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from storage_backends.redaction import redact_text, redact_url
+
 log = logging.getLogger(__name__)
 
 SYSTEM_TOKENS = 512  # shared system prompt
@@ -167,14 +169,17 @@ def corrupt_store(url: str, count: int) -> list[str]:
 
 
 def _child(opts: DemoOptions, phase: str, out_file: Path) -> dict:
-    cmd = [sys.executable, "-m", "tiered_kv.demo", phase, str(opts.workdir), str(out_file),
-           json.dumps({"store_url": opts.store_url, "model_dir": opts.model_dir,
-                       "prompt_tokens": opts.prompt_tokens, "seed": opts.seed,
-                       "model_size": opts.model_size})]
+    """Run ``phase`` in a new process. Its options (the store URL, which may carry a password)
+    go through stdin: a child's argv is visible to every user of the machine (``ps``)."""
+    cmd = [sys.executable, "-m", "tiered_kv.demo", phase, str(opts.workdir), str(out_file)]
+    options = json.dumps({"store_url": opts.store_url, "model_dir": opts.model_dir,
+                          "prompt_tokens": opts.prompt_tokens, "seed": opts.seed,
+                          "model_size": opts.model_size})
     started = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, input=options, capture_output=True, text=True)
     if proc.returncode != 0:
-        raise RuntimeError(f"demo {phase} failed:\n{proc.stderr[-4000:]}")
+        stderr = redact_text(proc.stderr[-4000:], opts.store_url) if opts.store_url else proc.stderr[-4000:]
+        raise RuntimeError(f"demo {phase} failed:\n{stderr}")
     result = json.loads(out_file.read_text())
     result["process_s"] = round(time.perf_counter() - started, 2)
     return result
@@ -198,7 +203,7 @@ def run_demo(opts: DemoOptions) -> dict:
     matchable = sum(r2["prompts"][n]["full_block_tokens"] for n in repeated)
     matched = sum(r2["prompts"][n]["matched_tokens"] + r2["prompts"][n]["device_cached_tokens"] for n in repeated)
     return {
-        "store": opts.store_url or opts.disk_url,
+        "store": redact_url(opts.store_url or opts.disk_url),
         "run1": r1,
         "run2": r2,
         "corrupted_blocks": damaged,
@@ -231,4 +236,4 @@ def _phase(phase: str, workdir: str, out_file: str, extra: str) -> None:
 
 
 if __name__ == "__main__":
-    _phase(*sys.argv[1:5])
+    _phase(*sys.argv[1:4], sys.stdin.read())

@@ -20,6 +20,7 @@ Metric families (labels ``namespace``, ``model`` on all of them):
 
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 import urllib.error
@@ -27,12 +28,14 @@ import urllib.request
 from collections import defaultdict
 from pathlib import Path
 from typing import TYPE_CHECKING
+from urllib.parse import unquote, urlsplit
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from storage_backends.redaction import redact_text, redact_url
 from tiered_kv.errors import BackendUnavailable, ConfigError
 
 if TYPE_CHECKING:
@@ -172,13 +175,25 @@ def fetch(target: str, timeout: float = 5.0) -> str:
     if url.split("://", 1)[1].count("/") == 0:
         url += "/metrics"
     if not url.startswith(("http://", "https://")):
-        raise ConfigError(f"metrics URL must be http(s)://HOST:PORT[/metrics] or a file, got {target!r}")
+        raise ConfigError(f"metrics URL must be http(s)://HOST:PORT[/metrics] or a file, got {redact_url(target)!r}")
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(_request(url), timeout=timeout) as response:
             return response.read().decode()
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = getattr(exc, "reason", exc)
-        raise BackendUnavailable(f"cannot fetch metrics from {url}: {reason}") from None
+        reason = redact_text(str(getattr(exc, "reason", exc)), url)
+        raise BackendUnavailable(f"cannot fetch metrics from {redact_url(url)}: {reason}") from None
+
+
+def _request(url: str) -> urllib.request.Request:
+    """A request for ``url``; ``user:password@`` in it becomes a basic-auth header (urllib would
+    take it for a host name)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return urllib.request.Request(url)
+    host = parts.netloc.rpartition("@")[2]
+    token = base64.b64encode(f"{unquote(parts.username or '')}:{unquote(parts.password or '')}".encode())
+    return urllib.request.Request(parts._replace(netloc=host).geturl(),
+                                  headers={"Authorization": "Basic " + token.decode()})
 
 
 def summarize(text: str) -> dict:

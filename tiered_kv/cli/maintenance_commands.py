@@ -118,6 +118,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    from storage_backends.redaction import redact_url
     from tiered_kv.exporter import fetch, summarize
 
     report = summarize(fetch(args.target, args.timeout))
@@ -132,7 +133,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         rows.append([name, t["hits"], misses, rate, t["in"]["blocks"], render.size(t["in"]["bytes"]),
                      t["in"]["mb_per_s"], t["out"]["blocks"], render.size(t["out"]["bytes"]), t["out"]["mb_per_s"],
                      t["evictions"], t.get("entries"), render.size(t.get("used_bytes"))])
-    out.print(render.table(f"tiered-kv metrics: {args.target}",
+    out.print(render.table(f"tiered-kv metrics: {redact_url(args.target)}",
                            ["tier", "hits", "misses", "hit rate", "blocks in", "bytes in", "MB/s in",
                             "blocks out", "bytes out", "MB/s out", "evictions", "entries", "used"], rows,
                            right=("hits", "blocks in", "bytes in", "MB/s in", "blocks out", "bytes out",
