@@ -15,6 +15,16 @@ flipped header byte is caught even where the payload checksum would not see it).
 The codec knows bytes, dtypes by name and shapes; it never imports torch and never unpickles.
 Every decode validates every header field and the checksum and raises :class:`CorruptBlock`
 (``reason`` = ``corrupt`` or ``namespace_mismatch``) instead of returning doubtful bytes.
+
+A header with a valid checksum can still lie (anyone who can write to a shared Redis or disk can
+store a block made for another shape under our key, or declare a 1 TiB payload). So a decode is
+given the block it expects (:class:`BlockLayout`: the namespace's dtype and shape) and checks the
+header against it, and the zstd frames' declared sizes against the raw length, before allocating
+or decompressing anything: memory per decode is bounded by the namespace's block size. Without a
+layout (a tool reading a block whose namespace it does not know) the declared raw length must fit
+what the body can hold (``raw``: its length; ``zstd+shuffle``: item size x its length; ``zstd``:
+ZSTD_MAX_RATIO x its length) and ``max_raw`` (MAX_RAW_BYTES by default). Any failure while
+decoding, of any type, is a :class:`CorruptBlock`.
 """
 
 from __future__ import annotations
@@ -57,6 +67,31 @@ DTYPES: dict[str, tuple[int, int]] = {
 }
 DTYPE_NAMES = {code: name for name, (code, _) in DTYPES.items()}
 _SHUFFLE_SEP = struct.Struct("<Q")
+# the most a zstd frame can expand: a block regenerates at most 128 KiB from at least 4 bytes
+# (3 of block header, 1 of RLE byte), and a frame has a header of its own besides
+ZSTD_MAX_RATIO = (128 << 10) // 4
+# the largest payload decoded for a block whose namespace (so whose size) the reader does not know
+MAX_RAW_BYTES = 1 << 30
+_DETAIL_CHARS = 160  # of an unexpected exception's message quoted in a CorruptBlock
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """What a namespace's stored block must be: its dtype and shape (so its raw length)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        itemsize(self.dtype)  # ConfigError for an unknown dtype
+        object.__setattr__(self, "shape", tuple(operator.index(d) for d in self.shape))
+
+    @property
+    def raw_len(self) -> int:
+        return prod(self.shape) * DTYPES[self.dtype][1]
+
+    def describe(self) -> str:
+        return f"{self.dtype} {list(self.shape)} ({self.raw_len} bytes)"
 
 
 @dataclass(frozen=True)
@@ -186,8 +221,11 @@ class BlockCodec:
 
     # -- decode -----------------------------------------------------------------------------
     @staticmethod
-    def read_header(blob, *, namespace: bytes | None = None, key: bytes | None = None) -> BlockHeader:
-        """Parse and validate the header of ``blob``; does not touch the body's content."""
+    def read_header(blob, *, namespace: bytes | None = None, key: bytes | None = None,
+                    expect: BlockLayout | None = None, max_raw: int | None = None) -> BlockHeader:
+        """Parse and validate the header of ``blob``; does not touch the body's content. With
+        ``expect`` the header must describe exactly that block; without it, ``max_raw`` bounds
+        the raw length it may declare."""
         view = memoryview(blob).cast("B")
         if len(view) < HEADER_BYTES:
             raise CorruptBlock(f"truncated header: {len(view)} < {HEADER_BYTES} bytes")
@@ -217,53 +255,87 @@ class BlockCodec:
             raise NamespaceMismatch(f"block of namespace {ns.hex()} read under {namespace.hex()}")
         if key is not None and k != key:
             raise CorruptBlock(f"block carries key {k.hex()} but was stored under {key.hex()}")
-        return BlockHeader(CODEC_NAMES[codec], dtype_name, level, shape, ns, k, raw_len,
+        codec_name = CODEC_NAMES[codec]
+        if expect is not None and (dtype_name != expect.dtype or shape != expect.shape):
+            raise CorruptBlock(f"block declares {dtype_name} {list(shape)} ({raw_len} bytes), "
+                               f"the namespace's block is {expect.describe()}")
+        size = DTYPES[dtype_name][1]
+        if codec_name == "zstd+shuffle" and size == 1:
+            raise CorruptBlock("zstd+shuffle declared for a 1-byte dtype (never written)")
+        room = {"raw": stored_len, "zstd": ZSTD_MAX_RATIO * stored_len,
+                "zstd+shuffle": size * stored_len}[codec_name]
+        if raw_len > room:
+            raise CorruptBlock(f"block declares {raw_len} raw bytes, more than a {codec_name} body "
+                               f"of {stored_len} bytes can hold")
+        if expect is None and max_raw is not None and raw_len > max_raw:
+            raise CorruptBlock(f"block declares {raw_len} raw bytes, over the {max_raw}-byte limit "
+                               "for a block of unknown namespace")
+        return BlockHeader(codec_name, dtype_name, level, shape, ns, k, raw_len,
                            stored_len, checksum, body_check, created, version)
 
     def decode(self, blob, *, namespace: bytes | None = None, key: bytes | None = None,
-               out=None) -> tuple[BlockHeader, memoryview]:
+               out=None, expect: BlockLayout | None = None,
+               max_raw: int | None = None) -> tuple[BlockHeader, memoryview]:
         """Validate ``blob`` and return (header, payload). With ``out`` (a writable buffer of
-        exactly the raw length) the payload is written there and a view of ``out`` is returned."""
-        header = self.read_header(blob, namespace=namespace, key=key)
-        body = memoryview(blob).cast("B")[HEADER_BYTES:]
-        if header.codec != "raw" and _body_check(body) != header.body_check:
-            raise CorruptBlock("stored body checksum mismatch")
+        exactly the raw length) the payload is written there and a view of ``out`` is returned.
+
+        ``expect``: the block the caller's namespace stores; a header describing any other is
+        corrupt, found before anything is allocated or decompressed. Without ``expect`` and
+        ``out`` the raw length may not exceed ``max_raw`` (default MAX_RAW_BYTES). Every failure
+        caused by the stored bytes, whatever its type, raises CorruptBlock; only a caller's own
+        mistake (an ``out`` of another size than it expects) raises ValueError."""
+        dst = None
         if out is not None:
             dst = memoryview(out).cast("B")
-            if len(dst) != header.raw_len:
-                raise ValueError(f"output buffer has {len(dst)} bytes, block needs {header.raw_len}")
-        else:
-            dst = memoryview(bytearray(header.raw_len))
+            if expect is not None and len(dst) != expect.raw_len:
+                raise ValueError(f"output buffer has {len(dst)} bytes, {expect.describe()} needs "
+                                 f"{expect.raw_len}")
+        limit = None
+        if expect is None and dst is None:
+            limit = MAX_RAW_BYTES if max_raw is None else max_raw
         try:
-            self._decompress(header, body, dst)
+            header = self.read_header(blob, namespace=namespace, key=key, expect=expect, max_raw=limit)
+        except CorruptBlock:
+            raise
+        except Exception as exc:
+            raise _undecodable(exc) from None
+        if dst is not None and len(dst) != header.raw_len:
+            raise ValueError(f"output buffer has {len(dst)} bytes, block needs {header.raw_len}")
+        try:
+            body = memoryview(blob).cast("B")[HEADER_BYTES:]
+            if header.codec != "raw" and _body_check(body) != header.body_check:
+                raise CorruptBlock("stored body checksum mismatch")
+            parts = _body_parts(header, body)  # framing checked before allocating anything
+            if dst is None:
+                dst = memoryview(bytearray(header.raw_len))
+            self._decompress(header, parts, dst)
+            if xxhash.xxh3_64_intdigest(dst) != header.checksum:
+                raise CorruptBlock("payload checksum mismatch")
+        except CorruptBlock:
+            raise
         except zstandard.ZstdError as exc:
-            raise CorruptBlock(f"zstd: {exc}") from None
-        if xxhash.xxh3_64_intdigest(dst) != header.checksum:
-            raise CorruptBlock("payload checksum mismatch")
+            raise CorruptBlock(f"zstd: {_short(exc)}") from None
+        except Exception as exc:  # struct, numpy, MemoryError, ...: the stored bytes caused it
+            raise _undecodable(exc) from None
         return header, dst
 
     @staticmethod
-    def _decompress(header: BlockHeader, body: memoryview, dst: memoryview) -> None:
+    def _decompress(header: BlockHeader, parts: tuple[memoryview, memoryview], dst: memoryview) -> None:
+        packed, low = parts
         if header.codec == "raw":
-            dst[:] = body
+            dst[:] = packed
             return
         dctx = _local.dctx
         if header.codec == "zstd":
-            _decompress_exact(dctx, body, dst)
+            _decompress_exact(dctx, packed, dst)
             return
         size = DTYPES[header.dtype][1]
         n = header.raw_len // size
-        if len(body) < _SHUFFLE_SEP.size:
-            raise CorruptBlock("truncated shuffle body")
-        (packed_len,) = _SHUFFLE_SEP.unpack(body[: _SHUFFLE_SEP.size])
-        low = body[_SHUFFLE_SEP.size + packed_len :]
-        if _SHUFFLE_SEP.size + packed_len > len(body) or len(low) != n:
-            raise CorruptBlock("shuffle planes do not match the raw length")
         scratch = _local.scratch
         if len(scratch) < n * (size - 1):
             scratch = _local.scratch = bytearray(n * (size - 1))
         high = memoryview(scratch)[: n * (size - 1)]
-        _decompress_exact(dctx, body[_SHUFFLE_SEP.size : _SHUFFLE_SEP.size + packed_len], high)
+        _decompress_exact(dctx, packed, high)
         hi = np.frombuffer(high, dtype=np.uint8)
         lo = np.frombuffer(low, dtype=np.uint8)
         if size == 2:
@@ -276,14 +348,48 @@ class BlockCodec:
             arr[:, :0:-1] = hi.reshape(size - 1, n).T
 
 
-def _decompress_exact(dctx: zstandard.ZstdDecompressor, src: memoryview, dst: memoryview) -> None:
-    """Decompress ``src`` into exactly ``dst``; any other size is corruption."""
+def _body_parts(header: BlockHeader, body: memoryview) -> tuple[memoryview, memoryview]:
+    """(raw body or zstd frame, raw low plane) of a body, its framing checked against the raw
+    length: the shuffle planes' sizes and each frame's declared content size."""
+    if header.codec == "raw":
+        return body, body[:0]
+    if header.codec == "zstd":
+        _check_frame(body, header.raw_len)
+        return body, body[:0]
+    size = DTYPES[header.dtype][1]
+    n = header.raw_len // size
+    if len(body) < _SHUFFLE_SEP.size:
+        raise CorruptBlock("truncated shuffle body")
+    (packed_len,) = _SHUFFLE_SEP.unpack(body[: _SHUFFLE_SEP.size])
+    if packed_len > len(body) - _SHUFFLE_SEP.size or len(body) - _SHUFFLE_SEP.size - packed_len != n:
+        raise CorruptBlock("shuffle planes do not match the raw length")
+    packed = body[_SHUFFLE_SEP.size : _SHUFFLE_SEP.size + packed_len]
+    _check_frame(packed, n * (size - 1))
+    return packed, body[_SHUFFLE_SEP.size + packed_len :]
+
+
+def _check_frame(src: memoryview, expected: int) -> None:
+    """A zstd frame must declare exactly ``expected`` bytes of content."""
     try:
         frame = zstandard.get_frame_parameters(src)
     except zstandard.ZstdError as exc:
-        raise CorruptBlock(f"bad zstd frame: {exc}") from None
-    if frame.content_size != len(dst):
-        raise CorruptBlock(f"zstd frame holds {frame.content_size} bytes, expected {len(dst)}")
+        raise CorruptBlock(f"bad zstd frame: {_short(exc)}") from None
+    if frame.content_size != expected:
+        raise CorruptBlock(f"zstd frame declares {frame.content_size} bytes, expected {expected}")
+
+
+def _short(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= _DETAIL_CHARS else text[: _DETAIL_CHARS - 3] + "..."
+
+
+def _undecodable(exc: BaseException) -> CorruptBlock:
+    return CorruptBlock(f"undecodable block: {type(exc).__name__}: {_short(exc)}".rstrip(": "))
+
+
+def _decompress_exact(dctx: zstandard.ZstdDecompressor, src: memoryview, dst: memoryview) -> None:
+    """Decompress ``src`` (a frame declaring ``len(dst)`` bytes) into exactly ``dst``; any other
+    size is corruption."""
     reader = dctx.stream_reader(src, read_size=len(src))
     got = 0
     while got < len(dst):

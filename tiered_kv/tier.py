@@ -2,7 +2,9 @@
 
 Every failure becomes a counted miss with a reason (``absent``, ``corrupt``,
 ``namespace_mismatch``, ``<tier>_unavailable``, ``no_room``); nothing here raises into the
-engine's path, and nothing that failed validation is handed out.
+engine's path, and nothing that failed validation is handed out. A stored block is decoded
+against the namespace's block layout: one whose header describes another shape, dtype or size,
+or whose decoding fails in any way at all, is a ``corrupt`` miss and is removed from the tier.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import time
 from collections.abc import Sequence
 
 from storage_backends.base import Backend
-from tiered_kv.codec import BlockCodec
+from tiered_kv.codec import BlockCodec, BlockLayout
 from tiered_kv.errors import BackendUnavailable, CorruptBlock
 from tiered_kv.keys import Namespace
 from tiered_kv.metrics import StoreMetrics
@@ -31,6 +33,7 @@ class EncodedTier:
         self.namespace = namespace
         self.ns = namespace.digest()
         self.shape = shape
+        self.layout = BlockLayout(namespace.dtype, tuple(shape))  # what every block here must be
         self.metrics = metrics
         self.policy = policy
         self.unavailable = f"{name}_unavailable"
@@ -78,8 +81,15 @@ class EncodedTier:
     # -- read --------------------------------------------------------------------------------
     def read_into(self, keys: Sequence[bytes], outs: Sequence[object],
                   keep_blobs: bool = False) -> tuple[list[str | None], list[bytes | None]]:
-        """Decode each present block into ``outs[i]``; per key None (ok) or a miss reason.
-        With ``keep_blobs`` the validated stored bytes come back too (to copy them down)."""
+        """Decode each present block into ``outs[i]`` (buffers of the namespace's block size);
+        per key None (ok) or a miss reason. With ``keep_blobs`` the validated stored bytes come
+        back too (to copy them down). A block that fails to decode, for whatever reason, is a
+        ``corrupt`` (or ``namespace_mismatch``) miss and is removed from this tier; never raised."""
+        want = self.layout.raw_len
+        for out in outs:  # the caller's own buffers: a wrong one is its bug, not the block's
+            if memoryview(out).nbytes != want:
+                raise ValueError(f"{self.name} tier: output buffer of {memoryview(out).nbytes} bytes "
+                                 f"for blocks of {want}")
         reasons: list[str | None] = ["absent"] * len(keys)
         blobs: list[bytes | None] = [None] * len(keys)
         corrupt: list[bytes] = []
@@ -87,12 +97,14 @@ class EncodedTier:
 
         def decode(i: int, blob: memoryview) -> None:
             try:
-                self.codec.decode(blob, namespace=self.ns, key=keys[i], out=outs[i])
-            except CorruptBlock as exc:
-                reasons[i] = exc.reason
+                self.codec.decode(blob, namespace=self.ns, key=keys[i], out=outs[i], expect=self.layout)
+            except Exception as exc:  # whatever a stored block makes decoding do is its fault
+                reason, detail = ((exc.reason, exc.detail) if isinstance(exc, CorruptBlock)
+                                  else ("corrupt", f"{type(exc).__name__}: {exc}"))
+                reasons[i] = reason
                 corrupt.append(keys[i])
-                log.warning("%s tier: block %s is unusable (%s): %s", self.name, keys[i].hex(),
-                            exc.reason, exc.detail)
+                log.warning("%s tier: block %s is unusable (%s): %s", self.name, keys[i].hex(), reason,
+                            " ".join(str(detail).split())[:200])
                 return
             reasons[i] = None
             if keep_blobs:
@@ -101,6 +113,10 @@ class EncodedTier:
         try:
             self.backend.visit_many([self.ns + k for k in keys], decode)
         except BackendUnavailable:
+            reasons = [self.unavailable if r == "absent" else r for r in reasons]
+        except Exception as exc:  # the medium failed in a way it does not name: unavailable too
+            log.warning("%s tier: read failed (%s: %s)", self.name, type(exc).__name__,
+                        " ".join(str(exc).split())[:200])
             reasons = [self.unavailable if r == "absent" else r for r in reasons]
         seconds = time.perf_counter() - start
         hits = [i for i, r in enumerate(reasons) if r is None]
@@ -118,8 +134,9 @@ class EncodedTier:
         """Remove blocks that failed validation so they stop costing misses."""
         try:
             self.backend.delete_many([self.ns + k for k in keys])
-        except BackendUnavailable:
-            pass
+        except Exception as exc:  # a later read finds them again and retries
+            log.warning("%s tier: could not remove %d unusable blocks (%s)", self.name, len(keys),
+                        type(exc).__name__)
 
     def pin(self, keys: Sequence[bytes]) -> None:
         self.backend.pin_many([self.ns + k for k in keys])
