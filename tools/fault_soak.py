@@ -89,8 +89,22 @@ def section_sigkill(args, work: Path, redis) -> dict:
                        seed=args.seed, keep=400 if args.quick else 1500)
 
 
+def section_corruption(args, work: Path, redis) -> dict:
+    from soak import corruption
+
+    return corruption.run(work, redis.url if redis else None, args.flips, args.lies, args.seed)
+
+
+def section_redis_outage(args, work: Path, redis) -> dict:
+    from soak import outage
+
+    return outage.run(redis, args.seed, rounds=1 if args.quick else 3)
+
+
 RUNNERS: dict[str, Callable] = {
     "sigkill": section_sigkill,
+    "corruption": section_corruption,
+    "redis_outage": section_redis_outage,
 }
 
 
@@ -140,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.CRITICAL,
                         format="%(levelname)s %(name)s: %(message)s")
+    import torch
+
+    torch.set_num_threads(1)  # the engines here are tiny; 2 OpenMP threads beside the pool thrash
     t0 = time.monotonic()
     own_dir = args.dir is None
     work = Path(tempfile.mkdtemp(prefix="fault-soak-")) if own_dir else Path(args.dir)
