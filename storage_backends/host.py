@@ -34,6 +34,7 @@ class _Entry:
     length: int
     ready: bool = False  # committed: visible to lookups and loads
     refs: int = 0  # pins (leases) held by loads in flight
+    retired: bool = False  # superseded while leased: invisible, dropped when the last lease ends
 
 
 def _want_pinned(pinned: str | bool) -> bool:
@@ -139,7 +140,7 @@ class HostBackend(Backend):
         with self._lock:
             for key in keys:
                 entry = self._entries.get(key)
-                if entry is None or not entry.ready:
+                if entry is None or not entry.ready or entry.retired:
                     out.append(None)
                     continue
                 entry.refs += 1
@@ -153,6 +154,25 @@ class HostBackend(Backend):
                 entry = self._entries.get(key)
                 if entry is not None and entry.refs > 0:
                     entry.refs -= 1
+                    if entry.retired and entry.refs == 0:
+                        self._drop(key, entry)
+
+    def retire_many(self, keys: Sequence[bytes]) -> int:
+        """Withdraw committed entries whose bytes may be wrong: an unleased one is dropped now, a
+        leased one becomes invisible at once (no lookup, pin or read sees it) and is dropped when
+        its last lease ends. Returns how many stay behind, leased."""
+        left = 0
+        with self._lock:
+            for key in keys:
+                entry = self._entries.get(key)
+                if entry is None or not entry.ready:
+                    continue
+                if entry.refs == 0:
+                    self._drop(key, entry)
+                else:
+                    entry.retired = True
+                    left += 1
+        return left
 
     def slot_view(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
         """A uint8 tensor over ``slot`` (the first ``nbytes`` bytes)."""
@@ -211,7 +231,7 @@ class HostBackend(Backend):
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         self._check_open()
         with self._lock:
-            return [(e := self._entries.get(k)) is not None and e.ready for k in keys]
+            return [(e := self._entries.get(k)) is not None and e.ready and not e.retired for k in keys]
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         self._check_open()
@@ -227,7 +247,7 @@ class HostBackend(Backend):
 
     def scan(self, prefix: bytes = b"") -> Iterator[bytes]:
         with self._lock:
-            keys = [k for k, e in self._entries.items() if e.ready and k.startswith(prefix)]
+            keys = [k for k, e in self._entries.items() if e.ready and not e.retired and k.startswith(prefix)]
         return iter(keys)
 
     def stats(self) -> BackendStats:

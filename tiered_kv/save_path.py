@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,6 +25,7 @@ from tiered_kv.transfer import TransferPool
 
 log = logging.getLogger(__name__)
 
+REPLACING = b"replacing:"  # host name prefix of recomputed blocks staged to overwrite stored copies
 SAVE_CHUNK_BYTES = 16 << 20  # write-behind job size: enough blocks to amortise a txn
 RECORD_CHECK_S = 60.0  # how often the write path re-checks a tier's namespace record
 
@@ -37,6 +38,7 @@ class SaveBatch:
     slots: list[int]
     skipped: int = 0  # keys already stored in the host tier or without room
     replace: bool = False  # overwrite copies of these keys in every tier (recomputed KV)
+    withdrawn: list[bytes] = field(default_factory=list)  # replace: keys without room, deleted below
 
 
 class SavePath:
@@ -52,17 +54,18 @@ class SavePath:
     block_nbytes: int
     _slot_rows: np.ndarray
     _record_due: dict[str, float]
+    _writes_lock: threading.Lock
+    _writes_in_flight: dict[bytes, Future]  # key -> its latest write-behind not finished yet
 
     def prepare_save(self, keys: Sequence[bytes], *, replace: bool = False) -> SaveBatch:
-        """Phase one: reserve host slots for the keys not stored yet. With ``replace`` (the KV
-        was recomputed because a stored copy may be wrong) existing host copies are dropped first
-        and write-behind overwrites the lower tiers' copies; a host copy leased by a load in
-        flight cannot be dropped, so that key is skipped (counted ``replace_skipped_leased``)."""
+        """Phase one: reserve host slots for the keys not stored yet.
+
+        With ``replace`` (the KV was recomputed because a stored copy may be wrong) the host's
+        copies are retired (a leased one stays readable to its lease only) and the new bytes go
+        into slots under a private staging name, from which write-behind overwrites the lower
+        tiers' copies, after any write of the same keys still in flight."""
         if replace:
-            present = [k for k, p in zip(keys, self.host.contains_many(list(keys))) if p]
-            if present and self.host.delete_many(present) < len(present):
-                self.metrics.event("replace_skipped_leased",
-                                   sum(self.host.contains_many(present)))
+            return self._prepare_replace(list(keys))
         slots = self.host.reserve_many(list(keys))
         kept = [(k, s) for k, s in zip(keys, slots) if s is not None]
         skipped = len(keys) - len(kept)
@@ -70,20 +73,35 @@ class SavePath:
             present = sum(self.host.contains_many([k for k, s in zip(keys, slots) if s is None]))
             if skipped - present:
                 self.metrics.event("saves_no_room", skipped - present)
-        return SaveBatch([k for k, _ in kept], [s for _, s in kept], skipped, replace)
+        return SaveBatch([k for k, _ in kept], [s for _, s in kept], skipped)
+
+    def _prepare_replace(self, keys: list[bytes]) -> SaveBatch:
+        self.host.retire_many(keys)
+        staged = [REPLACING + k for k in keys]
+        slots = self.host.reserve_many(staged)
+        kept = [(k, s) for k, s in zip(keys, slots) if s is not None]
+        withdrawn = [k for k, s in zip(keys, slots) if s is None]
+        if withdrawn:  # no room to stage (or a replacement of the key is still being written):
+            # the possibly wrong copies are deleted from the lower tiers instead
+            self.metrics.event("replaces_withdrawn", len(withdrawn))
+            self._write_replacements([], withdrawn)
+        return SaveBatch([k for k, _ in kept], [s for _, s in kept], len(withdrawn), True)
 
     def commit_save(self, batch: SaveBatch, ok: bool = True) -> Future | None:
         """Phase two: publish the filled slots (or roll back) and queue write-behind."""
         if not batch.keys:
             return None
+        names = [REPLACING + k for k in batch.keys] if batch.replace else batch.keys
         if not ok:
-            self.host.abort_many(batch.keys)
+            self.host.abort_many(names)
             self.metrics.event("saves_rolled_back", len(batch.keys))
             return None
-        self.host.commit_many(batch.keys)
+        self.host.commit_many(names)
         self.metrics.wrote("host", len(batch.keys), len(batch.keys) * self.block_nbytes,
                            len(batch.keys) * self.block_nbytes, 0.0)
-        return self._write_behind(batch.keys, replace=batch.replace)
+        if batch.replace:
+            return self._write_replacements(batch.keys, [])
+        return self._write_behind(batch.keys)
 
     def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor]) -> Future | None:
         """Copy ``payloads`` (canonical block tensors) into the host tier and write behind.
@@ -109,7 +127,7 @@ class SavePath:
                 futures.append(fut)
         return gather(futures)
 
-    def _write_behind(self, keys: list[bytes], *, replace: bool = False) -> Future | None:
+    def _write_behind(self, keys: list[bytes]) -> Future | None:
         targets = [t for t in self.lower if t.policy == "write_through"]
         if not targets:
             return None
@@ -123,21 +141,77 @@ class SavePath:
             if not pinned:
                 continue
             fut = self.pool.try_submit_save(len(pinned) * self.block_nbytes,
-                                            lambda p=pinned: self._write_job(p, targets, replace))
+                                            lambda p=pinned: self._write_job(p, targets))
             if fut is None:
                 self.host.unpin_many([k for k, _ in pinned])
                 self.metrics.event("saves_dropped", len(pinned))
                 continue
+            self._track_writes([k for k, _ in pinned], fut)
             futures.append(fut)
         return gather(futures)
 
-    def _write_job(self, pinned: list[tuple[bytes, int]], targets: list[EncodedTier],
-                   replace: bool = False) -> int:
+    def _write_job(self, pinned: list[tuple[bytes, int]], targets: list[EncodedTier]) -> int:
         try:
             items = [(k, self.host.slot_view(s, self.block_nbytes).numpy()) for k, s in pinned]
-            return self._write_lower(items, targets, replace)
+            return self._write_lower(items, targets)
         finally:
             self.host.unpin_many([k for k, _ in pinned])
+
+    def _track_writes(self, keys: list[bytes], fut: Future) -> None:
+        """Remember the write in flight for each key (a replacement must land after it)."""
+        with self._writes_lock:
+            for k in keys:
+                self._writes_in_flight[k] = fut
+
+        def done(_f: Future) -> None:
+            with self._writes_lock:
+                for k in keys:
+                    if self._writes_in_flight.get(k) is fut:
+                        del self._writes_in_flight[k]
+
+        fut.add_done_callback(done)
+
+    def _write_replacements(self, keys: list[bytes], withdrawn: list[bytes]) -> Future:
+        """Overwrite the lower tiers' copies of ``keys`` from their staged host slots and delete
+        those of ``withdrawn``, once every earlier write of those keys has finished (else an
+        older, wrong copy could land last). Replacements are few (only after a rollback) and
+        never dropped: they bypass the save budget."""
+        targets = [t for t in self.lower if t.policy == "write_through"]
+        staged = [REPLACING + k for k in keys]
+        with self._writes_lock:
+            earlier = {id(f): f for k in keys + withdrawn
+                       if (f := self._writes_in_flight.get(k)) is not None}
+        out: Future = Future()
+        self._track_writes(keys + withdrawn, out)
+
+        def run() -> None:
+            slots = self.host.pin_many(staged)
+            try:
+                items = [(k, self.host.slot_view(s, self.block_nbytes).numpy())
+                         for k, s in zip(keys, slots) if s is not None]
+                if targets and items:
+                    self._write_lower(items, targets, replace=True)
+                for tier in self.lower if withdrawn else ():
+                    try:
+                        tier.backend.delete_many([tier.storage_key(k) for k in withdrawn])
+                    except BackendError as exc:
+                        log.warning("%s tier: %d possibly wrong blocks not deleted: %s", tier.name,
+                                    len(withdrawn), exc)
+            finally:
+                self.host.unpin_many([n for n, s in zip(staged, slots) if s is not None])
+                self.host.delete_many(staged)
+
+        def start(_f: object = None) -> None:
+            job = self.pool.submit_save(len(keys) * self.block_nbytes, run)
+            job.add_done_callback(lambda j: out.set_exception(j.exception()) if j.exception()
+                                  else out.set_result(len(keys)))
+
+        waiting = gather(list(earlier.values()))
+        if waiting is None:
+            start()
+        else:
+            waiting.add_done_callback(start)
+        return out
 
     def _write_lower(self, items: list[tuple[bytes, object]], targets: list[EncodedTier],
                      replace: bool = False) -> int:

@@ -77,6 +77,8 @@ class TieredStore(SavePath, LoadPath, SlotViews):
         self.presence = RankedPresence(namespace, [(t.name, t.backend) for t in self.lower],
                                        config.lookup_timeout, self.metrics.miss)
         self._record_due: dict[str, float] = {}  # tier -> when to check its namespace record
+        self._writes_lock = threading.Lock()
+        self._writes_in_flight: dict = {}  # key -> its write-behind in flight (save_path)
         self._lock = threading.Lock()
         self._leases: dict[str, LoadPlan] = {}
         self._closed = False

@@ -49,6 +49,15 @@ class TransferPool:
             self.inflight[SAVE] += nbytes
         return self._put(SAVE, nbytes, fn)
 
+    def submit_save(self, nbytes: int, fn: Callable[[], Any]) -> Future:
+        """Queue a save that must not be dropped (rare: a replacement of a wrong stored copy);
+        it counts against the save budget but is never refused for it."""
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("transfer pool is closed")
+            self.inflight[SAVE] += nbytes
+        return self._put(SAVE, nbytes, fn)
+
     def submit_load(self, nbytes: int, fn: Callable[[], Any]) -> Future:
         """Queue a load and return at once (never drops, never waits): over the load budget it
         waits in line and starts when earlier loads have finished."""

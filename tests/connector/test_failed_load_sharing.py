@@ -1,0 +1,163 @@
+"""A block that fails to load poisons every request that shares it in that step (vLLM shares a
+block loaded for request A with request B through its prefix cache): nothing computed over it is
+saved, and once the engine recomputes, the recomputed KV replaces any stored copy.
+
+Both connector halves are driven the way vLLM drives them (scheduler outputs with new and
+cached requests, the worker's per-step calls) over a real LMDB store and a real KV pool."""
+
+from __future__ import annotations
+
+import lmdb
+import torch
+
+from tests.store.helpers import NS
+from tiered_kv.config import TieredKVConfig
+from tiered_kv.connector import build_connector
+from tiered_kv.integrations.common import RequestStep, RequestView, StepOutput
+
+BS = NS.block_size
+NUM_BLOCKS = 32
+SHARED = list(range(1000, 1000 + 4 * BS))  # four full blocks both requests start with
+
+
+def _pool() -> torch.Tensor:
+    """The engine's KV pool, reference-engine layout [2, L, blocks, bs, H, D]."""
+    return torch.zeros(2, NS.num_layers, NUM_BLOCKS, BS, NS.num_kv_heads, NS.head_dim, dtype=torch.bfloat16)
+
+
+def _fill(pool: torch.Tensor, block_ids: list[int], value: float) -> None:
+    for b in block_ids:
+        pool[:, :, b] = value + b
+
+
+def _connector(tmp_path):
+    config = TieredKVConfig.from_dict({"host": {"capacity": "4MiB"}, "workers": 2,
+                                       "disk": {"url": f"lmdb://{tmp_path}/db", "capacity": "64MiB"}})
+    return build_connector(config, NS)
+
+
+def _corrupt_on_disk(path, key: bytes) -> None:
+    env = lmdb.open(str(path), max_dbs=16)
+    try:
+        with env.begin() as txn:
+            names = [k for k, _ in txn.cursor()]
+        for name in names:
+            db = env.open_db(name)
+            with env.begin(db=db, write=True) as txn:
+                value = txn.get(NS.digest() + key)
+                if value is not None and bytes(value[:4]) == b"TKVB":
+                    v = bytearray(value)
+                    v[-7] ^= 0x5A
+                    txn.put(NS.digest() + key, bytes(v), db=db)
+                    return
+    finally:
+        env.close()
+    raise AssertionError("block not found on disk")
+
+
+def _step(conn, new=(), cached=()):
+    meta = conn.scheduler.build_connector_meta(StepOutput(list(new), list(cached)))
+    conn.worker.bind_connector_meta(meta)
+    conn.worker.start_load_kv()
+    return meta
+
+
+def _stored_copy(conn, key: bytes) -> torch.Tensor | None:
+    out = torch.zeros(conn.store.shape, dtype=conn.store.dtype)
+    ok = conn.store.load_into([key], [out])
+    return out if ok[0] else None
+
+
+def _seed_store(tmp_path) -> list[bytes]:
+    """A first engine saved the shared prefix; its keys."""
+    conn = _connector(tmp_path)
+    view = RequestView("seed", SHARED + [7], len(SHARED) + 1, None)
+    conn.scheduler.get_num_new_matched_tokens(view, 0)
+    conn.scheduler.update_state_after_alloc(view, [0, 1, 2, 3, 4], 0)
+    pool = _pool()
+    conn.register_kv_caches(pool)
+    _fill(pool, [0, 1, 2, 3], 1.0)
+    _step(conn, new=[RequestStep("seed", view.prompt_token_ids, [0, 1, 2, 3, 4], 0, len(view.prompt_token_ids))])
+    conn.worker.wait_for_save()
+    keys = list(conn.scheduler.keys_of("seed"))
+    conn.store.flush()
+    conn.close()
+    return keys
+
+
+def test_blocks_computed_over_a_block_that_failed_to_load_for_another_request_are_not_saved(tmp_path):
+    shared_keys = _seed_store(tmp_path)
+    _corrupt_on_disk(tmp_path / "db", shared_keys[1])  # A's load of block 1 will fail
+    conn = _connector(tmp_path)
+    pool = _pool()
+    conn.register_kv_caches(pool)
+    a_tokens = SHARED + list(range(1, 2 * BS + 2))
+    b_tokens = SHARED + list(range(5000, 5000 + 2 * BS + 1))
+    a = RequestView("A", a_tokens, len(a_tokens), None)
+    b = RequestView("B", b_tokens, len(b_tokens), None)
+    # A matches the four stored blocks and loads them (sync) into device blocks 0..3
+    assert conn.scheduler.get_num_new_matched_tokens(a, 0) == (4 * BS, False)
+    a_blocks = [0, 1, 2, 3, 4, 5, 6]
+    conn.scheduler.update_state_after_alloc(a, a_blocks, 4 * BS)
+    # B, in the same step, shares A's blocks 0..3 through the engine's prefix cache
+    assert conn.scheduler.get_num_new_matched_tokens(b, 4 * BS) == (0, False)
+    b_blocks = [0, 1, 2, 3, 10, 11, 12]
+    conn.scheduler.update_state_after_alloc(b, b_blocks, 0)
+    meta = _step(conn, new=[RequestStep("A", a_tokens, a_blocks, 0, len(a_tokens) - 4 * BS),
+                            RequestStep("B", b_tokens, b_blocks, 4 * BS, len(b_tokens) - 4 * BS)])
+    assert [s.request_id for s in meta.saves] == ["A", "B"]
+    assert conn.worker.get_block_ids_with_load_errors() == {1}
+    _fill(pool, [4, 5, 10, 11], -3.0)  # the forward wrote KV computed over the garbage block 1
+    conn.worker.wait_for_save()
+    conn.worker.flush_copies()
+    b_keys = conn.scheduler.keys_of("B")
+    a_keys = conn.scheduler.keys_of("A")
+    assert conn.store.locate(b_keys[4:6]) == [None, None], "B's KV over a failed block was saved"
+    assert conn.store.locate(a_keys[4:6]) == [None, None]
+    assert conn.store.metrics.snapshot()["events"]["saves_dropped_failed_load"] == 4
+    conn.close()
+
+
+def test_recomputed_blocks_replace_a_stored_copy_that_may_be_wrong(tmp_path):
+    shared_keys = _seed_store(tmp_path)
+    conn = _connector(tmp_path)
+    pool = _pool()
+    conn.register_kv_caches(pool)
+    b_tokens = SHARED + list(range(5000, 5000 + 2 * BS + 1))
+    b = RequestView("B", b_tokens, len(b_tokens), None)
+    b_blocks = [0, 1, 2, 3, 10, 11, 12]
+    conn.scheduler.get_num_new_matched_tokens(b, 4 * BS)
+    conn.scheduler.update_state_after_alloc(b, b_blocks, 0)
+    _fill(pool, [0, 1, 2, 3, 10, 11], -3.0)  # wrong KV: saved before anyone knew
+    _step(conn, new=[RequestStep("B", b_tokens, b_blocks, 4 * BS, len(b_tokens) - 4 * BS)])
+    conn.worker.wait_for_save()
+    conn.worker.flush_copies()
+    b_keys = conn.scheduler.keys_of("B")
+    wrong = _stored_copy(conn, b_keys[4])
+    assert wrong is not None and float(wrong.float().mean()) == -3.0 + 10
+    # the engine learns block 1 was bad, rolls B back to token 16 and recomputes blocks 1..5
+    _fill(pool, [1, 2, 3, 10, 11], 2.0)
+    meta = _step(conn, cached=[RequestStep("B", [], [], 1 * BS, len(b_tokens) - 1 * BS)])
+    assert [s.first_block for s in meta.saves] == [1]
+    conn.worker.wait_for_save()
+    conn.worker.flush_copies()
+    conn.store.flush()
+    assert float(_stored_copy(conn, b_keys[4]).float().mean()) == 2.0 + 10, "the wrong copy stayed"
+    assert shared_keys[1] == b_keys[1]
+    conn.close()
+    reopened = _connector(tmp_path)  # and on disk, where the next process reads it
+    assert float(_stored_copy(reopened, b_keys[4]).float().mean()) == 2.0 + 10
+    reopened.close()
+
+
+def test_a_retired_host_copy_stays_readable_to_its_lease_and_invisible_to_everyone_else():
+    from storage_backends.host import HostBackend
+
+    host = HostBackend(capacity=4 << 10, slot_bytes=1 << 10, pinned="no")
+    assert host.put_many([(b"k", b"old")]) == [True]
+    (slot,) = host.pin_many([b"k"])  # a load in flight reads the old copy
+    assert host.retire_many([b"k"]) == 1
+    assert host.contains_many([b"k"]) == [False] and host.pin_many([b"k"]) == [None]
+    assert bytes(host.slot_view(slot, 3).numpy()) == b"old"  # the lease still reads its bytes
+    host.unpin_many([b"k"])
+    assert host.stats().used_bytes == 0 and host.reserve_many([b"k"]) != [None]
