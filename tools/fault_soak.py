@@ -101,10 +101,27 @@ def section_redis_outage(args, work: Path, redis) -> dict:
     return outage.run(redis, args.seed, rounds=1 if args.quick else 3)
 
 
+def section_disk_full(args, work: Path, redis) -> dict:
+    from soak import disk_full
+
+    if args.quick:
+        return disk_full.run(work, blocks=300, limit=2 << 20, codecs=("raw",))
+    return disk_full.run(work, blocks=1200, limit=8 << 20, codecs=("raw", "zstd+shuffle"))
+
+
+def section_shared(args, work: Path, redis) -> dict:
+    from soak import shared
+
+    return shared.run(work, redis.url if redis else None, lmdb_rounds=12 if args.quick else 60,
+                      engine_rounds=2 if args.quick else 4, seed=args.seed)
+
+
 RUNNERS: dict[str, Callable] = {
     "sigkill": section_sigkill,
     "corruption": section_corruption,
     "redis_outage": section_redis_outage,
+    "disk_full": section_disk_full,
+    "shared": section_shared,
 }
 
 
