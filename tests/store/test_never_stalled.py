@@ -1,0 +1,95 @@
+"""The forward pass and the scheduler never wait on disk or Redis: loads over the budget queue,
+scheduler lookups answer within a deadline while Redis hangs, and the tier recovers by itself."""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import threading
+import time
+
+from tests.store.helpers import NS, keys_for, make_store, payloads
+from tiered_kv.config import TieredKVConfig
+from tiered_kv.lookup import LowerTierIndex
+from tiered_kv.transfer import TransferPool
+
+
+def test_a_load_over_the_load_budget_is_queued_and_start_load_kv_does_not_wait_for_it():
+    pool = TransferPool(workers=1, max_save_bytes=1 << 20, max_load_bytes=1 << 20)
+    gate = threading.Event()
+    first = pool.submit_load(1 << 20, gate.wait)  # holds the whole budget until released
+    t0 = time.perf_counter()
+    second = pool.submit_load(1 << 20, lambda: "second")  # over the budget
+    third = pool.submit_load(10, lambda: "third")  # small, but it keeps its place in line
+    assert time.perf_counter() - t0 < 0.05, "submitting a load waited for the budget"
+    time.sleep(0.05)
+    assert not second.done() and not third.done()
+    assert pool.queued_bytes()["load"] == (2 << 20) + 10
+    gate.set()
+    assert first.result(5) is True and second.result(5) == "second" and third.result(5) == "third"
+    assert pool.drain(5) and pool.queued_bytes()["load"] == 0
+    pool.close()
+
+
+def test_loads_waiting_for_budget_fail_cleanly_when_the_pool_closes():
+    pool = TransferPool(workers=1, max_save_bytes=1 << 20, max_load_bytes=100)
+    gate = threading.Event()
+    pool.submit_load(100, gate.wait)
+    waiting = pool.submit_load(100, lambda: None)
+    threading.Timer(0.1, gate.set).start()
+    pool.close()
+    assert isinstance(waiting.exception(5), RuntimeError)
+
+
+def _lookup_ms(fn, keys, n: int = 20) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn(keys)
+        out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+def test_hung_redis_costs_each_scheduler_lookup_at_most_the_deadline_and_recovers_on_its_own(own_redis):
+    cfg = TieredKVConfig.from_dict({"remote": {"url": own_redis.url, "timeout": "1s", "retries": 2},
+                                    "lookup_timeout": "50ms"})
+    keys = keys_for(4)
+    with make_store(None, remote_url=own_redis.url) as writer:
+        writer.save(keys, payloads(writer, 4))
+        writer.flush()
+    index = LowerTierIndex(cfg, NS)
+    try:
+        assert index.lookup(keys) == 4
+        own_redis.proc.send_signal(signal.SIGSTOP)  # black-holed: connects, never answers
+        try:
+            hung = _lookup_ms(index.lookup, keys)
+            assert all(index.lookup(keys) == 0 for _ in range(3))  # unanswered tiers are misses
+        finally:
+            own_redis.proc.send_signal(signal.SIGCONT)
+        # landed code: 1 s x 3 tries per lookup, every lookup
+        assert max(hung) < 250 and statistics.median(hung) < 100, hung
+        assert index.misses["lookup_timeout"] + index.misses["remote_unavailable"] > 0
+        deadline = time.monotonic() + 15
+        while index.lookup(keys) != 4:  # the background probe closes the breaker by itself
+            assert time.monotonic() < deadline, "the remote tier never came back"
+            time.sleep(0.1)
+    finally:
+        index.close()
+
+
+def test_hung_redis_bounds_the_stores_own_lookup_too(own_redis):
+    keys = keys_for(4)
+    with make_store(None, remote_url=own_redis.url, lookup_timeout="50ms",
+                    remote={"url": own_redis.url, "timeout": "1s", "retries": 2}) as store:
+        store.save(keys, payloads(store, 4))
+        store.flush()
+        host_only = keys_for(2, first_token=10_000)
+        own_redis.proc.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.perf_counter()
+            assert store.lookup(keys) == 4  # the host tier still answers for itself
+            assert store.lookup(host_only) == 0
+            assert time.perf_counter() - t0 < 0.5
+        finally:
+            own_redis.proc.send_signal(signal.SIGCONT)
+        assert store.metrics.misses("lookup_timeout") >= 1
