@@ -1,12 +1,19 @@
 """The load path of the tiered store: leases, loads in the transfer pool that validate, decode
-and promote lower-tier blocks into host slots, and the release of what was leased."""
+and promote lower-tier blocks into host slots, and the release of what was leased.
+
+Every host slot a load job reserves is committed or rolled back before the job ends, whatever
+happens while reading (a reservation left behind would make every later load of that key wait
+PROMOTION_WAIT_S for a commit that never comes), and a job never raises through its future: a
+block it could not load is a miss with a reason in its plan."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,6 +26,9 @@ from tiered_kv.tier import EncodedTier
 from tiered_kv.transfer import TransferPool
 
 PROMOTION_WAIT_S = 5.0  # how long a load waits for another load promoting the same block
+LOAD_ERROR = "load_error"  # miss reason of blocks whose load job failed in an unexpected way
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -121,22 +131,33 @@ class LoadPath:
     def _load_job(self, plan: LoadPlan, idx: list[int]) -> None:
         keys = [plan.keys[i] for i in idx]
         slots = self.host.reserve_many(keys)
+        want = [(i, s) for i, s in zip(idx, slots) if s is not None]
         # keys this job could not reserve are leased once another load promoted them, after
         # this job committed its own (a job never waits while holding reservations)
         others = [i for i, slot in zip(idx, slots) if slot is None]
+        reasons: dict[int, str | None] = {i: LOAD_ERROR for i, _ in want}  # until read
         try:
-            self._read_reserved(plan, [(i, s) for i, s in zip(idx, slots) if s is not None])
+            reasons = self._read_reserved(plan, want)
+        except Exception:  # a bug, not a bad block (those are per-block reasons): never raised
+            log.exception("load of %d blocks failed; they are counted as %s misses", len(want), LOAD_ERROR)
+            self.metrics.miss("host", LOAD_ERROR, len(want))
         finally:
+            self._settle(plan, want, reasons)  # every reservation of this job ends here
             for i in others:
-                pinned = self._pin_promoted(plan.keys[i])
+                try:
+                    pinned = self._pin_promoted(plan.keys[i])
+                except Exception:
+                    log.exception("lease of a promoted block failed")
+                    pinned = None
                 plan.slots[i] = pinned
                 plan.served[i] = "host" if pinned is not None else None
                 if pinned is None:  # no room is a counted miss
                     plan.reasons[i] = "no_room"
                     self.metrics.miss("host", "no_room")
 
-    def _read_reserved(self, plan: LoadPlan, want: list[tuple[int, int]]) -> None:
-        """Read the blocks of ``want`` (plan index, reserved slot) from the lower tiers."""
+    def _read_reserved(self, plan: LoadPlan, want: list[tuple[int, int]]) -> dict[int, str | None]:
+        """Read the blocks of ``want`` (plan index, reserved slot) from the lower tiers into
+        their slots; the miss reason per plan index (None: loaded)."""
         reasons: dict[int, str | None] = {i: "absent" for i, _ in want}
         for tier in self.lower:
             pending = [(i, s) for i, s in want if reasons[i] is not None]
@@ -154,17 +175,12 @@ class LoadPath:
                 if blob is not None:
                     down.append((plan.keys[i], blob))
             if down:
-                self._record_namespace(self.disk)  # type: ignore[arg-type]
-                self.disk.put_blobs(down, len(down) * self.block_nbytes)  # type: ignore[union-attr]
-        good = [plan.keys[i] for i, _ in want if reasons[i] is None]
-        bad = [plan.keys[i] for i, _ in want if reasons[i] is not None]
-        self.host.commit_many(good, pin=True)
-        self.host.abort_many(bad)
-        for i, slot in want:
-            plan.slots[i] = slot if reasons[i] is None else None
-            plan.reasons[i] = reasons[i]
-        if bad:
-            self.metrics.event("loads_failed", len(bad))
+                try:
+                    self._record_namespace(self.disk)  # type: ignore[arg-type]
+                    self.disk.put_blobs(down, len(down) * self.block_nbytes)  # type: ignore[union-attr]
+                except Exception:  # the blocks were loaded; only their copy on disk is lost
+                    log.exception("copy of %d remote blocks down to disk failed", len(down))
+        return reasons
 
     def _pin_promoted(self, key: bytes) -> int | None:
         """Lease ``key`` in the host tier. When another load is promoting it right now (two
@@ -184,11 +200,14 @@ class LoadPath:
         if plan.released:
             return
         plan.released = True
-        for f in plan.futures:
-            f.exception()  # wait: a job may still write into its slots
-        self.host.unpin_many([k for k, s in zip(plan.keys, plan.slots) if s is not None])
-        if self.disk is not None and plan.disk_pinned:
-            self.disk.unpin(plan.disk_pinned)
+        try:
+            for f in plan.futures:
+                with contextlib.suppress(CancelledError):
+                    f.exception()  # wait: a job may still write into its slots
+        finally:
+            self.host.unpin_many([k for k, s in zip(plan.keys, plan.slots) if s is not None])
+            if self.disk is not None and plan.disk_pinned:
+                self.disk.unpin(plan.disk_pinned)
 
     def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[bool]:
         """Synchronous convenience: load ``keys`` and copy them into ``outs``; success per key.
@@ -196,11 +215,29 @@ class LoadPath:
         ok: list[bool] = []
         chunk = max(1, self.host.num_slots // 2)
         for start in range(0, len(keys), chunk):
-            plan = self.load(self.prepare_load(keys[start : start + chunk])).wait()
+            plan = self.prepare_load(keys[start : start + chunk])
             try:
+                self.load(plan).wait()
                 found = [(s, o) for s, o in zip(plan.slots, outs[start : start + chunk]) if s is not None]
                 self.copy_blocks([s for s, _ in found], [o for _, o in found], into_slots=False)
                 ok.extend(plan.ok)
             finally:
                 self.release(plan)
         return ok
+
+    def _settle(self, plan: LoadPlan, want: list[tuple[int, int]], reasons: dict[int, str | None]) -> None:
+        """End the reservations of ``want``: loaded blocks are committed and leased to ``plan``,
+        the others rolled back; the plan gets a slot or a reason per block."""
+        good = [plan.keys[i] for i, _ in want if reasons[i] is None]
+        bad = [plan.keys[i] for i, _ in want if reasons[i] is not None]
+        try:
+            self.host.commit_many(good, pin=True)
+        finally:
+            self.host.abort_many(bad)
+        for i, slot in want:
+            plan.slots[i] = slot if reasons[i] is None else None
+            plan.reasons[i] = reasons[i]
+            if reasons[i] is not None:
+                plan.served[i] = None
+        if bad:
+            self.metrics.event("loads_failed", len(bad))
