@@ -259,3 +259,25 @@ def test_the_llm_api_example_attaches_our_classes_with_a_valid_environment(tmp_p
     assert getattr(module, names["connector_worker_class"]) is TieredKVWorker
     config = TieredKVConfig.from_env(example.connector_environment(f"lmdb://{tmp_path}/db"))
     assert config.disk.url == f"lmdb://{tmp_path}/db" and config.host.capacity == 4 << 30
+
+
+def test_hung_redis_never_stalls_the_trtllm_scheduler_and_outputs_stay_identical(llm_args, monkeypatch, own_redis):
+    import signal
+    import time
+
+    monkeypatch.delenv("TIERED_KV_DISK_URL")  # blocks live in Redis only (and the host tier)
+    monkeypatch.setenv("TIERED_KV_REMOTE_URL", own_redis.url)
+    monkeypatch.setenv("TIERED_KV_REMOTE_TIMEOUT", "1s")
+    monkeypatch.setenv("TIERED_KV_LOOKUP_TIMEOUT", "50ms")
+    reference, _ = run(llm_args, PROMPTS, connector=False)
+    first, _ = run(llm_args, PROMPTS)  # fills Redis
+    own_redis.proc.send_signal(signal.SIGSTOP)  # a new engine (empty host tier); Redis hangs
+    try:
+        t0 = time.perf_counter()
+        second, ex = run(llm_args, PROMPTS)
+        elapsed = time.perf_counter() - t0
+    finally:
+        own_redis.proc.send_signal(signal.SIGCONT)
+    assert first == second == reference
+    assert all(n == 0 for n, _ in matched(ex).values())  # unanswered Redis: misses, recomputed
+    assert elapsed < 3.0  # landed code: 1 s x 3 tries per lookup, per request, per step

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+from concurrent.futures import TimeoutError as FutureTimeout
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from tiered_kv.config import TieredKVConfig
 from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.connector.scheduler import ConnectorScheduler
 from tiered_kv.errors import ConfigError
+from tiered_kv.fingerprint import LORA_FINGERPRINTS, fold_weights
 from tiered_kv.integrations.common import (
     RequestStep,
     RequestView,
@@ -126,10 +128,24 @@ def trtllm_namespace(llm_args: Any, config: TieredKVConfig) -> Namespace:
         dtype = getattr(llm_args, "dtype", None)
     if dtype in (None, "auto"):
         dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
-    revision = config.model_revision or str(getattr(llm_args, "revision", None) or "")
+    # model_revision, when set, names the weights (see vllm._revision); else a local model
+    # directory's weight files (checkpoint or built engine) are fingerprinted into the revision
+    revision = config.model_revision or fold_weights(str(getattr(llm_args, "revision", None) or ""),
+                                                      _model_dir(llm_args))
     return Namespace(model_id=str(llm_args.model), dtype=torch_dtype_name(dtype), num_layers=layers,
                      num_kv_heads=kv_heads, head_dim=head_dim, block_size=int(block_size),
                      revision=revision, cache_salt=config.cache_salt, hash_algo=config.hash_algo)
+
+
+def _model_dir(llm_args: Any) -> str | None:
+    """The local directory ``_model_config`` reads config.json from."""
+    for candidate in (getattr(llm_args, "model", None), getattr(llm_args, "_hf_model_dir", None)):
+        if candidate is not None and (Path(str(candidate)) / "config.json").is_file():
+            return str(candidate)
+    return None
+
+
+_lora_files: dict[Any, str] = {}  # lora_task_id -> fingerprint of the files it was loaded from
 
 
 def _view(request: Any) -> RequestView:
@@ -140,7 +156,25 @@ def _view(request: Any) -> RequestView:
         value = getattr(request, name, None)
         if value is not None:
             parts.append(f"{name}={value}")
+    files = _lora_fingerprint(request)
+    if files:
+        parts.append(f"lora_files={files}")
     return RequestView(request.request_id, tokens, n, ";".join(parts) or None)
+
+
+def _lora_fingerprint(request: Any) -> str | None:
+    """Fingerprint of a LoRA adapter's files. TensorRT-LLM's PyTorch backend sets
+    ``py_lora_path`` only on the requests that load an adapter (the first ones for a task id in
+    a process); later requests of that task id reuse what was remembered then. An adapter given
+    as tensors (no path) is named by its task id alone."""
+    task = getattr(request, "lora_task_id", None)
+    if task is None:
+        return None
+    path = getattr(request, "py_lora_path", None)
+    files = LORA_FINGERPRINTS.get(path) if path else None
+    if files:
+        _lora_files[task] = files
+    return _lora_files.get(task)
 
 
 class TieredKVScheduler(_SchedulerBase):
@@ -170,12 +204,18 @@ class TieredKVScheduler(_SchedulerBase):
         first = num_computed_tokens // bs
         keys = self.core.keys_of(view.request_id)[first : first + n // bs]
         plan = self.store.load(self.store.prepare_load(keys))
+        finished = True
         try:
-            plan.wait()
+            plan.wait(self.store.config.remote.timeout)
+        except FutureTimeout:  # a hung tier: promise only what needed no read (host-resident)
+            finished = False
+            log.warning("tiered-kv: reading matched blocks of %s took over %.1fs; promising the "
+                        "host-resident ones", view.request_id, self.store.config.remote.timeout)
         except Exception:  # a failed read job: nothing of it is promised
             log.exception("tiered-kv: reading matched blocks of %s failed", view.request_id)
         good = 0
-        while good < len(keys) and good < len(plan.slots) and plan.slots[good] is not None:
+        while (good < len(keys) and good < len(plan.slots) and plan.slots[good] is not None
+               and (finished or plan.sources[good] == "host")):
             good += 1
         if good < len(keys):
             log.info("request %s: %d of %d matched blocks failed validation; promising %d",
@@ -190,7 +230,7 @@ class TieredKVScheduler(_SchedulerBase):
         # the core leases the promised blocks (now host-resident) before our read plan lets go
         self.core.update_state_after_alloc(view, list(block_ids), external)
         if plan is not None:
-            self.store.release(plan)
+            self._release(plan)
 
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
         new = [RequestStep(rd.request_id, rd.new_tokens, rd.new_block_ids,
@@ -206,7 +246,17 @@ class TieredKVScheduler(_SchedulerBase):
     def _drop_verified(self, request_id: Any) -> None:
         entry = self._verified.pop(request_id, None)
         if entry is not None and entry[2] is not None:
-            self.store.release(entry[2])
+            self._release(entry[2])
+
+    def _release(self, plan: Any) -> None:
+        """Release a read plan now, or when its reads end (never wait on a hung tier here)."""
+        from tiered_kv.save_path import gather
+
+        reads = gather(list(plan.futures))
+        if reads is None or reads.done():
+            self.store.release(plan)
+        else:
+            reads.add_done_callback(lambda _f: self.store.release(plan))
 
     def close(self) -> None:
         for request_id in list(self._verified):
