@@ -85,7 +85,7 @@ class BlockMajorLayout(KVLayout):
         return self.view.index_select(0, block_ids)
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
-        self.view.index_copy_(0, block_ids, src.to(self.pool.dtype))
+        self.view.index_copy_(0, block_ids, as_engine_dtype(src, self.pool.dtype))
 
 
 class LayerListLayout(KVLayout):
@@ -107,7 +107,7 @@ class LayerListLayout(KVLayout):
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
         for layer, t in enumerate(self.layers):
-            part = src[:, layer].to(t.dtype)
+            part = as_engine_dtype(src[:, layer], t.dtype)
             t.index_copy_(self.block_dim, block_ids, part if self.block_dim == 0 else part.transpose(0, 1))
 
 
@@ -132,17 +132,62 @@ class HeadMajorLayout(KVLayout):
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
         for layer, v in enumerate(self.views):
-            v.index_copy_(0, block_ids, src[:, layer].to(v.dtype).permute(0, 3, 1, 2, 4))
+            v.index_copy_(0, block_ids, as_engine_dtype(src[:, layer], v.dtype).permute(0, 3, 1, 2, 4))
+
+
+BYTE_CONTAINERS = (torch.uint8, torch.int8)  # what engines keep fp8 KV in (vLLM: uint8)
+
+
+def as_engine_dtype(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``src`` (namespace dtype) as the engine's tensors hold it: the same values, or the same
+    bits when the engine keeps fp8 in a byte tensor (never a value conversion)."""
+    return src if src.dtype == dtype else src.view(dtype)
+
+
+def check_dtype(ns: Namespace, dtype: torch.dtype) -> None:
+    """The engine's KV tensors hold the namespace's dtype, or fp8 bytes in a uint8/int8 tensor."""
+    got = str(dtype).removeprefix("torch.")
+    if got == ns.dtype or (ns.dtype.startswith("float8") and dtype in BYTE_CONTAINERS):
+        return
+    raise ConfigError(f"the engine's KV tensors are {got} but the namespace says {ns.dtype}; "
+                      "stored blocks would be converted, not copied")
+
+
+def tokens_per_block(ns: Namespace, shape: tuple[int, ...], *, per_layer: bool) -> int | None:
+    """Tokens per engine block of a known layout family whose block dimension is not the
+    namespace's block size (None: no such family, or the sizes agree)."""
+    L, H, D = ns.num_layers, ns.num_kv_heads, ns.head_dim
+    found = None
+    if per_layer and len(shape) == 5 and 2 in shape[:2] and shape[3:] == (H, D):  # layers_nb2 / _2nb
+        found = shape[2]
+    elif per_layer and len(shape) == 4 and shape[1] == H and shape[3] == 2 * D:  # layers_head_major
+        found = shape[2]
+    elif not per_layer and len(shape) == 6 and shape[4:] == (H, D) and (2, L) in (shape[:2], shape[2:0:-1]):
+        found = shape[3]  # engine [2, L, blocks, bs, H, D] or block_major [blocks, L, 2, bs, H, D]
+    elif not per_layer and len(shape) == 4 and shape[1:3] == (L, 2) and shape[3] % (H * D) == 0:
+        found = shape[3] // (H * D)  # block_major with flat blocks
+    return found if found is not None and found != ns.block_size else None
+
+
+def _refuse_other_block_size(ns: Namespace, shape: tuple[int, ...], *, per_layer: bool) -> None:
+    tokens = tokens_per_block(ns, shape, per_layer=per_layer)
+    if tokens is not None:
+        raise ConfigError(f"the engine's KV blocks hold {tokens} tokens (tensor {shape}) but keys cover "
+                          f"{ns.block_size} tokens (the namespace block_size); tiered-kv needs one engine "
+                          "block per key block")
 
 
 def make_layout(ns: Namespace, kv: torch.Tensor | Sequence[torch.Tensor] | Mapping[str, torch.Tensor],
                 declared: str | None = None) -> KVLayout:
-    """Detect (or check the ``declared``) layout of the engine's KV tensors."""
+    """Detect (or check the ``declared``) layout of the engine's KV tensors; refuse tensors of
+    another dtype or another number of tokens per block than the namespace's."""
     L, bs, H, D = ns.num_layers, ns.block_size, ns.num_kv_heads, ns.head_dim
     if isinstance(kv, Mapping):
         kv = list(kv.values())
     if isinstance(kv, torch.Tensor):
         shape = tuple(kv.shape)
+        _refuse_other_block_size(ns, shape, per_layer=False)
+        check_dtype(ns, kv.dtype)
         if (declared in (None, "engine") and len(shape) == 6 and shape[:2] == (2, L)
                 and shape[3:] == (bs, H, D)):
             return EngineLayout(ns, kv)
@@ -157,8 +202,10 @@ def make_layout(ns: Namespace, kv: torch.Tensor | Sequence[torch.Tensor] | Mappi
     if len(layers) != L:
         raise ConfigError(f"got {len(layers)} per-layer KV tensors, namespace says {L} layers")
     shape = tuple(layers[0].shape)
-    if any(tuple(t.shape) != shape for t in layers):
-        raise ConfigError("per-layer KV tensors differ in shape")
+    if any(tuple(t.shape) != shape or t.dtype != layers[0].dtype for t in layers):
+        raise ConfigError("per-layer KV tensors differ in shape or dtype")
+    _refuse_other_block_size(ns, shape, per_layer=True)
+    check_dtype(ns, layers[0].dtype)
     if (len(shape) == 4 and shape[1:] == (H, bs, 2 * D) and declared in (None, "layers_head_major")
             and layers[0].is_contiguous()):
         return HeadMajorLayout(ns, layers)

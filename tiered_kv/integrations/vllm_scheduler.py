@@ -13,6 +13,7 @@ from typing import Any
 
 from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.connector.scheduler import ConnectorScheduler
+from tiered_kv.fingerprint import LORA_FINGERPRINTS
 from tiered_kv.integrations.common import RequestStep, RequestView, StepOutput, release_index, scheduler_index
 from tiered_kv.keys import Namespace
 
@@ -20,11 +21,19 @@ log = logging.getLogger(__name__)
 
 
 def _key_extra(request: Any) -> str | None:
-    """LoRA adapter, tenant salt and multimodal inputs change the KV of the same token ids."""
+    """LoRA adapter, tenant salt and multimodal inputs change the KV of the same token ids.
+
+    A LoRA adapter is named by its name, id and a fingerprint of its files (names, sizes,
+    mtimes; cached per path, re-checked at most once a second): an adapter replaced under the
+    same name and id gets other keys. A ``lora_path`` that is not local here (a hub id the
+    worker resolves) has no fingerprint: name and id alone then."""
     parts = []
     lora = getattr(request, "lora_request", None)
     if lora is not None:
-        parts.append(f"lora={getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}")
+        path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
+        files = LORA_FINGERPRINTS.get(path) if path else None
+        parts.append(f"lora={getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}"
+                     + (f":{files}" if files else ""))
     if getattr(request, "cache_salt", None):
         parts.append(f"salt={request.cache_salt}")
     for feature in getattr(request, "mm_features", None) or ():

@@ -1,0 +1,206 @@
+"""A persistent store never serves KV of other weights: weight files replaced in place, a LoRA
+adapter reused under the same name and id with other files, and fp8 KV caches (their format and
+their scales) all change what blocks are keyed by, or stop start-up.
+
+Engines are the stand-ins of ``vllm_engine`` / ``trtllm_executor``; weight files are real files
+under ``tmp_path`` whose contents and mtimes the tests change.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from tests.integrations.trtllm_executor import KvCacheConfig, LlmArgs, write_model_config
+from tests.integrations.vllm_engine import BS, Engine, FullAttentionSpec, kv_cache_config, vllm_config
+from tiered_kv.connector.layout import make_layout
+from tiered_kv.engine.weights import file_revision
+from tiered_kv.errors import ConfigError
+from tiered_kv.fingerprint import LORA_RECHECK_S
+from tiered_kv.integrations.common import parse_settings
+from tiered_kv.integrations.trtllm import _view, trtllm_namespace
+from tiered_kv.integrations.vllm import KVConnectorRole, TieredKVConnector, vllm_namespace
+from tiered_kv.integrations.vllm_scheduler import _key_extra
+from tiered_kv.keys import Namespace
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    for name in [n for n in os.environ if n.startswith("TIERED_KV_")]:
+        monkeypatch.delenv(name)
+
+
+def write_weights(directory, files: dict[str, bytes]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+
+
+def rewrite_same_size(path, *, later_s: float = 10.0) -> None:
+    """Other bytes of the same length, written later (a fine-tune copied over the old file)."""
+    data = bytes(b ^ 0xFF for b in path.read_bytes())
+    path.write_bytes(data)
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + int(later_s * 1e9)))
+
+
+def local_model(tmp_path):
+    model = tmp_path / "model"
+    write_model_config(model)
+    write_weights(model, {"model-00001-of-00002.safetensors": b"A" * 64, "model-00002-of-00002.safetensors": b"B" * 64,
+                          "model.safetensors.index.json": b'{"weight_map": {}}'})
+    return model
+
+
+def vllm_ns(model, *, revision: str = "", **cache) -> Namespace:
+    cfg = vllm_config({}, model=str(model))
+    cfg.load_config = SimpleNamespace(load_format="safetensors")
+    if cache:
+        cfg.cache_config = SimpleNamespace(block_size=BS, **cache)
+    spec = FullAttentionSpec(dtype=torch.uint8) if "cache_dtype" in cache else FullAttentionSpec()
+    settings = parse_settings({"model_revision": revision} if revision else {}, source="x")
+    return vllm_namespace(cfg, kv_cache_config(spec), settings.config)
+
+
+@pytest.mark.parametrize("replaced", ["model-00002-of-00002.safetensors", "model.safetensors.index.json",
+                                      "config.json"])
+def test_replacing_a_local_models_weights_in_place_changes_the_vllm_namespace(tmp_path, replaced):
+    model = local_model(tmp_path)
+    before = vllm_ns(model)
+    assert vllm_ns(model) == before  # the same files: the same namespace, process after process
+    rewrite_same_size(model / replaced)
+    assert vllm_ns(model).digest() != before.digest()
+
+
+def test_an_explicit_model_revision_names_the_weights_itself(tmp_path):
+    model = local_model(tmp_path)
+    before = vllm_ns(model, revision="v7")
+    rewrite_same_size(model / "model-00001-of-00002.safetensors")
+    assert vllm_ns(model, revision="v7") == before and before.revision == "v7"
+
+
+def test_a_second_engine_on_replaced_weights_gets_no_blocks_of_the_old_ones(tmp_path):
+    model = local_model(tmp_path)
+    extra = {"disk": {"url": f"lmdb://{tmp_path}/db"}, "host": {"capacity": "256KiB"}}
+    prompt = list(range(1, 30))
+
+    def cached_tokens() -> int:
+        cfg, kvc = vllm_config(extra, model=str(model)), kv_cache_config()
+        worker = TieredKVConnector(cfg, KVConnectorRole.WORKER, kvc)
+        sched = TieredKVConnector(cfg, KVConnectorRole.SCHEDULER, kvc)
+        try:
+            eng = Engine(sched, worker)
+            eng.add("a", prompt)
+            eng.run()
+            return eng.requests["a"].num_cached_tokens
+        finally:
+            worker.shutdown()
+            sched.shutdown()
+
+    assert cached_tokens() == 0
+    assert cached_tokens() == 28  # same weights: every full block but the last token's
+    rewrite_same_size(model / "model-00001-of-00002.safetensors")
+    assert cached_tokens() == 0  # other weights: nothing of the old store is served
+
+
+def test_replacing_a_local_models_weights_in_place_changes_the_trtllm_namespace(tmp_path):
+    model = local_model(tmp_path)
+    args = LlmArgs(model=str(model), kv_cache_config=KvCacheConfig())
+    config = parse_settings(None, source="x").config
+    before = trtllm_namespace(args, config)
+    assert trtllm_namespace(args, config) == before
+    rewrite_same_size(model / "model-00002-of-00002.safetensors")
+    assert trtllm_namespace(args, config).digest() != before.digest()
+
+
+def test_the_reference_engines_revision_follows_weight_contents(tmp_path):
+    model = tmp_path / "ref"
+    write_weights(model, {"config.json": b"{}", "model.safetensors": b"W" * 128})
+    before = file_revision(model)
+    st = (model / "model.safetensors").stat()
+    rewrite_same_size(model / "model.safetensors", later_s=0)
+    os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))  # even with the old mtime
+    assert file_revision(model) != before
+
+
+def lora_request(path, name: str = "support-bot", lora_id: int = 1):
+    return SimpleNamespace(lora_request=SimpleNamespace(lora_name=name, lora_int_id=lora_id, lora_path=str(path)),
+                           cache_salt=None, mm_features=None)
+
+
+def lora_adapter(tmp_path):
+    adapter = tmp_path / "adapter"
+    write_weights(adapter, {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"L" * 256})
+    return adapter
+
+
+def test_a_lora_adapter_replaced_under_the_same_name_and_id_gets_other_keys(tmp_path):
+    adapter = lora_adapter(tmp_path)
+    before = _key_extra(lora_request(adapter))
+    assert before.startswith("lora=support-bot:1:files-")
+    time.sleep(LORA_RECHECK_S + 0.1)
+    assert _key_extra(lora_request(adapter)) == before  # untouched files: the same keys
+    rewrite_same_size(adapter / "adapter_model.safetensors")
+    time.sleep(LORA_RECHECK_S + 0.1)
+    after = _key_extra(lora_request(adapter))
+    assert after != before and after.startswith("lora=support-bot:1:files-")
+
+
+def test_lora_lookups_do_not_stat_the_adapter_every_time(tmp_path):
+    adapter = lora_adapter(tmp_path)
+    first = _key_extra(lora_request(adapter))
+    assert ":files-" in first
+    for f in adapter.iterdir():
+        f.unlink()
+    adapter.rmdir()
+    assert _key_extra(lora_request(adapter)) == first  # served from the cache, no filesystem call
+
+
+def test_trtllm_lora_adapter_replaced_under_the_same_task_id_gets_other_keys(tmp_path):
+    adapter = lora_adapter(tmp_path)
+
+    def request(rid: int, path):
+        return SimpleNamespace(request_id=rid, prompt_len=4, get_tokens=lambda beam: [1, 2, 3, 4],
+                               lora_task_id=77, py_lora_path=path)
+
+    loading = _view(request(1, str(adapter))).key_extra
+    assert "lora_task_id=77" in loading and "lora_files=files-" in loading
+    assert _view(request(2, None)).key_extra == loading  # later requests reuse the loaded adapter
+    rewrite_same_size(adapter / "adapter_model.safetensors")
+    time.sleep(LORA_RECHECK_S + 0.1)
+    reloaded = _view(request(3, str(adapter))).key_extra
+    assert reloaded != loading and _view(request(4, None)).key_extra == reloaded
+
+
+def test_fp8_kv_namespaces_name_the_fp8_format_not_the_uint8_container(tmp_path):
+    model = local_model(tmp_path)
+    e4m3 = vllm_ns(model, cache_dtype="fp8_e4m3", calculate_kv_scales=False)
+    e5m2 = vllm_ns(model, cache_dtype="fp8_e5m2", calculate_kv_scales=False)
+    assert (e4m3.dtype, e5m2.dtype) == ("float8_e4m3fn", "float8_e5m2")
+    assert vllm_ns(model, cache_dtype="fp8", calculate_kv_scales=False).dtype == "float8_e4m3fn"
+
+
+def test_fp8_kv_with_scales_computed_at_run_time_is_refused_at_start_up(tmp_path, caplog):
+    cfg = vllm_config({}, model=str(local_model(tmp_path)))
+    cfg.cache_config = SimpleNamespace(block_size=BS, cache_dtype="fp8", calculate_kv_scales=True)
+    with caplog.at_level(logging.ERROR), pytest.raises(ConfigError, match="calculate_kv_scales") as err:
+        TieredKVConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config(FullAttentionSpec(dtype=torch.uint8)))
+    assert "\n" not in str(err.value)
+    assert [r.getMessage() for r in caplog.records] == [f"tiered-kv: {err.value}"]
+
+
+def test_fp8_kv_held_in_uint8_tensors_round_trips_bit_exact():
+    ns = Namespace(model_id="m", dtype="float8_e4m3fn", num_layers=2, num_kv_heads=2, head_dim=4, block_size=4)
+    caches = {f"l{i}": torch.zeros(8, 2, 4, 2, 4, dtype=torch.uint8) for i in range(2)}  # vLLM's fp8 caches
+    layout = make_layout(ns, caches)
+    blocks = torch.randint(0, 255, (3, 2, 2, 4, 2, 4), dtype=torch.uint8)
+    blocks[blocks == 0x7F] = 0  # no NaN patterns: compare bits, not values
+    ids = torch.tensor([5, 1, 6])
+    layout.scatter(ids, blocks.view(torch.float8_e4m3fn))  # what a load hands over: namespace dtype
+    assert torch.equal(caches["l1"][5], blocks[0, 1])  # the same bytes, not converted values
+    assert torch.equal(layout.gather(ids).view(torch.uint8), blocks)

@@ -1,0 +1,105 @@
+"""Fingerprints of weight files, so a persistent store never serves KV computed with other weights.
+
+A fingerprint hashes the names, sizes and modification times (ns) of a directory's weight files
+(``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``, ``*.engine``, index JSON files,
+``config.json`` and ``adapter_config.json``): replacing a model's or a LoRA adapter's files in
+place (a new download, a fine-tune written over the old one) changes it without reading a byte
+of the weights, so computing one is cheap even for a large checkpoint. Scheduler-side code uses
+it: no torch here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+
+import xxhash
+
+log = logging.getLogger(__name__)
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.engine", "*.index.json",
+                   "config.json", "adapter_config.json")
+LORA_RECHECK_S = 1.0  # a LoRA path's files are stat'ed again at most this often
+
+
+def weight_files(directory: str | os.PathLike) -> list[Path]:
+    """The weight and config files of ``directory`` (not recursive), sorted by name."""
+    root = Path(directory)
+    found = {p for pattern in WEIGHT_PATTERNS for p in root.glob(pattern) if p.is_file()}
+    return sorted(found)
+
+
+def files_fingerprint(path: str | os.PathLike) -> str | None:
+    """``"files-<hex>"`` over the names, sizes and mtimes of the weight files at ``path`` (a
+    directory, or one file); None when ``path`` is not local or holds no weight file."""
+    target = Path(path)
+    try:
+        files = weight_files(target) if target.is_dir() else [target] if target.is_file() else []
+    except OSError:
+        return None
+    digest = xxhash.xxh3_128()
+    seen = 0
+    for file in files:
+        try:
+            st = file.stat()
+        except OSError:  # removed while we looked: the next look sees the new set
+            continue
+        digest.update(f"{file.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        seen += 1
+    return f"files-{digest.hexdigest()[:24]}" if seen else None
+
+
+def local_directory(name: object) -> Path | None:
+    """``name`` as an existing local directory, or None (a hub id, a URL, nothing)."""
+    if not name:
+        return None
+    try:
+        path = Path(str(name)).expanduser()
+        return path if path.is_dir() else None
+    except (OSError, ValueError):
+        return None
+
+
+def fold_weights(revision: str, model: object) -> str:
+    """``revision`` with the fingerprint of ``model``'s weight files when it is a local directory
+    (unchanged for a hub id: its revision names the weights)."""
+    directory = local_directory(model)
+    fingerprint = files_fingerprint(directory) if directory is not None else None
+    if fingerprint is None:
+        return revision
+    log.info("tiered-kv: weights of %s fingerprinted as %s", directory, fingerprint)
+    return f"{revision}+{fingerprint}" if revision else fingerprint
+
+
+class PathFingerprints:
+    """Fingerprints of LoRA adapter paths for the scheduler's per-request key extras.
+
+    Cheap per call: a path's files are stat'ed at most once per ``recheck_s``; in between the
+    cached fingerprint is served without touching the filesystem. A path replaced in place is
+    seen at the first call after that interval (vLLM itself keeps a loaded adapter in memory
+    until it evicts it, so a swap within a second is not served by vLLM either)."""
+
+    def __init__(self, recheck_s: float = LORA_RECHECK_S, clock=time.monotonic) -> None:
+        self.recheck_s, self.clock = recheck_s, clock
+        self._cache: dict[str, tuple[float, str | None]] = {}  # path -> (checked at, fingerprint)
+        self._lock = threading.Lock()
+
+    def get(self, path: object) -> str | None:
+        key = str(path)
+        now = self.clock()
+        with self._lock:
+            entry = self._cache.get(key)
+        if entry is not None and now - entry[0] < self.recheck_s:
+            return entry[1]
+        fingerprint = files_fingerprint(key)
+        with self._lock:
+            if len(self._cache) > 4096:  # adapters come and go: keep the memo bounded
+                self._cache.clear()
+            self._cache[key] = (now, fingerprint)
+        return fingerprint
+
+
+LORA_FINGERPRINTS = PathFingerprints()
