@@ -274,9 +274,12 @@ def _totals(tiers: dict, flips: int, lies: int) -> dict:
     exception_kinds: Counter = Counter()
     for t in good:
         exception_kinds.update(t["exception_kinds"])
+    total["exceptions"] += len(tiers) - len(good)  # a medium whose run broke off counts as one
+    counted = sum(n for t in good for reason, n in t["counted_misses"].items() if reason != "absent")
     return {
         "flips": flips, "lies": lies, "damaged_loaded": damaged,
-        "detected_pct": pct(total["detected"], damaged), **total,
+        "detected_pct": pct(total["detected"], damaged), **total, "counted_misses": counted,
+        "plan_misses_without_reason": sum(t["plan_miss_reasons"].get("None", 0) for t in good),
         "exception_kinds": dict(exception_kinds.most_common(8)),
         "tiers": tiers, "tier_errors": [n for n, t in tiers.items() if "error" in t],
     }

@@ -93,14 +93,14 @@ def reopen_check(lmdb_dir: Path, durable: set[bytes], expected: Expected) -> dic
         finally:
             tier.close()
         out["verify_problems"] = sum(report["problems"].values())
+        out["verify_kinds"] = {k: n for k, n in report["problems"].items() if n}
         out["verify_checked"] = report["checked"]
         with open_store(_config(lmdb_dir)) as store:
             stored = stored_block_keys(store.disk.backend)
             got = load_checked(store, stored, expected)
             lost = [k for k in durable if k not in set(got["served"]) - set(got["wrong"])]
             out.update(stored=len(stored), torn_served=len(got["wrong"]), load_errors=len(got["errors"]),
-                       stored_not_served=len(got["missed"]), durable_lost=len(lost), lost=lost,
-                       evictions=store.disk.backend.stats().evictions)
+                       stored_not_served=len(got["missed"]), durable_lost=len(lost), lost=lost)
         out["ok"] = True
     except Exception as exc:  # a store that does not reopen is the finding
         out["error"] = error_text(exc)
@@ -130,8 +130,8 @@ def run(workdir: Path, kills: int, window_s: float, budget_s: float, seed: int, 
     durable: list[bytes] = []  # acknowledged durable and not pruned, oldest first
     figures = {"kills": 0, "killed_mid_write": 0, "child_start_failures": 0, "reopens": 0, "reopen_ok": 0,
                "torn_served": 0, "durable_lost": 0, "durable_acknowledged": 0, "verify_problems": 0,
-               "load_errors": 0, "stored_not_served": 0, "read_back": 0, "pruned": 0, "evictions": 0,
-               "max_stored_blocks": 0, "errors": []}
+               "load_errors": 0, "stored_not_served": 0, "read_back": 0, "pruned": 0,
+               "max_stored_blocks": 0, "verify_kinds": {}, "errors": []}
     durations: list[float] = []
     deadline = time.monotonic() + budget_s
     for k in range(kills):
@@ -193,5 +193,6 @@ def _count_check(check: dict, figures: dict) -> None:
     figures["reopen_ok"] += 1
     for name in ("torn_served", "durable_lost", "verify_problems", "load_errors", "stored_not_served"):
         figures[name] += check[name]
-    figures["evictions"] = max(figures["evictions"], check["evictions"])
+    for kind, n in check["verify_kinds"].items():
+        figures["verify_kinds"][kind] = figures["verify_kinds"].get(kind, 0) + n
     figures["max_stored_blocks"] = max(figures["max_stored_blocks"], check["stored"])
