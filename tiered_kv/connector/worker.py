@@ -178,14 +178,19 @@ class ConnectorWorker:
         assert self.layout is not None, "register_kv_caches was not called"
         host = self.store.host
         slab = host.slab.view(host.num_slots, self.store.block_nbytes)
-        ids = torch.tensor(block_ids, device=self.layout.device)
         if self._stream is None:
+            ids = torch.tensor(block_ids, device=self.layout.device)
             data = self.layout.gather(ids).view(len(block_ids), -1).view(torch.uint8)
             slab.index_copy_(0, torch.tensor(slots), data)
             self._saves.append(_PendingSave(batch, owners))
             return
+        # Stream rule: every CUDA tensor the side stream reads or writes is allocated on it (the
+        # caching allocator may hand a block freed on another stream to someone else while the
+        # side stream still uses it); the engine's pool is ordered by wait_stream, host slots
+        # stay reserved until the event completed.
         self._stream.wait_stream(torch.cuda.current_stream(self.layout.device))
         with torch.cuda.stream(self._stream):
+            ids = torch.tensor(block_ids, device=self.layout.device)
             data = self.layout.gather(ids).view(len(block_ids), -1).view(torch.uint8)
             for i, slot in enumerate(slots):
                 slab[slot].copy_(data[i], non_blocking=True)

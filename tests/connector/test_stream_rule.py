@@ -1,0 +1,130 @@
+"""CUDA stream safety, checked without a GPU: every device tensor the worker's side stream uses
+is allocated on that stream (or recorded on it with ``record_stream``).
+
+The caching allocator reuses a freed block on the stream that allocated it without waiting for
+other streams; a tensor allocated on the compute stream and read by the side stream can be
+handed out again while the side stream still reads it. Here torch.cuda's streams, events and
+CUDA allocations are replaced by stand-ins that remember which stream was current when each
+tensor was made, and the layout the worker copies through is a CPU one that claims to be CUDA
+and checks every tensor it is handed."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tests.store.helpers import NS, keys_for, make_store
+from tiered_kv.connector.meta import ConnectorMeta, SaveSpec
+from tiered_kv.connector.worker import ConnectorWorker
+
+_current = threading.local()
+
+
+class FakeStream:
+    def __init__(self, device=None, name: str = "side") -> None:
+        self.name = name
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+COMPUTE = FakeStream(name="compute")
+
+
+def current_stream(device=None) -> FakeStream:
+    return getattr(_current, "stream", COMPUTE)
+
+
+class stream_context:
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def __enter__(self):
+        self.prev = current_stream()
+        _current.stream = self.stream
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _current.stream = self.prev
+
+
+class FakeEvent:
+    def record(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class CheckingLayout:
+    """A CPU layout that says it is on CUDA and checks the stream rule for every input."""
+
+    name = "checking"
+
+    def __init__(self, kv: torch.Tensor) -> None:
+        self.kv = kv  # [blocks, L, 2, bs, H, D]
+        self.violations: list[str] = []
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+    def _check(self, what: str, t: torch.Tensor) -> None:
+        now = current_stream()
+        made = getattr(t, "_made_on", None)
+        if made is not now and now not in getattr(t, "_recorded_on", ()):
+            self.violations.append(f"{what} made on {getattr(made, 'name', made)}, used on {now.name}")
+
+    def gather(self, block_ids: torch.Tensor) -> torch.Tensor:
+        self._check("gather block ids", block_ids)
+        return self.kv.index_select(0, block_ids)
+
+    def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
+        self._check("scatter block ids", block_ids)
+        self.kv.index_copy_(0, block_ids, src)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    real_tensor = torch.tensor
+
+    def tensor(data, *args, device=None, **kwargs):
+        on_cuda = device is not None and torch.device(device).type == "cuda"
+        out = real_tensor(data, *args, **kwargs)
+        if on_cuda:
+            out._made_on = current_stream()
+        return out
+
+    def record_stream(self, stream) -> None:
+        self._recorded_on = (*getattr(self, "_recorded_on", ()), stream)
+
+    monkeypatch.setattr(torch, "tensor", tensor)
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream, raising=False)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "stream", stream_context)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+
+
+def test_block_ids_the_side_stream_gathers_with_are_allocated_on_the_side_stream(fake_cuda):
+    store = make_store(None)
+    try:
+        worker = ConnectorWorker(store)
+        kv = torch.randn(8, *store.shape).to(store.dtype)
+        layout = CheckingLayout(kv)
+        worker.layout, worker._stream = layout, torch.cuda.Stream()
+        keys = keys_for(3, NS)
+        worker.bind_connector_meta(ConnectorMeta(saves=[SaveSpec("r", tuple(keys), (5, 2, 7), 0)]))
+        worker.wait_for_save()
+        worker.flush_copies()
+        assert layout.violations == []
+        stored = [torch.zeros(store.shape, dtype=store.dtype) for _ in keys]
+        assert store.load_into(keys, stored) == [True] * 3
+        assert all(torch.equal(s, kv[b]) for s, b in zip(stored, (5, 2, 7)))
+    finally:
+        store.close()
