@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from storage_backends.base import Backend
 from storage_backends.redaction import redact_url
 from storage_backends.registry import open_backend, scheme_of, split_options
-from tiered_kv.codec import BlockCodec, BlockHeader, itemsize
+from tiered_kv.codec import MAX_RAW_BYTES, BlockCodec, BlockHeader, BlockLayout, itemsize
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import Namespace
@@ -257,6 +257,23 @@ def raw_block_bytes(namespace: Namespace) -> int:
 
 def block_shape(namespace: Namespace) -> list[int]:
     return [namespace.num_layers, 2, namespace.block_size, namespace.num_kv_heads, namespace.head_dim]
+
+
+def block_layout(namespace: Namespace | None) -> BlockLayout | None:
+    """The block every stored block of ``namespace`` must be (None: namespace unknown)."""
+    return None if namespace is None else BlockLayout(namespace.dtype, tuple(block_shape(namespace)))
+
+
+def check_block(key: bytes, value, namespace: Namespace | None, *, decode: bool = True):
+    """Validate a stored block as the store would: against its namespace's block (dtype, shape)
+    when the namespace is known, else with its declared raw length bounded (MAX_RAW_BYTES), so a
+    lying header never makes a tool allocate what it declares. (header, payload) with
+    ``decode``, the header alone without; CorruptBlock (one-line detail) when it fails."""
+    digest, block = split_key(key)
+    layout = block_layout(namespace)
+    if decode:
+        return BlockCodec().decode(value, namespace=digest, key=block, expect=layout)
+    return BlockCodec.read_header(value, namespace=digest, key=block, expect=layout, max_raw=MAX_RAW_BYTES)
 
 
 def resolve_namespace(spec: str | None, found: Namespaces, digests: Sequence[bytes]) -> bytes:
