@@ -16,6 +16,7 @@ from tiered_kv.catalog import (
     Namespaces,
     Tier,
     block_shape,
+    check_block,
     entries,
     kind_of,
     namespaces,
@@ -23,7 +24,6 @@ from tiered_kv.catalog import (
     resolve_namespace,
     sample_header,
 )
-from tiered_kv.codec import BlockCodec
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import KEY_BYTES
 from tiered_kv.records import split_key
@@ -195,7 +195,7 @@ def show_entry(tier: Tier, key: bytes, *, stats: bool = True) -> dict:
                  "hits": entry.hits}
     if entry.kind != "block":
         return out
-    digest, block = split_key(key)
+    digest = split_key(key)[0]
     out["namespace"] = digest.hex()
     out["model_id"] = found.known[digest].model_id if digest in found.known else None
     h = entry.header
@@ -207,8 +207,10 @@ def show_entry(tier: Tier, key: bytes, *, stats: bool = True) -> dict:
             "checksum": f"{h.checksum:016x}", "body_check": f"{h.body_check:08x}", "created": iso(h.created),
         }
     [value] = tier.backend.get_many([key])
-    try:
-        header, payload = BlockCodec().decode(value, namespace=digest, key=block)
+    if value is None:
+        raise LookupError(f"entry {key.hex()} vanished")
+    try:  # against its namespace's block: a lying header never makes us allocate what it declares
+        header, payload = check_block(key, value, found.known.get(digest))
     except CorruptBlock as exc:
         out.update(valid=False, reason=exc.reason, error=exc.detail)
         return out

@@ -110,6 +110,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         report = show_entry(tier, key, stats=not args.no_stats)
     if args.json:
         render.emit_json(report)
+    elif report.get("valid", True) is False:  # a block that fails its checks: one line, what lied
+        render.console().print(f"{report['tier']} {report['key']}: {report['reason']}: {report['error']}",
+                               soft_wrap=True, markup=False)
     else:
         out = render.console()
         fields = {k: v for k, v in report.items() if k not in ("header", "layers")}
