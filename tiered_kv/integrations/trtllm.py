@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import json
 import logging
-from concurrent.futures import TimeoutError as FutureTimeout
 from collections.abc import Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
