@@ -3,7 +3,8 @@
 Findings:
 
 - ``corrupt``: a block (or namespace record) that fails validation — header, body check, zstd
-  frame or payload checksum;
+  frame or payload checksum, or a header declaring more than its body can hold (or, for a block
+  of unknown namespace, more than MAX_RAW_BYTES): nothing a header declares is allocated unchecked;
 - ``mismatched``: a valid block stored under a key other than the one its header names, or whose
   dtype / shape differ from its namespace record;
 - ``orphaned``: an entry that is neither a block nor a namespace record (nothing ever reads it);
@@ -21,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from tiered_kv.catalog import READ_BATCH, Tier, block_shape, kind_of, namespaces
+from tiered_kv.catalog import READ_BATCH, Tier, block_shape, check_block, kind_of, namespaces
 from tiered_kv.codec import BlockCodec
 from tiered_kv.errors import CorruptBlock
 from tiered_kv.records import namespace_key, split_key
@@ -97,8 +98,8 @@ def _check_block(codec: BlockCodec, key: bytes, value, ns) -> tuple[str, str] | 
     if ns is not None and (header.dtype != ns.dtype or list(header.shape) != block_shape(ns)):
         return "mismatched", (f"block is {header.dtype} {list(header.shape)}, its namespace record "
                               f"says {ns.dtype} {block_shape(ns)}")
-    try:
-        codec.decode(value, namespace=digest, key=block)
+    try:  # against the record's block when there is one, else with the declared size bounded
+        check_block(key, value, ns)
     except CorruptBlock as exc:
         return "corrupt", exc.detail
     return None

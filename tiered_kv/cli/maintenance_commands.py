@@ -57,9 +57,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
             problems = ", ".join(f"{n} {k}" for k, n in r["problems"].items() if n) or "no problems"
             out.print(f"[bold]{r['tier']}[/bold] {r['url']}: {r['checked']} entries checked, "
                       f"{r['valid_blocks']} valid blocks; {problems}")
-            if r["findings"]:
-                rows = [[f["kind"], f["key"], f["detail"], "yes" if f["fixed"] else "no"] for f in r["findings"]]
-                out.print(render.table(None, ["problem", "key", "detail", "fixed"], rows))
+            for f in r["findings"]:  # one line each (a table folds long keys and details)
+                out.print(f"{f['kind']} {f['key'] or '-'}: {f['detail']}{' (fixed)' if f['fixed'] else ''}",
+                          soft_wrap=True, markup=False)
             for line in r["actions"]:
                 out.print(f"fix: {line}")
             for line in r["notes"]:
