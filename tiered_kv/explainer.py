@@ -8,10 +8,9 @@ import json
 import re
 from pathlib import Path
 
-from tiered_kv.catalog import Namespaces, Tier, kind_of, namespaces, resolve_namespace
-from tiered_kv.codec import BlockCodec
+from tiered_kv.catalog import Namespaces, Tier, check_block, kind_of, namespaces, resolve_namespace
 from tiered_kv.errors import BackendUnavailable, ConfigError, CorruptBlock, TokenError
-from tiered_kv.keys import block_keys
+from tiered_kv.keys import Namespace, block_keys
 from tiered_kv.records import split_key
 
 _SEPARATORS = re.compile(r"[\s,]+")
@@ -61,9 +60,9 @@ def explain(tiers: list[Tier], tokens: list[int], namespace: str | None = None,
     keys = block_keys(ns, tokens, lora=lora)
     bs = ns.block_size
     status: list[dict[str, str]] = [{} for _ in keys]  # per block: tier -> "ok" | reason
-    codec = BlockCodec()
+    details: list[dict[str, str]] = [{} for _ in keys]  # per block: tier -> why it failed its checks
     for tier in tiers:
-        _probe(tier, codec, digest, keys, status)
+        _probe(tier, ns, digest, keys, status, details)
     claimable = max(0, (len(tokens) - 1) // bs)  # the engine always computes the last token
     blocks, first_miss = [], None
     for i, (key, st) in enumerate(zip(keys, status)):
@@ -73,7 +72,8 @@ def explain(tiers: list[Tier], tokens: list[int], namespace: str | None = None,
         if served is None and first_miss is None:
             reasons = [r for r in st.values() if r != "absent"] or ["absent"]
             first_miss = {"index": i, "tokens": [i * bs, (i + 1) * bs], "reason": reasons[0],
-                          "detail": "; ".join(f"{t}: {r}" for t, r in st.items())}
+                          "detail": "; ".join(f"{t}: {r}" + (f" ({details[i][t]})" if t in details[i] else "")
+                                              for t, r in st.items())}
     run = first_miss["index"] if first_miss else len(keys)
     matched = min(run, claimable)
     if first_miss is None and len(tokens) % bs:
@@ -94,8 +94,10 @@ def explain(tiers: list[Tier], tokens: list[int], namespace: str | None = None,
     }
 
 
-def _probe(tier: Tier, codec: BlockCodec, digest: bytes, keys: list[bytes], status: list[dict]) -> None:
-    """Per key: ``ok`` when ``tier`` holds a valid block, else the reason the store would count."""
+def _probe(tier: Tier, ns: Namespace, digest: bytes, keys: list[bytes], status: list[dict],
+           details: list[dict]) -> None:
+    """Per key: ``ok`` when ``tier`` holds a valid block of ``ns`` (its dtype and shape), else
+    the reason the store would count (and, for a block that fails its checks, why)."""
     try:
         present = tier.backend.contains_many([digest + k for k in keys])
         todo = [i for i, p in enumerate(present) if p]
@@ -109,8 +111,9 @@ def _probe(tier: Tier, codec: BlockCodec, digest: bytes, keys: list[bytes], stat
     for i, value in zip(todo, values):
         if value is None:
             continue  # evicted since
-        try:
-            codec.decode(value, namespace=digest, key=keys[i])
+        try:  # as the store decodes it: against the namespace's block, before allocating
+            check_block(digest + keys[i], value, ns)
             status[i][tier.name] = "ok"
         except CorruptBlock as exc:
             status[i][tier.name] = exc.reason
+            details[i][tier.name] = exc.detail

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from rich.markup import escape
+
 from tiered_kv.cli import render
 from tiered_kv.cli.options import add_store_args, duration_arg, opened, size_arg
 from tiered_kv.cli.render import EXIT_OK, EXIT_PROBLEM
@@ -155,7 +157,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
               + (", ".join(f"{t} {n}" for t, n in report["tier_blocks"].items()) or "none") + ")")
     if miss:
         out.print(f"first miss: block {miss['index']} (tokens {miss['tokens'][0]}-{miss['tokens'][1]}): "
-                  f"[bold]{miss['reason']}[/bold] — {miss['detail']}")
+                  f"[bold]{miss['reason']}[/bold] — {escape(miss['detail'])}", soft_wrap=True)
     return EXIT_OK
 
 
