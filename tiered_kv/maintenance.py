@@ -8,10 +8,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from tiered_kv.catalog import READ_BATCH, Entry, Tier, entries, kind_of
-from tiered_kv.codec import BlockCodec
+from tiered_kv.catalog import READ_BATCH, Entry, Tier, check_block, entries, kind_of
 from tiered_kv.errors import ConfigError, CorruptBlock
-from tiered_kv.records import namespace_key, split_key
+from tiered_kv.keys import Namespace
+from tiered_kv.records import NAMESPACE_PREFIX, decode_namespace, namespace_key, split_key
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +67,10 @@ def evict(tier: Tier, *, to: int | None = None, older_than: float | None = None,
 def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: bool = False,
          verify: bool = True, progress: Progress | None = None) -> dict:
     """Copy every block (of ``namespace``) and its namespace record from ``src`` to ``dst``.
-    Blocks are validated on the way (fully decoded with ``verify``, else their header only):
-    corrupt ones are skipped and reported, never copied."""
+    Blocks are validated on the way (fully decoded with ``verify``, else their header only),
+    against their namespace record's block when the source has one (a block of another shape,
+    dtype or size is corrupt) and with the declared size bounded otherwise: corrupt ones are
+    skipped and reported, never copied."""
     keys = [k for k in sorted(src.backend.scan())
             if kind_of(k) == "block" and (namespace is None or k.startswith(namespace))]
     digests = sorted({split_key(k)[0] for k in keys} | ({namespace} if namespace else set()))
@@ -76,9 +78,9 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
         [namespace_key(d) for d in digests])) if v is not None]
     if records:
         dst.backend.put_many(records)
-    codec = BlockCodec()
+    recorded = {k[len(NAMESPACE_PREFIX):]: _namespace_of(k, v) for k, v in records}
     copied = present = rejected = nbytes = 0
-    corrupt: list[str] = []
+    corrupt: dict[str, str] = {}  # key (hex) -> why it was not copied
     before = dst.backend.stats().evictions
     for start in range(0, len(keys), READ_BATCH):
         batch = keys[start : start + READ_BATCH]
@@ -92,14 +94,10 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
         for key, value in zip(batch_todo, src.backend.get_many(batch_todo)):
             if value is None:
                 continue  # gone since the scan
-            try:
-                digest, block = split_key(key)
-                if verify:
-                    codec.decode(value, namespace=digest, key=block)
-                else:
-                    codec.read_header(value, namespace=digest, key=block)
+            try:  # against its namespace's block (from the record), else with its size bounded
+                check_block(key, value, recorded.get(split_key(key)[0]), decode=verify)
             except CorruptBlock as exc:
-                corrupt.append(key.hex())
+                corrupt[key.hex()] = exc.detail
                 log.warning("copy: skipped %s: %s", key.hex(), exc.detail)
                 continue
             good.append((key, value))
@@ -112,5 +110,13 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
     dst.backend.flush()
     return {"source": src.backend.url, "destination": dst.backend.url, "blocks": len(keys),
             "copied": copied, "copied_bytes": nbytes, "already_present": present,
-            "corrupt_skipped": corrupt, "rejected": rejected, "namespace_records": len(records),
+            "corrupt_skipped": list(corrupt), "corrupt_details": corrupt, "rejected": rejected,
+            "namespace_records": len(records),
             "evicted_at_destination": dst.backend.stats().evictions - before}
+
+
+def _namespace_of(key: bytes, value) -> Namespace | None:
+    try:
+        return decode_namespace(key, value)
+    except CorruptBlock:
+        return None

@@ -108,8 +108,8 @@ def cmd_copy(args: argparse.Namespace) -> int:
         out.print(f"copied {report['copied']} of {report['blocks']} blocks "
                   f"({render.size(report['copied_bytes'])}) and {report['namespace_records']} namespace records "
                   f"from {report['source']} to {report['destination']}; {report['already_present']} already there")
-        if report["corrupt_skipped"]:
-            out.print(f"skipped {len(report['corrupt_skipped'])} corrupt blocks: " + ", ".join(report["corrupt_skipped"]))
+        for key, why in report["corrupt_details"].items():  # one line each: which block, what is wrong
+            out.print(f"skipped corrupt block {key}: {why}", soft_wrap=True, markup=False)
         if report["rejected"]:
             out.print(f"the destination refused {report['rejected']} blocks (full?)")
         if report["evicted_at_destination"]:
