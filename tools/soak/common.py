@@ -13,7 +13,6 @@ import os
 import shutil
 import signal
 import socket
-import statistics
 import subprocess
 import time
 from collections.abc import Iterable, Sequence
@@ -288,10 +287,6 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 
 def pct(part: int, whole: int) -> float | None:
     return None if whole == 0 else round(100.0 * part / whole, 2)
-
-
-def median(values: Sequence[float]) -> float | None:
-    return statistics.median(values) if values else None
 
 
 def error_text(exc: BaseException) -> str:

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 
 from soak.common import (
-    BLOCK_BYTES,
     NS,
     SHAPE,
     Expected,
     error_text,
+    host_slots_held,
     key_of,
     open_store,
     payload_tensor,
@@ -128,14 +128,15 @@ class WorkerPath:
                 out.by_key[key] = "served_ok" if expected.matches(key, data) else "served_wrong"
 
 
-def write_blocks(cfg: dict, keys: list[bytes]) -> int:
-    """Save ``keys`` through a store and flush; how many the lower tier then holds."""
+def write_blocks(cfg: dict, keys: list[bytes]) -> set[bytes]:
+    """Save ``keys`` through a store, flushing after each batch (so write-behind never runs out
+    of host slots); the keys the lower tier then holds."""
     with open_store(cfg) as store:
         for start in range(0, len(keys), 32):
             part = keys[start : start + 32]
             store.save(part, [payload_tensor(k) for k in part])
-        store.flush(timeout=60)
-        return sum(_tier_of(store).contains(keys))
+            store.flush(timeout=60)
+        return {k for k, there in zip(keys, _tier_of(store).contains(keys)) if there}
 
 
 def damage(cfg: dict, flips: list[bytes], lies: list[bytes], rng: random.Random) -> dict:
@@ -144,7 +145,8 @@ def damage(cfg: dict, flips: list[bytes], lies: list[bytes], rng: random.Random)
 
     section = cfg.get("disk") or cfg["remote"]
     backend = open_backend(section["url"], **({"capacity": section["capacity"]} if "capacity" in section else {}))
-    made: dict = {"flip_regions": Counter(), "lie_kinds": Counter(), "not_self_consistent": 0, "missing": 0}
+    made: dict = {"flip_regions": Counter(), "lie_kinds": Counter(), "not_self_consistent": 0, "missing": 0,
+                  "damaged": set(), "kind_of": {}}
     try:
         todo = [(k, "flip") for k in flips] + [(k, "lie") for k in lies]
         kinds = list(LIES)
@@ -160,8 +162,10 @@ def damage(cfg: dict, flips: list[bytes], lies: list[bytes], rng: random.Random)
                 kind = kinds[n % len(kinds)]
                 new = LIES[kind](key, bytes(blob))
                 made["lie_kinds"][kind] += 1
+                made["kind_of"][key] = kind
                 made["not_self_consistent"] += not self_consistent(new)
-            backend.put_many([(NS.digest() + key, new)])
+            if backend.put_many([(NS.digest() + key, new)]) == [True]:
+                made["damaged"].add(key)
     finally:
         backend.close()
     return made
@@ -187,7 +191,7 @@ def load_all(cfg: dict, keys: list[bytes], rng: random.Random, out: Outcomes) ->
                 load_into(store, batch, expected, out)
             else:
                 worker.load(batch, expected, out)
-        held = _held(store)
+        held = host_slots_held(store)
         figures["host_slots_leaked"] = held["leased"] + held["reserved"]
         figures["host_slots_held"] = held
         figures["counted_misses"] = {
@@ -199,12 +203,6 @@ def load_all(cfg: dict, keys: list[bytes], rng: random.Random, out: Outcomes) ->
         except Exception as exc:
             out.raised("close", exc)
     return figures
-
-
-def _held(store) -> dict:
-    from soak.common import host_slots_held
-
-    return host_slots_held(store)
 
 
 def run_tier(name: str, cfg: dict, flips: int, lies: int, rng: random.Random) -> dict:
@@ -220,20 +218,19 @@ def run_tier(name: str, cfg: dict, flips: int, lies: int, rng: random.Random) ->
 
 
 def _tier_figures(name, keys, flipped, lying, stored, made, out: Outcomes, figures: dict) -> dict:
-    damaged = set(flipped) | set(lying)
+    damaged = made["damaged"]  # damaged and written back (a block missing before damage is not)
     outcome = {k: out.by_key.get(k, "raised") for k in keys}
     per_kind: dict = {}
-    kinds = list(LIES)
-    for n, key in enumerate(lying):  # the kind damage() gave it (same order)
-        kind = kinds[(len(flipped) + n) % len(kinds)]
+    for key, kind in made["kind_of"].items():
         per_kind.setdefault(kind, Counter())[outcome[key]] += 1
     by_path: dict = {}
     for key in damaged:
         by_path.setdefault(out.path_of.get(key, "?"), Counter())[outcome[key]] += 1
     damaged_outcomes = Counter(outcome[k] for k in damaged)
-    clean_outcomes = Counter(outcome[k] for k in keys if k not in damaged)
+    clean_outcomes = Counter(outcome[k] for k in keys if k not in damaged and k in stored)
     return {
-        "tier": name, "blocks": len(keys), "stored": stored, "flips": len(flipped), "lies": len(lying),
+        "tier": name, "blocks": len(keys), "stored": len(stored), "flips": len(flipped), "lies": len(lying),
+        "damaged": len(damaged),
         "flip_regions": dict(made["flip_regions"]), "lies_not_self_consistent": made["not_self_consistent"],
         "damaged_missing": made["missing"],
         "detected": damaged_outcomes["miss"], "damaged_served_ok": damaged_outcomes["served_ok"],
@@ -267,7 +264,7 @@ def run(work: Path, redis_url: str | None, flips: int, lies: int, seed: int) -> 
 
 def _totals(tiers: dict, flips: int, lies: int) -> dict:
     good = [t for t in tiers.values() if "error" not in t]
-    damaged = sum(t["flips"] + t["lies"] - t["damaged_missing"] for t in good)
+    damaged = sum(t["damaged"] for t in good)
     total = {name: sum(t[name] for t in good) for name in (
         "detected", "wrong_served", "exceptions", "host_slots_leaked", "damaged_served_ok",
         "damaged_lost_to_exception", "clean_missed", "clean_lost_to_exception")}

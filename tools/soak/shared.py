@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 from soak.common import (
-    NS,
     Ack,
     Expected,
     child_setup,

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from soak.common import (
+    NS,
     Ack,
     Expected,
     child_setup,
@@ -110,7 +111,6 @@ def reopen_check(lmdb_dir: Path, durable: set[bytes], expected: Expected) -> dic
 def _prune(lmdb_dir: Path, keep: set[bytes]) -> int:
     """Delete every stored block outside ``keep`` (through the medium's own API) so the store
     stays small: every check reads all of it. Returns how many were deleted."""
-    from soak.common import NS
     from storage_backends.registry import open_backend
 
     backend = open_backend(f"lmdb://{lmdb_dir}", capacity="1GiB")
