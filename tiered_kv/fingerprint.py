@@ -1,11 +1,13 @@
 """Fingerprints of weight files, so a persistent store never serves KV computed with other weights.
 
 A fingerprint hashes the names, sizes and modification times (ns) of a directory's weight files
-(``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``, ``*.engine``, index JSON files,
-``config.json`` and ``adapter_config.json``): replacing a model's or a LoRA adapter's files in
-place (a new download, a fine-tune written over the old one) changes it without reading a byte
-of the weights, so computing one is cheap even for a large checkpoint. Scheduler-side code uses
-it: no torch here.
+(``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``, ``*.engine``) and the *contents*
+of its small JSON files (index files, ``config.json``, ``adapter_config.json``): replacing a
+model's or a LoRA adapter's weights in place (a new download, a fine-tune written over the old
+one) changes it without reading a byte of the weights, so computing one is cheap even for a
+large checkpoint, while a tool that rewrites an unchanged ``config.json`` does not. Replicas
+whose weight files have other mtimes (copied without ``-p``) get other namespaces: set
+``model_revision`` to share one store between them. Scheduler-side code uses it: no torch here.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ log = logging.getLogger(__name__)
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.engine", "*.index.json",
                    "config.json", "adapter_config.json")
+CONTENT_HASHED_BYTES = 1 << 20  # JSON files up to this size are fingerprinted by content
 LORA_RECHECK_S = 1.0  # a LoRA path's files are stat'ed again at most this often
 
 
@@ -47,7 +50,13 @@ def files_fingerprint(path: str | os.PathLike) -> str | None:
             st = file.stat()
         except OSError:  # removed while we looked: the next look sees the new set
             continue
-        digest.update(f"{file.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        if file.suffix == ".json" and st.st_size <= CONTENT_HASHED_BYTES:
+            try:
+                digest.update(f"{file.name}\0".encode() + file.read_bytes() + b"\n")
+            except OSError:
+                continue
+        else:
+            digest.update(f"{file.name}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
         seen += 1
     return f"files-{digest.hexdigest()[:24]}" if seen else None
 

@@ -77,6 +77,19 @@ def test_replacing_a_local_models_weights_in_place_changes_the_vllm_namespace(tm
     assert vllm_ns(model).digest() != before.digest()
 
 
+def test_rewriting_an_unchanged_config_json_keeps_the_namespace(tmp_path):
+    # examples/vllm_offline.py (and many launchers) write config.json again on every start: a
+    # new mtime over the same bytes must not turn every restart into a cold store
+    model = local_model(tmp_path)
+    before = vllm_ns(model)
+    config = model / "config.json"
+    data = config.read_bytes()
+    config.write_bytes(data)
+    st = config.stat()
+    os.utime(config, ns=(st.st_atime_ns, st.st_mtime_ns + 10**10))
+    assert vllm_ns(model) == before
+
+
 def test_an_explicit_model_revision_names_the_weights_itself(tmp_path):
     model = local_model(tmp_path)
     before = vllm_ns(model, revision="v7")
