@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts", help="JSON file: a list of token-id lists (default: built in)")
     ap.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's TP ranks (workers)")
     ap.add_argument("--prefix-caching", action="store_true", help="also vLLM's own prefix cache")
     ap.add_argument("--json", action="store_true", help="print one RESULT line of JSON")
     args = ap.parse_args(argv)
@@ -99,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(model=model, load_format="dummy" if dummy else "auto", skip_tokenizer_init=dummy,
                   enforce_eager=True, block_size=BLOCK_SIZE, dtype="bfloat16", max_model_len=4096,
                   seed=0, enable_prefix_caching=args.prefix_caching,
+                  tensor_parallel_size=args.tensor_parallel_size,
                   disable_hybrid_kv_cache_manager=True,
                   kv_transfer_config=transfer_config(args.store, json.loads(args.extra)))
     except ConfigError:  # the connector logged it as one "tiered-kv: ..." line naming the key

@@ -29,6 +29,8 @@ def engine(tmp_path: Path, *extra_args: str, extra: dict | None = None) -> tuple
     cmd = [sys.executable, str(EXAMPLE), "--json", "--store", f"lmdb://{tmp_path}/store",
            "--workdir", str(tmp_path / "model"), "--extra", json.dumps(extra or {}), *extra_args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERED_KV_")}
+    if "--tensor-parallel-size" in extra_args:  # one NUMA node here: one core per CPU worker
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in range(os.cpu_count() or 2)))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, env=env)  # under pytest-timeout's 300 s
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -99,3 +101,32 @@ def test_a_misconfiguration_stops_start_up_with_one_line_naming_the_key(tmp_path
     lines = [ln for ln in out.splitlines() if ln.startswith("tiered-kv: ")]
     assert len(lines) == 1 and names in lines[0], out[-4000:]
     assert "Traceback" not in out
+
+
+@pytest.fixture(scope="module")
+def tp_engine_a(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm-tp")
+    return tmp, result(tmp, "--tensor-parallel-size", "2")
+
+
+def test_tp2_engine_b_loads_every_rank_and_generates_the_same(tp_engine_a):
+    tmp, a = tp_engine_a
+    b = result(tmp, "--tensor-parallel-size", "2")
+    assert b["cached_tokens"] == [loadable_tokens(n) for n in a["prompt_tokens"]]
+    assert b["outputs"] == a["outputs"]
+
+
+def test_tp2_blocks_missing_on_one_rank_are_not_promised_and_outputs_match(tp_engine_a, tmp_path):
+    import subprocess as sp
+
+    tmp, a = tp_engine_a
+    shutil.copytree(tmp, tmp_path, dirs_exist_ok=True)
+    store = f"lmdb://{tmp_path}/store"
+    cli = [str(Path(sys.executable).with_name("tiered-kv"))]
+    namespaces = json.loads(sp.run([*cli, "inspect", store, "--json"], capture_output=True, text=True,
+                                   check=True).stdout)["tiers"][0]["namespaces"]
+    rank1 = next(ns for ns, info in namespaces.items() if info["tp"] == "1/2")
+    sp.run([*cli, "evict", store, "--namespace", rank1], capture_output=True, check=True)
+    b = result(tmp_path, "--tensor-parallel-size", "2")
+    assert b["cached_tokens"] == [0] * len(a["prompt_tokens"])  # rank 0 alone is no promise
+    assert b["outputs"] == a["outputs"]
