@@ -6,11 +6,11 @@ import subprocess
 import sys
 import time
 
-import lmdb
 import pytest
 
 from storage_backends.registry import register_backend
 from tests.connector.engine_helpers import GREEDY, connector, engine, prompt, reference
+from tests.store.helpers import rewrite_stored_blocks
 
 BS = 16
 
@@ -45,22 +45,7 @@ def test_generated_tokens_are_saved_too_so_a_follow_up_turn_hits_them(tmp_path):
 
 
 def _flip_all_blocks(path) -> int:
-    env = lmdb.open(str(path), max_dbs=16)
-    n = 0
-    try:
-        with env.begin() as txn:
-            names = [k for k, _ in txn.cursor()]
-        for name in names:
-            db = env.open_db(name)
-            with env.begin(db=db, write=True) as txn:
-                for k, v in list(txn.cursor()):
-                    v = bytes(v)
-                    if v[:4] == b"TKVB":
-                        txn.put(k, v[:200] + bytes([v[200] ^ 0xFF]) + v[201:], db=db)
-                        n += 1
-    finally:
-        env.close()
-    return n
+    return rewrite_stored_blocks(path, lambda k, v: v[:200] + bytes([v[200] ^ 0xFF]) + v[201:])
 
 
 @pytest.mark.parametrize("load_async", [False, True])

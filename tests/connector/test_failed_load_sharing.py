@@ -7,10 +7,9 @@ cached requests, the worker's per-step calls) over a real LMDB store and a real 
 
 from __future__ import annotations
 
-import lmdb
 import torch
 
-from tests.store.helpers import NS
+from tests.store.helpers import NS, rewrite_stored_blocks
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.connector import build_connector
 from tiered_kv.integrations.common import RequestStep, RequestView, StepOutput
@@ -37,22 +36,12 @@ def _connector(tmp_path):
 
 
 def _corrupt_on_disk(path, key: bytes) -> None:
-    env = lmdb.open(str(path), max_dbs=16)
-    try:
-        with env.begin() as txn:
-            names = [k for k, _ in txn.cursor()]
-        for name in names:
-            db = env.open_db(name)
-            with env.begin(db=db, write=True) as txn:
-                value = txn.get(NS.digest() + key)
-                if value is not None and bytes(value[:4]) == b"TKVB":
-                    v = bytearray(value)
-                    v[-7] ^= 0x5A
-                    txn.put(NS.digest() + key, bytes(v), db=db)
-                    return
-    finally:
-        env.close()
-    raise AssertionError("block not found on disk")
+    def flip(storage_key: bytes, value: bytes) -> bytes | None:
+        if storage_key != NS.digest() + key:
+            return None
+        return value[:-7] + bytes([value[-7] ^ 0x5A]) + value[-6:]
+
+    assert rewrite_stored_blocks(path, flip) == 1
 
 
 def _step(conn, new=(), cached=()):

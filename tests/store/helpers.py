@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import lmdb
 import torch
 
 from tiered_kv.config import TieredKVConfig
@@ -44,3 +45,25 @@ def make_store(tmp_path=None, *, ns: Namespace = NS, host: str = "1MiB",
 def load(store: TieredStore, keys: list[bytes]) -> tuple[list[bool], list[torch.Tensor]]:
     outs = [torch.zeros(store.shape, dtype=store.dtype) for _ in keys]
     return store.load_into(keys, outs), outs
+
+
+def rewrite_stored_blocks(path, edit) -> int:
+    """Apply ``edit(storage key, value) -> new value or None (leave it)`` to every stored block of
+    the LMDB directory ``path``, behind the store's back; how many were rewritten."""
+    env = lmdb.open(str(path), max_dbs=16)
+    n = 0
+    try:
+        with env.begin() as txn:
+            names = [k for k, _ in txn.cursor()]
+        for name in names:
+            db = env.open_db(name)
+            with env.begin(db=db, write=True) as txn:
+                for k, v in list(txn.cursor()):
+                    if len(k) == 32 and bytes(v[:4]) == b"TKVB":
+                        new = edit(bytes(k), bytes(v))
+                        if new is not None:
+                            txn.put(k, new, db=db)
+                            n += 1
+    finally:
+        env.close()
+    return n

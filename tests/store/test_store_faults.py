@@ -12,7 +12,7 @@ from pathlib import Path
 import lmdb
 import torch
 
-from tests.store.helpers import NS, keys_for, load, make_store, payloads
+from tests.store.helpers import NS, keys_for, load, make_store, payloads, rewrite_stored_blocks
 from tiered_kv.codec import BlockCodec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,23 +37,6 @@ def _lmdb_values(path: Path) -> list[tuple[bytes, int]]:
 def _db_names(env) -> list[bytes]:
     with env.begin() as txn:
         return [k for k, _ in txn.cursor()]
-
-
-def _rewrite(path: Path, edit) -> int:
-    """Apply ``edit(key, value) -> new value`` to every stored block, behind the store's back."""
-    env = lmdb.open(str(path), max_dbs=16)
-    n = 0
-    try:
-        for name in _db_names(env):
-            db = env.open_db(name)
-            with env.begin(db=db, write=True) as txn:
-                for k, v in list(txn.cursor()):
-                    if len(k) == 32 and bytes(v[:4]) == b"TKVB":
-                        txn.put(k, edit(k, bytes(v)), db=db)
-                        n += 1
-    finally:
-        env.close()
-    return n
 
 
 def test_restart_child_saves_flushes_exits_and_a_new_process_loads_everything(tmp_path):
@@ -133,7 +116,7 @@ def test_flipped_bytes_in_lmdb_values_are_corrupt_misses_never_returned(tmp_path
         pos = len(v) - 7 if k[-1] % 2 else 40  # some bodies, some headers
         return v[:pos] + bytes([v[pos] ^ 0x5A]) + v[pos + 1:]
 
-    assert _rewrite(tmp_path / "lmdb", flip) == 6
+    assert rewrite_stored_blocks(tmp_path / "lmdb", flip) == 6
     with make_store(tmp_path) as store:
         assert store.lookup(keys) == 6, "lookup only asks for presence"
         ok, outs = load(store, keys)
@@ -148,7 +131,7 @@ def test_truncated_lmdb_values_are_corrupt_misses(tmp_path):
     with make_store(tmp_path) as store:
         store.save(keys, payloads(store, 3))
         store.flush()
-    _rewrite(tmp_path / "lmdb", lambda k, v: v[: len(v) // 2])
+    rewrite_stored_blocks(tmp_path / "lmdb", lambda k, v: v[: len(v) // 2])
     with make_store(tmp_path) as store:
         ok, _ = load(store, keys)
         assert ok == [False] * 3
@@ -171,7 +154,7 @@ def test_block_stored_under_another_namespace_is_a_namespace_mismatch_miss(tmp_p
         raw = BlockCodec().decode(v)[1]
         return codec.encode(raw, dtype=header.dtype, shape=shape, namespace=other, key=header.key)
 
-    _rewrite(tmp_path / "lmdb", reown)
+    rewrite_stored_blocks(tmp_path / "lmdb", reown)
     with make_store(tmp_path) as store:
         ok, _ = load(store, keys)
         assert ok == [False, False]
