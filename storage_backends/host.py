@@ -125,6 +125,8 @@ class HostBackend(Backend):
                     entry.refs += int(pin)
                     self._ready += 1
                     self._entries.move_to_end(key)
+                    if entry.retired and entry.refs == 0:  # retired while being filled
+                        self._drop(key, entry)
 
     def abort_many(self, keys: Sequence[bytes]) -> None:
         """Roll back reservations that were never committed."""
@@ -158,18 +160,19 @@ class HostBackend(Backend):
                         self._drop(key, entry)
 
     def retire_many(self, keys: Sequence[bytes]) -> int:
-        """Withdraw committed entries whose bytes may be wrong: an unleased one is dropped now, a
-        leased one becomes invisible at once (no lookup, pin or read sees it) and is dropped when
-        its last lease ends. Returns how many stay behind, leased."""
+        """Withdraw entries whose bytes may be wrong: an unleased one is dropped now; a leased one,
+        or one reserved and still being filled, becomes invisible at once (no lookup, pin or read
+        sees it; a commit does not publish it) and is dropped when its last lease ends. Returns
+        how many stay behind."""
         left = 0
         with self._lock:
             for key in keys:
                 entry = self._entries.get(key)
-                if entry is None or not entry.ready:
+                if entry is None:
                     continue
-                if entry.refs == 0:
+                if entry.ready and entry.refs == 0:
                     self._drop(key, entry)
-                else:
+                else:  # leased, or reserved and being filled: withdrawn once that ends
                     entry.retired = True
                     left += 1
         return left

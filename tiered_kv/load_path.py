@@ -21,6 +21,7 @@ import torch
 
 from storage_backends.host import HostBackend
 from tiered_kv.config import TieredKVConfig
+from tiered_kv.invalidation import Invalidations
 from tiered_kv.metrics import StoreMetrics
 from tiered_kv.tier import EncodedTier
 from tiered_kv.transfer import TransferPool
@@ -73,6 +74,7 @@ class LoadPath:
     _slot_rows: np.ndarray
     _lock: threading.Lock
     _leases: dict[str, LoadPlan]
+    invalidations: Invalidations
 
     def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
         """Lease ``keys`` for a coming load: host entries are pinned now, disk ones protected."""
@@ -119,6 +121,12 @@ class LoadPath:
         if host_hits:
             self.metrics.hit("host", host_hits, host_hits * self.block_nbytes)
         todo = [i for i, s in enumerate(plan.sources) if s != "host"]
+        withdrawn = self.invalidations.suppressed([plan.keys[i] for i in todo]) if todo else []
+        if any(withdrawn):  # their lower-tier copies may be wrong and are being deleted
+            for i in [i for i, w in zip(todo, withdrawn) if w]:
+                plan.reasons[i] = "invalidated"
+                self.metrics.miss("host", "invalidated")
+            todo = [i for i, w in zip(todo, withdrawn) if not w]
         if not todo:
             return plan
         per_job = -(-len(todo) // self.config.workers)

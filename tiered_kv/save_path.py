@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,6 +17,7 @@ import torch
 from storage_backends.host import HostBackend
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import BackendError
+from tiered_kv.invalidation import Invalidations, after
 from tiered_kv.keys import Namespace
 from tiered_kv.metrics import StoreMetrics
 from tiered_kv.records import encode_namespace, namespace_key
@@ -25,7 +26,6 @@ from tiered_kv.transfer import TransferPool
 
 log = logging.getLogger(__name__)
 
-REPLACING = b"replacing:"  # host name prefix of recomputed blocks staged to overwrite stored copies
 SAVE_CHUNK_BYTES = 16 << 20  # write-behind job size: enough blocks to amortise a txn
 RECORD_CHECK_S = 60.0  # how often the write path re-checks a tier's namespace record
 
@@ -37,8 +37,6 @@ class SaveBatch:
     keys: list[bytes]
     slots: list[int]
     skipped: int = 0  # keys already stored in the host tier or without room
-    replace: bool = False  # overwrite copies of these keys in every tier (recomputed KV)
-    withdrawn: list[bytes] = field(default_factory=list)  # replace: keys without room, deleted below
 
 
 class SavePath:
@@ -54,18 +52,10 @@ class SavePath:
     block_nbytes: int
     _slot_rows: np.ndarray
     _record_due: dict[str, float]
-    _writes_lock: threading.Lock
-    _writes_in_flight: dict[bytes, Future]  # key -> its latest write-behind not finished yet
+    invalidations: Invalidations
 
-    def prepare_save(self, keys: Sequence[bytes], *, replace: bool = False) -> SaveBatch:
-        """Phase one: reserve host slots for the keys not stored yet.
-
-        With ``replace`` (the KV was recomputed because a stored copy may be wrong) the host's
-        copies are retired (a leased one stays readable to its lease only) and the new bytes go
-        into slots under a private staging name, from which write-behind overwrites the lower
-        tiers' copies, after any write of the same keys still in flight."""
-        if replace:
-            return self._prepare_replace(list(keys))
+    def prepare_save(self, keys: Sequence[bytes]) -> SaveBatch:
+        """Phase one: reserve host slots for the keys not stored yet."""
         slots = self.host.reserve_many(list(keys))
         kept = [(k, s) for k, s in zip(keys, slots) if s is not None]
         skipped = len(keys) - len(kept)
@@ -75,32 +65,17 @@ class SavePath:
                 self.metrics.event("saves_no_room", skipped - present)
         return SaveBatch([k for k, _ in kept], [s for _, s in kept], skipped)
 
-    def _prepare_replace(self, keys: list[bytes]) -> SaveBatch:
-        self.host.retire_many(keys)
-        staged = [REPLACING + k for k in keys]
-        slots = self.host.reserve_many(staged)
-        kept = [(k, s) for k, s in zip(keys, slots) if s is not None]
-        withdrawn = [k for k, s in zip(keys, slots) if s is None]
-        if withdrawn:  # no room to stage (or a replacement of the key is still being written):
-            # the possibly wrong copies are deleted from the lower tiers instead
-            self.metrics.event("replaces_withdrawn", len(withdrawn))
-            self._write_replacements([], withdrawn)
-        return SaveBatch([k for k, _ in kept], [s for _, s in kept], len(withdrawn), True)
-
     def commit_save(self, batch: SaveBatch, ok: bool = True) -> Future | None:
         """Phase two: publish the filled slots (or roll back) and queue write-behind."""
         if not batch.keys:
             return None
-        names = [REPLACING + k for k in batch.keys] if batch.replace else batch.keys
         if not ok:
-            self.host.abort_many(names)
+            self.host.abort_many(batch.keys)
             self.metrics.event("saves_rolled_back", len(batch.keys))
             return None
-        self.host.commit_many(names)
+        self.host.commit_many(batch.keys)
         self.metrics.wrote("host", len(batch.keys), len(batch.keys) * self.block_nbytes,
                            len(batch.keys) * self.block_nbytes, 0.0)
-        if batch.replace:
-            return self._write_replacements(batch.keys, [])
         return self._write_behind(batch.keys)
 
     def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor]) -> Future | None:
@@ -140,15 +115,42 @@ class SavePath:
             pinned = [(k, s) for k, s in zip(chunk, slots) if s is not None]
             if not pinned:
                 continue
-            fut = self.pool.try_submit_save(len(pinned) * self.block_nbytes,
-                                            lambda p=pinned: self._write_job(p, targets))
-            if fut is None:
-                self.host.unpin_many([k for k, _ in pinned])
-                self.metrics.event("saves_dropped", len(pinned))
-                continue
-            self._track_writes([k for k, _ in pinned], fut)
-            futures.append(fut)
+            fut = self._submit_write(pinned, targets)
+            if fut is not None:
+                futures.append(fut)
         return gather(futures)
+
+    def _submit_write(self, pinned: list[tuple[bytes, int]], targets: list[EncodedTier]) -> Future | None:
+        """Queue the write of ``pinned`` (after any delete in flight of the same keys: that is
+        a withdrawn wrong copy, and this is its recomputed replacement); None when dropped."""
+        keys = [k for k, _ in pinned]
+        deletes = self.invalidations.deletes_of(keys)
+        nbytes = len(pinned) * self.block_nbytes
+        if not deletes:
+            fut = self.pool.try_submit_save(nbytes, lambda: self._write_job(pinned, targets))
+            if fut is None:
+                self._drop_write(keys)
+                return None
+            self.invalidations.track_write(keys, fut)
+            return fut
+        out: Future = Future()
+        self.invalidations.track_write(keys, out)
+
+        def start() -> None:
+            job = self.pool.try_submit_save(nbytes, lambda: self._write_job(pinned, targets))
+            if job is None:
+                self._drop_write(keys)
+                out.set_result(0)
+            else:
+                job.add_done_callback(lambda j: out.set_exception(j.exception()) if j.exception()
+                                      else out.set_result(j.result()))
+
+        after(deletes, start)
+        return out
+
+    def _drop_write(self, keys: list[bytes]) -> None:
+        self.host.unpin_many(keys)
+        self.metrics.event("saves_dropped", len(keys))
 
     def _write_job(self, pinned: list[tuple[bytes, int]], targets: list[EncodedTier]) -> int:
         try:
@@ -157,70 +159,13 @@ class SavePath:
         finally:
             self.host.unpin_many([k for k, _ in pinned])
 
-    def _track_writes(self, keys: list[bytes], fut: Future) -> None:
-        """Remember the write in flight for each key (a replacement must land after it)."""
-        with self._writes_lock:
-            for k in keys:
-                self._writes_in_flight[k] = fut
-
-        def done(_f: Future) -> None:
-            with self._writes_lock:
-                for k in keys:
-                    if self._writes_in_flight.get(k) is fut:
-                        del self._writes_in_flight[k]
-
-        fut.add_done_callback(done)
-
-    def _write_replacements(self, keys: list[bytes], withdrawn: list[bytes]) -> Future:
-        """Overwrite the lower tiers' copies of ``keys`` from their staged host slots and delete
-        those of ``withdrawn``, once every earlier write of those keys has finished (else an
-        older, wrong copy could land last). Replacements are few (only after a rollback) and
-        never dropped: they bypass the save budget."""
-        targets = [t for t in self.lower if t.policy == "write_through"]
-        staged = [REPLACING + k for k in keys]
-        with self._writes_lock:
-            earlier = {id(f): f for k in keys + withdrawn
-                       if (f := self._writes_in_flight.get(k)) is not None}
-        out: Future = Future()
-        self._track_writes(keys + withdrawn, out)
-
-        def run() -> None:
-            slots = self.host.pin_many(staged)
-            try:
-                items = [(k, self.host.slot_view(s, self.block_nbytes).numpy())
-                         for k, s in zip(keys, slots) if s is not None]
-                if targets and items:
-                    self._write_lower(items, targets, replace=True)
-                for tier in self.lower if withdrawn else ():
-                    try:
-                        tier.backend.delete_many([tier.storage_key(k) for k in withdrawn])
-                    except BackendError as exc:
-                        log.warning("%s tier: %d possibly wrong blocks not deleted: %s", tier.name,
-                                    len(withdrawn), exc)
-            finally:
-                self.host.unpin_many([n for n, s in zip(staged, slots) if s is not None])
-                self.host.delete_many(staged)
-
-        def start(_f: object = None) -> None:
-            job = self.pool.submit_save(len(keys) * self.block_nbytes, run)
-            job.add_done_callback(lambda j: out.set_exception(j.exception()) if j.exception()
-                                  else out.set_result(len(keys)))
-
-        waiting = gather(list(earlier.values()))
-        if waiting is None:
-            start()
-        else:
-            waiting.add_done_callback(start)
-        return out
-
-    def _write_lower(self, items: list[tuple[bytes, object]], targets: list[EncodedTier],
-                     replace: bool = False) -> int:
+    def _write_lower(self, items: list[tuple[bytes, object]], targets: list[EncodedTier]) -> int:
         """Encode (once per codec setting) and store ``items`` in each target tier (keys the tier
-        holds already are skipped unless ``replace``)."""
+        holds already are skipped)."""
         stored = 0
         encoded: dict[tuple[str, int], dict[bytes, bytes]] = {}
         for tier in targets:
-            have = [False] * len(items) if replace else tier.contains([k for k, _ in items])
+            have = tier.contains([k for k, _ in items])
             todo = [(k, p) for (k, p), held in zip(items, have) if not held]
             if not todo:
                 continue
@@ -256,6 +201,8 @@ class SavePath:
                                         lambda: self._write_lower([(key, payload)], targets))
         if fut is None:
             self.metrics.event("saves_dropped")
+        else:
+            self.invalidations.track_write([key], fut)
 
 
 def gather(futures: list[Future]) -> Future | None:

@@ -29,6 +29,7 @@ from tiered_kv.codec import BlockCodec
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import ConfigError
 from tiered_kv.host_copy import HostCopier
+from tiered_kv.invalidation import Invalidations
 from tiered_kv.keys import Namespace
 from tiered_kv.load_path import LoadPath, LoadPlan
 from tiered_kv.metrics import StoreMetrics
@@ -76,9 +77,8 @@ class TieredStore(SavePath, LoadPath, SlotViews):
         self.lower = [t for t in (self.disk, self.remote) if t is not None]
         self.presence = RankedPresence(namespace, [(t.name, t.backend) for t in self.lower],
                                        config.lookup_timeout, self.metrics.miss)
+        self.invalidations = Invalidations(self.host, self.lower, self.pool, self.metrics)
         self._record_due: dict[str, float] = {}  # tier -> when to check its namespace record
-        self._writes_lock = threading.Lock()
-        self._writes_in_flight: dict = {}  # key -> its write-behind in flight (save_path)
         self._lock = threading.Lock()
         self._leases: dict[str, LoadPlan] = {}
         self._closed = False
@@ -107,8 +107,17 @@ class TieredStore(SavePath, LoadPath, SlotViews):
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` every tensor-parallel rank can load (this rank from any
-        tier, the others from the shared lower tiers). Side-effect free, bounded in time."""
+        tier, the others from the shared lower tiers). Side-effect free, bounded in time; keys
+        being withdrawn (:meth:`invalidate`) count as absent."""
+        withdrawn = self.invalidations.suppressed(keys)
+        if any(withdrawn):
+            keys = keys[: withdrawn.index(True)]
         return self.presence.lookup(keys, self.host.contains_many(keys))
+
+    def invalidate(self, keys: Sequence[bytes]):
+        """Withdraw every copy of ``keys`` from every tier (their KV may be wrong); see
+        :mod:`tiered_kv.invalidation`. Returns a future done when the lower tiers are clean."""
+        return self.invalidations.invalidate(keys)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:

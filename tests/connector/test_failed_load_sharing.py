@@ -107,8 +107,12 @@ def test_blocks_computed_over_a_block_that_failed_to_load_for_another_request_ar
     conn.close()
 
 
-def test_recomputed_blocks_replace_a_stored_copy_that_may_be_wrong(tmp_path):
-    shared_keys = _seed_store(tmp_path)
+def test_kv_saved_over_a_block_that_failed_on_another_rank_is_withdrawn_and_recomputed_kv_stored(tmp_path):
+    """This rank saved B's blocks 4 and 5 (its own loads succeeded); another rank's load of block 1
+    failed, so B's KV after block 1 is wrong everywhere (it went through the all-reduce). The
+    engine reports the failed block; every rank withdraws the keys computed over it, and the
+    recomputed KV is what ends up stored."""
+    _seed_store(tmp_path)
     conn = _connector(tmp_path)
     pool = _pool()
     conn.register_kv_caches(pool)
@@ -117,26 +121,53 @@ def test_recomputed_blocks_replace_a_stored_copy_that_may_be_wrong(tmp_path):
     b_blocks = [0, 1, 2, 3, 10, 11, 12]
     conn.scheduler.get_num_new_matched_tokens(b, 4 * BS)
     conn.scheduler.update_state_after_alloc(b, b_blocks, 0)
-    _fill(pool, [0, 1, 2, 3, 10, 11], -3.0)  # wrong KV: saved before anyone knew
+    _fill(pool, [10, 11], -3.0)  # computed over a block that failed on the other rank
     _step(conn, new=[RequestStep("B", b_tokens, b_blocks, 4 * BS, len(b_tokens) - 4 * BS)])
     conn.worker.wait_for_save()
     conn.worker.flush_copies()
+    conn.store.flush()
     b_keys = conn.scheduler.keys_of("B")
     wrong = _stored_copy(conn, b_keys[4])
     assert wrong is not None and float(wrong.float().mean()) == -3.0 + 10
-    # the engine learns block 1 was bad, rolls B back to token 16 and recomputes blocks 1..5
+    conn.scheduler.blocks_failed({1})  # vLLM: update_connector_output(invalid_block_ids={1})
+    other = RequestView("C", b_tokens, len(b_tokens), None)  # meanwhile nobody is promised them
+    assert conn.scheduler.get_num_new_matched_tokens(other, 0) == (2 * BS, False)
+    # the engine rolls B back to block 1 and recomputes blocks 1..5
     _fill(pool, [1, 2, 3, 10, 11], 2.0)
     meta = _step(conn, cached=[RequestStep("B", [], [], 1 * BS, len(b_tokens) - 1 * BS)])
-    assert [s.first_block for s in meta.saves] == [1]
+    assert set(meta.invalidate) == set(b_keys[2:6])
     conn.worker.wait_for_save()
     conn.worker.flush_copies()
     conn.store.flush()
     assert float(_stored_copy(conn, b_keys[4]).float().mean()) == 2.0 + 10, "the wrong copy stayed"
-    assert shared_keys[1] == b_keys[1]
+    assert conn.store.metrics.snapshot()["events"]["blocks_invalidated"] == 4
     conn.close()
     reopened = _connector(tmp_path)  # and on disk, where the next process reads it
     assert float(_stored_copy(reopened, b_keys[4]).float().mean()) == 2.0 + 10
+    assert float(_stored_copy(reopened, b_keys[2]).float().mean()) == 2.0 + 2
     reopened.close()
+
+
+def test_vllm_reports_of_failed_blocks_reach_the_next_plan(tmp_path):
+    from types import SimpleNamespace
+
+    from tests.integrations.vllm_engine import kv_cache_config, vllm_config
+    from tiered_kv.integrations.vllm import KVConnectorRole, TieredKVConnector
+
+    cfg = vllm_config({"disk": {"url": f"lmdb://{tmp_path}/db"}})
+    sched = TieredKVConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+    try:
+        core = sched._sched._core()
+        view = RequestView("r", SHARED + [1], len(SHARED) + 1, None)
+        core.get_num_new_matched_tokens(view, 0)
+        core.update_state_after_alloc(view, [7, 8, 9, 10, 11], 0)
+        core.build_connector_meta(StepOutput([RequestStep("r", view.prompt_token_ids, [7, 8, 9, 10, 11], 0,
+                                                          len(view.prompt_token_ids))], []))
+        sched.update_connector_output(SimpleNamespace(invalid_block_ids={8}, finished_sending=None))
+        meta = core.build_connector_meta(StepOutput([], []))
+        assert meta.invalidate == tuple(core.keys_of("r")[2:5])  # blocks after 8 in the table
+    finally:
+        sched.shutdown()
 
 
 def test_a_retired_host_copy_stays_readable_to_its_lease_and_invisible_to_everyone_else():
@@ -150,3 +181,19 @@ def test_a_retired_host_copy_stays_readable_to_its_lease_and_invisible_to_everyo
     assert bytes(host.slot_view(slot, 3).numpy()) == b"old"  # the lease still reads its bytes
     host.unpin_many([b"k"])
     assert host.stats().used_bytes == 0 and host.reserve_many([b"k"]) != [None]
+
+
+def test_a_host_copy_retired_while_being_filled_is_never_published():
+    from storage_backends.host import HostBackend
+
+    host = HostBackend(capacity=4 << 10, slot_bytes=1 << 10, pinned="no")
+    (slot,) = host.reserve_many([b"k"])  # a load is promoting the old copy right now
+    host.retire_many([b"k"])
+    host.commit_many([b"k"])
+    assert host.contains_many([b"k"]) == [False] and host.stats().used_bytes == 0
+    (slot,) = host.reserve_many([b"k"])  # the same, committed with a lease for its load
+    host.retire_many([b"k"])
+    host.commit_many([b"k"], pin=True)
+    assert host.contains_many([b"k"]) == [False] and host.pin_many([b"k"]) == [None]
+    host.unpin_many([b"k"])
+    assert host.stats().used_bytes == 0

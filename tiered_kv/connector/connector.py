@@ -57,7 +57,9 @@ class TieredKVConnector:
         return self.worker.get_finished(finished_req_ids, started_loading_req_ids)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker.get_block_ids_with_load_errors()
+        failed = self.worker.get_block_ids_with_load_errors()
+        self.scheduler.blocks_failed(failed)  # what an engine's scheduler learns from its workers
+        return failed
 
     def close(self) -> None:
         self.worker.close()

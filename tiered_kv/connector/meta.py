@@ -24,7 +24,6 @@ class SaveSpec:
     block_ids: tuple[int, ...]  # device block per key
     first_block: int  # index of the first block within the request
     context_block_ids: tuple[int, ...] = ()  # the request's blocks before first_block (its prefix)
-    replace: bool = False  # recomputed after a rollback: overwrite stored copies of these keys
 
 
 @dataclass
@@ -33,6 +32,7 @@ class ConnectorMeta:
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    invalidate: tuple[bytes, ...] = ()  # keys computed over a failed load: every rank withdraws them
 
     def is_empty(self) -> bool:
-        return not self.loads and not self.saves
+        return not self.loads and not self.saves and not self.invalidate

@@ -8,10 +8,13 @@ token. ``update_state_after_alloc`` leases the matched blocks and records their 
 full block (prompt and generated tokens alike), each with the request's block table before it
 (the worker drops a save whose prefix holds a block that failed to load).
 
-When the engine rolls a request back (it recomputes from a failed load's first bad block), its
-next saves are marked ``replace``: a stored copy of those keys may be wrong and the recomputed
-KV overwrites it. A request whose promised async load failed is never promised external tokens
-again (engines re-match it; promising the same failing blocks would loop forever).
+When the engine reports blocks that failed to load (:meth:`ConnectorScheduler.blocks_failed`:
+vLLM's ``invalid_block_ids``, aggregated over ranks), the keys of every block planned for saving
+after a failed one in a request's block table may hold KV computed over garbage (on another
+tensor-parallel rank, whose own loads succeeded): the next step's plan tells every rank to
+withdraw them (``invalidate``), and lookups treat them as absent meanwhile. The recomputed KV is
+then saved like any other. A request whose promised async load failed is never promised
+external tokens again (engines re-match it; promising the same failing blocks would loop).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec
 from tiered_kv.keys import KeyChain, Namespace
 
 log = logging.getLogger(__name__)
+
+SUSPECT_STEPS = 4  # plans a withdrawn key stays absent for lookups (async schedulers run ahead)
 
 
 class BlockIndex(Protocol):
@@ -44,7 +49,7 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     external: int = 0  # tokens matched externally at allocation
     saved: int = 1 << 62  # leading blocks already stored (or being stored)
-    planned: int = 0  # blocks planned for saving so far (a rollback below it means recompute)
+    planned: int = 0  # blocks planned for saving so far (withdrawn when a block before failed)
     had_saves: bool = False  # whether any save was planned (request_finished holds blocks)
     promised: bool = False  # an async load was promised and has not been seen to complete
     no_loads: bool = False  # a promised load failed: claim nothing more for this request
@@ -63,6 +68,8 @@ class ConnectorScheduler:
         self._requests: dict[str, _Request] = {}
         self._matched_from: dict[str, int] = {}  # request -> first block of the last match
         self._loads: list[LoadSpec] = []
+        self._invalidate: list[bytes] = []  # keys to withdraw in the next step's plan
+        self._suspect: dict[bytes, int] = {}  # withdrawn keys -> steps they still count as absent
 
     # -- keys ----------------------------------------------------------------------------------
     def _state(self, request_id: str, tokens: Sequence[int], extra: str | None = None) -> _Request:
@@ -97,6 +104,8 @@ class ConnectorScheduler:
         if num_computed_tokens % bs or first >= last or state.no_loads:
             return 0, False
         n = self.index.lookup(state.chain.keys[first:last])
+        if self._suspect:
+            n = next((i for i, k in enumerate(state.chain.keys[first : first + n]) if k in self._suspect), n)
         self._matched_from[request.request_id] = first
         if n == 0:
             return 0, False
@@ -118,9 +127,28 @@ class ConnectorScheduler:
         self._loads.append(LoadSpec(request.request_id, tuple(keys),
                                     tuple(state.block_ids[first : first + n]), self.load_async))
 
+    def blocks_failed(self, block_ids) -> None:
+        """The engine reports device blocks whose load failed: withdraw, on every rank, the keys
+        of blocks planned for saving after one of them in a request's block table."""
+        failed = set(block_ids)
+        if not failed:
+            return
+        keys: list[bytes] = []
+        for state in self._requests.values():
+            first = next((i for i, b in enumerate(state.block_ids) if b in failed), None)
+            if first is not None and first + 1 < state.planned:
+                keys.extend(state.chain.keys[first + 1 : state.planned])
+        if keys:
+            log.info("%d saved blocks were computed over %d failed blocks: withdrawing them",
+                     len(keys), len(failed))
+            self._invalidate.extend(keys)
+            self._suspect.update(dict.fromkeys(keys, SUSPECT_STEPS))
+
     def build_connector_meta(self, scheduler_output) -> ConnectorMeta:
-        meta = ConnectorMeta(loads=self._loads)
-        self._loads = []
+        meta = ConnectorMeta(loads=self._loads, invalidate=tuple(dict.fromkeys(self._invalidate)))
+        self._loads, self._invalidate = [], []
+        if self._suspect:  # withdrawn by the workers once they ran the plans that carried them
+            self._suspect = {k: n - 1 for k, n in self._suspect.items() if n > 1}
         for rd in scheduler_output.new_requests:
             state = self._state(rd.request_id, rd.new_tokens)
             state.block_ids = list(rd.new_block_ids) or state.block_ids
@@ -148,8 +176,7 @@ class ConnectorScheduler:
         first = state.saved
         meta.saves.append(SaveSpec(request_id, tuple(state.chain.keys[first:full]),
                                    tuple(state.block_ids[first:full]), first,
-                                   context_block_ids=tuple(state.block_ids[:first]),
-                                   replace=first < state.planned))
+                                   context_block_ids=tuple(state.block_ids[:first])))
         state.saved = full
         state.planned = max(state.planned, full)
         state.had_saves = True

@@ -11,8 +11,9 @@ Nothing computed over a block that failed to load is saved. Engines share a bloc
 one request with other requests of the same step (vLLM's prefix cache), so failures are tracked
 by *block id*: a failed block is tainted until a later step computes it again (it then appears
 among a save's own blocks), and a save whose request's block table holds a tainted block before
-its own blocks is dropped (counted ``saves_dropped_failed_load``). Saves the scheduler marks
-``replace`` (recomputed after a rollback) overwrite stored copies of their keys.
+its own blocks is dropped (counted ``saves_dropped_failed_load``). Keys the scheduler names in
+``invalidate`` (computed over a block that failed on some rank) are withdrawn from every tier
+before the step's loads and saves (:mod:`tiered_kv.invalidation`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ class ConnectorWorker:
 
     # -- loads -----------------------------------------------------------------------------------
     def start_load_kv(self, *args, **kwargs) -> None:
+        if self.meta.invalidate:
+            self.flush_copies()  # a save of those keys still copying must not be committed later
+            self.store.invalidate(self.meta.invalidate)
         sync: list[_PendingLoad] = []
         for spec in self.meta.loads:
             plan = self.store.load(self.store.take_lease(spec.request_id, spec.keys))
@@ -145,18 +149,15 @@ class ConnectorWorker:
         if not specs:
             return
         items, owners = self._save_items(specs)
-        for replace in (False, True):
-            part = [(k, b) for k, b, r in items if r == replace]
-            if not part:
-                continue
-            batch = self.store.prepare_save([k for k, _ in part], replace=replace)
+        if items:
+            batch = self.store.prepare_save([k for k, _ in items])
             if batch.keys:
-                index = {k: b for k, b in part}
+                index = dict(items)
                 self._gather([index[k] for k in batch.keys], batch.slots, batch, owners)
         self._commit_ready()
 
-    def _save_items(self, specs: list[SaveSpec]) -> tuple[list[tuple[bytes, int, bool]], set[str]]:
-        """(key, block id, replace) of the saves to make, and the requests they belong to."""
+    def _save_items(self, specs: list[SaveSpec]) -> tuple[list[tuple[bytes, int]], set[str]]:
+        """(key, block id) of the saves to make, and the requests they belong to."""
         kept, dropped = [], []
         for spec in specs:
             self._save_requests.add(spec.request_id)
@@ -171,7 +172,7 @@ class ConnectorWorker:
             self.store.metrics.event("saves_dropped_failed_load", n)
             log.info("%d blocks of %d requests were computed over a failed load and are not saved",
                      n, len({spec.request_id for spec in dropped}))
-        items = [(k, b, spec.replace) for spec in kept for k, b in zip(spec.keys, spec.block_ids)]
+        items = [(k, b) for spec in kept for k, b in zip(spec.keys, spec.block_ids)]
         return items, {spec.request_id for spec in kept}
 
     def _gather(self, block_ids: list[int], slots: list[int], batch: SaveBatch, owners: set[str]) -> None:

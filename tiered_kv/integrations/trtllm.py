@@ -31,6 +31,7 @@ import json
 import logging
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any
 
@@ -206,7 +207,8 @@ class TieredKVScheduler(_SchedulerBase):
         plan = self.store.load(self.store.prepare_load(keys))
         finished = True
         try:
-            plan.wait(self.store.config.remote.timeout)
+            futures_wait(plan.futures, self.store.config.remote.timeout)  # one deadline for all
+            plan.wait(0)
         except FutureTimeout:  # a hung tier: promise only what needed no read (host-resident)
             finished = False
             log.warning("tiered-kv: reading matched blocks of %s took over %.1fs; promising the "

@@ -225,7 +225,11 @@ class TieredKVConnector(KVConnectorBase_V1):
         return self._sched.request_finished(request, block_ids), None
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """Nothing to track: the engine frees held blocks on ``finished_sending``."""
+        """Blocks that failed to load on any rank (vLLM aggregates ``invalid_block_ids`` over
+        the workers): KV computed over them is withdrawn from every rank's store next step."""
+        failed = getattr(connector_output, "invalid_block_ids", None)
+        if failed and self._sched is not None and self._sched.core is not None:
+            self._sched.core.blocks_failed(failed)
 
     # -- worker side ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict) -> None:

@@ -1,0 +1,138 @@
+"""Withdrawing stored copies that may be wrong, in order with the writes of the same keys.
+
+When a block fails to load, KV computed over it in that step may already have been saved (by
+another tensor-parallel rank, whose own loads succeeded; or before anyone knew). The scheduler
+then names the keys computed over the failed block, and every rank withdraws its copies:
+
+- at once, the keys are *suppressed*: lookups and lower-tier loads treat them as absent, and
+  the host tier retires its copies (a copy leased by a load in flight stays readable to that
+  load only);
+- a delete job removes them from the lower tiers after every write of those keys already in
+  flight (else an older, wrong copy could land after the delete);
+- a write of those keys submitted meanwhile (the recomputed KV) runs after the delete;
+- when the delete is done the keys are no longer suppressed.
+
+Deletes are rare (only after a failed load) and never dropped for the save budget.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+
+from storage_backends.host import HostBackend
+from tiered_kv.errors import BackendError
+from tiered_kv.metrics import StoreMetrics
+from tiered_kv.tier import EncodedTier
+from tiered_kv.transfer import TransferPool
+
+log = logging.getLogger(__name__)
+
+
+def after(futures: Sequence[Future], fn: Callable[[], None]) -> None:
+    """Run ``fn`` once every future of ``futures`` is done (at once when none is pending)."""
+    pending = [f for f in futures if not f.done()]
+    if not pending:
+        fn()
+        return
+    left = [len(pending)]
+    lock = threading.Lock()
+
+    def one_done(_f: Future) -> None:
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            fn()
+
+    for f in pending:
+        f.add_done_callback(one_done)
+
+
+class Invalidations:
+    """Suppressed keys, deletes in flight and writes in flight, per key."""
+
+    def __init__(self, host: HostBackend, tiers: list[EncodedTier], pool: TransferPool,
+                 metrics: StoreMetrics) -> None:
+        self.host, self.tiers, self.pool, self.metrics = host, tiers, pool, metrics
+        self._lock = threading.Lock()
+        self._suppressed: Counter[bytes] = Counter()  # key -> invalidations not finished
+        self._writes: dict[bytes, Future] = {}  # key -> its latest write-behind in flight
+        self._deletes: dict[bytes, Future] = {}  # key -> its delete in flight
+
+    # -- what others ask -----------------------------------------------------------------------
+    def suppressed(self, keys: Sequence[bytes]) -> list[bool]:
+        if not self._suppressed:  # the common case: nothing is being withdrawn
+            return [False] * len(keys)
+        with self._lock:
+            return [k in self._suppressed for k in keys]
+
+    def deletes_of(self, keys: Sequence[bytes]) -> list[Future]:
+        """Deletes in flight of any of ``keys`` (a write of them must come after)."""
+        if not self._deletes:
+            return []
+        with self._lock:
+            return list({id(f): f for k in keys if (f := self._deletes.get(k)) is not None}.values())
+
+    def track_write(self, keys: Sequence[bytes], fut: Future) -> None:
+        """Remember ``fut`` as the write in flight of ``keys`` until it is done."""
+        keys = list(keys)
+        with self._lock:
+            for k in keys:
+                self._writes[k] = fut
+
+        def done(_f: Future) -> None:
+            with self._lock:
+                for k in keys:
+                    if self._writes.get(k) is fut:
+                        del self._writes[k]
+
+        fut.add_done_callback(done)
+
+    # -- withdrawing ---------------------------------------------------------------------------
+    def invalidate(self, keys: Sequence[bytes]) -> Future:
+        """Withdraw every copy of ``keys`` (see the module docstring); done when the lower tiers
+        no longer hold them."""
+        keys = list(dict.fromkeys(keys))
+        out: Future = Future()
+        if not keys:
+            out.set_result(0)
+            return out
+        with self._lock:
+            self._suppressed.update(keys)
+            earlier = list({id(f): f for k in keys if (f := self._writes.get(k)) is not None}.values())
+            for k in keys:
+                self._deletes[k] = out
+        self.host.retire_many(keys)
+        self.metrics.event("blocks_invalidated", len(keys))
+
+        def finish(_f: Future | None = None) -> None:
+            with self._lock:
+                self._suppressed.subtract(keys)
+                self._suppressed += Counter()  # drop keys whose count reached zero
+                for k in keys:
+                    if self._deletes.get(k) is out:
+                        del self._deletes[k]
+            if not out.done():
+                out.set_result(len(keys))
+
+        def start() -> None:
+            try:
+                self.pool.submit_save(0, lambda: self._delete(keys)).add_done_callback(finish)
+            except RuntimeError:  # the pool is closed: nothing more will be written either
+                log.warning("%d possibly wrong blocks not deleted: the store is closing", len(keys))
+                finish()
+
+        after(earlier, start)
+        return out
+
+    def _delete(self, keys: list[bytes]) -> None:
+        for tier in self.tiers:
+            try:
+                tier.backend.delete_many([tier.storage_key(k) for k in keys])
+            except BackendError as exc:
+                self.metrics.event(f"{tier.name}_invalidate_failed", len(keys))
+                log.warning("%s tier: %d possibly wrong blocks not deleted: %s", tier.name, len(keys), exc)
