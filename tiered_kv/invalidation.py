@@ -20,36 +20,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 from storage_backends.host import HostBackend
 from tiered_kv.errors import BackendError
+from tiered_kv.futures import after
 from tiered_kv.metrics import StoreMetrics
 from tiered_kv.tier import EncodedTier
 from tiered_kv.transfer import TransferPool
 
 log = logging.getLogger(__name__)
-
-
-def after(futures: Sequence[Future], fn: Callable[[], None]) -> None:
-    """Run ``fn`` once every future of ``futures`` is done (at once when none is pending)."""
-    pending = [f for f in futures if not f.done()]
-    if not pending:
-        fn()
-        return
-    left = [len(pending)]
-    lock = threading.Lock()
-
-    def one_done(_f: Future) -> None:
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            fn()
-
-    for f in pending:
-        f.add_done_callback(one_done)
 
 
 class Invalidations:

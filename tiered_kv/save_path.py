@@ -5,7 +5,6 @@ namespace record kept next to the blocks."""
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -17,7 +16,8 @@ import torch
 from storage_backends.host import HostBackend
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import BackendError
-from tiered_kv.invalidation import Invalidations, after
+from tiered_kv.futures import after, gather
+from tiered_kv.invalidation import Invalidations
 from tiered_kv.keys import Namespace
 from tiered_kv.metrics import StoreMetrics
 from tiered_kv.records import encode_namespace, namespace_key
@@ -203,30 +203,3 @@ class SavePath:
             self.metrics.event("saves_dropped")
         else:
             self.invalidations.track_write([key], fut)
-
-
-def gather(futures: list[Future]) -> Future | None:
-    """One future that completes when all ``futures`` did (result: sum of their results)."""
-    if not futures:
-        return None
-    if len(futures) == 1:
-        return futures[0]
-    out: Future = Future()
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_f: Future) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            errors = [f.exception() for f in futures if f.exception() is not None]
-            if errors:
-                out.set_exception(errors[0])
-            else:
-                out.set_result(sum(f.result() or 0 for f in futures))
-
-    for f in futures:
-        f.add_done_callback(one_done)
-    return out
-

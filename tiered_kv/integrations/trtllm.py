@@ -252,7 +252,7 @@ class TieredKVScheduler(_SchedulerBase):
 
     def _release(self, plan: Any) -> None:
         """Release a read plan now, or when its reads end (never wait on a hung tier here)."""
-        from tiered_kv.save_path import gather
+        from tiered_kv.futures import gather
 
         reads = gather(list(plan.futures))
         if reads is None or reads.done():
