@@ -4,13 +4,8 @@ Header (``HEADER.size`` bytes): magic, format version, codec, dtype, zstd level,
 namespace digest, key, raw length, stored length, xxh3-64 checksum of the raw payload, xxh32 of
 the stored body (so a flip in a zstd frame is caught before decompressing, even one the
 decompressor would ignore), created time, and an xxh32 of all preceding header bytes (so a
-flipped header byte is caught even where the payload checksum would not see it). Bodies:
-
-- ``raw``: the payload bytes.
-- ``zstd``: the payload compressed with zstd.
-- ``zstd+shuffle``: for dtypes of 2 or 4 bytes the payload is split into byte planes; the high
-  planes (sign/exponent, compressible) are zstd-compressed, the lowest plane (mantissa noise) is
-  stored raw: ``u64 compressed_len | compressed high planes | raw low plane``.
+flipped header byte is caught even where the payload checksum would not see it). Bodies
+(``raw``, ``zstd``, ``zstd+shuffle``) are made and read by :mod:`tiered_kv.codec_body`.
 
 The codec knows bytes, dtypes by name and shapes; it never imports torch and never unpickles.
 Every decode validates every header field and the checksum and raises :class:`CorruptBlock`
@@ -31,15 +26,14 @@ from __future__ import annotations
 
 import operator
 import struct
-import threading
 import time
 from dataclasses import dataclass
 from math import prod
 
-import numpy as np
 import xxhash
 import zstandard
 
+from tiered_kv.codec_body import body_check, body_parts, compress_body, decompress_body, short
 from tiered_kv.errors import ConfigError, CorruptBlock, NamespaceMismatch
 
 MAGIC = b"TKVB"
@@ -66,13 +60,11 @@ DTYPES: dict[str, tuple[int, int]] = {
     "float64": (9, 8),
 }
 DTYPE_NAMES = {code: name for name, (code, _) in DTYPES.items()}
-_SHUFFLE_SEP = struct.Struct("<Q")
 # the most a zstd frame can expand: a block regenerates at most 128 KiB from at least 4 bytes
 # (3 of block header, 1 of RLE byte), and a frame has a header of its own besides
 ZSTD_MAX_RATIO = (128 << 10) // 4
 # the largest payload decoded for a block whose namespace (so whose size) the reader does not know
 MAX_RAW_BYTES = 1 << 30
-_DETAIL_CHARS = 160  # of an unexpected exception's message quoted in a CorruptBlock
 
 
 @dataclass(frozen=True)
@@ -127,41 +119,6 @@ def itemsize(dtype: str) -> int:
         raise ConfigError(f"unsupported KV dtype {dtype!r}; known: {sorted(DTYPES)}") from None
 
 
-class _Local(threading.local):
-    """Per-thread zstd contexts (they are not thread-safe) and a scratch buffer."""
-
-    def __init__(self) -> None:
-        self.cctx: dict[int, zstandard.ZstdCompressor] = {}
-        self.dctx = zstandard.ZstdDecompressor()
-        self.scratch = bytearray()
-
-    def compressor(self, level: int) -> zstandard.ZstdCompressor:
-        cctx = self.cctx.get(level)
-        if cctx is None:
-            # a 128 KiB window and a tiny hash table: KV bytes have almost no real matches, so a
-            # bigger table only finds spurious short ones. On bf16 KV, hash_log 8 vs 12: the same
-            # or better ratio (shuffled 1.459 -> 1.467) and ~1.5-2x faster compress, ~1.2x faster
-            # decompress (tools/bench_tiers.py, codec_encode/decode); zeros/repeats compress the same
-            params = zstandard.ZstdCompressionParameters.from_level(
-                level, window_log=17, hash_log=8, write_content_size=True)
-            cctx = self.cctx[level] = zstandard.ZstdCompressor(compression_params=params)
-        return cctx
-
-
-_local = _Local()
-
-
-def _planes(raw: memoryview, size: int) -> tuple[bytes, bytes]:
-    """Split ``raw`` (items of ``size`` bytes, little-endian) into (high planes, low plane)."""
-    if size == 2:  # whole-word shifts and casts: ~8x faster than strided byte gathers
-        words = np.frombuffer(raw, dtype="<u2")
-        return np.right_shift(words, 8).astype(np.uint8).data, words.astype(np.uint8).data
-    arr = np.frombuffer(raw, dtype=np.uint8).reshape(-1, size)
-    high = np.ascontiguousarray(arr[:, :0:-1].T)
-    low = np.ascontiguousarray(arr[:, 0])
-    return high.data, low.data
-
-
 class BlockCodec:
     """Encodes payloads into stored blocks and decodes them back, validating everything."""
 
@@ -192,23 +149,13 @@ class BlockCodec:
         codec = self.codec
         if codec == "zstd+shuffle" and size == 1:
             codec = "zstd"
-        body = self._compress(codec, raw, size)
+        body = compress_body(codec, raw, size, self.level)
         if codec != "raw" and len(body) >= len(raw):
             codec, body = "raw", raw  # incompressible: do not pay to decompress later
         header = self._header(codec, dtype, shape, namespace, key, len(raw), len(body),
-                              xxhash.xxh3_64_intdigest(raw), _body_check(body),
+                              xxhash.xxh3_64_intdigest(raw), body_check(body),
                               time.time() if created is None else created)
         return b"".join((header, body))
-
-    def _compress(self, codec: str, raw: memoryview, size: int):
-        if codec == "raw":
-            return raw
-        cctx = _local.compressor(self.level)
-        if codec == "zstd":
-            return cctx.compress(raw)
-        high, low = _planes(raw, size)
-        packed = cctx.compress(high)
-        return b"".join((_SHUFFLE_SEP.pack(len(packed)), packed, low))
 
     def _header(self, codec: str, dtype: str, shape, namespace: bytes, key: bytes,
                 raw_len: int, stored_len: int, checksum: int, body_check: int, created: float) -> bytes:
@@ -303,104 +250,22 @@ class BlockCodec:
             raise ValueError(f"output buffer has {len(dst)} bytes, block needs {header.raw_len}")
         try:
             body = memoryview(blob).cast("B")[HEADER_BYTES:]
-            if header.codec != "raw" and _body_check(body) != header.body_check:
+            if header.codec != "raw" and body_check(body) != header.body_check:
                 raise CorruptBlock("stored body checksum mismatch")
-            parts = _body_parts(header, body)  # framing checked before allocating anything
+            parts = body_parts(header.codec, DTYPES[header.dtype][1], header.raw_len, body)  # framing checked before allocating anything
             if dst is None:
                 dst = memoryview(bytearray(header.raw_len))
-            self._decompress(header, parts, dst)
+            decompress_body(header.codec, DTYPES[header.dtype][1], header.raw_len, parts, dst)
             if xxhash.xxh3_64_intdigest(dst) != header.checksum:
                 raise CorruptBlock("payload checksum mismatch")
         except CorruptBlock:
             raise
         except zstandard.ZstdError as exc:
-            raise CorruptBlock(f"zstd: {_short(exc)}") from None
+            raise CorruptBlock(f"zstd: {short(exc)}") from None
         except Exception as exc:  # struct, numpy, MemoryError, ...: the stored bytes caused it
             raise _undecodable(exc) from None
         return header, dst
 
-    @staticmethod
-    def _decompress(header: BlockHeader, parts: tuple[memoryview, memoryview], dst: memoryview) -> None:
-        packed, low = parts
-        if header.codec == "raw":
-            dst[:] = packed
-            return
-        dctx = _local.dctx
-        if header.codec == "zstd":
-            _decompress_exact(dctx, packed, dst)
-            return
-        size = DTYPES[header.dtype][1]
-        n = header.raw_len // size
-        scratch = _local.scratch
-        if len(scratch) < n * (size - 1):
-            scratch = _local.scratch = bytearray(n * (size - 1))
-        high = memoryview(scratch)[: n * (size - 1)]
-        _decompress_exact(dctx, packed, high)
-        hi = np.frombuffer(high, dtype=np.uint8)
-        lo = np.frombuffer(low, dtype=np.uint8)
-        if size == 2:
-            out16 = np.frombuffer(dst, dtype="<u2")
-            np.left_shift(hi, 8, out=out16, dtype=out16.dtype)
-            np.bitwise_or(out16, lo, out=out16)
-        else:
-            arr = np.frombuffer(dst, dtype=np.uint8).reshape(n, size)
-            arr[:, 0] = lo
-            arr[:, :0:-1] = hi.reshape(size - 1, n).T
-
-
-def _body_parts(header: BlockHeader, body: memoryview) -> tuple[memoryview, memoryview]:
-    """(raw body or zstd frame, raw low plane) of a body, its framing checked against the raw
-    length: the shuffle planes' sizes and each frame's declared content size."""
-    if header.codec == "raw":
-        return body, body[:0]
-    if header.codec == "zstd":
-        _check_frame(body, header.raw_len)
-        return body, body[:0]
-    size = DTYPES[header.dtype][1]
-    n = header.raw_len // size
-    if len(body) < _SHUFFLE_SEP.size:
-        raise CorruptBlock("truncated shuffle body")
-    (packed_len,) = _SHUFFLE_SEP.unpack(body[: _SHUFFLE_SEP.size])
-    if packed_len > len(body) - _SHUFFLE_SEP.size or len(body) - _SHUFFLE_SEP.size - packed_len != n:
-        raise CorruptBlock("shuffle planes do not match the raw length")
-    packed = body[_SHUFFLE_SEP.size : _SHUFFLE_SEP.size + packed_len]
-    _check_frame(packed, n * (size - 1))
-    return packed, body[_SHUFFLE_SEP.size + packed_len :]
-
-
-def _check_frame(src: memoryview, expected: int) -> None:
-    """A zstd frame must declare exactly ``expected`` bytes of content."""
-    try:
-        frame = zstandard.get_frame_parameters(src)
-    except zstandard.ZstdError as exc:
-        raise CorruptBlock(f"bad zstd frame: {_short(exc)}") from None
-    if frame.content_size != expected:
-        raise CorruptBlock(f"zstd frame declares {frame.content_size} bytes, expected {expected}")
-
-
-def _short(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= _DETAIL_CHARS else text[: _DETAIL_CHARS - 3] + "..."
-
 
 def _undecodable(exc: BaseException) -> CorruptBlock:
-    return CorruptBlock(f"undecodable block: {type(exc).__name__}: {_short(exc)}".rstrip(": "))
-
-
-def _decompress_exact(dctx: zstandard.ZstdDecompressor, src: memoryview, dst: memoryview) -> None:
-    """Decompress ``src`` (a frame declaring ``len(dst)`` bytes) into exactly ``dst``; any other
-    size is corruption."""
-    reader = dctx.stream_reader(src, read_size=len(src))
-    got = 0
-    while got < len(dst):
-        n = reader.readinto(dst[got:])
-        if n == 0:
-            break
-        got += n
-    if got != len(dst) or reader.read(1):
-        raise CorruptBlock("zstd frame size mismatch")
-
-
-def _body_check(body) -> int:
-    """32-bit check of the stored body (xxh3 is ~3x faster than xxh32 on large buffers)."""
-    return xxhash.xxh3_64_intdigest(body) & 0xFFFFFFFF
+    return CorruptBlock(f"undecodable block: {type(exc).__name__}: {short(exc)}".rstrip(": "))
