@@ -91,12 +91,17 @@ class _EverythingStored:
         pass
 
 
-def test_a_request_whose_async_load_failed_is_not_promised_the_same_blocks_again():
+def _promised_async_load() -> tuple[ConnectorScheduler, RequestView]:
+    """A scheduler that promised request "r" its four stored blocks, loaded asynchronously."""
     sched = ConnectorScheduler(_EverythingStored(), TP, load_async=True)
     request = RequestView("r", TOKENS, len(TOKENS), None)
-    bs = TP.block_size
-    assert sched.get_num_new_matched_tokens(request, 0) == (4 * bs, True)
-    sched.update_state_after_alloc(request, list(range(5)), 4 * bs)
+    assert sched.get_num_new_matched_tokens(request, 0) == (4 * TP.block_size, True)
+    sched.update_state_after_alloc(request, list(range(5)), 4 * TP.block_size)
+    return sched, request
+
+
+def test_a_request_whose_async_load_failed_is_not_promised_the_same_blocks_again():
+    sched, request = _promised_async_load()
     # the load failed at block 0: the engine puts the request back with nothing computed and
     # asks again; promising the same blocks would fail the same way, forever
     assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
@@ -104,14 +109,10 @@ def test_a_request_whose_async_load_failed_is_not_promised_the_same_blocks_again
 
 
 def test_a_completed_async_load_does_not_stop_later_matches_after_preemption():
-    sched = ConnectorScheduler(_EverythingStored(), TP, load_async=True)
-    request = RequestView("r", TOKENS, len(TOKENS), None)
-    bs = TP.block_size
-    assert sched.get_num_new_matched_tokens(request, 0) == (4 * bs, True)
-    sched.update_state_after_alloc(request, list(range(5)), 4 * bs)
+    sched, request = _promised_async_load()
     sched.update_state_after_alloc(request, list(range(5)), 0)  # the load completed
     sched.request_preempted("r")
-    assert sched.get_num_new_matched_tokens(request, 0) == (4 * bs, True)
+    assert sched.get_num_new_matched_tokens(request, 0) == (4 * TP.block_size, True)
 
 
 def test_a_worker_that_cannot_read_its_tp_rank_refuses_to_start_instead_of_guessing_rank_0(tmp_path):

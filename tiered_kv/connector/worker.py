@@ -104,9 +104,8 @@ class ConnectorWorker:
 
     def _finish_load(self, pending: _PendingLoad) -> None:
         plan, spec = pending.plan, pending.spec
-        failed_jobs = any(f.done() and f.exception() is not None for f in plan.futures)
-        good = [] if failed_jobs else [(b, s) for b, s in zip(spec.block_ids, plan.slots) if s is not None]
-        bad = [b for b in spec.block_ids if b not in {g for g, _ in good}]
+        good = [(b, s) for b, s in zip(spec.block_ids, plan.slots) if s is not None]
+        bad = [b for b, s in zip(spec.block_ids, plan.slots) if s is None]
         try:
             if good:
                 self._scatter([b for b, _ in good], [s for _, s in good])

@@ -40,6 +40,7 @@ from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.connector.scheduler import ConnectorScheduler
 from tiered_kv.errors import ConfigError
 from tiered_kv.fingerprint import LORA_FINGERPRINTS, fold_weights
+from tiered_kv.futures import gather
 from tiered_kv.integrations.common import (
     RequestStep,
     RequestView,
@@ -252,8 +253,6 @@ class TieredKVScheduler(_SchedulerBase):
 
     def _release(self, plan: Any) -> None:
         """Release a read plan now, or when its reads end (never wait on a hung tier here)."""
-        from tiered_kv.futures import gather
-
         reads = gather(list(plan.futures))
         if reads is None or reads.done():
             self.store.release(plan)
