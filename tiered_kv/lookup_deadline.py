@@ -6,7 +6,8 @@ disk) must cost that thread a bounded time, not ``timeout x (retries + 1)`` agai
 lookup runs on the tier's own helper thread and the scheduler waits for it at most ``deadline``
 seconds; an unanswered tier counts as a miss for that lookup. While a late answer is still
 outstanding the tier is skipped at once (a hung tier holds one thread, never a growing pile), and
-the late answer is dropped.
+the late answer is dropped. The helper is a daemon thread (not a ThreadPoolExecutor, whose
+workers are joined at exit): a call stuck on a hung tier never holds up the process's exit.
 """
 
 from __future__ import annotations
