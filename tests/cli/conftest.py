@@ -62,7 +62,7 @@ class DemoStore:
 
 
 def _prompts(workdir: Path, run1: dict) -> dict[str, list[int]]:
-    from tiered_kv.demo import DemoOptions, _model_config, _tokens, base_prompts
+    from tiered_kv.cli.demo_run import DemoOptions, _model_config, _tokens, base_prompts
 
     opts = DemoOptions(workdir, prompt_tokens=PROMPT_TOKENS, model_size="tiny")
     vocab = _model_config(opts).vocab_size

@@ -7,7 +7,7 @@ import json
 from math import prod
 
 from tests.cli.conftest import cli
-from tiered_kv.codec import HEADER_BYTES
+from tiered_kv.store.codec import HEADER_BYTES
 from tiered_kv.engine import ModelConfig
 from tiered_kv.engine.config import EngineConfig
 

@@ -15,7 +15,7 @@ from storage_backends.lmdb_disk import LmdbBackend
 from tests.cli.conftest import cli
 from tests.store.helpers import NS, keys_for, make_store, payloads
 from tests.store.test_lying_blocks_store import lying_block, one_tib_block
-from tiered_kv.records import namespace_key
+from tiered_kv.store.records import namespace_key
 
 N = 4
 ONE_LINE = 300  # characters a one-line report may take
@@ -113,7 +113,7 @@ def _padded(blob: bytes) -> bytes:
 
     import xxhash
 
-    from tiered_kv.codec import HEADER
+    from tiered_kv.store.codec import HEADER
 
     head, body = blob[: HEADER.size], blob[HEADER.size :] + bytes(32 << 20)
     fields = list(HEADER.unpack(head))

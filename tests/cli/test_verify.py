@@ -7,7 +7,7 @@ import lmdb
 
 from storage_backends.lmdb_disk import LmdbBackend
 from tests.cli.conftest import cli
-from tiered_kv.records import is_block_key
+from tiered_kv.store.records import is_block_key
 
 
 def _edit(path, fn) -> bytes:

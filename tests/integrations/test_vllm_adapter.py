@@ -197,7 +197,7 @@ def test_scheduler_alone_looks_up_the_disk_tier_without_a_host_slab(tmp_path):
         req = Request("a", PROMPTS["a"], 1)
         assert sched.get_num_new_matched_tokens(req, 0) == (28, False)
         assert sched.get_num_new_matched_tokens(req, 0) == (28, False)  # side-effect free
-        from tiered_kv.lookup import LowerTierIndex
+        from tiered_kv.store.lower_index import LowerTierIndex
 
         assert isinstance(sched._sched.index, LowerTierIndex)
         sched.update_state_after_alloc(req, ([1, 2, 3, 4, 5, 6, 7, 8],), 28)

@@ -76,7 +76,7 @@ def test_engine_b_on_a_wiped_store_recomputes_the_same_tokens(engine_a, tmp_path
 
 def test_engine_b_on_a_corrupted_store_recomputes_the_bad_blocks_and_generates_the_same(
         engine_a, tmp_path):
-    from tiered_kv.demo import corrupt_store
+    from tiered_kv.cli.demo_run import corrupt_store
 
     tmp, a = engine_a
     shutil.copytree(tmp, tmp_path, dirs_exist_ok=True)

@@ -15,10 +15,10 @@ import torch
 import xxhash
 
 from tests.store.helpers import keys_for, load, make_store, payloads
-from tiered_kv.block_views import bytes_of
-from tiered_kv.codec import CODECS, DTYPES, HEADER, MAGIC, MAX_NDIM, VERSION, BlockCodec
+from tiered_kv.store.host_slots import bytes_of
+from tiered_kv.store.codec import CODECS, DTYPES, HEADER, MAGIC, MAX_NDIM, VERSION, BlockCodec
 from tiered_kv.store import TieredStore
-from tiered_kv.tier import EncodedTier
+from tiered_kv.store.encoded_tier import EncodedTier
 
 TIB = 1 << 40
 QUICK_S = 1.0  # a load that waits for nothing; PROMOTION_WAIT_S is 5 s

@@ -10,8 +10,8 @@ import time
 
 from tests.store.helpers import NS, keys_for, make_store, payloads
 from tiered_kv.config import TieredKVConfig
-from tiered_kv.lookup import LowerTierIndex
-from tiered_kv.transfer import TransferPool
+from tiered_kv.store.lower_index import LowerTierIndex
+from tiered_kv.store.transfer import TransferPool
 
 
 def test_a_load_over_the_load_budget_is_queued_and_start_load_kv_does_not_wait_for_it():

@@ -10,7 +10,7 @@ import pytest
 from tests.store.helpers import keys_for, load, make_store, payloads
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import ConfigError
-from tiered_kv.stats_log import summary_line
+from tiered_kv.store.stats_log import summary_line
 
 
 def test_the_summary_reports_what_changed_since_the_previous_line():
@@ -25,7 +25,7 @@ def test_the_summary_reports_what_changed_since_the_previous_line():
 
 
 def test_a_store_logs_its_traffic_periodically_and_stops_when_closed(tmp_path, caplog):
-    with caplog.at_level(logging.INFO, logger="tiered_kv.stats_log"):
+    with caplog.at_level(logging.INFO, logger="tiered_kv.store.stats_log"):
         store = make_store(tmp_path, metrics_log_interval=0.05)
         keys = keys_for(4)
         store.save(keys, payloads(store, 4))

@@ -13,7 +13,7 @@ import lmdb
 import torch
 
 from tests.store.helpers import NS, keys_for, load, make_store, payloads, rewrite_stored_blocks
-from tiered_kv.codec import BlockCodec
+from tiered_kv.store.codec import BlockCodec
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ def test_restart_child_saves_flushes_exits_and_a_new_process_loads_everything(tm
     before = json.loads(proc.stdout.strip().splitlines()[-1])
     with make_store(tmp_path, host="64KiB") as store:
         after = store.stats()["backends"]["disk"]
-        # n blocks plus the namespace record (tiered_kv.records) the store keeps beside them
+        # n blocks plus the namespace record (tiered_kv.store.records) the store keeps beside them
         assert (after["entries"], after["used_bytes"]) == (before["entries"], before["used_bytes"])
         assert after["entries"] == n + 1
         keys = keys_for(n)

@@ -20,7 +20,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.common import RequestView
 from tiered_kv.integrations.vllm import KVConnectorRole, TieredKVConnector
 from tiered_kv.keys import block_keys
-from tiered_kv.lookup import LowerTierIndex
+from tiered_kv.store.lower_index import LowerTierIndex
 
 REPO = Path(__file__).resolve().parents[2]
 TP = replace(NS, tp_size=2)

@@ -1,4 +1,4 @@
-"""The stored-block format (tiered_kv.codec): round trips, fallbacks and corruption detection."""
+"""The stored-block format (tiered_kv.store.codec): round trips, fallbacks and corruption detection."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiered_kv.codec import DTYPES, HEADER, HEADER_BYTES, BlockCodec
+from tiered_kv.store.codec import DTYPES, HEADER, HEADER_BYTES, BlockCodec
 from tiered_kv.errors import ConfigError, CorruptBlock, NamespaceMismatch
 
 NS = bytes(range(16))

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from tiered_kv.host_copy import HostCopier
+from tiered_kv.store.host_copy import HostCopier
 
 
 def blocks(n: int, nbytes: int, seed: int) -> list[np.ndarray]:

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from storage_backends.base import Backend, BackendStats
-from tiered_kv.codec import (
+from tiered_kv.store.codec import (
     CODECS,
     DTYPES,
     HEADER,
@@ -32,8 +32,8 @@ from tiered_kv.codec import (
 )
 from tiered_kv.errors import CorruptBlock
 from tiered_kv.keys import Namespace
-from tiered_kv.metrics import StoreMetrics
-from tiered_kv.tier import EncodedTier
+from tiered_kv.store.metrics import StoreMetrics
+from tiered_kv.store.encoded_tier import EncodedTier
 
 NS_FIELDS = Namespace(model_id="lying-test", dtype="bfloat16", num_layers=2, num_kv_heads=2,
                       head_dim=8, block_size=4)
@@ -262,7 +262,7 @@ def test_any_exception_while_decoding_a_block_is_a_counted_corrupt_miss(error, m
         return real(blob, key=key, **kw)
 
     monkeypatch.setattr(tier.codec, "decode", decode)
-    with caplog.at_level(logging.WARNING, logger="tiered_kv.tier"):
+    with caplog.at_level(logging.WARNING, logger="tiered_kv.store.encoded_tier"):
         reasons, _ = read(tier, [KEY, other])
     assert reasons == ["corrupt", None], "the next block of the batch is still read"
     assert tier.metrics.misses("corrupt") == 1

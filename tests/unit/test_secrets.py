@@ -136,7 +136,7 @@ def test_demo_report_files_and_child_argv_never_show_the_password(demo_on_locked
     assert result.json()["outputs_identical"] and result.json()["run2"]["tier_hits_blocks"]
     assert table.code == 0 and "restart-and-resume demo" in table.out
     assert_no_secret(result.out, result.err, table.out, table.err)
-    children = [cmd for cmd in launched if "tiered_kv.demo" in cmd]
+    children = [cmd for cmd in launched if "tiered_kv.cli.demo_run" in cmd]
     assert len(children) == 4  # run 1 and run 2, twice
     assert_no_secret(*(" ".join(cmd) for cmd in children))
     for path in Path(workdir).glob("*.json"):
@@ -144,7 +144,7 @@ def test_demo_report_files_and_child_argv_never_show_the_password(demo_on_locked
 
 
 def test_stats_with_credentials_in_the_metrics_url_never_shows_them(tmp_path):
-    from tiered_kv.exporter import export, unexport
+    from tiered_kv.store.prometheus import export, unexport
     from tiered_kv.keys import Namespace
     from tiered_kv.store import TieredStore
 

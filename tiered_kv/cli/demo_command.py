@@ -28,7 +28,7 @@ def add_parser(sub) -> None:
 
 
 def _cmd_demo_restart(args: argparse.Namespace) -> int:
-    from tiered_kv.demo import DemoOptions, run_demo
+    from tiered_kv.cli.demo_run import DemoOptions, run_demo
 
     if args.prompt_tokens < 700:
         raise SystemExit("tiered-kv: error: --prompt-tokens must be at least 700")

@@ -41,7 +41,7 @@ def add_parsers(sub) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from tiered_kv.audit import verify_tier
+    from tiered_kv.admin.verify import verify_tier
 
     reports = []
     with opened(args) as tiers:
@@ -68,8 +68,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
-    from tiered_kv.inventory import namespace_filter
-    from tiered_kv.maintenance import evict
+    from tiered_kv.admin.inventory import namespace_filter
+    from tiered_kv.admin.evict_copy import evict
 
     reports = []
     with opened(args) as tiers:
@@ -91,8 +91,8 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 
 def cmd_copy(args: argparse.Namespace) -> int:
-    from tiered_kv.inventory import namespace_filter
-    from tiered_kv.maintenance import copy
+    from tiered_kv.admin.inventory import namespace_filter
+    from tiered_kv.admin.evict_copy import copy
 
     with opened_url(args.src, args, name="source") as src, \
             opened_url(args.dst, args, create=True, name="destination") as dst:
@@ -119,7 +119,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from storage_backends.redaction import redact_url
-    from tiered_kv.exporter import fetch, summarize
+    from tiered_kv.store.prometheus import fetch, summarize
 
     report = summarize(fetch(args.target, args.timeout))
     if args.json:

@@ -50,7 +50,7 @@ def add_parsers(sub) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from tiered_kv.inventory import inspect_tier
+    from tiered_kv.admin.inventory import inspect_tier
 
     with opened(args) as tiers:
         reports = [inspect_tier(t) for t in tiers]
@@ -76,7 +76,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from tiered_kv.inventory import Filter, list_entries, namespace_filter
+    from tiered_kv.admin.inventory import Filter, list_entries, namespace_filter
 
     if args.limit < 0 or args.offset < 0:
         raise ConfigError("--limit and --offset must not be negative")
@@ -105,7 +105,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from tiered_kv.inventory import find_key, show_entry
+    from tiered_kv.admin.inventory import find_key, show_entry
 
     with opened(args) as tiers:
         tier, key = find_key(tiers, args.key, args.namespace)
@@ -134,7 +134,7 @@ def _num(x) -> str | None:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from tiered_kv.explainer import explain, parse_token_ids, read_tokens
+    from tiered_kv.admin.explain import explain, parse_token_ids, read_tokens
 
     tokens = read_tokens(args.tokens) if args.tokens else parse_token_ids(args.token_ids)
     with opened(args) as tiers:

@@ -13,7 +13,7 @@ by *block id*: a failed block is tainted until a later step computes it again (i
 among a save's own blocks), and a save whose request's block table holds a tainted block before
 its own blocks is dropped (counted ``saves_dropped_failed_load``). Keys the scheduler names in
 ``invalidate`` (computed over a block that failed on some rank) are withdrawn from every tier
-before the step's loads and saves (:mod:`tiered_kv.invalidation`).
+before the step's loads and saves (:mod:`tiered_kv.store.invalidation`).
 """
 
 from __future__ import annotations

@@ -190,7 +190,7 @@ def scheduler_index(config: TieredKVConfig, namespace: Namespace):
     if existing_store(config, namespace) is not None:
         log.info("tiered-kv scheduler: sharing the worker's store in this process")
         return acquire_store(config, namespace)  # one more user: release it with release_index
-    from tiered_kv.lookup import LowerTierIndex
+    from tiered_kv.store.lower_index import LowerTierIndex
 
     log.info("tiered-kv scheduler: no worker in this process; looking up the disk/remote tiers")
     return LowerTierIndex(config, namespace)
@@ -198,7 +198,7 @@ def scheduler_index(config: TieredKVConfig, namespace: Namespace):
 
 def release_index(index) -> None:
     """End a :func:`scheduler_index` (release the shared store or close the lookup index)."""
-    from tiered_kv.lookup import LowerTierIndex
+    from tiered_kv.store.lower_index import LowerTierIndex
 
     if isinstance(index, LowerTierIndex):
         index.close()

@@ -40,7 +40,7 @@ from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.connector.scheduler import ConnectorScheduler
 from tiered_kv.errors import ConfigError
 from tiered_kv.fingerprint import LORA_FINGERPRINTS, fold_weights
-from tiered_kv.futures import gather
+from tiered_kv.store.futures import gather
 from tiered_kv.integrations.common import (
     RequestStep,
     RequestView,

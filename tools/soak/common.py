@@ -29,8 +29,8 @@ NS = Namespace(model_id="fault-soak", dtype="bfloat16", num_layers=4, num_kv_hea
                head_dim=32, block_size=16)
 SHAPE = (NS.num_layers, 2, NS.block_size, NS.num_kv_heads, NS.head_dim)
 BLOCK_BYTES = 2 * int(np.prod(SHAPE))
-PRELOAD = ["torch", "numpy", "lmdb", "redis", "tiered_kv.store", "tiered_kv.connector",
-           "tiered_kv.engine", "tiered_kv.audit", "tiered_kv.catalog", "soak.common"]
+PRELOAD = ["torch", "numpy", "lmdb", "redis", "tiered_kv.store.tiered_store", "tiered_kv.connector",
+           "tiered_kv.engine", "tiered_kv.admin.verify", "tiered_kv.admin.catalog", "soak.common"]
 
 
 # -- keys and payloads ----------------------------------------------------------------------------

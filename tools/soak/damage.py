@@ -12,7 +12,7 @@ import numpy as np
 import xxhash
 
 from soak.common import NS, SHAPE, payload_bytes
-from tiered_kv.codec import CODECS, DTYPES, HEADER, HEADER_BYTES, BlockCodec
+from tiered_kv.store.codec import CODECS, DTYPES, HEADER, HEADER_BYTES, BlockCodec
 
 FIELDS = ("magic", "version", "codec", "dtype", "level", "ndim", "flags", "d0", "d1", "d2", "d3", "d4",
           "d5", "namespace", "key", "raw_len", "stored_len", "checksum", "body_check", "created", "check")

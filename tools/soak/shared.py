@@ -135,7 +135,7 @@ def engine_child(spec: dict) -> None:
 def check_remote(redis_url: str, namespace_hex: str, keys: list[bytes]) -> dict:
     """Read the blocks the engines reported stored: present and decoding under their keys?"""
     from storage_backends.registry import open_backend
-    from tiered_kv.codec import BlockCodec
+    from tiered_kv.store.codec import BlockCodec
     from tiered_kv.errors import CorruptBlock
 
     digest = bytes.fromhex(namespace_hex)

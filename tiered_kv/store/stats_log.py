@@ -2,7 +2,7 @@
 
 For operators without a Prometheus scraper: what each tier served and missed (by reason) and the
 bytes it took in and gave out since the previous line, the bytes queued, and store events
-(dropped saves, failed writes, ...). Logged at INFO through ``tiered_kv.stats_log``.
+(dropped saves, failed writes, ...). Logged at INFO through ``tiered_kv.store.stats_log``.
 """
 
 from __future__ import annotations

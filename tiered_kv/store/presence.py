@@ -7,7 +7,7 @@ binds all ranks: a block counts as present only when every rank's copy is held b
 A rank whose copy is missing (a dropped save, a failed write, a removed corrupt copy, LRU that
 took one rank's copy first) would otherwise turn every hit into a wasted load.
 
-Each tier is asked behind a :class:`~tiered_kv.lookup_deadline.DeadlineLookup`: a tier that does
+Each tier is asked behind a :class:`~tiered_kv.store.lookup_deadline.DeadlineLookup`: a tier that does
 not answer in time, or is down, counts as a miss (``lookup_timeout``, ``<tier>_unavailable``).
 """
 
@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from tiered_kv.errors import BackendUnavailable
 from tiered_kv.keys import Namespace
-from tiered_kv.lookup_deadline import DeadlineLookup, LookupTimedOut
+from tiered_kv.store.lookup_deadline import DeadlineLookup, LookupTimedOut
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,10 @@ import time
 from collections.abc import Sequence
 
 from storage_backends.base import Backend
-from tiered_kv.codec import BlockCodec, BlockLayout
+from tiered_kv.store.codec import BlockCodec, BlockLayout
 from tiered_kv.errors import BackendUnavailable, CorruptBlock
 from tiered_kv.keys import Namespace
-from tiered_kv.metrics import StoreMetrics
+from tiered_kv.store.metrics import StoreMetrics
 
 log = logging.getLogger(__name__)
 

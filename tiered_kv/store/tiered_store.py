@@ -24,20 +24,20 @@ import torch
 
 from storage_backends.host import HostBackend
 from storage_backends.registry import open_backend
-from tiered_kv.block_views import SlotViews, block_shape, torch_dtype
-from tiered_kv.codec import BlockCodec
+from tiered_kv.store.host_slots import SlotViews, block_shape, torch_dtype
+from tiered_kv.store.codec import BlockCodec
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import ConfigError
-from tiered_kv.host_copy import HostCopier
-from tiered_kv.invalidation import Invalidations
+from tiered_kv.store.host_copy import HostCopier
+from tiered_kv.store.invalidation import Invalidations
 from tiered_kv.keys import Namespace
-from tiered_kv.load_path import LoadPath, LoadPlan
-from tiered_kv.metrics import StoreMetrics
-from tiered_kv.presence import RankedPresence
-from tiered_kv.save_path import SaveBatch, SavePath
-from tiered_kv.stats_log import StatsLogger
-from tiered_kv.tier import EncodedTier
-from tiered_kv.transfer import TransferPool
+from tiered_kv.store.loading import LoadPath, LoadPlan
+from tiered_kv.store.metrics import StoreMetrics
+from tiered_kv.store.presence import RankedPresence
+from tiered_kv.store.saving import SaveBatch, SavePath
+from tiered_kv.store.stats_log import StatsLogger
+from tiered_kv.store.encoded_tier import EncodedTier
+from tiered_kv.store.transfer import TransferPool
 from tiered_kv.units import format_size
 
 __all__ = ["LoadPlan", "SaveBatch", "TieredStore", "block_shape", "torch_dtype"]
@@ -116,7 +116,7 @@ class TieredStore(SavePath, LoadPath, SlotViews):
 
     def invalidate(self, keys: Sequence[bytes]):
         """Withdraw every copy of ``keys`` from every tier (their KV may be wrong); see
-        :mod:`tiered_kv.invalidation`. Returns a future done when the lower tiers are clean."""
+        :mod:`tiered_kv.store.invalidation`. Returns a future done when the lower tiers are clean."""
         return self.invalidations.invalidate(keys)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -153,7 +153,7 @@ class TieredStore(SavePath, LoadPath, SlotViews):
             self.flush()
         finally:
             if self._metrics_ports:
-                from tiered_kv.exporter import unexport
+                from tiered_kv.store.prometheus import unexport
 
                 unexport(self)
             self.pool.close()
@@ -172,7 +172,7 @@ class TieredStore(SavePath, LoadPath, SlotViews):
 
 def _export_metrics(store: TieredStore, port: int) -> None:
     try:
-        from tiered_kv.exporter import export
+        from tiered_kv.store.prometheus import export
     except ImportError as exc:
         raise ConfigError(f"metrics_port needs prometheus-client (pip install 'tiered-kv[metrics]'): {exc}") from None
     export(store, port)

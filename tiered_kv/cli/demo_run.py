@@ -149,7 +149,7 @@ def _summary(run: dict) -> dict:
 def corrupt_store(url: str, count: int) -> list[str]:
     """Flip one byte in the body of ``count`` stored blocks, behind the store's back."""
     from storage_backends.registry import open_backend
-    from tiered_kv.records import is_block_key
+    from tiered_kv.store.records import is_block_key
 
     backend = open_backend(url)
     try:
@@ -171,7 +171,7 @@ def corrupt_store(url: str, count: int) -> list[str]:
 def _child(opts: DemoOptions, phase: str, out_file: Path) -> dict:
     """Run ``phase`` in a new process. Its options (the store URL, which may carry a password)
     go through stdin: a child's argv is visible to every user of the machine (``ps``)."""
-    cmd = [sys.executable, "-m", "tiered_kv.demo", phase, str(opts.workdir), str(out_file)]
+    cmd = [sys.executable, "-m", "tiered_kv.cli.demo_run", phase, str(opts.workdir), str(out_file)]
     options = json.dumps({"store_url": opts.store_url, "model_dir": opts.model_dir,
                           "prompt_tokens": opts.prompt_tokens, "seed": opts.seed,
                           "model_size": opts.model_size})

@@ -8,10 +8,10 @@ import json
 import re
 from pathlib import Path
 
-from tiered_kv.catalog import Namespaces, Tier, check_block, kind_of, namespaces, resolve_namespace
+from tiered_kv.admin.catalog import Namespaces, Tier, check_block, kind_of, namespaces, resolve_namespace
 from tiered_kv.errors import BackendUnavailable, ConfigError, CorruptBlock, TokenError
 from tiered_kv.keys import Namespace, block_keys
-from tiered_kv.records import split_key
+from tiered_kv.store.records import split_key
 
 _SEPARATORS = re.compile(r"[\s,]+")
 

@@ -22,10 +22,10 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from tiered_kv.catalog import READ_BATCH, Tier, block_shape, check_block, kind_of, namespaces
-from tiered_kv.codec import BlockCodec
+from tiered_kv.admin.catalog import READ_BATCH, Tier, block_shape, check_block, kind_of, namespaces
+from tiered_kv.store.codec import BlockCodec
 from tiered_kv.errors import CorruptBlock
-from tiered_kv.records import namespace_key, split_key
+from tiered_kv.store.records import namespace_key, split_key
 
 log = logging.getLogger(__name__)
 

@@ -21,10 +21,10 @@ import torch
 
 from storage_backends.host import HostBackend
 from tiered_kv.config import TieredKVConfig
-from tiered_kv.invalidation import Invalidations
-from tiered_kv.metrics import StoreMetrics
-from tiered_kv.tier import EncodedTier
-from tiered_kv.transfer import TransferPool
+from tiered_kv.store.invalidation import Invalidations
+from tiered_kv.store.metrics import StoreMetrics
+from tiered_kv.store.encoded_tier import EncodedTier
+from tiered_kv.store.transfer import TransferPool
 
 PROMOTION_WAIT_S = 5.0  # how long a load waits for another load promoting the same block
 LOAD_ERROR = "load_error"  # miss reason of blocks whose load job failed in an unexpected way

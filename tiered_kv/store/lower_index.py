@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from storage_backends.registry import open_backend
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.keys import Namespace
-from tiered_kv.presence import RankedPresence
+from tiered_kv.store.presence import RankedPresence
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ class LowerTierIndex:
     """``lookup`` over the disk and remote tiers of ``config``; ``lease`` is a no-op.
 
     A block counts as present only when every tensor-parallel rank's copy is held, and each
-    tier answers within ``config.lookup_timeout`` or counts as a miss (:mod:`tiered_kv.presence`)."""
+    tier answers within ``config.lookup_timeout`` or counts as a miss (:mod:`tiered_kv.store.presence`)."""
 
     def __init__(self, config: TieredKVConfig, namespace: Namespace) -> None:
         self.namespace = namespace

@@ -17,11 +17,11 @@ from urllib.parse import urlsplit
 from storage_backends.base import Backend
 from storage_backends.redaction import redact_url
 from storage_backends.registry import open_backend, scheme_of, split_options
-from tiered_kv.codec import MAX_RAW_BYTES, BlockCodec, BlockHeader, BlockLayout, itemsize
+from tiered_kv.store.codec import MAX_RAW_BYTES, BlockCodec, BlockHeader, BlockLayout, itemsize
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import Namespace
-from tiered_kv.records import (
+from tiered_kv.store.records import (
     NAMESPACE_PREFIX,
     decode_namespace,
     is_block_key,

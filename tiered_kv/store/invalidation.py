@@ -25,10 +25,10 @@ from concurrent.futures import Future
 
 from storage_backends.host import HostBackend
 from tiered_kv.errors import BackendError
-from tiered_kv.futures import after
-from tiered_kv.metrics import StoreMetrics
-from tiered_kv.tier import EncodedTier
-from tiered_kv.transfer import TransferPool
+from tiered_kv.store.futures import after
+from tiered_kv.store.metrics import StoreMetrics
+from tiered_kv.store.encoded_tier import EncodedTier
+from tiered_kv.store.transfer import TransferPool
 
 log = logging.getLogger(__name__)
 

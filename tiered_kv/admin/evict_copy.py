@@ -8,10 +8,10 @@ import logging
 import time
 from collections.abc import Callable
 
-from tiered_kv.catalog import READ_BATCH, Entry, Tier, check_block, entries, kind_of
+from tiered_kv.admin.catalog import READ_BATCH, Entry, Tier, check_block, entries, kind_of
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import Namespace
-from tiered_kv.records import NAMESPACE_PREFIX, decode_namespace, namespace_key, split_key
+from tiered_kv.store.records import NAMESPACE_PREFIX, decode_namespace, namespace_key, split_key
 
 log = logging.getLogger(__name__)
 

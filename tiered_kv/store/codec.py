@@ -5,7 +5,7 @@ namespace digest, key, raw length, stored length, xxh3-64 checksum of the raw pa
 the stored body (so a flip in a zstd frame is caught before decompressing, even one the
 decompressor would ignore), created time, and an xxh32 of all preceding header bytes (so a
 flipped header byte is caught even where the payload checksum would not see it). Bodies
-(``raw``, ``zstd``, ``zstd+shuffle``) are made and read by :mod:`tiered_kv.codec_body`.
+(``raw``, ``zstd``, ``zstd+shuffle``) are made and read by :mod:`tiered_kv.store.codec_body`.
 
 The codec knows bytes, dtypes by name and shapes; it never imports torch and never unpickles.
 Every decode validates every header field and the checksum and raises :class:`CorruptBlock`
@@ -33,7 +33,7 @@ from math import prod
 import xxhash
 import zstandard
 
-from tiered_kv.codec_body import body_check, body_parts, compress_body, decompress_body, short
+from tiered_kv.store.codec_body import body_check, body_parts, compress_body, decompress_body, short
 from tiered_kv.errors import ConfigError, CorruptBlock, NamespaceMismatch
 
 MAGIC = b"TKVB"

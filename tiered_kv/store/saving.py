@@ -16,13 +16,13 @@ import torch
 from storage_backends.host import HostBackend
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import BackendError
-from tiered_kv.futures import after, gather
-from tiered_kv.invalidation import Invalidations
+from tiered_kv.store.futures import after, gather
+from tiered_kv.store.invalidation import Invalidations
 from tiered_kv.keys import Namespace
-from tiered_kv.metrics import StoreMetrics
-from tiered_kv.records import encode_namespace, namespace_key
-from tiered_kv.tier import EncodedTier
-from tiered_kv.transfer import TransferPool
+from tiered_kv.store.metrics import StoreMetrics
+from tiered_kv.store.records import encode_namespace, namespace_key
+from tiered_kv.store.encoded_tier import EncodedTier
+from tiered_kv.store.transfer import TransferPool
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +178,7 @@ class SavePath:
         return stored
 
     def _record_namespace(self, tier: EncodedTier) -> None:
-        """Keep the namespace record (``tiered_kv.records``) next to the blocks of ``tier``, for
+        """Keep the namespace record (``tiered_kv.store.records``) next to the blocks of ``tier``, for
         tools that report model id and shape per namespace. Checked on the write path (never on
         open: no Redis round trip there), at most every RECORD_CHECK_S, so a record that LRU,
         a TTL or an operator removed comes back."""

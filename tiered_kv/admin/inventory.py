@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiered_kv.catalog import (
+from tiered_kv.admin.catalog import (
     Entry,
     Namespaces,
     Tier,
@@ -26,7 +26,7 @@ from tiered_kv.catalog import (
 )
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import KEY_BYTES
-from tiered_kv.records import split_key
+from tiered_kv.store.records import split_key
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import torch
 
 from storage_backends.host import HostBackend
 from tiered_kv.errors import ConfigError
-from tiered_kv.host_copy import HostCopier
+from tiered_kv.store.host_copy import HostCopier
 from tiered_kv.keys import Namespace
 
 
