@@ -8,14 +8,15 @@ import pytest
 import torch
 
 from tests.engine.conftest import random_prompt, tiny_model
-from tiered_kv.engine import EngineConfig, LlamaForCausalLM, LLMEngine, SamplingParams
+from tiered_kv.engine import EngineConfig, LLMEngine, SamplingParams
+from tiered_kv.engine.weights import save_pretrained, seeded_model
 from tiered_kv.errors import ConfigError
 
 
 def test_safetensors_round_trip_gives_the_same_outputs(tmp_path):
     config = tiny_model()
     seeded = LLMEngine(config, EngineConfig(num_blocks=64), seed=11)
-    seeded.model.save_pretrained(tmp_path)
+    save_pretrained(seeded.model, tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())
     assert hf["num_key_value_heads"] == 2 and hf["architectures"] == ["LlamaForCausalLM"]
     from safetensors import safe_open
@@ -37,14 +38,14 @@ def test_safetensors_round_trip_gives_the_same_outputs(tmp_path):
 
 
 def test_same_seed_same_weights_other_seed_other_weights():
-    a, b = LlamaForCausalLM.from_seed(tiny_model(), 1), LlamaForCausalLM.from_seed(tiny_model(), 1)
-    c = LlamaForCausalLM.from_seed(tiny_model(), 2)
+    a, b = seeded_model(tiny_model(), 1), seeded_model(tiny_model(), 1)
+    c = seeded_model(tiny_model(), 2)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
     assert not torch.equal(a.lm_head.weight, c.lm_head.weight)
 
 
 def test_loading_as_bfloat16_and_config_mismatch(tmp_path):
-    LlamaForCausalLM.from_seed(tiny_model(), 0).save_pretrained(tmp_path)
+    save_pretrained(seeded_model(tiny_model(), 0), tmp_path)
     engine = LLMEngine(tiny_model(dtype="bfloat16"), EngineConfig(num_blocks=32), model_dir=tmp_path)
     assert engine.model.lm_head.weight.dtype == torch.bfloat16
     assert engine.kv_cache_manager.kv_cache.dtype == torch.bfloat16

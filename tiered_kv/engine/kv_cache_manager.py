@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 import torch
 
+from tiered_kv.engine.batch import ScheduledBatch
 from tiered_kv.engine.block_manager import BlockManager
 from tiered_kv.engine.config import EngineConfig, ModelConfig
 from tiered_kv.engine.model import torch_dtype
 from tiered_kv.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from tiered_kv.engine.scheduler import ScheduledBatch
 
 logger = logging.getLogger(__name__)
 

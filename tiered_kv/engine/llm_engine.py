@@ -18,18 +18,18 @@ from pathlib import Path
 
 import torch
 
+from tiered_kv.engine.batch import ScheduledBatch
 from tiered_kv.engine.config import EngineConfig, ModelConfig
 from tiered_kv.engine.connector_api import ConnectorScheduler, ConnectorWorker
 from tiered_kv.engine.kv_cache_manager import KVCacheManager
-from tiered_kv.engine.model import LlamaForCausalLM
 from tiered_kv.engine.model_runner import ModelRunner, resolve_device
 from tiered_kv.engine.namespace import engine_namespace, weights_revision
 from tiered_kv.engine.output import Output
 from tiered_kv.engine.sampler import Sampler
 from tiered_kv.engine.sampling_params import SamplingParams
-from tiered_kv.engine.scheduler import ScheduledBatch, Scheduler
+from tiered_kv.engine.scheduler import Scheduler
 from tiered_kv.engine.sequence import RequestStatus, Sequence
-from tiered_kv.engine.weights import read_config
+from tiered_kv.engine.weights import load_pretrained, read_config, seeded_model
 from tiered_kv.errors import ConfigError
 from tiered_kv.keys import KeyChain
 
@@ -55,9 +55,9 @@ class LLMEngine:
             if model_config is not None and replace(on_disk, dtype=model_config.dtype) != model_config:
                 raise ConfigError(f"model_config does not match {model_dir}/config.json")
             dtype = model_config.dtype if model_config is not None else None
-            self.model = LlamaForCausalLM.from_pretrained(model_dir, device=self.device, dtype=dtype)
+            self.model = load_pretrained(model_dir, device=self.device, dtype=dtype)
         else:
-            self.model = LlamaForCausalLM.from_seed(model_config or ModelConfig(), seed, self.device)
+            self.model = seeded_model(model_config or ModelConfig(), seed, self.device)
         self.model_config = model_config = self.model.config
         self.max_model_len = engine_config.resolved_max_model_len(model_config)
         revision = weights_revision(model_config, seed=seed, model_dir=model_dir)

@@ -1,12 +1,12 @@
 """A Llama-style decoder: embeddings, RMSNorm, RoPE, GQA attention, SwiGLU MLP, final norm, LM head.
 
-Parameter names follow Hugging Face's ``LlamaForCausalLM`` (``model.layers.0.self_attn.q_proj.weight``,
-``lm_head.weight``, ...), so :mod:`tiered_kv.engine.weights` reads and writes HF safetensors.
+Also ``torch_dtype`` (dtype name -> ``torch.dtype``). The model defines parameters and the forward
+only: seeding, loading and saving them is :mod:`tiered_kv.engine.weights`, which imports this module
+(never the reverse). Parameter names follow Hugging Face's ``LlamaForCausalLM``
+(``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``, ...), so those files are HF safetensors.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -112,23 +112,3 @@ class LlamaForCausalLM(nn.Module):
         positions = torch.arange(ids.numel(), device=self.device)
         return self.compute_logits(self.model(ids, positions, None))
 
-    # ---- weights -------------------------------------------------------------------------------
-    @classmethod
-    def from_seed(cls, config: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> LlamaForCausalLM:
-        from tiered_kv.engine.weights import init_weights
-
-        model = cls(config)
-        init_weights(model, seed)
-        return model.to(device=device, dtype=torch_dtype(config.dtype)).eval()
-
-    @classmethod
-    def from_pretrained(cls, model_dir: str | Path, device: str | torch.device = "cpu",
-                        dtype: str | None = None) -> LlamaForCausalLM:
-        from tiered_kv.engine.weights import load_pretrained
-
-        return load_pretrained(model_dir, device=device, dtype=dtype)
-
-    def save_pretrained(self, model_dir: str | Path) -> Path:
-        from tiered_kv.engine.weights import save_pretrained
-
-        return save_pretrained(self, model_dir)

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 
 from tiered_kv.engine.attention import AttentionMetadata
+from tiered_kv.engine.batch import ScheduledBatch
 from tiered_kv.engine.kv_cache_manager import KVCacheManager
 from tiered_kv.engine.kv_kernel import select_store_kvcache
 from tiered_kv.engine.model import LlamaForCausalLM
-from tiered_kv.engine.scheduler import ScheduledBatch
 from tiered_kv.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)

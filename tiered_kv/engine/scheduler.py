@@ -4,42 +4,21 @@ Each step spends a token budget (``max_num_batched_tokens``) on, in order: one t
 decoding request, the next prefill chunk of admitted requests, then new requests (FCFS). A new
 request is admitted only when the pool can hold it to completion (no preemption). On admission the
 connector is asked for external tokens, blocks are allocated, and the connector is told which.
+A step's work is a :class:`~tiered_kv.engine.batch.ScheduledBatch`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
 
+from tiered_kv.engine.batch import ScheduledBatch
 from tiered_kv.engine.config import EngineConfig
 from tiered_kv.engine.connector_api import ConnectorScheduler, RequestData, SchedulerOutput
 from tiered_kv.engine.kv_cache_manager import KVCacheManager
 from tiered_kv.engine.sequence import RequestStatus, Sequence
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ScheduledBatch:
-    """One step's work."""
-
-    requests: list[Sequence] = field(default_factory=list)  # computed this step: decodes, then prefills
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)  # tokens per computed request
-    new_requests: list[Sequence] = field(default_factory=list)  # admitted this step (incl. async loads)
-    cached_blocks: dict[str, list[int]] = field(default_factory=dict)  # device prefix hits of new ones
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
-    @property
-    def loading_requests(self) -> list[Sequence]:
-        return [r for r in self.new_requests if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS]
-
-    def add(self, request: Sequence, num_tokens: int) -> None:
-        self.requests.append(request)
-        self.num_scheduled_tokens[request.request_id] = num_tokens
 
 
 class Scheduler:

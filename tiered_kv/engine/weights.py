@@ -1,5 +1,9 @@
 """Model weights: seeded random init, and Hugging Face-style safetensors directories.
 
+Builds :class:`~tiered_kv.engine.model.LlamaForCausalLM` instances with their parameters:
+``seeded_model`` (random, from a seed) and ``load_pretrained`` (from a directory); ``save_pretrained``
+writes one out. The model module does not import this one.
+
 A directory holds ``config.json`` (a ``LlamaForCausalLM`` config) and ``model.safetensors``
 (or several ``*.safetensors`` shards) with HF tensor names. Weights are also fingerprinted for the
 namespace ``revision``, so KV of different weights never mixes.
@@ -10,17 +14,15 @@ from __future__ import annotations
 import json
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 
 from tiered_kv.engine.config import ModelConfig
+from tiered_kv.engine.model import LlamaForCausalLM, torch_dtype
 from tiered_kv.errors import ConfigError
-
-if TYPE_CHECKING:
-    from tiered_kv.engine.model import LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +47,13 @@ def init_weights(model: LlamaForCausalLM, seed: int) -> None:
             fan_in = param.shape[1]
             values = torch.randn(param.shape, generator=generator) / math.sqrt(fan_in)
         param.copy_(values)
+
+
+def seeded_model(config: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    """The model with :func:`init_weights` parameters, in ``config.dtype`` on ``device``, in eval mode."""
+    model = LlamaForCausalLM(config)
+    init_weights(model, seed)
+    return model.to(device=device, dtype=torch_dtype(config.dtype)).eval()
 
 
 def save_pretrained(model: LlamaForCausalLM, model_dir: str | Path) -> Path:
@@ -77,11 +86,7 @@ def read_config(model_dir: str | Path) -> ModelConfig:
 def load_pretrained(model_dir: str | Path, device: str | torch.device = "cpu",
                     dtype: str | None = None) -> LlamaForCausalLM:
     """Build the model from ``config.json`` and load every ``*.safetensors`` file of the directory."""
-    from dataclasses import replace
-
     from safetensors.torch import load_file
-
-    from tiered_kv.engine.model import LlamaForCausalLM, torch_dtype
 
     model_dir = Path(model_dir)
     config = read_config(model_dir)
