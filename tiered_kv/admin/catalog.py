@@ -1,62 +1,33 @@
-"""What a store holds, for tools: open a store by URL, path or config file without creating or
-changing it, and list its entries (blocks, namespace records, foreign keys) with their figures.
+"""What a store holds, as tools see it: its entries (blocks, namespace records, foreign keys)
+with their sizes, times and hits, its namespace records, and which namespace a command-line
+``--namespace`` names.
 
-Reads made here leave LRU order alone where the medium allows it: the LMDB meta table gives
-sizes, times and hits without reading blocks, and tools' own reads are not recorded as accesses.
+Listings leave LRU order alone where the medium allows it: the LMDB meta table gives sizes,
+times and hits without reading blocks (and stores are opened so that tools' reads are not
+recorded as accesses: ``opening``).
 """
 
 from __future__ import annotations
 
 import json
-import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from storage_backends.base import Backend
-from storage_backends.redaction import redact_url
-from storage_backends.registry import open_backend, scheme_of, split_options
-from tiered_kv.store.codec import MAX_RAW_BYTES, BlockCodec, BlockHeader, BlockLayout, itemsize
-from tiered_kv.config import TieredKVConfig
+from tiered_kv.admin.opening import Tier
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import Namespace
+from tiered_kv.store.codec import BlockCodec, BlockHeader
 from tiered_kv.store.records import (
     NAMESPACE_PREFIX,
     decode_namespace,
     is_block_key,
     is_namespace_key,
-    namespace_key,
     split_key,
 )
-from tiered_kv.units import parse_size
 
-log = logging.getLogger(__name__)
-
-REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
-FILE_MARKER = ".tiered-kv-file-store"  # storage_backends.file_layout.MARKER
 READ_BATCH = 64  # values read per call when headers are needed
-
-
-@dataclass
-class Tier:
-    """One opened medium of a store: a bare URL ("store") or a config's disk / remote tier."""
-
-    name: str
-    url: str
-    backend: Backend
-    capacity: int | None = None  # the configured byte capacity, when one was given
-
-    def __post_init__(self) -> None:
-        self.url = redact_url(self.url)  # what tools show; the backend holds what it needs
-
-    @property
-    def shown_url(self) -> str:
-        """The medium's URL without credentials, for tables, JSON and logs."""
-        return redact_url(self.backend.url)
-
-    def close(self) -> None:
-        self.backend.close()
 
 
 @dataclass
@@ -94,93 +65,6 @@ class Namespaces:
         return ns.model_id if ns is not None else "?"
 
 
-# -- opening --------------------------------------------------------------------------------------
-def store_url(arg: str) -> str:
-    """A store URL from a command-line argument: a URL as it is, or a path to an LMDB store
-    directory or a file store directory."""
-    if _has_scheme(arg):
-        scheme_of(arg)  # UnknownBackend for schemes nobody registered
-        return arg
-    path = Path(arg).expanduser()
-    if not path.exists():
-        raise ConfigError(f"no store at {arg}: the path does not exist")
-    if not path.is_dir():
-        raise ConfigError(f"{arg} is a file, not a store (an LMDB directory or a file:// store directory)")
-    if (path / "data.mdb").is_file():
-        return f"lmdb://{path.resolve()}"
-    if (path / FILE_MARKER).is_file():
-        return f"file://{path.resolve()}"
-    raise ConfigError(f"{arg} is not a tiered-kv store (no LMDB data.mdb, no file-store marker)")
-
-
-def _has_scheme(arg: str) -> bool:
-    return ":" in arg and len(urlsplit(arg).scheme) > 1  # (one letter: a Windows drive)
-
-
-def open_tier(url: str, *, name: str = "store", create: bool = False, timeout: float = 5.0,
-              capacity: int | None = None) -> Tier:
-    """Open ``url`` for tools. Without ``create`` a path that holds no store is an error, never
-    a new empty store; a Redis that cannot be reached raises BackendUnavailable here."""
-    if create and not _has_scheme(url) and not Path(url).expanduser().exists():
-        raise ConfigError(f"no store at {url}: name a new one as lmdb://{url} or file://{url}")
-    url = store_url(url)
-    scheme = scheme_of(url)
-    options: dict = {}
-    if scheme == "host":
-        raise ConfigError("host:// lives inside a serving process; point tools at the disk or "
-                          "remote tier (or use `tiered-kv stats` on its metrics port)")
-    if scheme == "lmdb":
-        from storage_backends.lmdb_disk import path_of
-
-        path = path_of(url)
-        if not create:
-            store_url(str(path))  # the same one-line errors as for a bare path
-    elif scheme == "file":
-        options = {"touch": "false", "create": "true" if create else "false"}
-    elif scheme in REDIS_SCHEMES:
-        options = {"timeout": timeout, "retries": 0}
-    _, query = split_options(url)
-    if capacity is None and "capacity" in query:
-        capacity = parse_size(query["capacity"], name="capacity")
-    backend = open_backend(url, **options)
-    _quiet(backend)
-    tier = Tier(name, url, backend, capacity)
-    try:
-        backend.contains_many([namespace_key(bytes(16))])  # reachable at all? (Redis connects here)
-    except BaseException:
-        tier.close()
-        raise
-    return tier
-
-
-def open_config(path: str, *, timeout: float = 5.0, only: str | None = None) -> list[Tier]:
-    """The disk and remote tiers a TOML config file names (the host tier lives in a process)."""
-    config = TieredKVConfig.from_toml(path)
-    wanted = [(n, s) for n, s in (("disk", config.disk), ("remote", config.remote))
-              if s.url and (only is None or n == only)]
-    if not wanted:
-        raise ConfigError(f"config {path} names no {only or 'disk or remote'} tier")
-    tiers: list[Tier] = []
-    try:
-        for name, section in wanted:
-            capacity = getattr(section, "capacity", None)
-            tiers.append(open_tier(section.url, name=name, timeout=timeout, capacity=capacity))
-    except BaseException:
-        for tier in tiers:
-            tier.close()
-        raise
-    return tiers
-
-
-def _quiet(backend: Backend) -> None:
-    """Tools' reads must not count as accesses: a verify or a copy would otherwise make every
-    block look just used. The file medium has an option for it (set above); LMDB buffers
-    accesses in ``_touch`` — this instance, owned by the tool, drops them."""
-    if getattr(backend, "name", "") == "lmdb" and hasattr(backend, "_touch"):
-        backend._touch = lambda keys, now: None  # type: ignore[method-assign]
-
-
-# -- listing --------------------------------------------------------------------------------------
 def kind_of(key: bytes) -> str:
     if is_block_key(key):
         return "block"
@@ -249,33 +133,6 @@ def sample_header(backend: Backend, digest: bytes, keys: Sequence[bytes], tries:
     return None
 
 
-def raw_block_bytes(namespace: Namespace) -> int:
-    """Payload bytes of one block of ``namespace`` (canonical layout, engine dtype)."""
-    n = itemsize(namespace.dtype) * 2 * namespace.block_size
-    return n * namespace.num_layers * namespace.num_kv_heads * namespace.head_dim
-
-
-def block_shape(namespace: Namespace) -> list[int]:
-    return [namespace.num_layers, 2, namespace.block_size, namespace.num_kv_heads, namespace.head_dim]
-
-
-def block_layout(namespace: Namespace | None) -> BlockLayout | None:
-    """The block every stored block of ``namespace`` must be (None: namespace unknown)."""
-    return None if namespace is None else BlockLayout(namespace.dtype, tuple(block_shape(namespace)))
-
-
-def check_block(key: bytes, value, namespace: Namespace | None, *, decode: bool = True):
-    """Validate a stored block as the store would: against its namespace's block (dtype, shape)
-    when the namespace is known, else with its declared raw length bounded (MAX_RAW_BYTES), so a
-    lying header never makes a tool allocate what it declares. (header, payload) with
-    ``decode``, the header alone without; CorruptBlock (one-line detail) when it fails."""
-    digest, block = split_key(key)
-    layout = block_layout(namespace)
-    if decode:
-        return BlockCodec().decode(value, namespace=digest, key=block, expect=layout)
-    return BlockCodec.read_header(value, namespace=digest, key=block, expect=layout, max_raw=MAX_RAW_BYTES)
-
-
 def resolve_namespace(spec: str | None, found: Namespaces, digests: Sequence[bytes]) -> bytes:
     """The digest that ``spec`` names: a digest hex prefix, a model id, a JSON file of namespace
     fields, or nothing when the tier holds exactly one namespace."""
@@ -301,3 +158,15 @@ def resolve_namespace(spec: str | None, found: Namespaces, digests: Sequence[byt
     if not hits:
         raise ConfigError(f"no namespace matches {spec!r} in this store")
     raise ConfigError(f"{spec!r} matches {len(hits)} namespaces; give more digest characters")
+
+
+def block_digests(keys: Iterable[bytes]) -> list[bytes]:
+    """The namespaces (digests) that the block keys among ``keys`` belong to, sorted."""
+    return sorted({split_key(k)[0] for k in keys if is_block_key(k)})
+
+
+def namespace_filter(tier: Tier, spec: str | None) -> bytes | None:
+    """The digest a command's ``--namespace`` names in ``tier`` (None: no option given)."""
+    if spec is None:
+        return None
+    return resolve_namespace(spec, namespaces(tier.backend), block_digests(tier.backend.scan()))

@@ -8,7 +8,9 @@ import logging
 import time
 from collections.abc import Callable
 
-from tiered_kv.admin.catalog import READ_BATCH, Entry, Tier, check_block, entries, kind_of
+from tiered_kv.admin.block_checks import check_block
+from tiered_kv.admin.catalog import READ_BATCH, Entry, entries, kind_of
+from tiered_kv.admin.opening import Tier
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import Namespace
 from tiered_kv.store.records import NAMESPACE_PREFIX, decode_namespace, namespace_key, split_key
@@ -57,7 +59,7 @@ def evict(tier: Tier, *, to: int | None = None, older_than: float | None = None,
                 progress(len(batch), len(keys))
         tier.backend.flush()
         log.info("%s tier: evicted %d blocks (%d bytes)", tier.name, len(chosen), freed)
-    return {"tier": tier.name, "url": tier.backend.url, "dry_run": dry_run,
+    return {"tier": tier.name, "url": tier.shown_url, "dry_run": dry_run,
             "order": "last access" if any(e.last_access is not None for e in chosen) else "creation",
             "evicted_blocks": len(chosen), "removed_entries": removed, "freed_bytes": freed,
             "stored_bytes_before": used, "stored_bytes_after": used - freed,
@@ -108,7 +110,7 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
         if progress is not None:
             progress(len(batch), len(keys))
     dst.backend.flush()
-    return {"source": src.backend.url, "destination": dst.backend.url, "blocks": len(keys),
+    return {"source": src.shown_url, "destination": dst.shown_url, "blocks": len(keys),
             "copied": copied, "copied_bytes": nbytes, "already_present": present,
             "corrupt_skipped": list(corrupt), "corrupt_details": corrupt, "rejected": rejected,
             "namespace_records": len(records),

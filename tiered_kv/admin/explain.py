@@ -8,10 +8,11 @@ import json
 import re
 from pathlib import Path
 
-from tiered_kv.admin.catalog import Namespaces, Tier, check_block, kind_of, namespaces, resolve_namespace
+from tiered_kv.admin.block_checks import check_block
+from tiered_kv.admin.catalog import Namespaces, block_digests, namespaces, resolve_namespace
+from tiered_kv.admin.opening import Tier
 from tiered_kv.errors import BackendUnavailable, ConfigError, CorruptBlock, TokenError
 from tiered_kv.keys import Namespace, block_keys
-from tiered_kv.store.records import split_key
 
 _SEPARATORS = re.compile(r"[\s,]+")
 
@@ -45,7 +46,7 @@ def _merged(tiers: list[Tier]) -> tuple[Namespaces, list[bytes]]:
         part = namespaces(tier.backend)
         found.known.update(part.known)
         found.broken.update(part.broken)
-        digests |= {split_key(k)[0] for k in tier.backend.scan() if kind_of(k) == "block"}
+        digests.update(block_digests(tier.backend.scan()))
     return found, sorted(digests)
 
 

@@ -3,7 +3,6 @@ listings (``ls``) and one block in detail (``show``, with per-layer K/V statisti
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -11,24 +10,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tiered_kv.admin.block_checks import block_shape, check_block, raw_block_bytes
 from tiered_kv.admin.catalog import (
     Entry,
     Namespaces,
-    Tier,
-    block_shape,
-    check_block,
+    block_digests,
     entries,
-    kind_of,
     namespaces,
-    raw_block_bytes,
     resolve_namespace,
     sample_header,
 )
+from tiered_kv.admin.opening import Tier
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import KEY_BYTES
 from tiered_kv.store.records import split_key
-
-log = logging.getLogger(__name__)
 
 # last-access age buckets: (label, upper bound in seconds)
 AGE_BUCKETS = (("<1m", 60), ("<1h", 3600), ("<1d", 86400), ("<7d", 7 * 86400), (">=7d", float("inf")))
@@ -130,13 +125,6 @@ SORTS = {"key": lambda e: e.key, "size": lambda e: e.size or 0,
          "created": lambda e: e.created or 0.0, "access": lambda e: e.age_basis or 0.0}
 
 
-def namespace_filter(tier: Tier, spec: str | None) -> bytes | None:
-    if spec is None:
-        return None
-    digests = {split_key(k)[0] for k in tier.backend.scan() if kind_of(k) == "block"}
-    return resolve_namespace(spec, namespaces(tier.backend), sorted(digests))
-
-
 def list_entries(tier: Tier, flt: Filter, *, sort: str = "key", offset: int = 0,
                  limit: int | None = None, now: float | None = None) -> tuple[int, list[dict]]:
     """(entries matching ``flt``, the page ``offset .. offset+limit`` of them as rows)."""
@@ -173,8 +161,7 @@ def find_key(tiers: Iterable[Tier], spec: str, namespace: str | None = None) -> 
         keys = list(tier.backend.scan())
         found = [k for k in keys if k.hex().startswith(spec)]
         if len(spec) == 2 * KEY_BYTES and len(found) != 1:  # a block key without its namespace
-            digests = sorted({split_key(k)[0] for k in keys if kind_of(k) == "block"})
-            digest = resolve_namespace(namespace, namespaces(tier.backend), digests)
+            digest = resolve_namespace(namespace, namespaces(tier.backend), block_digests(keys))
             found = [k for k in keys if k == digest + bytes.fromhex(spec)]
         matches += [(tier, k) for k in found]
     if not matches:

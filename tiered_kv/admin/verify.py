@@ -22,9 +22,11 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from tiered_kv.admin.catalog import READ_BATCH, Tier, block_shape, check_block, kind_of, namespaces
-from tiered_kv.store.codec import BlockCodec
+from tiered_kv.admin.block_checks import block_shape, check_block
+from tiered_kv.admin.catalog import READ_BATCH, kind_of, namespaces
+from tiered_kv.admin.opening import Tier
 from tiered_kv.errors import CorruptBlock
+from tiered_kv.store.codec import BlockCodec
 from tiered_kv.store.records import namespace_key, split_key
 
 log = logging.getLogger(__name__)
@@ -79,7 +81,7 @@ def verify_tier(tier: Tier, *, fix: bool = False, progress: Callable[[int, int],
               for d, n in blocks.items() if d not in found.known and d not in found.broken]
     counts = Counter(f.kind for f in findings)
     return {
-        "tier": tier.name, "url": backend.url, "checked": checked, "valid_blocks": sum(blocks.values()),
+        "tier": tier.name, "url": tier.shown_url, "checked": checked, "valid_blocks": sum(blocks.values()),
         "namespaces": len(found.known), "problems": {k: counts[k] for k in (*REMOVABLE, "meta_drift")},
         "ok": not findings or all(f.fixed for f in findings),
         "findings": [asdict(f) for f in findings], "actions": actions, "notes": notes,

@@ -68,7 +68,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
-    from tiered_kv.admin.inventory import namespace_filter
+    from tiered_kv.admin.catalog import namespace_filter
     from tiered_kv.admin.evict_copy import evict
 
     reports = []
@@ -91,7 +91,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 
 def cmd_copy(args: argparse.Namespace) -> int:
-    from tiered_kv.admin.inventory import namespace_filter
+    from tiered_kv.admin.catalog import namespace_filter
     from tiered_kv.admin.evict_copy import copy
 
     with opened_url(args.src, args, name="source") as src, \
@@ -119,7 +119,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
 
 def cmd_stats(args: argparse.Namespace) -> int:
     from storage_backends.redaction import redact_url
-    from tiered_kv.store.prometheus import fetch, summarize
+    from tiered_kv.admin.stats import fetch, summarize
 
     report = summarize(fetch(args.target, args.timeout))
     if args.json:

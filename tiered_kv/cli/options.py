@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from contextlib import contextmanager
 
-from tiered_kv.admin.catalog import Tier, open_config, open_tier
+from tiered_kv.admin.opening import Tier, open_config, open_tier
 from tiered_kv.errors import ConfigError
 from tiered_kv.units import parse_duration, parse_size
 

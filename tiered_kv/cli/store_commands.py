@@ -76,7 +76,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from tiered_kv.admin.inventory import Filter, list_entries, namespace_filter
+    from tiered_kv.admin.catalog import namespace_filter
+    from tiered_kv.admin.inventory import Filter, list_entries
 
     if args.limit < 0 or args.offset < 0:
         raise ConfigError("--limit and --offset must not be negative")
