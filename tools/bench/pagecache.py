@@ -1,0 +1,136 @@
+"""The page cache, for the cold-read figures of both benchmarks: how much of a file is resident
+(mincore over a fresh mapping), and dropping files from it (fsync + ``posix_fadvise(DONTNEED)``,
+plus ``/proc/sys/vm/drop_caches`` when this process may write it), with the residency after
+the drop reported so a "cold" figure can be checked to be cold."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+_PAGE = mmap.PAGESIZE
+_LOW_BIT = bytes(i & 1 for i in range(256))  # mincore: bit 0 of each byte = resident
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    return libc
+
+
+def resident_pages(path: str | Path) -> tuple[int | None, int]:
+    """(pages of ``path`` in the page cache or None when mmap / mincore failed, file size)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0, 0
+    libc = _libc()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return None, size
+        try:
+            vec = (ctypes.c_ubyte * ((size + _PAGE - 1) // _PAGE))()
+            if libc.mincore(addr, size, vec) != 0:
+                return None, size
+            return bytes(vec).translate(_LOW_BIT).count(1), size
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def resident_bytes(path: str) -> tuple[int, int]:
+    """(bytes of ``path`` in the page cache, -1 when unknown; file size)."""
+    pages, size = resident_pages(path)
+    if pages is None:
+        return -1, size
+    return min(size, pages * _PAGE), size
+
+
+def files_under(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    return [os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs]
+
+
+def resident_fraction(paths: Sequence[str]) -> float | None:
+    got = total = 0
+    for p in paths:
+        r, s = resident_bytes(p)
+        if r < 0:
+            return None
+        got += r
+        total += s
+    return round(got / total, 4) if total else None
+
+
+def fadvise_out(path: str | Path) -> None:
+    """fsync ``path`` and drop its pages with ``posix_fadvise(POSIX_FADV_DONTNEED)``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class Evictor:
+    """Drops files from the page cache: fsync + posix_fadvise(DONTNEED), plus drop_caches when
+    this process may write /proc/sys/vm/drop_caches (tried once, reported)."""
+
+    def __init__(self) -> None:
+        self.drop_caches: str = "untried"
+
+    def probe(self) -> None:
+        try:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as fh:
+                fh.write("1")
+            self.drop_caches = "ok"
+        except OSError as exc:
+            self.drop_caches = f"not permitted ({type(exc).__name__}: {exc.strerror or exc})"
+
+    @property
+    def method(self) -> str:
+        m = "fsync + posix_fadvise(POSIX_FADV_DONTNEED) per file"
+        return m + (" + echo 1 > /proc/sys/vm/drop_caches" if self.drop_caches == "ok" else "")
+
+    def evict(self, paths: Sequence[str]) -> None:
+        for p in paths:
+            fadvise_out(p)
+        if self.drop_caches == "ok":
+            try:
+                with open("/proc/sys/vm/drop_caches", "w") as fh:
+                    fh.write("1")
+            except OSError:
+                pass
+
+
+def drop_page_cache(store_dir: str) -> dict:
+    """fsync + POSIX_FADV_DONTNEED on the LMDB data file; residency before and after."""
+
+    def resident(path: Path) -> int | None:  # page-cache bytes, None if unknown
+        try:
+            pages = resident_pages(path)[0]
+        except (OSError, AttributeError):
+            return None
+        return None if pages is None else pages * _PAGE
+
+    data = Path(store_dir) / "data.mdb"
+    before = resident(data)
+    fadvise_out(data)
+    after = resident(data)
+    st = data.stat()
+    return {"data_mdb_allocated_mib": round(st.st_blocks * 512 / 2**20, 1),
+            "resident_mib_before": None if before is None else round(before / 2**20, 1),
+            "resident_mib_after": None if after is None else round(after / 2**20, 1)}

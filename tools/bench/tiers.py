@@ -1,0 +1,237 @@
+"""Timing the store's tiers for bench_tiers (each function adds ``store.*`` figures to the run's
+``Figures``): host save / load; LMDB write-behind (until ``save()`` returned, until every block
+was committed, until ``flush()`` made it durable) and restore with the page cache warm and
+dropped; Redis write-behind and restore. A restore is always a fresh store on the same medium
+with a host tier of two load batches, so every block comes from the tier under test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiered_kv.config import TieredKVConfig
+from tiered_kv.keys import Namespace
+from tiered_kv.store import TieredStore
+
+from .common import MiB, Stopwatch
+from .data import SIZES, keys_of, namespace
+from .pagecache import files_under, resident_fraction
+
+if TYPE_CHECKING:
+    from .tiers_main import Bench
+
+
+def make_store(b: Bench, size: str, tag: str, host_blocks: int, disk: str | None = None,
+               remote: str | None = None) -> TieredStore:
+    ns = namespace(size, tag)
+    total = len(b.data[size]) * b.data[size][0].numel() * 2
+    cfg: dict = {
+        "host": {"capacity": host_blocks * b.data[size][0].numel() * 2},
+        "workers": 2,
+        # the whole run fits: a dropped save would make the figure meaningless
+        "max_inflight_save": 2 * total + 64 * MiB,
+        "max_inflight_load": 2 * total + 64 * MiB,
+    }
+    if disk is not None:
+        cfg["disk"] = {"url": f"lmdb://{disk}", "capacity": 4 * total + 256 * MiB}
+    if remote is not None:
+        cfg["remote"] = {"url": remote}
+    return TieredStore(TieredKVConfig.from_dict(cfg), ns)
+
+
+def batches(b: Bench, size: str, keys: list[bytes]):
+    n = SIZES[size]["batch"]
+    data = b.data[size]
+    for lo in range(0, len(keys), n):
+        yield keys[lo:lo + n], data[lo:lo + n]
+
+
+def out_tensors(b: Bench, size: str) -> list[torch.Tensor]:
+    n = min(SIZES[size]["batch"], len(b.data[size]))
+    t = torch.empty((n, *b.data[size][0].shape), dtype=b.data[size][0].dtype)
+    t.view(torch.uint8).fill_(1)
+    return list(t.unbind(0))
+
+
+def restore(b: Bench, size: str, name: str, tier: str, keys: list[bytes], make: Callable[[], TieredStore],
+            before: Callable[[], None] | None = None) -> None:
+    """A fresh store (host tier of two batches: load_into stages in halves of it); load every
+    key, one batch per load_into; check they all came from ``tier`` and the data is right."""
+    data = b.data[size]
+    n, nb = len(data), data[0].numel() * 2
+    outs = out_tensors(b, size)
+    if before is not None:
+        before()
+    t_open = time.perf_counter()
+    store = make()
+    opened = time.perf_counter() - t_open
+    try:
+        failed = 0
+        sw = Stopwatch()
+        for lo in range(0, n, len(outs)):
+            ks = keys[lo:lo + len(outs)]
+            ok = store.load_into(ks, outs[:len(ks)])
+            failed += len(ks) - sum(ok)
+        seconds = sw.lap()
+        last = list(range(lo, lo + len(ks)))
+        wrong = sum(not torch.equal(outs[j], data[i]) for j, i in enumerate(last))
+        snap = store.stats()
+    finally:
+        store.close()
+    served = {t: v["hits"] for t, v in snap["tiers"].items() if v["hits"]}
+    notes = {"open_s": round(opened, 4), "batch": len(outs), "served_by": served}
+    if served.get(tier, 0) != n:
+        b.fig.fail(size, name, f"expected all {n} blocks from the {tier} tier, got {served}")
+    if failed or wrong:
+        misses = {t: v["misses"] for t, v in snap["tiers"].items() if v["misses"]}
+        b.fig.fail(size, name, f"{failed} blocks not loaded, {wrong} differ in the last batch; "
+                   f"misses {misses}, events {snap['events']}")
+    b.fig.add(size, name, seconds, n * nb, n, **notes)
+
+
+def store_host(b: Bench, size: str, rep: int) -> None:
+    data = b.data[size]
+    n, nb = len(data), data[0].numel() * 2
+    ns = namespace(size, f"{b.run_id}-host-{rep}")
+    keys = keys_of(ns, n, seed=rep)
+    store = make_store(b, size, f"{b.run_id}-host-{rep}", host_blocks=n)
+    try:
+        sw = Stopwatch()
+        for ks, ps in batches(b, size, keys):
+            store.save(ks, ps)
+        b.fig.add(size, "store.host_save", sw.lap(), n * nb, n,
+                  batch=SIZES[size]["batch"])
+        outs = out_tensors(b, size)
+        failed = 0
+        sw = Stopwatch()
+        for lo in range(0, n, len(outs)):
+            ks = keys[lo:lo + len(outs)]
+            failed += len(ks) - sum(store.load_into(ks, outs[:len(ks)]))
+        b.fig.add(size, "store.host_load", sw.lap(), n * nb, n,
+                  batch=len(outs))
+        if failed or not torch.equal(outs[len(ks) - 1], data[n - 1]):
+            b.fig.fail(size, "store.host_load", f"{failed} blocks not loaded or data differs")
+    finally:
+        store.close()
+
+
+def store_lmdb(b: Bench, size: str, rep: int) -> None:
+    data = b.data[size]
+    n, nb = len(data), data[0].numel() * 2
+    tag = f"{b.run_id}-lmdb-{rep}"
+    ns = namespace(size, tag)
+    keys = keys_of(ns, n, seed=100 + rep)
+    d = b.tmpdir("lmdb")
+    try:
+        store = make_store(b, size, tag, host_blocks=n, disk=d)
+        try:
+            sw = Stopwatch()
+            for ks, ps in batches(b, size, keys):
+                store.save(ks, ps)
+            visible = sw.lap()
+            if not store.pool.drain(timeout=600):
+                raise RuntimeError("write-behind timed out")
+            seconds = sw.lap()  # every block committed to LMDB: loadable by any process
+            if not store.flush(timeout=600):
+                raise RuntimeError("flush timed out")
+            durable = sw.lap()  # ... and fsync'd
+            snap = store.stats()
+        finally:
+            store.close()
+        t = snap["tiers"].get("disk", {})
+        stored_in, blocks_in = t.get("stored_bytes_in", 0), t.get("blocks_in", 0)
+        dropped = dict(snap.get("events", {}))
+        b.fig.add(size, "store.save_visible", visible, n * nb, n,
+                  what="until every store.save() returned (LMDB write-behind queued)")
+        b.fig.add(size, "store.lmdb_write_behind", seconds, n * nb, n,
+                  what="first save() until every block was committed to LMDB (encode + puts)")
+        b.fig.add(size, "store.lmdb_durable_save", durable, n * nb, n,
+                  what="first save() until flush() returned (encode + LMDB puts + fsync)")
+        b.store_info.setdefault(size, {}).update({
+            "lmdb_blocks_written": blocks_in, "lmdb_events": dropped,
+            "lmdb_stored_ratio": round(n * nb / stored_in, 4) if stored_in else None,
+            "lmdb_dir_bytes": sum(os.path.getsize(p) for p in files_under(d)),
+        })
+        if blocks_in != n:
+            b.fig.fail(size, "store.lmdb_write_behind", f"only {blocks_in} of {n} blocks reached LMDB "
+                       f"(events {dropped})")
+
+        def make() -> TieredStore:
+            return make_store(b, size, tag, host_blocks=2 * SIZES[size]["batch"], disk=d)
+
+        restore(b, size, "store.lmdb_restore_warm", "disk", keys, make)
+
+        def evict() -> None:
+            files = files_under(d)
+            if not files:
+                raise RuntimeError(f"the LMDB tier left no files under {d} to evict")
+            b.evictor.evict(files)
+            b.residency.setdefault(f"{size}.lmdb_restore_cold", []).append(resident_fraction(files))
+
+        restore(b, size, "store.lmdb_restore_cold", "disk", keys, make, before=evict)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def store_redis(b: Bench, size: str, rep: int) -> None:
+    data = b.data[size]
+    n, nb = len(data), data[0].numel() * 2
+    tag = f"{b.run_id}-redis-{rep}"
+    ns = namespace(size, tag)
+    keys = keys_of(ns, n, seed=200 + rep)
+    store = make_store(b, size, tag, host_blocks=n, remote=b.redis_url)
+    try:
+        try:
+            sw = Stopwatch()
+            for ks, ps in batches(b, size, keys):
+                store.save(ks, ps)
+            if not store.flush(timeout=600):
+                raise RuntimeError("flush timed out")
+            seconds = sw.lap()
+            snap = store.stats()
+        finally:
+            store.close()
+        blocks_in = snap["tiers"].get("remote", {}).get("blocks_in", 0)
+        b.fig.add(size, "store.redis_write_behind", seconds, n * nb, n,
+                  what="first save() until flush() returned (encode + Redis puts)")
+        b.store_info.setdefault(size, {}).update({"redis_blocks_written": blocks_in,
+                                                  "redis_events": dict(snap.get("events", {}))})
+        if blocks_in != n:
+            b.fig.fail(size, "store.redis_write_behind",
+                       f"only {blocks_in} of {n} blocks reached Redis")
+
+        def make() -> TieredStore:
+            return make_store(b, size, tag, host_blocks=2 * SIZES[size]["batch"],
+                              remote=b.redis_url)
+
+        restore(b, size, "store.redis_restore", "remote", keys, make)
+    finally:
+        drop_redis_namespace(b, ns)
+
+
+def drop_redis_namespace(b: Bench, ns: Namespace) -> None:
+    """Free the server's memory: FLUSHALL on our own server, else delete this namespace's keys."""
+    import redis
+
+    client = redis.Redis.from_url(b.redis_url, socket_timeout=30)
+    try:
+        if b.redis is not None:
+            client.flushall()
+            return
+        digest = ns.digest()
+        batch = []
+        for k in client.scan_iter(count=1000):
+            if digest in k:
+                batch.append(k)
+                if len(batch) >= 500:
+                    client.delete(*batch)
+                    batch = []
+        if batch:
+            client.delete(*batch)
+    finally:
+        client.close()
