@@ -21,6 +21,7 @@ from tiered_kv.admin.catalog import (
     sample_header,
 )
 from tiered_kv.admin.opening import Tier
+from tiered_kv.admin.tenants import tenant_quota, tenant_usage
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import KEY_BYTES
 from tiered_kv.store.records import split_key
@@ -40,7 +41,7 @@ def age_bucket(age: float) -> str:
 # -- inspect ----------------------------------------------------------------------------------
 def inspect_tier(tier: Tier, now: float | None = None) -> dict:
     """Blocks, tokens, bytes, ratio, model and shape, oldest/newest and last-access ages per
-    namespace of one tier, and the tier's totals and capacity use."""
+    namespace of one tier, and the tier's totals, capacity use and usage per tenant."""
     now = time.time() if now is None else now
     found = namespaces(tier.backend)
     listing = list(entries(tier.backend))
@@ -61,6 +62,7 @@ def inspect_tier(tier: Tier, now: float | None = None) -> dict:
         "foreign_entries": kinds["foreign"], "stored_bytes": stored,
         "used_bytes": stats.used_bytes, "capacity_bytes": tier.capacity,
         "capacity_used": round(stats.used_bytes / tier.capacity, 4) if tier.capacity else None,
+        "tenants": tenant_usage(tier), "tenant_quota_bytes": tenant_quota(tier),
         "broken_namespace_records": {d.hex(): why for d, why in found.broken.items()},
         "namespaces": report,
     }

@@ -28,6 +28,7 @@ class Tier:
     name: str
     backend: Backend
     capacity: int | None = None  # the configured byte capacity, when one was given
+    tenant_quota: int | None = None  # the configured bytes per tenant, when one was given
 
     @property
     def shown_url(self) -> str:
@@ -107,7 +108,9 @@ def open_config(path: str, *, timeout: float = 5.0, only: str | None = None) -> 
     try:
         for name, section in wanted:
             capacity = getattr(section, "capacity", None)
-            tiers.append(open_tier(section.url, name=name, timeout=timeout, capacity=capacity))
+            tier = open_tier(section.url, name=name, timeout=timeout, capacity=capacity)
+            tier.tenant_quota = getattr(section, "tenant_quota", None)
+            tiers.append(tier)
     except BaseException:
         for tier in tiers:
             tier.close()
