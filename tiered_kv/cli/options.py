@@ -10,18 +10,18 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.units import parse_duration, parse_size
 
 
-def add_store_args(p: argparse.ArgumentParser, *, json_help: str = "print one JSON document") -> None:
+def add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", nargs="?", metavar="STORE",
                    help="store URL (lmdb:///dir, file:///dir, redis://host:port/0) or a store directory")
     p.add_argument("--config", metavar="FILE", help="TOML config: its disk and remote tiers instead of STORE")
     p.add_argument("--tier", choices=("disk", "remote"), help="with --config: only this tier")
-    add_common(p, json_help)
+    add_common(p)
 
 
-def add_common(p: argparse.ArgumentParser, json_help: str = "print one JSON document") -> None:
+def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=5.0, metavar="S",
                    help="seconds to wait for a remote store (default: %(default)s)")
-    p.add_argument("--json", action="store_true", help=json_help)
+    p.add_argument("--json", action="store_true", help="print one JSON document")
 
 
 @contextmanager
