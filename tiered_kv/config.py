@@ -8,9 +8,18 @@ Sections mirror the tiers::
     [disk]
     url = "lmdb:///var/cache/tiered-kv"
     capacity = "64GiB"
+    admit_after_hits = 2          # only blocks requested twice reach the SSD
     [remote]
     url = "redis://cache:6379/0"
     ttl = "1d"
+    [[tiers]]                     # more lower tiers, in order after disk and remote
+    name = "archive"
+    url = "file:///mnt/shared/tkv"
+    capacity = "2TiB"
+    tenant_quota = "100GiB"      # per cache_salt
+
+The lower tiers are looked up, loaded and written in that order (``lower_tiers``); a new medium
+needs a backend in ``storage_backends`` and a ``[[tiers]]`` entry, nothing else.
 
 Environment: ``TIERED_KV_<FIELD>`` for top-level fields and ``TIERED_KV_<SECTION>_<FIELD>`` for
 section fields (``TIERED_KV_DISK_URL``, ``TIERED_KV_HOST_CAPACITY``). Unknown keys, wrong types,
@@ -71,44 +80,94 @@ def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 class HostConfig:
     capacity: int = _size(1 << 30)  # bytes of host slots (pinned when CUDA is present)
     pinned: str = "auto"  # "auto" (pin when CUDA is available), "yes" or "no"
+    tenant_quota: int | None = _size(None)  # bytes of slots each tenant (cache_salt) may hold; None = no quota
 
     def __post_init__(self) -> None:
         _check_choice("host.pinned", self.pinned, ("auto", "yes", "no"))
+        if self.tenant_quota is not None and self.tenant_quota <= 0:
+            raise ConfigError(f"host.tenant_quota must be positive, got {self.tenant_quota}")
+
+
+class _Settings(dict):
+    """A table of medium settings that can be part of a hashable config (never mutated)."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(repr(sorted(self.items())))
 
 
 @dataclass(frozen=True)
-class DiskConfig:
-    url: str | None = None  # e.g. "lmdb:///var/cache/tiered-kv"; None disables the tier
-    capacity: int = _size(8 << 30)  # bytes of stored (compressed) blocks before LRU eviction
+class TierConfig:
+    """One lower tier: a medium named by URL, how its blocks are encoded, when blocks are written
+    to it, and who may fill it. ``[disk]`` and ``[remote]`` are the two usual ones; more come in
+    order from ``[[tiers]]`` tables."""
+
+    name: str = ""  # tier name in metrics, logs and tools (unique; "host" is taken)
+    url: str | None = None  # the medium, e.g. "lmdb:///var/cache/tkv", "file:///mnt/tkv"; None = off
+    capacity: int | None = _size(None)  # bytes of stored blocks before LRU eviction; None = medium decides
     codec: str = "zstd+shuffle"  # "raw", "zstd" or "zstd+shuffle"
     level: int = 1  # zstd level (1 is the best speed/ratio trade on KV bytes)
     policy: str = "write_through"  # when host blocks are written here: write_through|on_evict|off
-    sync: bool = False  # fsync every commit (True) or leave it to flush()/the OS (False)
+    admit_after_hits: int = 1  # write a block here only once it was requested (saved or loaded) this often
+    tenant_quota: int | None = _size(None)  # bytes each tenant (cache_salt) may hold here; None = no quota
+    options: Mapping[str, Any] = field(default_factory=dict)  # medium-specific settings, passed on open
 
     def __post_init__(self) -> None:
-        _check_url("disk", self.url)
-        _check_choice("disk.policy", self.policy, POLICIES)
-        _check_choice("disk.codec", self.codec, ("raw", "zstd", "zstd+shuffle"))
-        _check_level("disk.level", self.level)
+        key = self.name or "tier"
+        if not self.name or self.name == "host" or not self.name.replace("_", "").isalnum():
+            raise ConfigError(f"{key}.name must be a word other than 'host', got {self.name!r}")
+        _check_url(key, self.url)
+        _check_choice(f"{key}.policy", self.policy, POLICIES)
+        _check_choice(f"{key}.codec", self.codec, ("raw", "zstd", "zstd+shuffle"))
+        _check_level(f"{key}.level", self.level)
+        if self.capacity is not None and self.capacity <= 0:
+            raise ConfigError(f"{key}.capacity must be positive, got {self.capacity}")
+        if isinstance(self.admit_after_hits, bool) or self.admit_after_hits < 1:
+            raise ConfigError(f"{key}.admit_after_hits must be at least 1, got {self.admit_after_hits!r}")
+        if self.tenant_quota is not None and self.tenant_quota <= 0:
+            raise ConfigError(f"{key}.tenant_quota must be positive, got {self.tenant_quota}")
+        if not isinstance(self.options, Mapping):
+            raise ConfigError(f"{key}.options must be a table of settings, got {self.options!r}")
+        object.__setattr__(self, "options", _Settings(self.options))  # configs are dict keys
+
+    def medium_options(self) -> dict[str, Any]:
+        """What the medium is opened with: its own settings, the capacity and the quota."""
+        out = dict(self.options)
+        if self.capacity is not None:
+            out["capacity"] = self.capacity
+        if self.tenant_quota is not None:
+            out["tenant_quota"] = self.tenant_quota
+        return out
 
 
 @dataclass(frozen=True)
-class RemoteConfig:
-    url: str | None = None  # e.g. "redis://host:6379/0", "rediss://…", "unix:///run/redis.sock"
-    codec: str = "zstd+shuffle"  # body codec of blocks sent to the remote tier
-    level: int = 1  # zstd level
-    policy: str = "write_through"  # write_through | on_evict | off
+class DiskConfig(TierConfig):
+    """The local disk tier (``[disk]``), first of the lower tiers."""
+
+    name: str = "disk"  # tier name in metrics, logs and tools
+    capacity: int | None = _size(8 << 30)  # bytes of stored (compressed) blocks before LRU eviction
+    sync: bool = False  # fsync every commit (True) or leave it to flush()/the OS (False)
+
+    def medium_options(self) -> dict[str, Any]:
+        return {**super().medium_options(), "sync": self.sync}
+
+
+@dataclass(frozen=True)
+class RemoteConfig(TierConfig):
+    """The shared remote tier (``[remote]``, Redis), after the disk tier."""
+
+    name: str = "remote"  # tier name in metrics, logs and tools
     ttl: float | None = _duration(None)  # seconds a block lives in Redis; None = no expiry
     timeout: float = _duration(2.0)  # socket timeout per Redis call, seconds
     retries: int = 2  # retries with backoff before a call counts as remote_unavailable
 
     def __post_init__(self) -> None:
-        _check_url("remote", self.url)
-        _check_choice("remote.policy", self.policy, POLICIES)
-        _check_choice("remote.codec", self.codec, ("raw", "zstd", "zstd+shuffle"))
-        _check_level("remote.level", self.level)
+        super().__post_init__()
         if self.retries < 0:
             raise ConfigError(f"remote.retries must not be negative, got {self.retries}")
+
+    def medium_options(self) -> dict[str, Any]:
+        return {**super().medium_options(), "ttl": self.ttl, "timeout": self.timeout,
+                "retries": self.retries}
 
 
 @dataclass(frozen=True)
@@ -116,6 +175,7 @@ class TieredKVConfig:
     host: HostConfig = field(default_factory=HostConfig)  # host (CPU) tier
     disk: DiskConfig = field(default_factory=DiskConfig)  # disk (LMDB) tier
     remote: RemoteConfig = field(default_factory=RemoteConfig)  # remote (Redis) tier
+    tiers: tuple[TierConfig, ...] = ()  # more lower tiers, in order after disk and remote
     workers: int = 2  # transfer threads (zstd, LMDB and redis-py release the GIL)
     max_inflight_save: int = _size(512 << 20)  # write-behind bytes queued before saves drop
     max_inflight_load: int = _size(512 << 20)  # load bytes in flight; later loads queue behind them
@@ -138,6 +198,16 @@ class TieredKVConfig:
             raise ConfigError(f"lookup_timeout must be positive, got {self.lookup_timeout}")
         if self.metrics_log_interval is not None and not self.metrics_log_interval > 0:
             raise ConfigError(f"metrics_log_interval must be positive, got {self.metrics_log_interval}")
+        names = [t.name for t in (self.disk, self.remote, *self.tiers)]
+        for name in names:
+            if names.count(name) > 1:
+                raise ConfigError(f"two lower tiers are named {name!r}")
+
+    @property
+    def lower_tiers(self) -> tuple[TierConfig, ...]:
+        """The lower tiers that are on (a URL given), in the order blocks are looked up, loaded
+        and written: disk, remote, then ``tiers``."""
+        return tuple(t for t in (self.disk, self.remote, *self.tiers) if t.url)
 
     # -- constructors ------------------------------------------------------------------------
     @classmethod
@@ -223,7 +293,13 @@ def _build(cls: type, data: dict, prefix: str):
     for name, value in data.items():
         f, key = known[name], prefix + name
         target = hints[name]
-        if is_dataclass(target):
+        if typing.get_origin(target) is tuple and is_dataclass(typing.get_args(target)[0]):
+            kwargs[name] = _build_list(typing.get_args(target)[0], key, value)
+        elif typing.get_origin(target) in (Mapping, dict):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{key} must be a table of settings, got {value!r}")
+            kwargs[name] = dict(value)
+        elif is_dataclass(target):
             if isinstance(value, target):
                 kwargs[name] = value
                 continue
@@ -236,6 +312,21 @@ def _build(cls: type, data: dict, prefix: str):
         return cls(**kwargs)
     except TypeError as exc:  # a required field is missing
         raise ConfigError(f"{prefix or 'config'}: {exc}") from None
+
+
+def _build_list(item: type, key: str, value: Any) -> tuple:
+    """A TOML array of tables (``[[tiers]]``) as a tuple of ``item`` dataclasses."""
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key} must be a list of tables, got {value!r}")
+    out = []
+    for i, entry in enumerate(value):
+        if isinstance(entry, item):
+            out.append(entry)
+        elif isinstance(entry, Mapping):
+            out.append(_build(item, dict(entry), f"{key}[{i}]."))
+        else:
+            raise ConfigError(f"{key}[{i}] must be a table of settings, got {entry!r}")
+    return tuple(out)
 
 
 def _coerce(key: str, value: Any, target: Any, parse) -> Any:

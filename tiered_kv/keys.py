@@ -91,11 +91,29 @@ class Namespace:
     def hasher(self) -> Callable[[bytes], bytes]:
         return HASHES[self.hash_algo]
 
+    @property
+    def block_shape(self) -> tuple[int, int, int, int, int]:
+        """Canonical payload shape of one block: ``[num_layers, 2, block_size, num_kv_heads, head_dim]``."""
+        return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def tenant(self) -> bytes:
+        """The tenant label of this namespace's blocks in the tiers (:func:`tenant_label`)."""
+        return tenant_label(self.cache_salt)
+
     def num_full_blocks(self, num_tokens: int) -> int:
         return num_tokens // self.block_size
 
     def describe(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def tenant_label(cache_salt: str) -> bytes:
+    """The tenant a ``cache_salt`` names, as the tiers record it for quotas and usage: 8 bytes
+    of its hash (the salt itself never leaves the process), or ``b""`` for no salt."""
+    if not cache_salt:
+        return b""
+    return hashlib.blake2b(cache_salt.encode(), digest_size=8, person=b"tkv-tenant").digest()
 
 
 def tokens_to_bytes(tokens: Sequence[int], token_bytes: int = 4) -> bytes:

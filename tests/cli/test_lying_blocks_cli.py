@@ -34,10 +34,10 @@ def build(tmp_path: Path, medium: str, lies: dict[int, str], *, record: bool = T
     with make_store(tmp_path, disk=disk) as store:
         store.save(keys, payloads(store, N))
         store.flush()
-        planted = [(store.disk.storage_key(keys[i]),
-                    one_tib_block(store.disk.ns, keys[i]) if lie == "one_tib" else
-                    lying_block(store, store.disk, keys[i], lie)) for i, lie in lies.items()]
-        url = store.disk.backend.url.split("?", 1)[0]
+        planted = [(store.tier("disk").ns + keys[i],
+                    one_tib_block(store.tier("disk").ns, keys[i]) if lie == "one_tib" else
+                    lying_block(store, store.tier("disk"), keys[i], lie)) for i, lie in lies.items()]
+        url = store.tier("disk").backend.url.split("?", 1)[0]
     backend = open_medium(url)
     try:
         backend.put_many(planted)

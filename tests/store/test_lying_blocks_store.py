@@ -15,10 +15,10 @@ import torch
 import xxhash
 
 from tests.store.helpers import keys_for, load, make_store, payloads
-from tiered_kv.store.host_slots import bytes_of
-from tiered_kv.store.codec import CODECS, DTYPES, HEADER, MAGIC, MAX_NDIM, VERSION, BlockCodec
 from tiered_kv.store import TieredStore
+from tiered_kv.store.codec import CODECS, DTYPE_CODES, HEADER, MAGIC, MAX_NDIM, VERSION, BlockCodec
 from tiered_kv.store.encoded_tier import EncodedTier
+from tiered_kv.store.host_slots import bytes_of
 
 TIB = 1 << 40
 QUICK_S = 1.0  # a load that waits for nothing; PROMOTION_WAIT_S is 5 s
@@ -29,7 +29,7 @@ def one_tib_block(ns: bytes, key: bytes) -> bytes:
     frame = struct.pack("<IB", 0xFD2FB528, 0xE0) + struct.pack("<Q", TIB)
     body = frame + struct.pack("<I", 1 | (1 << 1) | (4 << 3))[:3] + b"\x00"
     dims = (1 << 20, 1 << 20) + (0,) * (MAX_NDIM - 2)
-    head = HEADER.pack(MAGIC, VERSION, CODECS["zstd"], DTYPES["uint8"][0], 1, 2, 0, *dims, ns, key,
+    head = HEADER.pack(MAGIC, VERSION, CODECS["zstd"], DTYPE_CODES["uint8"], 1, 2, 0, *dims, ns, key,
                        TIB, len(body), 0, xxhash.xxh3_64_intdigest(body) & 0xFFFFFFFF, 0.0, 0)
     return head[:-4] + struct.pack("<I", xxhash.xxh32_intdigest(head[:-4])) + body
 
@@ -72,7 +72,7 @@ def plant(store: TieredStore, tier: EncodedTier, keys: list[bytes], bad: dict[in
         if i in bad:
             blob = (one_tib_block(tier.ns, key) if bad[i] == "one_tib_zstd_frame"
                     else lying_block(store, tier, key, bad[i]))
-            assert tier.backend.put_many([(tier.storage_key(key), blob)]) == [True]
+            assert tier.backend.put_many([(tier.ns + key, blob)]) == [True]
         else:
             tier.put_blobs([(key, tier.encode(key, bytes_of(payload)))], store.block_nbytes)
     return data
@@ -89,7 +89,7 @@ def test_block_declaring_another_shape_is_a_counted_corrupt_miss_not_a_valueerro
     build, where = medium
     keys = keys_for(3)
     with build() as store:
-        tier = getattr(store, where)
+        tier = store.tier(where)
         data = plant(store, tier, keys, {1: lie})
         ok, outs = load(store, keys)
         assert ok == [True, False, True]
@@ -103,7 +103,7 @@ def test_block_declaring_another_shape_is_a_counted_corrupt_miss_not_a_valueerro
 def test_failed_decode_releases_its_reserved_host_slot(tmp_path):
     keys = keys_for(3)
     with make_store(tmp_path) as store:
-        plant(store, store.disk, keys, {1: "more_layers"})
+        plant(store, store.tier("disk"), keys, {1: "more_layers"})
         plan = store.load(store.prepare_load(keys))
         wait(plan.futures, timeout=30)
         assert [f.exception() for f in plan.futures] == [None] * len(plan.futures), \
@@ -118,7 +118,7 @@ def test_failed_decode_releases_its_reserved_host_slot(tmp_path):
 def test_a_second_load_of_a_lying_key_returns_at_once_as_a_miss(tmp_path):
     keys = keys_for(2)
     with make_store(tmp_path) as store:
-        plant(store, store.disk, keys, {0: "one_tib_zstd_frame"})
+        plant(store, store.tier("disk"), keys, {0: "one_tib_zstd_frame"})
         with contextlib.suppress(Exception):  # the first load is pinned by the tests above
             load(store, keys)
         t0 = time.perf_counter()
@@ -132,12 +132,12 @@ def test_a_second_load_of_a_lying_key_returns_at_once_as_a_miss(tmp_path):
 def test_a_load_job_that_raises_while_reading_aborts_its_reservations(tmp_path, monkeypatch):
     keys = keys_for(2)
     with make_store(tmp_path) as store:
-        data = plant(store, store.disk, keys, {})
+        data = plant(store, store.tier("disk"), keys, {})
 
         def broken(*args, **kwargs):
             raise RuntimeError("a bug while reading")
 
-        monkeypatch.setattr(store.disk, "read_into", broken)
+        monkeypatch.setattr(store.tier("disk"), "read_into", broken)
         plan = store.load(store.prepare_load(keys))
         wait(plan.futures, timeout=30)
         assert [f.exception() for f in plan.futures] == [None] * len(plan.futures)
@@ -155,11 +155,11 @@ def test_a_load_job_that_raises_while_reading_aborts_its_reservations(tmp_path, 
 def test_a_lying_block_on_the_remote_is_not_copied_down_to_disk(tmp_path, redis_url):
     keys = keys_for(2)
     with make_store(tmp_path, remote_url=redis_url) as store:
-        plant(store, store.remote, keys, {0: "same_size_other_shape"})
+        plant(store, store.tier("remote"), keys, {0: "same_size_other_shape"})
         ok, _ = load(store, keys)
         assert ok == [False, True]
         store.flush()
-        assert store.disk.contains(keys) == [False, True]
-        assert store.remote.contains(keys) == [False, True]
+        assert store.tier("disk").contains(keys) == [False, True]
+        assert store.tier("remote").contains(keys) == [False, True]
         assert store.metrics.tiers["remote"].misses["corrupt"] == 1
         assert_host_settled(store)

@@ -167,7 +167,7 @@ def test_redis_killed_mid_test_store_serves_host_and_disk_then_uses_redis_again(
         data = payloads(store, 8)
         store.save(keys[:4], data[:4])
         store.flush()
-        assert store.remote.contains(keys[:4]) == [True] * 4
+        assert store.tier("remote").contains(keys[:4]) == [True] * 4
         own_redis.stop()
         t0 = time.perf_counter()
         store.save(keys[4:], data[4:])
@@ -179,14 +179,14 @@ def test_redis_killed_mid_test_store_serves_host_and_disk_then_uses_redis_again(
         assert store.metrics.misses("remote_unavailable") > 0
         own_redis.start()  # empty again
         deadline = time.monotonic() + 10
-        while store.remote.contains(keys[:1]) != [False] or not _remote_put_works(store, keys):
+        while store.tier("remote").contains(keys[:1]) != [False] or not _remote_put_works(store, keys):
             assert time.monotonic() < deadline, "remote tier did not come back"
             time.sleep(0.2)
-        assert store.remote.contains(keys[-2:]) == [True, True]
+        assert store.tier("remote").contains(keys[-2:]) == [True, True]
 
 
 def _remote_put_works(store, keys) -> bool:
-    tier = store.remote
+    tier = store.tier("remote")
     payload = torch.zeros(store.shape, dtype=store.dtype)
     blob = tier.encode(keys[-1], payload.view(torch.uint8).numpy())
     blob2 = tier.encode(keys[-2], payload.view(torch.uint8).numpy())
@@ -204,4 +204,4 @@ def test_remote_hit_is_loaded_and_copied_down_to_disk(tmp_path, redis_url):
         ok, outs = load(replica, keys)
         assert all(ok) and all(torch.equal(a, b) for a, b in zip(data, outs))
         replica.flush()
-        assert replica.disk.contains(keys) == [True] * 4
+        assert replica.tier("disk").contains(keys) == [True] * 4

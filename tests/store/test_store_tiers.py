@@ -49,7 +49,7 @@ def test_block_is_invisible_until_its_store_completed_and_a_failed_store_rolls_b
             store.slot_tensor(slot).copy_(p)
         store.commit_save(batch).result(timeout=10)
         assert store.lookup(keys) == 3
-        assert store.disk.contains(keys) == [True] * 3
+        assert store.tier("disk").contains(keys) == [True] * 3
 
 
 def test_host_eviction_falls_back_to_disk_and_promotes_the_block_again(tmp_path):
@@ -96,7 +96,7 @@ def test_on_evict_policy_writes_to_disk_only_when_host_evicts(tmp_path):
         data = payloads(store, 6)
         store.save(keys, data)
         store.flush()
-        assert store.disk.contains(keys) == [True, True, False, False, False, False]
+        assert store.tier("disk").contains(keys) == [True, True, False, False, False, False]
         ok, outs = load(store, keys[:2])
         assert all(ok) and torch.equal(outs[1], data[1])
 
@@ -105,7 +105,7 @@ def test_off_policy_never_writes_the_tier(tmp_path):
     with make_store(tmp_path, disk={"url": f"lmdb://{tmp_path}/off", "policy": "off"}) as store:
         store.save(keys_for(3), payloads(store, 3))
         store.flush()
-        assert store.disk.contains(keys_for(3)) == [False] * 3
+        assert store.tier("disk").contains(keys_for(3)) == [False] * 3
 
 
 def test_lmdb_capacity_smaller_than_the_data_evicts_instead_of_failing(tmp_path):
@@ -118,7 +118,7 @@ def test_lmdb_capacity_smaller_than_the_data_evicts_instead_of_failing(tmp_path)
         disk = store.stats()["backends"]["disk"]
         assert disk["used_bytes"] <= 160 << 10
         assert disk["evictions"] > 0
-        assert store.disk.contains(keys[-1:]) == [True], "newest blocks are kept"
+        assert store.tier("disk").contains(keys[-1:]) == [True], "newest blocks are kept"
         ok, outs = load(store, keys[-6:])
         assert all(ok) and torch.equal(outs[0], data[-6])
 

@@ -14,8 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tiered_kv.store.codec import DTYPES, HEADER, HEADER_BYTES, BlockCodec
+from tiered_kv.dtypes import ITEMSIZE
 from tiered_kv.errors import ConfigError, CorruptBlock, NamespaceMismatch
+from tiered_kv.store.codec import HEADER, HEADER_BYTES, BlockCodec
 
 NS = bytes(range(16))
 OTHER_NS = bytes(range(1, 17))
@@ -119,7 +120,7 @@ def test_out_buffer_of_the_wrong_size_raises_value_error(delta):
 
 @pytest.mark.parametrize("dtype_name", ["uint8", "int8", "int32", "float64"])
 def test_other_known_dtypes_round_trip_with_shuffle(dtype_name):
-    size = DTYPES[dtype_name][1]
+    size = ITEMSIZE[dtype_name]
     arr = (np.arange(4096, dtype=np.int64) % 97).astype(f"<i{size}" if "int" in dtype_name else "<f8")
     if dtype_name == "uint8":
         arr = arr.astype(np.uint8)

@@ -19,9 +19,13 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from storage_backends.base import Backend, BackendStats
+from tiered_kv.config import DiskConfig
+from tiered_kv.dtypes import ITEMSIZE
+from tiered_kv.errors import CorruptBlock
+from tiered_kv.keys import Namespace
 from tiered_kv.store.codec import (
     CODECS,
-    DTYPES,
+    DTYPE_CODES,
     HEADER,
     MAGIC,
     MAX_NDIM,
@@ -30,10 +34,8 @@ from tiered_kv.store.codec import (
     BlockCodec,
     BlockLayout,
 )
-from tiered_kv.errors import CorruptBlock
-from tiered_kv.keys import Namespace
-from tiered_kv.store.metrics import StoreMetrics
 from tiered_kv.store.encoded_tier import EncodedTier
+from tiered_kv.store.metrics import StoreMetrics
 
 NS_FIELDS = Namespace(model_id="lying-test", dtype="bfloat16", num_layers=2, num_kv_heads=2,
                       head_dim=8, block_size=4)
@@ -54,10 +56,10 @@ def forge(body: bytes, *, codec: str, dtype: str, shape: Sequence[int], raw_len:
           checksum: int = 0, namespace: bytes = NS, key: bytes = KEY) -> bytes:
     """A block with ``body`` and a header that says whatever it is told, with a valid header
     check (the header's own checksum cannot tell a liar from an honest block)."""
-    size = DTYPES[dtype][1]
+    size = ITEMSIZE[dtype]
     raw_len = prod(shape) * size if raw_len is None else raw_len
     dims = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
-    head = HEADER.pack(MAGIC, VERSION, CODECS[codec], DTYPES[dtype][0], 1, len(shape), 0, *dims,
+    head = HEADER.pack(MAGIC, VERSION, CODECS[codec], DTYPE_CODES[dtype], 1, len(shape), 0, *dims,
                        namespace, key, raw_len, len(body), checksum, body_check(body), 0.0, 0)
     return head[:-4] + struct.pack("<I", xxhash.xxh32_intdigest(head[:-4])) + body
 
@@ -71,7 +73,7 @@ def zstd_frame_declaring(content_size: int) -> bytes:
 
 def honest(dtype: str, shape: Sequence[int], codec: str, seed: int = 0) -> bytes:
     """A block BlockCodec really writes, for ``dtype`` x ``shape``, under our namespace and key."""
-    n = prod(shape) * DTYPES[dtype][1]
+    n = prod(shape) * ITEMSIZE[dtype]
     rng = np.random.default_rng(seed)
     payload = (rng.integers(0, 4, n, dtype=np.uint8) if seed % 2 else rng.integers(0, 256, n, dtype=np.uint8))
     return BlockCodec(codec).encode(payload, dtype=dtype, shape=tuple(shape), namespace=NS, key=KEY)
@@ -103,11 +105,11 @@ def _factorizations(n: int, dims: int) -> st.SearchStrategy[tuple[int, ...]]:
         lambda d: _factorizations(n // d, dims - 1).map(lambda rest: (d, *rest)))
 
 
-same_size_layouts = st.sampled_from(sorted(DTYPES)).flatmap(
+same_size_layouts = st.sampled_from(sorted(DTYPE_CODES)).flatmap(
     lambda dtype: st.integers(1, MAX_NDIM).flatmap(
-        lambda dims: _factorizations(EXPECT.raw_len // DTYPES[dtype][1], dims).map(
+        lambda dims: _factorizations(EXPECT.raw_len // ITEMSIZE[dtype], dims).map(
             lambda shape: (dtype, shape))))
-any_layouts = st.tuples(st.sampled_from(sorted(DTYPES)),
+any_layouts = st.tuples(st.sampled_from(sorted(DTYPE_CODES)),
                         st.lists(st.integers(1, 9), min_size=1, max_size=MAX_NDIM).map(tuple))
 other_layouts = st.one_of(same_size_layouts, any_layouts).filter(lambda lay: lay != (EXPECT.dtype, SHAPE))
 
@@ -146,7 +148,7 @@ def test_zstd_frame_declaring_one_tebibyte_is_refused_before_allocating(with_lay
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_shuffled_block_declaring_one_tebibyte_is_refused_before_allocating(dtype):
-    size = DTYPES[dtype][1]
+    size = ITEMSIZE[dtype]
     frame = zstd_frame_declaring(TIB // size * (size - 1))
     body = struct.pack("<Q", len(frame)) + frame + b"\x00" * 64
     blob = forge(body, codec="zstd+shuffle", dtype=dtype, shape=(1 << 20, (1 << 20) // size))
@@ -156,12 +158,12 @@ def test_shuffled_block_declaring_one_tebibyte_is_refused_before_allocating(dtyp
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(codec=st.sampled_from(sorted(CODECS)), dtype=st.sampled_from(sorted(DTYPES)),
+@given(codec=st.sampled_from(sorted(CODECS)), dtype=st.sampled_from(sorted(DTYPE_CODES)),
        shape=st.lists(st.integers(1, (1 << 32) - 1), min_size=1, max_size=MAX_NDIM).map(tuple),
        body=st.binary(min_size=0, max_size=96), frame_size=st.one_of(st.none(), st.integers(0, 1 << 62)))
 def test_self_consistent_forged_headers_are_corrupt_blocks_within_bounded_memory(codec, dtype, shape, body,
                                                                                  frame_size):
-    raw_len = prod(shape) * DTYPES[dtype][1]
+    raw_len = prod(shape) * ITEMSIZE[dtype]
     assume(raw_len < 1 << 64)
     if codec == "raw":
         assume(raw_len <= 4096)
@@ -212,7 +214,7 @@ class DictBackend(Backend):
 
 
 def make_tier() -> EncodedTier:
-    return EncodedTier("disk", DictBackend(), BlockCodec(), NS_FIELDS, SHAPE, StoreMetrics(), "write_through")
+    return EncodedTier(DiskConfig(codec="zstd+shuffle"), DictBackend(), NS_FIELDS, StoreMetrics())
 
 
 def read(tier: EncodedTier, keys: list[bytes]) -> tuple[list[str | None], list[bytearray]]:
@@ -228,9 +230,9 @@ def test_a_tier_counts_a_block_of_another_layout_as_corrupt_and_removes_it(layou
     good = [bytes([i]) * 16 for i in (1, 3)]
     for k in good:
         tier.put_blobs([(k, tier.encode(k, bytes(range(256)) * 2))], EXPECT.raw_len)
-    blob = BlockCodec(codec).encode(np.full(prod(layout[1]) * DTYPES[layout[0]][1], 7, np.uint8),
+    blob = BlockCodec(codec).encode(np.full(prod(layout[1]) * ITEMSIZE[layout[0]], 7, np.uint8),
                                     dtype=layout[0], shape=layout[1], namespace=NS, key=KEY)
-    tier.backend.put_many([(tier.storage_key(KEY), blob)])
+    tier.backend.put_many([(tier.ns + KEY, blob)])
     reasons, outs = read(tier, [good[0], KEY, good[1]])
     assert reasons == [None, "corrupt", None]
     assert outs[1] == b"\xa5" * EXPECT.raw_len
@@ -241,7 +243,7 @@ def test_a_tier_counts_a_block_of_another_layout_as_corrupt_and_removes_it(layou
 
 def test_a_tier_refuses_a_block_declaring_one_tebibyte_as_a_corrupt_miss():
     tier = make_tier()
-    tier.backend.put_many([(tier.storage_key(KEY), forge(zstd_frame_declaring(TIB), codec="zstd",
+    tier.backend.put_many([(tier.ns + KEY, forge(zstd_frame_declaring(TIB), codec="zstd",
                                                          dtype="uint8", shape=(1 << 20, 1 << 20)))])
     reasons, _ = read(tier, [KEY])
     assert reasons == ["corrupt"] and tier.contains([KEY]) == [False]

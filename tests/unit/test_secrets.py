@@ -144,9 +144,9 @@ def test_demo_report_files_and_child_argv_never_show_the_password(demo_on_locked
 
 
 def test_stats_with_credentials_in_the_metrics_url_never_shows_them(tmp_path):
-    from tiered_kv.store.prometheus import export, unexport
     from tiered_kv.keys import Namespace
     from tiered_kv.store import TieredStore
+    from tiered_kv.store.prometheus import export, unexport
 
     ns = Namespace(model_id="m", dtype="float32", num_layers=1, num_kv_heads=1, head_dim=4, block_size=4)
     store = TieredStore(TieredKVConfig.load({"host": {"capacity": "1MiB"}}), ns)

@@ -127,9 +127,7 @@ class ConnectorWorker:
 
     def _scatter(self, block_ids: list[int], slots: list[int]) -> None:
         assert self.layout is not None, "register_kv_caches was not called"
-        slab = self.store.host.slab.view(self.store.host.num_slots, self.store.block_nbytes)
-        src = slab.index_select(0, torch.tensor(slots)).view(self.store.dtype)
-        src = src.view(len(slots), *self.store.shape)
+        src = self.store.slots.gather(slots)
         ids = torch.tensor(block_ids, device=self.layout.device)
         if self.layout.device.type == "cuda":
             src = src.to(self.layout.device, non_blocking=True)
@@ -176,12 +174,10 @@ class ConnectorWorker:
 
     def _gather(self, block_ids: list[int], slots: list[int], batch: SaveBatch, owners: set[str]) -> None:
         assert self.layout is not None, "register_kv_caches was not called"
-        host = self.store.host
-        slab = host.slab.view(host.num_slots, self.store.block_nbytes)
         if self._stream is None:
             ids = torch.tensor(block_ids, device=self.layout.device)
             data = self.layout.gather(ids).view(len(block_ids), -1).view(torch.uint8)
-            slab.index_copy_(0, torch.tensor(slots), data)
+            self.store.slots.fill(slots, data)
             self._saves.append(_PendingSave(batch, owners))
             return
         # Stream rule: every CUDA tensor the side stream reads or writes is allocated on it (the
@@ -192,8 +188,7 @@ class ConnectorWorker:
         with torch.cuda.stream(self._stream):
             ids = torch.tensor(block_ids, device=self.layout.device)
             data = self.layout.gather(ids).view(len(block_ids), -1).view(torch.uint8)
-            for i, slot in enumerate(slots):
-                slab[slot].copy_(data[i], non_blocking=True)
+            self.store.slots.fill(slots, data, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         self._saves.append(_PendingSave(batch, owners, event))

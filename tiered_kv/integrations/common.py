@@ -123,13 +123,6 @@ def _merge(base: dict, over: Mapping[str, Any]) -> dict:
     return out
 
 
-def torch_dtype_name(dtype: Any) -> str:
-    """``torch.bfloat16`` / ``"bfloat16"`` / ``"fp8"`` -> the torch dtype name a namespace uses."""
-    name = str(dtype).removeprefix("torch.")
-    return {"fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2",
-            "half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(name, name)
-
-
 # -- one store per (config, namespace) in a process ---------------------------------------------
 _lock = threading.Lock()
 _stores: dict[tuple, list] = {}  # (config, namespace) -> [store, users]

@@ -38,9 +38,9 @@ from typing import Any
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.connector.scheduler import ConnectorScheduler
+from tiered_kv.dtypes import dtype_name
 from tiered_kv.errors import ConfigError
 from tiered_kv.fingerprint import LORA_FINGERPRINTS, fold_weights
-from tiered_kv.store.futures import gather
 from tiered_kv.integrations.common import (
     RequestStep,
     RequestView,
@@ -48,9 +48,9 @@ from tiered_kv.integrations.common import (
     acquire_store,
     parse_settings,
     release_store,
-    torch_dtype_name,
 )
 from tiered_kv.keys import Namespace
+from tiered_kv.store.futures import gather
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def trtllm_namespace(llm_args: Any, config: TieredKVConfig) -> Namespace:
     # directory's weight files (checkpoint or built engine) are fingerprinted into the revision
     revision = config.model_revision or fold_weights(str(getattr(llm_args, "revision", None) or ""),
                                                       _model_dir(llm_args))
-    return Namespace(model_id=str(llm_args.model), dtype=torch_dtype_name(dtype), num_layers=layers,
+    return Namespace(model_id=str(llm_args.model), dtype=dtype_name(dtype), num_layers=layers,
                      num_kv_heads=kv_heads, head_dim=head_dim, block_size=int(block_size),
                      revision=revision, cache_salt=config.cache_salt, hash_algo=config.hash_algo)
 

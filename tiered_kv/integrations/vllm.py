@@ -27,13 +27,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiered_kv.connector.meta import ConnectorMeta
+from tiered_kv.dtypes import dtype_name
 from tiered_kv.errors import ConfigError
 from tiered_kv.fingerprint import fold_weights
 from tiered_kv.integrations.common import (
     acquire_store,
     parse_settings,
     release_store,
-    torch_dtype_name,
 )
 from tiered_kv.integrations.vllm_scheduler import SchedulerSide, group0
 from tiered_kv.keys import Namespace
@@ -153,7 +153,7 @@ def _kv_dtype(vllm_config: Any, spec: Any) -> str:
     both fp8 formats): the format comes from ``cache_config.cache_dtype`` then."""
     cc = getattr(vllm_config, "cache_config", None)
     cache_dtype = str(getattr(cc, "cache_dtype", None) or "auto")
-    name = torch_dtype_name(spec.dtype)
+    name = dtype_name(spec.dtype)
     if cache_dtype.startswith("fp8"):
         if getattr(cc, "calculate_kv_scales", False):
             raise ConfigError(f"{SOURCE}: cache_dtype={cache_dtype} with calculate_kv_scales=True is not "
@@ -161,7 +161,7 @@ def _kv_dtype(vllm_config: Any, spec: Any) -> str:
                               "read with other scales; use the checkpoint's static scales or cache_dtype=auto")
         # static scales come from the checkpoint (k_scale / v_scale next to the weights): the
         # weights fingerprint in the revision covers them, as it covers the weights
-        return name if name.startswith("float8") else torch_dtype_name(cache_dtype)
+        return name if name.startswith("float8") else dtype_name(cache_dtype)
     if name in ("uint8", "int8"):
         raise ConfigError(f"{SOURCE}: a {name} KV cache (cache_dtype={cache_dtype}) holds quantized values "
                           "tiered-kv cannot name; use cache_dtype auto, fp8_e4m3 or fp8_e5m2")

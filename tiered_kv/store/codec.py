@@ -33,8 +33,9 @@ from math import prod
 import xxhash
 import zstandard
 
-from tiered_kv.store.codec_body import body_check, body_parts, compress_body, decompress_body, short
+from tiered_kv.dtypes import ITEMSIZE, itemsize
 from tiered_kv.errors import ConfigError, CorruptBlock, NamespaceMismatch
+from tiered_kv.store.codec_body import body_check, body_parts, compress_body, decompress_body, short
 
 MAGIC = b"TKVB"
 VERSION = 1
@@ -47,19 +48,12 @@ HEADER_BYTES = HEADER.size
 CODECS = {"raw": 0, "zstd": 1, "zstd+shuffle": 2}
 CODEC_NAMES = {v: k for k, v in CODECS.items()}
 
-# dtype name -> (code, itemsize); names are torch's without the "torch." prefix
-DTYPES: dict[str, tuple[int, int]] = {
-    "uint8": (1, 1),
-    "int8": (2, 1),
-    "float8_e4m3fn": (3, 1),
-    "float8_e5m2": (4, 1),
-    "float16": (5, 2),
-    "bfloat16": (6, 2),
-    "float32": (7, 4),
-    "int32": (8, 4),
-    "float64": (9, 8),
+# dtype name (tiered_kv.dtypes) -> its code in the header
+DTYPE_CODES: dict[str, int] = {
+    "uint8": 1, "int8": 2, "float8_e4m3fn": 3, "float8_e5m2": 4, "float16": 5, "bfloat16": 6,
+    "float32": 7, "int32": 8, "float64": 9,
 }
-DTYPE_NAMES = {code: name for name, (code, _) in DTYPES.items()}
+DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 # the most a zstd frame can expand: a block regenerates at most 128 KiB from at least 4 bytes
 # (3 of block header, 1 of RLE byte), and a frame has a header of its own besides
 ZSTD_MAX_RATIO = (128 << 10) // 4
@@ -80,7 +74,7 @@ class BlockLayout:
 
     @property
     def raw_len(self) -> int:
-        return prod(self.shape) * DTYPES[self.dtype][1]
+        return prod(self.shape) * ITEMSIZE[self.dtype]
 
     def describe(self) -> str:
         return f"{self.dtype} {list(self.shape)} ({self.raw_len} bytes)"
@@ -110,13 +104,6 @@ class BlockHeader:
     @property
     def total_len(self) -> int:
         return HEADER_BYTES + self.stored_len
-
-
-def itemsize(dtype: str) -> int:
-    try:
-        return DTYPES[dtype][1]
-    except KeyError:
-        raise ConfigError(f"unsupported KV dtype {dtype!r}; known: {sorted(DTYPES)}") from None
 
 
 class BlockCodec:
@@ -160,7 +147,7 @@ class BlockCodec:
     def _header(self, codec: str, dtype: str, shape, namespace: bytes, key: bytes,
                 raw_len: int, stored_len: int, checksum: int, body_check: int, created: float) -> bytes:
         dims = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
-        fields = (MAGIC, VERSION, CODECS[codec], DTYPES[dtype][0], self.level, len(shape), 0,
+        fields = (MAGIC, VERSION, CODECS[codec], DTYPE_CODES[dtype], self.level, len(shape), 0,
                   *dims, namespace, key, raw_len, stored_len, checksum, body_check, created, 0)
         head = HEADER.pack(*fields)
         check = xxhash.xxh32_intdigest(head[:-4])
@@ -192,7 +179,7 @@ class BlockCodec:
             raise CorruptBlock(f"bad shape {dims} with ndim {ndim}")
         shape = tuple(dims[:ndim])
         dtype_name = DTYPE_NAMES[dtype]
-        if prod(shape) * DTYPES[dtype_name][1] != raw_len:
+        if prod(shape) * ITEMSIZE[dtype_name] != raw_len:
             raise CorruptBlock(f"raw length {raw_len} does not match shape {shape} x {dtype_name}")
         if len(view) != HEADER_BYTES + stored_len:
             raise CorruptBlock(f"stored length {stored_len} but body has {len(view) - HEADER_BYTES} bytes")
@@ -206,7 +193,7 @@ class BlockCodec:
         if expect is not None and (dtype_name != expect.dtype or shape != expect.shape):
             raise CorruptBlock(f"block declares {dtype_name} {list(shape)} ({raw_len} bytes), "
                                f"the namespace's block is {expect.describe()}")
-        size = DTYPES[dtype_name][1]
+        size = ITEMSIZE[dtype_name]
         if codec_name == "zstd+shuffle" and size == 1:
             raise CorruptBlock("zstd+shuffle declared for a 1-byte dtype (never written)")
         room = {"raw": stored_len, "zstd": ZSTD_MAX_RATIO * stored_len,
@@ -252,10 +239,10 @@ class BlockCodec:
             body = memoryview(blob).cast("B")[HEADER_BYTES:]
             if header.codec != "raw" and body_check(body) != header.body_check:
                 raise CorruptBlock("stored body checksum mismatch")
-            parts = body_parts(header.codec, DTYPES[header.dtype][1], header.raw_len, body)  # framing checked before allocating anything
+            parts = body_parts(header.codec, ITEMSIZE[header.dtype], header.raw_len, body)  # framing checked before allocating anything
             if dst is None:
                 dst = memoryview(bytearray(header.raw_len))
-            decompress_body(header.codec, DTYPES[header.dtype][1], header.raw_len, parts, dst)
+            decompress_body(header.codec, ITEMSIZE[header.dtype], header.raw_len, parts, dst)
             if xxhash.xxh3_64_intdigest(dst) != header.checksum:
                 raise CorruptBlock("payload checksum mismatch")
         except CorruptBlock:

@@ -14,32 +14,32 @@ import time
 from collections.abc import Sequence
 
 from storage_backends.base import Backend
-from tiered_kv.store.codec import BlockCodec, BlockLayout
+from tiered_kv.config import TierConfig
 from tiered_kv.errors import BackendUnavailable, CorruptBlock
 from tiered_kv.keys import Namespace
+from tiered_kv.store.codec import BlockCodec, BlockLayout
 from tiered_kv.store.metrics import StoreMetrics
 
 log = logging.getLogger(__name__)
 
 
 class EncodedTier:
-    """Disk or remote tier: ``backend`` holds stored blocks under ``namespace digest ‖ key``."""
+    """One lower tier: ``backend`` holds stored blocks under ``namespace digest ‖ key``, written
+    and read as ``config`` says (codec, policy, admission)."""
 
-    def __init__(self, name: str, backend: Backend, codec: BlockCodec, namespace: Namespace,
-                 shape: tuple[int, ...], metrics: StoreMetrics, policy: str) -> None:
-        self.name = name
+    def __init__(self, config: TierConfig, backend: Backend, namespace: Namespace,
+                 metrics: StoreMetrics) -> None:
+        self.config = config
+        self.name = config.name
+        self.policy = config.policy
         self.backend = backend
-        self.codec = codec
+        self.codec = BlockCodec(config.codec, config.level)
         self.namespace = namespace
         self.ns = namespace.digest()
-        self.shape = shape
-        self.layout = BlockLayout(namespace.dtype, tuple(shape))  # what every block here must be
+        self.shape = namespace.block_shape
+        self.layout = BlockLayout(namespace.dtype, self.shape)  # what every block here must be
         self.metrics = metrics
-        self.policy = policy
-        self.unavailable = f"{name}_unavailable"
-
-    def storage_key(self, key: bytes) -> bytes:
-        return self.ns + key
+        self.unavailable = f"{config.name}_unavailable"
 
     # -- presence ----------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -58,14 +58,15 @@ class EncodedTier:
                                  namespace=self.ns, key=key)
 
     def put_blobs(self, items: Sequence[tuple[bytes, bytes]], raw_bytes: int,
-                  start: float | None = None) -> list[bool]:
-        """Store encoded blocks (``raw_bytes`` of payload in all); ``start`` = when encoding began."""
+                  start: float | None = None, tenant: bytes = b"") -> list[bool]:
+        """Store encoded blocks (``raw_bytes`` of payload in all) of ``tenant``; ``start`` = when
+        encoding began."""
         return self._put([(self.ns + k, b) for k, b in items], raw_bytes,
-                         time.perf_counter() if start is None else start)
+                         time.perf_counter() if start is None else start, tenant)
 
-    def _put(self, blobs: list[tuple[bytes, bytes]], raw: int, start: float) -> list[bool]:
+    def _put(self, blobs: list[tuple[bytes, bytes]], raw: int, start: float, tenant: bytes) -> list[bool]:
         try:
-            stored = self.backend.put_many(blobs)
+            stored = self.backend.put_many(blobs, tenant=tenant) if tenant else self.backend.put_many(blobs)
         except BackendUnavailable:
             self.metrics.event(f"{self.name}_save_failed", len(blobs))
             self.metrics.miss(self.name, self.unavailable, 0)

@@ -1,4 +1,6 @@
-"""How a block looks: its canonical shape and dtype, host slots as tensors, tensors as bytes."""
+"""The host tier's slots seen as blocks: each slot as a canonical block tensor, batched copies
+between slots and callers' block tensors, and gathers/fills of many slots for the connector's
+worker (which never touches the slab itself)."""
 
 from __future__ import annotations
 
@@ -8,21 +10,9 @@ import numpy as np
 import torch
 
 from storage_backends.host import HostBackend
-from tiered_kv.errors import ConfigError
-from tiered_kv.store.host_copy import HostCopier
+from tiered_kv.dtypes import torch_dtype
 from tiered_kv.keys import Namespace
-
-
-def block_shape(ns: Namespace) -> tuple[int, int, int, int, int]:
-    """Canonical payload shape ``[num_layers, 2, block_size, num_kv_heads, head_dim]``."""
-    return (ns.num_layers, 2, ns.block_size, ns.num_kv_heads, ns.head_dim)
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"torch has no dtype {name!r}")
-    return dtype
+from tiered_kv.store.host_copy import HostCopier
 
 
 def bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -30,25 +20,34 @@ def bytes_of(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint8).numpy().reshape(-1)
 
 
-class SlotViews:
-    """Host slots of a :class:`tiered_kv.store.TieredStore` as block tensors (a mixin: the
-    store sets the attributes below)."""
+class HostSlots:
+    """Blocks of one namespace in the slots of ``host`` (one block per slot)."""
 
-    host: HostBackend
-    shape: tuple[int, int, int, int, int]
-    dtype: torch.dtype
-    block_nbytes: int
-    _slot_views: list[torch.Tensor | None]
-    _slot_rows: np.ndarray
-    copier: HostCopier
+    def __init__(self, host: HostBackend, namespace: Namespace, copier: HostCopier) -> None:
+        self.host = host
+        self.shape = namespace.block_shape
+        self.dtype = torch_dtype(namespace.dtype)
+        self.block_nbytes = self.dtype.itemsize * int(np.prod(self.shape))
+        self.copier = copier  # large batches of memcpys on several threads
+        self._views: list[torch.Tensor | None] = [None] * host.num_slots
+        self._rows = host.slab.numpy()  # [slot, byte]: host copies without torch ops
+        self._blocks = host.slab.view(host.num_slots, host.slot_bytes)[:, : self.block_nbytes]
+
+    def reserve(self, keys: Sequence[bytes], tenant: bytes) -> list[int | None]:
+        """Phase one of filling slots: a slot per key of ``tenant`` (None: held already, no room)."""
+        return self.host.reserve_many(list(keys), tenant=tenant) if tenant else self.host.reserve_many(list(keys))
 
     def slot_tensor(self, slot: int) -> torch.Tensor:
         """Host slot ``slot`` as a canonical block tensor (shares memory with the slab)."""
-        view = self._slot_views[slot]
+        view = self._views[slot]
         if view is None:  # made once per slot: the three tensor ops cost ~13 us a block
-            view = self._slot_views[slot] = (
+            view = self._views[slot] = (
                 self.host.slot_view(slot, self.block_nbytes).view(self.dtype).view(self.shape))
         return view
+
+    def row(self, slot: int) -> np.ndarray:
+        """The block bytes of ``slot`` as a uint8 array (shares memory; for codecs and media)."""
+        return self._rows[slot, : self.block_nbytes]
 
     def _plain(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a whole contiguous CPU block of our dtype and shape: copied to and from
@@ -65,10 +64,25 @@ class SlotViews:
         plain = []
         for slot, block in zip(slots, blocks):
             if self._plain(block):
-                row, mem = self._slot_rows[slot], bytes_of(block)
+                row, mem = self.row(slot), bytes_of(block)
                 plain.append((row, mem) if into_slots else (mem, row))
             elif into_slots:
                 self.slot_tensor(slot).copy_(block)
             else:
                 block.copy_(self.slot_tensor(slot))
         self.copier.copy(plain)
+
+    def gather(self, slots: Sequence[int]) -> torch.Tensor:
+        """The blocks of ``slots`` as one new ``[n, *block shape]`` tensor (one batched copy)."""
+        rows = self._blocks.index_select(0, torch.tensor(list(slots), dtype=torch.long))
+        return rows.view(self.dtype).view(len(slots), *self.shape)
+
+    def fill(self, slots: Sequence[int], data: torch.Tensor, *, non_blocking: bool = False) -> None:
+        """Write ``data`` (``[n, block bytes]`` uint8, on any device) into ``slots``. With
+        ``non_blocking`` each slot is copied on the current CUDA stream and the caller waits for
+        its own event before committing the slots."""
+        if not non_blocking:
+            self._blocks.index_copy_(0, torch.tensor(list(slots), dtype=torch.long), data.to("cpu"))
+            return
+        for i, slot in enumerate(slots):
+            self._blocks[slot].copy_(data[i], non_blocking=True)

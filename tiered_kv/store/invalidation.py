@@ -25,9 +25,9 @@ from concurrent.futures import Future
 
 from storage_backends.host import HostBackend
 from tiered_kv.errors import BackendError
+from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.futures import after
 from tiered_kv.store.metrics import StoreMetrics
-from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.transfer import TransferPool
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ class Invalidations:
     def _delete(self, keys: list[bytes]) -> None:
         for tier in self.tiers:
             try:
-                tier.backend.delete_many([tier.storage_key(k) for k in keys])
+                tier.backend.delete_many([tier.ns + k for k in keys])
             except BackendError as exc:
                 self.metrics.event(f"{tier.name}_invalidate_failed", len(keys))
                 log.warning("%s tier: %d possibly wrong blocks not deleted: %s", tier.name, len(keys), exc)

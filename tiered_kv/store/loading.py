@@ -16,14 +16,13 @@ from collections.abc import Sequence
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from storage_backends.host import HostBackend
-from tiered_kv.config import TieredKVConfig
+from tiered_kv.store.encoded_tier import EncodedTier
+from tiered_kv.store.host_slots import HostSlots
 from tiered_kv.store.invalidation import Invalidations
 from tiered_kv.store.metrics import StoreMetrics
-from tiered_kv.store.encoded_tier import EncodedTier
+from tiered_kv.store.saving import Saver
 from tiered_kv.store.transfer import TransferPool
 
 PROMOTION_WAIT_S = 5.0  # how long a load waits for another load promoting the same block
@@ -42,7 +41,8 @@ class LoadPlan:
     reasons: list[str | None] = field(default_factory=list)  # miss reason per failed key
     served: list[str | None] = field(default_factory=list)  # tier that served each key
     futures: list[Future] = field(default_factory=list)
-    disk_pinned: list[bytes] = field(default_factory=list)
+    lower_pinned: list[bytes] = field(default_factory=list)  # keys protected in the lower tiers
+    tenant: bytes = b""  # whose blocks these are (copies into other tiers are theirs)
     released: bool = False
 
     def done(self) -> bool:
@@ -58,34 +58,41 @@ class LoadPlan:
         return [s is not None for s in self.slots]
 
 
-class LoadPath:
-    """Loading from a :class:`tiered_kv.store.TieredStore` (a mixin: the store sets the
-    attributes below; ``slot_tensor`` and ``copy_blocks`` come from :class:`SlotViews`,
-    ``_record_namespace`` from :class:`SavePath`)."""
+class Loader:
+    """Loading blocks: handed the host slots, the ordered lower tiers, what moves and counts, and
+    the saver (blocks read from a lower tier are copied into the tiers above it that admit them)."""
 
-    config: TieredKVConfig
-    host: HostBackend
-    disk: EncodedTier | None
-    remote: EncodedTier | None
-    lower: list[EncodedTier]
-    pool: TransferPool
-    metrics: StoreMetrics
-    block_nbytes: int
-    _slot_rows: np.ndarray
-    _lock: threading.Lock
-    _leases: dict[str, LoadPlan]
-    invalidations: Invalidations
+    def __init__(self, slots: HostSlots, tiers: list[EncodedTier], pool: TransferPool,
+                 metrics: StoreMetrics, invalidations: Invalidations, saver: Saver, workers: int) -> None:
+        self.slots = slots
+        self.host = slots.host
+        self.tiers = tiers
+        self.pool = pool
+        self.metrics = metrics
+        self.invalidations = invalidations
+        self.saver = saver
+        self.workers = workers
+        self.block_nbytes = slots.block_nbytes
+        self._lock = threading.Lock()
+        self._leases: dict[str, LoadPlan] = {}
 
-    def prepare_load(self, keys: Sequence[bytes]) -> LoadPlan:
-        """Lease ``keys`` for a coming load: host entries are pinned now, disk ones protected."""
+    def prepare_load(self, keys: Sequence[bytes], tenant: bytes | None = None) -> LoadPlan:
+        """Lease ``keys`` for a coming load: host entries are pinned now, lower-tier ones
+        protected from eviction (each key is one request of its block, for admission)."""
         keys = list(keys)
         slots = self.host.pin_many(keys)
         sources = ["host" if s is not None else "lower" for s in slots]
         plan = LoadPlan(keys, sources, slots=list(slots), reasons=[None] * len(keys),
-                        served=["host" if s is not None else None for s in slots])
-        if self.disk is not None:
-            plan.disk_pinned = [k for k, s in zip(keys, slots) if s is None]
-            self.disk.pin(plan.disk_pinned)
+                        served=["host" if s is not None else None for s in slots],
+                        tenant=self.saver.tenant if tenant is None else tenant)
+        plan.lower_pinned = [k for k, s in zip(keys, slots) if s is None]
+        for tier in self.tiers:
+            tier.pin(plan.lower_pinned)
+        counts = self.saver.requests.request(keys)
+        if self.saver.requests.active:  # host blocks that just earned a lower tier go there now
+            earned = [k for k, s, n in zip(keys, slots, counts) if s is not None and n > 1]
+            if earned:
+                self.saver.write_behind(earned, plan.tenant, reached=True)
         return plan
 
     def lease(self, lease_id: str, keys: Sequence[bytes]) -> LoadPlan:
@@ -115,6 +122,13 @@ class LoadPath:
         if plan is not None:
             self.release(plan)
 
+    def release_leases(self) -> None:
+        """Release every plan still leased under an id (closing)."""
+        with self._lock:
+            leases, self._leases = list(self._leases.values()), {}
+        for plan in leases:
+            self.release(plan)
+
     def load(self, plan: LoadPlan) -> LoadPlan:
         """Start fetching the non-host blocks of ``plan`` into host slots (async)."""
         host_hits = sum(1 for s in plan.sources if s == "host")
@@ -129,7 +143,7 @@ class LoadPath:
             todo = [i for i, w in zip(todo, withdrawn) if not w]
         if not todo:
             return plan
-        per_job = -(-len(todo) // self.config.workers)
+        per_job = -(-len(todo) // self.workers)
         for start in range(0, len(todo), per_job):
             idx = todo[start : start + per_job]
             plan.futures.append(self.pool.submit_load(len(idx) * self.block_nbytes,
@@ -138,7 +152,7 @@ class LoadPath:
 
     def _load_job(self, plan: LoadPlan, idx: list[int]) -> None:
         keys = [plan.keys[i] for i in idx]
-        slots = self.host.reserve_many(keys)
+        slots = self.slots.reserve(keys, plan.tenant)
         want = [(i, s) for i, s in zip(idx, slots) if s is not None]
         # keys this job could not reserve are leased once another load promoted them, after
         # this job committed its own (a job never waits while holding reservations)
@@ -167,28 +181,34 @@ class LoadPath:
         """Read the blocks of ``want`` (plan index, reserved slot) from the lower tiers into
         their slots; the miss reason per plan index (None: loaded)."""
         reasons: dict[int, str | None] = {i: "absent" for i, _ in want}
-        for tier in self.lower:
+        for depth, tier in enumerate(self.tiers):
             pending = [(i, s) for i, s in want if reasons[i] is not None]
             if not pending:
                 break
-            outs = [self.host.slot_view(s, self.block_nbytes).numpy() for _, s in pending]
-            copy_down = tier is self.remote and self.disk is not None and self.disk.policy != "off"
-            got, blobs = tier.read_into([plan.keys[i] for i, _ in pending], outs, keep_blobs=copy_down)
-            down = []
-            for (i, _), reason, blob in zip(pending, got, blobs):
+            outs = [self.slots.row(s) for _, s in pending]
+            above = [t for t in self.tiers[:depth] if t.policy != "off"]
+            got, blobs = tier.read_into([plan.keys[i] for i, _ in pending], outs, keep_blobs=bool(above))
+            for (i, _), reason in zip(pending, got):
                 if reason is None:
                     plan.served[i] = tier.name
                 if reason is None or reasons[i] == "absent":
                     reasons[i] = reason  # keep the first real failure reason for the report
-                if blob is not None:
-                    down.append((plan.keys[i], blob))
-            if down:
-                try:
-                    self._record_namespace(self.disk)  # type: ignore[arg-type]
-                    self.disk.put_blobs(down, len(down) * self.block_nbytes)  # type: ignore[union-attr]
-                except Exception:  # the blocks were loaded; only their copy on disk is lost
-                    log.exception("copy of %d remote blocks down to disk failed", len(down))
+            up = {plan.keys[i]: blob for (i, _), blob in zip(pending, blobs) if blob is not None}
+            if up:
+                self._copy_up(up, above, plan.tenant)
         return reasons
+
+    def _copy_up(self, blobs: dict[bytes, bytes], above: list[EncodedTier], tenant: bytes) -> None:
+        """Store blocks read from a lower tier in the tiers above it that admit them (validated
+        stored bytes, not re-encoded: a remote hit warms the disk tier)."""
+        for tiers, keys in self.saver.admitted(list(blobs), above).items():
+            for tier in tiers:
+                try:
+                    self.saver.records.keep(tier)
+                    tier.put_blobs([(k, blobs[k]) for k in keys], len(keys) * self.block_nbytes,
+                                   tenant=tenant)
+                except Exception:  # the blocks were loaded; only their copy up there is lost
+                    log.exception("copy of %d blocks into the %s tier failed", len(keys), tier.name)
 
     def _pin_promoted(self, key: bytes) -> int | None:
         """Lease ``key`` in the host tier. When another load is promoting it right now (two
@@ -214,8 +234,9 @@ class LoadPath:
                     f.exception()  # wait: a job may still write into its slots
         finally:
             self.host.unpin_many([k for k, s in zip(plan.keys, plan.slots) if s is not None])
-            if self.disk is not None and plan.disk_pinned:
-                self.disk.unpin(plan.disk_pinned)
+            if plan.lower_pinned:
+                for tier in self.tiers:
+                    tier.unpin(plan.lower_pinned)
 
     def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[bool]:
         """Synchronous convenience: load ``keys`` and copy them into ``outs``; success per key.
@@ -227,7 +248,7 @@ class LoadPath:
             try:
                 self.load(plan).wait()
                 found = [(s, o) for s, o in zip(plan.slots, outs[start : start + chunk]) if s is not None]
-                self.copy_blocks([s for s, _ in found], [o for _, o in found], into_slots=False)
+                self.slots.copy_blocks([s for s, _ in found], [o for _, o in found], into_slots=False)
                 ok.extend(plan.ok)
             finally:
                 self.release(plan)

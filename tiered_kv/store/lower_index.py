@@ -1,4 +1,4 @@
-"""A lookup-only block index over the disk and remote tiers, for a scheduler in another process.
+"""A lookup-only block index over the lower tiers (disk, remote, ...), for a scheduler in another process.
 
 Engines such as vLLM run the scheduler half of a connector in a process that holds no KV: the
 worker processes own the device pool and the store's host tier. :class:`LowerTierIndex` gives
@@ -14,16 +14,16 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 
-from storage_backends.registry import open_backend
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.keys import Namespace
+from tiered_kv.store.lower_tiers import open_media
 from tiered_kv.store.presence import RankedPresence
 
 log = logging.getLogger(__name__)
 
 
 class LowerTierIndex:
-    """``lookup`` over the disk and remote tiers of ``config``; ``lease`` is a no-op.
+    """``lookup`` over the lower tiers of ``config``; ``lease`` is a no-op.
 
     A block counts as present only when every tensor-parallel rank's copy is held, and each
     tier answers within ``config.lookup_timeout`` or counts as a miss (:mod:`tiered_kv.store.presence`)."""
@@ -31,19 +31,11 @@ class LowerTierIndex:
     def __init__(self, config: TieredKVConfig, namespace: Namespace) -> None:
         self.namespace = namespace
         self.misses: Counter[str] = Counter()  # reason -> blocks the lookups counted as missing
-        tiers = []
-        if config.disk.url:
-            tiers.append(("disk", open_backend(config.disk.url, capacity=config.disk.capacity,
-                                               sync=config.disk.sync)))
-        if config.remote.url:
-            tiers.append(("remote", open_backend(
-                config.remote.url, ttl=config.remote.ttl, timeout=config.remote.timeout,
-                retries=config.remote.retries)))
-        self.tiers = tiers
-        self.presence = RankedPresence(namespace, tiers, config.lookup_timeout, self._count)
+        self.tiers = [(tier.name, backend) for tier, backend in open_media(config)]
+        self.presence = RankedPresence(namespace, self.tiers, config.lookup_timeout, self._count)
         if not self.tiers:
-            log.warning("tiered-kv: the scheduler runs apart from the workers and no disk or remote "
-                        "tier is configured: it sees no stored block, so nothing will be loaded")
+            log.warning("tiered-kv: the scheduler runs apart from the workers and no lower tier "
+                        "is configured: it sees no stored block, so nothing will be loaded")
 
     @property
     def unavailable(self) -> int:
@@ -54,7 +46,7 @@ class LowerTierIndex:
         self.misses[reason] += blocks
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` every rank can load from the disk or remote tier."""
+        """How many leading ``keys`` every rank can load from a lower tier."""
         if not keys:
             return 0
         return self.presence.lookup(keys)

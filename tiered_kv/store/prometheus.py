@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 from urllib.parse import unquote, urlsplit
 
 from prometheus_client import CollectorRegistry, start_http_server
@@ -35,11 +35,23 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from storage_backends.base import Backend
 from storage_backends.redaction import redact_text, redact_url
 from tiered_kv.errors import BackendUnavailable, ConfigError
+from tiered_kv.keys import Namespace
+from tiered_kv.store.metrics import StoreMetrics
+from tiered_kv.store.transfer import TransferPool
 
-if TYPE_CHECKING:
-    from tiered_kv.store import TieredStore
+
+class MetricSource(Protocol):
+    """What the exporter reads of a store (:class:`tiered_kv.store.MetricSource` is one)."""
+
+    namespace: Namespace  # labels
+    metrics: StoreMetrics  # counters
+    pool: TransferPool  # queued bytes
+    host: Backend  # the host tier's figures
+    tiers: list  # lower tiers: ``name`` and ``backend`` each
+    _metrics_ports: list[int]  # the ports serving it (kept by export / unexport)
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +64,14 @@ class StoreCollector(Collector):
     """Collects every registered store's counters at scrape time."""
 
     def __init__(self) -> None:
-        self._stores: dict[int, TieredStore] = {}
+        self._stores: dict[int, MetricSource] = {}
         self._lock = threading.Lock()
 
-    def add(self, store: TieredStore) -> None:
+    def add(self, store: MetricSource) -> None:
         with self._lock:
             self._stores[id(store)] = store
 
-    def remove(self, store: TieredStore) -> int:
+    def remove(self, store: MetricSource) -> int:
         with self._lock:
             self._stores.pop(id(store), None)
             return len(self._stores)
@@ -97,7 +109,7 @@ class StoreCollector(Collector):
         yield from fam.values()
 
 
-def _collect_store(store: TieredStore, fam: dict) -> None:
+def _collect_store(store: MetricSource, fam: dict) -> None:
     ids = [store.namespace.digest().hex()[:16], store.namespace.model_id]
     snap = store.metrics.snapshot()
     evictions: dict[str, int] = defaultdict(int)
@@ -116,7 +128,7 @@ def _collect_store(store: TieredStore, fam: dict) -> None:
     fam["dropped"].add_metric(ids, snap["events"].get("saves_dropped", 0))
     for direction, n in store.pool.queued_bytes().items():
         fam["queued"].add_metric(ids + [direction], n)
-    media = [("host", store.host)] + [(t.name, t.backend) for t in store.lower]
+    media = [("host", store.host)] + [(t.name, t.backend) for t in store.tiers]
     for tier, backend in media:
         if backend.name not in CHEAP_MEDIA:
             continue
@@ -133,7 +145,7 @@ def _collect_store(store: TieredStore, fam: dict) -> None:
         fam["evictions"].add_metric(ids + [tier], n)
 
 
-def export(store: TieredStore, port: int, addr: str = "0.0.0.0") -> int | None:
+def export(store: MetricSource, port: int, addr: str = "0.0.0.0") -> int | None:
     """Serve ``store``'s metrics on ``port`` (shared with this process's other stores); the
     port actually bound, or None when it could not be (logged: metrics must not stop serving)."""
     with _lock:
@@ -155,7 +167,7 @@ def export(store: TieredStore, port: int, addr: str = "0.0.0.0") -> int | None:
         return port
 
 
-def unexport(store: TieredStore) -> None:
+def unexport(store: MetricSource) -> None:
     """Stop exporting ``store``; a server left without stores is shut down."""
     with _lock:
         for port in store._metrics_ports:

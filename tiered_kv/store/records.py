@@ -11,15 +11,20 @@ them apart with :func:`is_block_key` / :func:`is_reserved`.
 from __future__ import annotations
 
 import json
+import logging
+import time
 from dataclasses import fields
 
-from tiered_kv.errors import CorruptBlock
+from tiered_kv.errors import BackendError, CorruptBlock
 from tiered_kv.keys import KEY_BYTES, Namespace
+
+log = logging.getLogger(__name__)
 
 DIGEST_BYTES = 16
 STORAGE_KEY_BYTES = DIGEST_BYTES + KEY_BYTES  # what a tier stores a block under
 RESERVED_PREFIX = b"tkv-"
 NAMESPACE_PREFIX = b"tkv-ns:"
+RECORD_CHECK_S = 60.0  # how often the write path re-checks a tier's namespace record
 
 
 def namespace_key(digest: bytes) -> bytes:
@@ -64,3 +69,28 @@ def is_reserved(key: bytes) -> bool:
 def split_key(key: bytes) -> tuple[bytes, bytes]:
     """(namespace digest, block key) of a stored block's key."""
     return key[:DIGEST_BYTES], key[DIGEST_BYTES:]
+
+
+class RecordKeeper:
+    """Keeps the namespace record next to the blocks of each lower tier. Checked on the write
+    path (never on open: no Redis round trip there), at most every ``every`` seconds per tier,
+    so a record that LRU, a TTL or an operator removed comes back."""
+
+    def __init__(self, namespace: Namespace, every: float = RECORD_CHECK_S) -> None:
+        self.namespace = namespace
+        self.every = every
+        self._due: dict[str, float] = {}  # tier name -> when to check its record again
+
+    def keep(self, tier) -> None:
+        """Write ``tier``'s record when it is missing (an EncodedTier: ``name``, ``ns``, ``backend``)."""
+        now = time.monotonic()
+        if now < self._due.get(tier.name, 0.0):
+            return
+        self._due[tier.name] = now + self.every
+        key = namespace_key(tier.ns)
+        try:
+            if not tier.backend.contains_many([key])[0]:
+                tier.backend.put_many([(key, encode_namespace(self.namespace))])
+        except BackendError as exc:  # the blocks' own put reports the outage
+            self._due[tier.name] = now
+            log.debug("%s tier: namespace record not written: %s", tier.name, exc)

@@ -1,6 +1,7 @@
-"""The save path of the tiered store: two-phase saves into the host tier, then write-behind
-to the lower tiers (``write_through`` at once, ``on_evict`` when the host tier evicts), with the
-namespace record kept next to the blocks."""
+"""The save path of the tiered store: two-phase saves into the host tier, then write-behind to
+the lower tiers (``write_through`` ones at once, ``on_evict`` ones when the host tier evicts),
+each tier taking only the blocks its admission lets in, with the namespace record kept next
+to the blocks."""
 
 from __future__ import annotations
 
@@ -10,24 +11,20 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
-from storage_backends.host import HostBackend
-from tiered_kv.config import TieredKVConfig
-from tiered_kv.errors import BackendError
-from tiered_kv.store.futures import after, gather
-from tiered_kv.store.invalidation import Invalidations
-from tiered_kv.keys import Namespace
-from tiered_kv.store.metrics import StoreMetrics
-from tiered_kv.store.records import encode_namespace, namespace_key
+from tiered_kv.store.admission import RequestCounts
 from tiered_kv.store.encoded_tier import EncodedTier
+from tiered_kv.store.futures import after, gather
+from tiered_kv.store.host_slots import HostSlots
+from tiered_kv.store.invalidation import Invalidations
+from tiered_kv.store.metrics import StoreMetrics
+from tiered_kv.store.records import RecordKeeper
 from tiered_kv.store.transfer import TransferPool
 
 log = logging.getLogger(__name__)
 
 SAVE_CHUNK_BYTES = 16 << 20  # write-behind job size: enough blocks to amortise a txn
-RECORD_CHECK_S = 60.0  # how often the write path re-checks a tier's namespace record
 
 
 @dataclass
@@ -37,33 +34,40 @@ class SaveBatch:
     keys: list[bytes]
     slots: list[int]
     skipped: int = 0  # keys already stored in the host tier or without room
+    tenant: bytes = b""  # whose blocks these are (quotas, usage)
 
 
-class SavePath:
-    """Saving into a :class:`tiered_kv.store.TieredStore` (a mixin: the store sets the
-    attributes below; ``copy_blocks`` comes from :class:`SlotViews`)."""
+class Saver:
+    """Saving blocks: handed the host slots, the ordered lower tiers and what moves and counts."""
 
-    config: TieredKVConfig
-    namespace: Namespace
-    host: HostBackend
-    lower: list[EncodedTier]
-    pool: TransferPool
-    metrics: StoreMetrics
-    block_nbytes: int
-    _slot_rows: np.ndarray
-    _record_due: dict[str, float]
-    invalidations: Invalidations
+    def __init__(self, slots: HostSlots, tiers: list[EncodedTier], pool: TransferPool,
+                 metrics: StoreMetrics, invalidations: Invalidations, records: RecordKeeper,
+                 requests: RequestCounts, workers: int, tenant: bytes) -> None:
+        self.slots = slots
+        self.host = slots.host
+        self.tiers = tiers
+        self.pool = pool
+        self.metrics = metrics
+        self.invalidations = invalidations
+        self.records = records
+        self.requests = requests
+        self.workers = workers
+        self.tenant = tenant  # the namespace's own tenant, when a caller names none
+        self.block_nbytes = slots.block_nbytes
 
-    def prepare_save(self, keys: Sequence[bytes]) -> SaveBatch:
-        """Phase one: reserve host slots for the keys not stored yet."""
-        slots = self.host.reserve_many(list(keys))
+    def prepare_save(self, keys: Sequence[bytes], tenant: bytes | None = None) -> SaveBatch:
+        """Phase one: reserve host slots for the keys not stored yet (each key is one request
+        of its block, for admission)."""
+        tenant = self.tenant if tenant is None else tenant
+        self.requests.request(keys)
+        slots = self.slots.reserve(keys, tenant)
         kept = [(k, s) for k, s in zip(keys, slots) if s is not None]
         skipped = len(keys) - len(kept)
         if skipped:
             present = sum(self.host.contains_many([k for k, s in zip(keys, slots) if s is None]))
             if skipped - present:
                 self.metrics.event("saves_no_room", skipped - present)
-        return SaveBatch([k for k, _ in kept], [s for _, s in kept], skipped)
+        return SaveBatch([k for k, _ in kept], [s for _, s in kept], skipped, tenant)
 
     def commit_save(self, batch: SaveBatch, ok: bool = True) -> Future | None:
         """Phase two: publish the filled slots (or roll back) and queue write-behind."""
@@ -74,11 +78,12 @@ class SavePath:
             self.metrics.event("saves_rolled_back", len(batch.keys))
             return None
         self.host.commit_many(batch.keys)
-        self.metrics.wrote("host", len(batch.keys), len(batch.keys) * self.block_nbytes,
-                           len(batch.keys) * self.block_nbytes, 0.0)
-        return self._write_behind(batch.keys)
+        nbytes = len(batch.keys) * self.block_nbytes
+        self.metrics.wrote("host", len(batch.keys), nbytes, nbytes, 0.0)
+        return self.write_behind(batch.keys, batch.tenant)
 
-    def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor]) -> Future | None:
+    def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor],
+             tenant: bytes | None = None) -> Future | None:
         """Copy ``payloads`` (canonical block tensors) into the host tier and write behind.
 
         More blocks than the host tier holds at once are staged in chunks; a chunk waits for
@@ -91,9 +96,9 @@ class SavePath:
             if futures and not self.host.can_reserve(len(part)):
                 for f in futures:
                     f.exception()
-            batch = self.prepare_save(part)
+            batch = self.prepare_save(part, tenant)
             try:
-                self.copy_blocks(batch.slots, [payloads[index[k]] for k in batch.keys], into_slots=True)
+                self.slots.copy_blocks(batch.slots, [payloads[index[k]] for k in batch.keys], into_slots=True)
             except Exception:
                 self.commit_save(batch, ok=False)
                 raise
@@ -102,32 +107,56 @@ class SavePath:
                 futures.append(fut)
         return gather(futures)
 
-    def _write_behind(self, keys: list[bytes]) -> Future | None:
-        targets = [t for t in self.lower if t.policy == "write_through"]
+    # -- write-behind ----------------------------------------------------------------------------
+    def admitted(self, keys: Sequence[bytes], tiers: Sequence[EncodedTier],
+                 reached: bool = False) -> dict[tuple[EncodedTier, ...], list[bytes]]:
+        """``keys`` grouped by the tiers of ``tiers`` that admit them now (their request count
+        reached the tier's ``admit_after_hits``; with ``reached``, reached it exactly: a load
+        that made it so). Keys no tier admits are counted as ``admission_skipped``."""
+        counts = self.requests.counts(keys)
+        groups: dict[tuple[EncodedTier, ...], list[bytes]] = {}
+        skipped = 0
+        for key, n in zip(keys, counts):
+            want = tuple(t for t in tiers if (n == t.config.admit_after_hits if reached
+                                              else n >= t.config.admit_after_hits))
+            skipped += len(tiers) - len(want) if not reached else 0
+            if want:
+                groups.setdefault(want, []).append(key)
+        if skipped:
+            self.metrics.event("admission_skipped", skipped)
+        return groups
+
+    def write_behind(self, keys: list[bytes], tenant: bytes, reached: bool = False) -> Future | None:
+        """Queue the write of host-resident ``keys`` to the ``write_through`` tiers that admit them."""
+        targets = [t for t in self.tiers if t.policy == "write_through"]
         if not targets:
             return None
-        per_job = max(1, min(SAVE_CHUNK_BYTES // self.block_nbytes,
-                             -(-len(keys) // self.config.workers)))
         futures = []
-        for start in range(0, len(keys), per_job):
-            chunk = keys[start : start + per_job]
-            slots = self.host.pin_many(chunk)
-            pinned = [(k, s) for k, s in zip(chunk, slots) if s is not None]
-            if not pinned:
-                continue
-            fut = self._submit_write(pinned, targets)
-            if fut is not None:
-                futures.append(fut)
+        for tiers, group in self.admitted(keys, targets, reached).items():
+            per_job = max(1, min(SAVE_CHUNK_BYTES // self.block_nbytes, -(-len(group) // self.workers)))
+            for start in range(0, len(group), per_job):
+                chunk = group[start : start + per_job]
+                slots = self.host.pin_many(chunk)
+                pinned = [(k, s) for k, s in zip(chunk, slots) if s is not None]
+                if pinned:
+                    fut = self._submit_write(pinned, list(tiers), tenant)
+                    if fut is not None:
+                        futures.append(fut)
         return gather(futures)
 
-    def _submit_write(self, pinned: list[tuple[bytes, int]], targets: list[EncodedTier]) -> Future | None:
+    def _submit_write(self, pinned: list[tuple[bytes, int]], targets: list[EncodedTier],
+                      tenant: bytes) -> Future | None:
         """Queue the write of ``pinned`` (after any delete in flight of the same keys: that is
         a withdrawn wrong copy, and this is its recomputed replacement); None when dropped."""
         keys = [k for k, _ in pinned]
         deletes = self.invalidations.deletes_of(keys)
         nbytes = len(pinned) * self.block_nbytes
+
+        def job() -> int:
+            return self._write_job(pinned, targets, tenant)
+
         if not deletes:
-            fut = self.pool.try_submit_save(nbytes, lambda: self._write_job(pinned, targets))
+            fut = self.pool.try_submit_save(nbytes, job)
             if fut is None:
                 self._drop_write(keys)
                 return None
@@ -137,13 +166,13 @@ class SavePath:
         self.invalidations.track_write(keys, out)
 
         def start() -> None:
-            job = self.pool.try_submit_save(nbytes, lambda: self._write_job(pinned, targets))
-            if job is None:
+            queued = self.pool.try_submit_save(nbytes, job)
+            if queued is None:
                 self._drop_write(keys)
                 out.set_result(0)
             else:
-                job.add_done_callback(lambda j: out.set_exception(j.exception()) if j.exception()
-                                      else out.set_result(j.result()))
+                queued.add_done_callback(lambda j: out.set_exception(j.exception()) if j.exception()
+                                         else out.set_result(j.result()))
 
         after(deletes, start)
         return out
@@ -152,14 +181,14 @@ class SavePath:
         self.host.unpin_many(keys)
         self.metrics.event("saves_dropped", len(keys))
 
-    def _write_job(self, pinned: list[tuple[bytes, int]], targets: list[EncodedTier]) -> int:
+    def _write_job(self, pinned: list[tuple[bytes, int]], targets: list[EncodedTier], tenant: bytes) -> int:
         try:
-            items = [(k, self.host.slot_view(s, self.block_nbytes).numpy()) for k, s in pinned]
-            return self._write_lower(items, targets)
+            return self.write_lower([(k, self.slots.row(s)) for k, s in pinned], targets, tenant)
         finally:
             self.host.unpin_many([k for k, _ in pinned])
 
-    def _write_lower(self, items: list[tuple[bytes, object]], targets: list[EncodedTier]) -> int:
+    def write_lower(self, items: list[tuple[bytes, object]], targets: list[EncodedTier],
+                    tenant: bytes) -> int:
         """Encode (once per codec setting) and store ``items`` in each target tier (keys the tier
         holds already are skipped)."""
         stored = 0
@@ -169,36 +198,25 @@ class SavePath:
             todo = [(k, p) for (k, p), held in zip(items, have) if not held]
             if not todo:
                 continue
-            self._record_namespace(tier)
+            self.records.keep(tier)
             start = time.perf_counter()
             cache = encoded.setdefault((tier.codec.codec, tier.codec.level), {})
             blobs = [(k, cache[k] if k in cache else cache.setdefault(k, tier.encode(k, p)))
                      for k, p in todo]
-            stored += sum(tier.put_blobs(blobs, len(todo) * self.block_nbytes, start))
+            stored += sum(tier.put_blobs(blobs, len(todo) * self.block_nbytes, start, tenant))
         return stored
 
-    def _record_namespace(self, tier: EncodedTier) -> None:
-        """Keep the namespace record (``tiered_kv.store.records``) next to the blocks of ``tier``, for
-        tools that report model id and shape per namespace. Checked on the write path (never on
-        open: no Redis round trip there), at most every RECORD_CHECK_S, so a record that LRU,
-        a TTL or an operator removed comes back."""
-        now = time.monotonic()
-        if now < self._record_due.get(tier.name, 0.0):
+    def on_host_evict(self, key: bytes, value: memoryview, tenant: bytes | None = None) -> None:
+        """The host tier evicts ``key``: write it to the ``on_evict`` tiers that admit it."""
+        tenant = self.tenant if tenant is None else tenant
+        targets = [t for t in self.tiers if t.policy == "on_evict"]
+        groups = self.admitted([key], targets)
+        if not groups:
             return
-        self._record_due[tier.name] = now + RECORD_CHECK_S
-        key = namespace_key(tier.ns)
-        try:
-            if not tier.backend.contains_many([key])[0]:
-                tier.backend.put_many([(key, encode_namespace(self.namespace))])
-        except BackendError as exc:  # the blocks' own put reports the outage
-            self._record_due[tier.name] = now
-            log.debug("%s tier: namespace record not written: %s", tier.name, exc)
-
-    def _on_host_evict(self, key: bytes, value: memoryview) -> None:
-        targets = [t for t in self.lower if t.policy == "on_evict"]
         payload = bytes(value)
+        ((tiers, _),) = groups.items()
         fut = self.pool.try_submit_save(len(payload),
-                                        lambda: self._write_lower([(key, payload)], targets))
+                                        lambda: self.write_lower([(key, payload)], list(tiers), tenant))
         if fut is None:
             self.metrics.event("saves_dropped")
         else:

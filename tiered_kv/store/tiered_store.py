@@ -1,17 +1,22 @@
-"""TieredStore: the host tier plus optional disk and remote tiers, with async transfers.
+"""TieredStore: the host tier plus an ordered list of lower tiers, with async transfers.
 
 Lifecycle of a block:
 
 - **save**: ``prepare_save(keys)`` reserves host slots (phase one, invisible), the caller fills
   them (``slot_tensor``), ``commit_save`` makes them visible (phase two) or rolls them back, and
-  queues write-behind to the lower tiers whose policy is ``write_through`` (``on_evict`` tiers
-  get a block when the host tier evicts it). Saves over the in-flight budget are dropped from
-  write-behind and counted (the host copy stays).
+  queues write-behind to the lower tiers whose policy is ``write_through`` and whose admission
+  lets the block in (``on_evict`` tiers get a block when the host tier evicts it). Saves over
+  the in-flight budget are dropped from write-behind and counted (the host copy stays).
 - **lookup(keys)**: the number of leading keys present in some tier; no side effects.
-- **load**: ``prepare_load(keys)`` leases the blocks (host pins, disk pins), ``load(plan)``
-  runs in the pool: host hits are ready at once, disk/remote hits are validated and decoded into
+- **load**: ``prepare_load(keys)`` leases the blocks (host pins, lower-tier pins), ``load(plan)``
+  runs in the pool: host hits are ready at once, lower-tier hits are validated and decoded into
   freshly reserved host slots (promotion) and leased to the caller; ``release(plan)`` ends the
   lease. Failures are per block with a counted reason; nothing unvalidated is handed out.
+
+The store is assembled from parts handed what they use: :class:`~tiered_kv.store.host_slots.HostSlots`
+(the host tier's slots as blocks), the lower tiers (:class:`~tiered_kv.store.encoded_tier.EncodedTier`,
+opened from ``config.lower_tiers``), a :class:`~tiered_kv.store.saving.Saver` and a
+:class:`~tiered_kv.store.loading.Loader`.
 """
 
 from __future__ import annotations
@@ -19,85 +24,134 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from math import prod
 
 import torch
 
 from storage_backends.host import HostBackend
-from storage_backends.registry import open_backend
-from tiered_kv.store.host_slots import SlotViews, block_shape, torch_dtype
-from tiered_kv.store.codec import BlockCodec
 from tiered_kv.config import TieredKVConfig
+from tiered_kv.dtypes import itemsize
 from tiered_kv.errors import ConfigError
-from tiered_kv.store.host_copy import HostCopier
-from tiered_kv.store.invalidation import Invalidations
 from tiered_kv.keys import Namespace
-from tiered_kv.store.loading import LoadPath, LoadPlan
+from tiered_kv.store.admission import RequestCounts
+from tiered_kv.store.encoded_tier import EncodedTier
+from tiered_kv.store.host_copy import HostCopier
+from tiered_kv.store.host_slots import HostSlots
+from tiered_kv.store.invalidation import Invalidations
+from tiered_kv.store.loading import Loader, LoadPlan
+from tiered_kv.store.lower_tiers import open_media
 from tiered_kv.store.metrics import StoreMetrics
 from tiered_kv.store.presence import RankedPresence
-from tiered_kv.store.saving import SaveBatch, SavePath
+from tiered_kv.store.records import RecordKeeper
+from tiered_kv.store.saving import SaveBatch, Saver
 from tiered_kv.store.stats_log import StatsLogger
-from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.transfer import TransferPool
 from tiered_kv.units import format_size
 
-__all__ = ["LoadPlan", "SaveBatch", "TieredStore", "block_shape", "torch_dtype"]
+__all__ = ["LoadPlan", "SaveBatch", "TieredStore"]
 
 log = logging.getLogger(__name__)
 
 
-class TieredStore(SavePath, LoadPath, SlotViews):
-    """All tiers of one namespace (one model shard) in one process. Saving is
-    :class:`SavePath`, loading :class:`LoadPath`, slot tensors :class:`SlotViews`."""
+class TieredStore:
+    """All tiers of one namespace (one model shard) in one process."""
 
     def __init__(self, config: TieredKVConfig, namespace: Namespace) -> None:
         self.config = config
         self.namespace = namespace
-        self.shape = block_shape(namespace)
-        self.dtype = torch_dtype(namespace.dtype)
-        self.block_nbytes = self.dtype.itemsize
-        for d in self.shape:
-            self.block_nbytes *= d
-        if config.host.capacity < self.block_nbytes:
+        block_nbytes = itemsize(namespace.dtype) * prod(namespace.block_shape)
+        if config.host.capacity < block_nbytes:
             raise ConfigError(f"host.capacity {format_size(config.host.capacity)} holds no block of "
-                              f"{format_size(self.block_nbytes)}")
+                              f"{format_size(block_nbytes)}")
         self.metrics = StoreMetrics()
         self.pool = TransferPool(config.workers, config.max_inflight_save, config.max_inflight_load)
         self.copier = HostCopier(config.workers)  # large host<->caller batches on several threads
-        on_evict = [t for t in ("disk", "remote")
-                    if getattr(config, t).url and getattr(config, t).policy == "on_evict"]
-        self.host = HostBackend(capacity=config.host.capacity, slot_bytes=self.block_nbytes,
+        evicting = any(t.policy == "on_evict" for t in config.lower_tiers)
+        quota = {"tenant_quota": config.host.tenant_quota} if config.host.tenant_quota else {}
+        self.host = HostBackend(capacity=config.host.capacity, slot_bytes=block_nbytes,
                                 pinned=config.host.pinned,
-                                on_evict=self._on_host_evict if on_evict else None)
-        self._slot_views: list[torch.Tensor | None] = [None] * self.host.num_slots
-        self._slot_rows = self.host.slab.numpy()  # [slot, byte]: host copies without torch ops
-        self.disk = self._open_tier("disk", config.disk.url, capacity=config.disk.capacity,
-                                    sync=config.disk.sync)
-        self.remote = self._open_tier("remote", config.remote.url, ttl=config.remote.ttl,
-                                      timeout=config.remote.timeout, retries=config.remote.retries)
-        self.lower = [t for t in (self.disk, self.remote) if t is not None]
-        self.presence = RankedPresence(namespace, [(t.name, t.backend) for t in self.lower],
+                                on_evict=self._on_host_evict if evicting else None, **quota)
+        self.slots = HostSlots(self.host, namespace, self.copier)
+        try:
+            self.tiers = [EncodedTier(tier, backend, namespace, self.metrics)
+                          for tier, backend in open_media(config)]
+        except BaseException:
+            self.close_parts()
+            raise
+        self.presence = RankedPresence(namespace, [(t.name, t.backend) for t in self.tiers],
                                        config.lookup_timeout, self.metrics.miss)
-        self.invalidations = Invalidations(self.host, self.lower, self.pool, self.metrics)
-        self._record_due: dict[str, float] = {}  # tier -> when to check its namespace record
-        self._lock = threading.Lock()
-        self._leases: dict[str, LoadPlan] = {}
+        self.invalidations = Invalidations(self.host, self.tiers, self.pool, self.metrics)
+        self.requests = RequestCounts([t.config.admit_after_hits for t in self.tiers])
+        self.saver = Saver(self.slots, self.tiers, self.pool, self.metrics, self.invalidations,
+                           RecordKeeper(namespace), self.requests, config.workers, namespace.tenant)
+        self.loader = Loader(self.slots, self.tiers, self.pool, self.metrics, self.invalidations,
+                             self.saver, config.workers)
         self._closed = False
+        self._close_lock = threading.Lock()
         self._metrics_ports: list[int] = []  # Prometheus exporter ports serving this store
         if config.metrics_port is not None:
             _export_metrics(self, config.metrics_port)
         self._stats_log = (StatsLogger(self, config.metrics_log_interval)
                            if config.metrics_log_interval else None)
         log.info("tiered store for %s: block %s %s = %s; tiers: host%s", namespace.model_id,
-                 self.shape, namespace.dtype, format_size(self.block_nbytes),
-                 "".join(f", {t.name} ({t.backend.url})" for t in self.lower))
+                 self.shape, namespace.dtype, format_size(block_nbytes),
+                 "".join(f", {t.name} ({t.backend.url})" for t in self.tiers))
 
-    def _open_tier(self, name: str, url: str | None, **options) -> EncodedTier | None:
-        if not url:
-            return None
-        section = getattr(self.config, name)
-        backend = open_backend(url, **options)
-        codec = BlockCodec(section.codec, section.level)
-        return EncodedTier(name, backend, codec, self.namespace, self.shape, self.metrics, section.policy)
+    # -- the parts -------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Canonical block shape ``[num_layers, 2, block_size, num_kv_heads, head_dim]``."""
+        return self.slots.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.slots.dtype
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.slots.block_nbytes
+
+    def tier(self, name: str) -> EncodedTier | None:
+        """The lower tier called ``name`` (None when it is not configured)."""
+        return next((t for t in self.tiers if t.name == name), None)
+
+    def slot_tensor(self, slot: int) -> torch.Tensor:
+        """Host slot ``slot`` as a canonical block tensor (shares memory with the slab)."""
+        return self.slots.slot_tensor(slot)
+
+    # -- saving and loading (see Saver and Loader) -------------------------------------------------
+    def prepare_save(self, keys: Sequence[bytes], tenant: bytes | None = None) -> SaveBatch:
+        return self.saver.prepare_save(keys, tenant)
+
+    def commit_save(self, batch: SaveBatch, ok: bool = True):
+        return self.saver.commit_save(batch, ok)
+
+    def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor], tenant: bytes | None = None):
+        return self.saver.save(keys, payloads, tenant)
+
+    def prepare_load(self, keys: Sequence[bytes], tenant: bytes | None = None) -> LoadPlan:
+        return self.loader.prepare_load(keys, tenant)
+
+    def lease(self, lease_id: str, keys: Sequence[bytes]) -> LoadPlan:
+        return self.loader.lease(lease_id, keys)
+
+    def take_lease(self, lease_id: str, keys: Sequence[bytes]) -> LoadPlan:
+        return self.loader.take_lease(lease_id, keys)
+
+    def drop_lease(self, lease_id: str) -> None:
+        self.loader.drop_lease(lease_id)
+
+    def load(self, plan: LoadPlan) -> LoadPlan:
+        return self.loader.load(plan)
+
+    def release(self, plan: LoadPlan) -> None:
+        self.loader.release(plan)
+
+    def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[bool]:
+        return self.loader.load_into(keys, outs)
+
+    def _on_host_evict(self, key: bytes, value: memoryview, *tenant: bytes) -> None:
+        self.saver.on_host_evict(key, value, *tenant)
 
     # -- lookup ----------------------------------------------------------------------------------
     def locate(self, keys: Sequence[bytes]) -> list[str | None]:
@@ -121,16 +175,16 @@ class TieredStore(SavePath, LoadPath, SlotViews):
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for queued write-behind and make the disk tier durable."""
+        """Wait for queued write-behind and make the lower tiers durable (those that can be)."""
         done = self.pool.drain(timeout)
-        if self.disk is not None:
-            self.disk.backend.flush()
+        for tier in self.tiers:
+            tier.backend.flush()
         return done
 
     def stats(self) -> dict:
         snap = self.metrics.snapshot()
         snap["backends"] = {"host": self.host.stats().as_dict()}
-        for tier in self.lower:
+        for tier in self.tiers:
             try:
                 snap["backends"][tier.name] = tier.backend.stats().as_dict()
             except Exception as exc:  # a down remote must not break stats
@@ -139,16 +193,13 @@ class TieredStore(SavePath, LoadPath, SlotViews):
         return snap
 
     def close(self) -> None:
-        with self._lock:
+        with self._close_lock:
             if self._closed:
                 return
             self._closed = True
         if self._stats_log is not None:
             self._stats_log.close()
-        with self._lock:
-            leases, self._leases = list(self._leases.values()), {}
-        for plan in leases:
-            self.release(plan)
+        self.loader.release_leases()
         try:
             self.flush()
         finally:
@@ -156,12 +207,16 @@ class TieredStore(SavePath, LoadPath, SlotViews):
                 from tiered_kv.store.prometheus import unexport
 
                 unexport(self)
-            self.pool.close()
-            self.copier.close()
             self.presence.close()
-            for tier in self.lower:
-                tier.backend.close()
-            self.host.close()
+            self.close_parts()
+
+    def close_parts(self) -> None:
+        """Stop the pool and close every medium (also when opening a later one failed)."""
+        self.pool.close()
+        self.copier.close()
+        for tier in getattr(self, "tiers", []):
+            tier.backend.close()
+        self.host.close()
 
     def __enter__(self) -> TieredStore:
         return self

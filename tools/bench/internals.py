@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiered_kv.codec import BlockCodec
+from tiered_kv.store.codec import BlockCodec
 
 __all__ = ["BlockCodec", "probe_points"]
 
@@ -21,7 +21,8 @@ def probe_points() -> list[tuple[Any, str, str]]:
     from tiered_kv.engine.model_runner import ModelRunner
     from tiered_kv.engine.scheduler import Scheduler
     from tiered_kv.store import LoadPlan, TieredStore
-    from tiered_kv.tier import EncodedTier
+    from tiered_kv.store.encoded_tier import EncodedTier
+    from tiered_kv.store.loading import Loader
 
     return [
         (LLMEngine, "step", "step"),
@@ -31,7 +32,7 @@ def probe_points() -> list[tuple[Any, str, str]]:
         (TieredStore, "lease", "lease"),
         (ConnectorWorker, "start_load_kv", "load"),  # submit + wait + scatter
         (LoadPlan, "wait", "load_wait"),
-        (TieredStore, "_load_job", "pool_load_jobs"),  # per transfer thread, summed
+        (Loader, "_load_job", "pool_load_jobs"),  # per transfer thread, summed
         (EncodedTier, "read_into", "pool_tier_read"),  # LMDB visit incl. decode
         (BlockCodec, "decode", "pool_decode"),  # header+checksums+zstd+unshuffle
         (ConnectorWorker, "_scatter", "scatter"),

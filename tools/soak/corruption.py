@@ -40,7 +40,7 @@ def tier_configs(work: Path, redis_url: str | None) -> dict[str, dict]:
 
 
 def _tier_of(store):
-    return store.disk if store.disk is not None else store.remote
+    return store.tiers[0]
 
 
 class Outcomes:

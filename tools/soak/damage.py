@@ -12,7 +12,7 @@ import numpy as np
 import xxhash
 
 from soak.common import NS, SHAPE, payload_bytes
-from tiered_kv.store.codec import CODECS, DTYPES, HEADER, HEADER_BYTES, BlockCodec
+from tiered_kv.store.codec import CODECS, DTYPE_CODES, HEADER, HEADER_BYTES, BlockCodec
 
 FIELDS = ("magic", "version", "codec", "dtype", "level", "ndim", "flags", "d0", "d1", "d2", "d3", "d4",
           "d5", "namespace", "key", "raw_len", "stored_len", "checksum", "body_check", "created", "check")
@@ -65,7 +65,7 @@ def _encode(key: bytes, raw: np.ndarray, dtype: str, shape: tuple[int, ...], cod
 def _crafted(key: bytes, codec: str, shape: tuple[int, ...], raw_len: int, checksum: int, body: bytes) -> bytes:
     """A header built field by field around ``body`` (valid header check and body check)."""
     dims = tuple(shape) + (0,) * (6 - len(shape))
-    fields = (b"TKVB", 1, CODECS[codec], DTYPES["bfloat16"][0], 1, len(shape), 0, *dims, NS.digest(), key,
+    fields = (b"TKVB", 1, CODECS[codec], DTYPE_CODES["bfloat16"], 1, len(shape), 0, *dims, NS.digest(), key,
               raw_len, len(body), checksum, body_check(body), 0.0, 0)
     head = HEADER.pack(*fields)
     return head[:-4] + struct.pack("<I", xxhash.xxh32_intdigest(head[:-4])) + body

@@ -51,7 +51,7 @@ def full_child(spec: dict) -> None:
             store.flush(timeout=30)
         except Exception as exc:
             result["flush_exceptions"].append(error_text(exc))
-        present = store.disk.contains(pending)
+        present = store.tier("disk").contains(pending)
         result["committed"] += [k.hex() for k, p in zip(pending, present) if p]
         pending = [k for k, p in zip(pending, present) if not p]
     snap = store.stats()

@@ -56,7 +56,7 @@ def lmdb_child(spec: dict) -> None:
             keys = [key_of(r * BLOCKS_PER_ROUND + j, f"shared-{spec['name']}") for j in range(BLOCKS_PER_ROUND)]
             store.save(keys, [payload_tensor(k) for k in keys])
             store.flush(timeout=30)
-            me.write("durable", *(k.hex() for k, p in zip(keys, store.disk.contains(keys)) if p))
+            me.write("durable", *(k.hex() for k, p in zip(keys, store.tier("disk").contains(keys)) if p))
             read_theirs(store, 64)
         me.write("done")
         counts["other_done"] = other.wait_for("done", 120)
@@ -122,7 +122,7 @@ def engine_child(spec: dict) -> None:
         try:
             keys = [k for p, o in zip(batch, reference.get("outputs") or [[]] * len(batch))
                     for k in block_keys(conn.store.namespace, p + o[:-1])]
-            present = conn.store.remote.contains(keys)
+            present = conn.store.tier("remote").contains(keys)
             out["present"] = [k.hex() for k, p in zip(keys, present) if p]
             out["namespace"] = conn.store.namespace.digest().hex()
         finally:
@@ -135,8 +135,8 @@ def engine_child(spec: dict) -> None:
 def check_remote(redis_url: str, namespace_hex: str, keys: list[bytes]) -> dict:
     """Read the blocks the engines reported stored: present and decoding under their keys?"""
     from storage_backends.registry import open_backend
-    from tiered_kv.store.codec import BlockCodec
     from tiered_kv.errors import CorruptBlock
+    from tiered_kv.store.codec import BlockCodec
 
     digest = bytes.fromhex(namespace_hex)
     backend = open_backend(redis_url, timeout=2.0, retries=1)

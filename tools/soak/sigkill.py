@@ -59,7 +59,7 @@ def writer_child(spec: dict) -> None:
         pending += keys
         if r % FLUSH_EVERY == FLUSH_EVERY - 1:
             store.flush(timeout=20)
-            present = store.disk.contains(pending)
+            present = store.tier("disk").contains(pending)
             ack.write("durable", *(k.hex() for k, p in zip(pending, present) if p))
             pending = [k for k, p in zip(pending, present) if not p]
             _read_back(store, earlier[:READ_BACK], expected, ack)
@@ -83,8 +83,8 @@ def _read_back(store, keys: list[bytes], expected: Expected, ack: Ack) -> None:
 def reopen_check(lmdb_dir: Path, durable: set[bytes], expected: Expected) -> dict:
     """Reopen the store after a kill: CLI verify of every stored block (read-only), then load
     every stored block through a fresh TieredStore and compare bytes."""
-    from tiered_kv.admin.verify import verify_tier
     from tiered_kv.admin.catalog import open_tier
+    from tiered_kv.admin.verify import verify_tier
 
     out: dict = {"ok": False}
     try:
@@ -97,7 +97,7 @@ def reopen_check(lmdb_dir: Path, durable: set[bytes], expected: Expected) -> dic
         out["verify_kinds"] = {k: n for k, n in report["problems"].items() if n}
         out["verify_checked"] = report["checked"]
         with open_store(_config(lmdb_dir)) as store:
-            stored = stored_block_keys(store.disk.backend)
+            stored = stored_block_keys(store.tier("disk").backend)
             got = load_checked(store, stored, expected)
             lost = [k for k in durable if k not in set(got["served"]) - set(got["wrong"])]
             out.update(stored=len(stored), torn_served=len(got["wrong"]), load_errors=len(got["errors"]),
