@@ -1,27 +1,17 @@
-"""The block a namespace stores (dtype, shape, payload bytes), and checking a stored block as
-the store would: against that block when the namespace is known, else with its declared size
+"""The block a namespace stores (its dtype and shape, so its size), and checking a stored block
+as the store would: against that block when the namespace is known, else with its declared size
 bounded — a lying header never makes a tool allocate what it declares."""
 
 from __future__ import annotations
 
 from tiered_kv.keys import Namespace
-from tiered_kv.store.codec import MAX_RAW_BYTES, BlockCodec, BlockLayout, itemsize
+from tiered_kv.store.codec import MAX_RAW_BYTES, BlockCodec, BlockLayout
 from tiered_kv.store.records import split_key
-
-
-def raw_block_bytes(namespace: Namespace) -> int:
-    """Payload bytes of one block of ``namespace`` (canonical layout, engine dtype)."""
-    n = itemsize(namespace.dtype) * 2 * namespace.block_size
-    return n * namespace.num_layers * namespace.num_kv_heads * namespace.head_dim
-
-
-def block_shape(namespace: Namespace) -> list[int]:
-    return [namespace.num_layers, 2, namespace.block_size, namespace.num_kv_heads, namespace.head_dim]
 
 
 def block_layout(namespace: Namespace | None) -> BlockLayout | None:
     """The block every stored block of ``namespace`` must be (None: namespace unknown)."""
-    return None if namespace is None else BlockLayout(namespace.dtype, tuple(block_shape(namespace)))
+    return None if namespace is None else BlockLayout(namespace.dtype, namespace.block_shape)
 
 
 def check_block(key: bytes, value, namespace: Namespace | None, *, decode: bool = True):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiered_kv.admin.block_checks import block_shape, check_block, raw_block_bytes
+from tiered_kv.admin.block_checks import block_layout, check_block
 from tiered_kv.admin.catalog import (
     Entry,
     Namespaces,
@@ -73,10 +73,10 @@ def _namespace_summary(tier: Tier, digest: bytes, blocks: list[Entry], found: Na
     ns = found.known.get(digest)
     out: dict = {"record": ns is not None, "model_id": ns.model_id if ns else None}
     if ns is not None:
-        out.update(dtype=ns.dtype, block_size=ns.block_size, block_shape=block_shape(ns),
+        out.update(dtype=ns.dtype, block_size=ns.block_size, block_shape=list(ns.block_shape),
                    revision=ns.revision, tp=f"{ns.tp_rank}/{ns.tp_size}", cache_salt=bool(ns.cache_salt),
                    hash_algo=ns.hash_algo)
-        raw_each, block_size = raw_block_bytes(ns), ns.block_size
+        raw_each, block_size = block_layout(ns).raw_len, ns.block_size
     else:  # no record: dtype and shape from a block's header; tokens unknown
         header = sample_header(tier.backend, digest, keys)
         raw_each = header.raw_len if header else None

@@ -22,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from tiered_kv.admin.block_checks import block_shape, check_block
+from tiered_kv.admin.block_checks import check_block
 from tiered_kv.admin.catalog import READ_BATCH, kind_of, namespaces
 from tiered_kv.admin.opening import Tier
 from tiered_kv.errors import CorruptBlock
@@ -97,9 +97,9 @@ def _check_block(codec: BlockCodec, key: bytes, value, ns) -> tuple[str, str] | 
     if header.namespace != digest or header.key != block:
         return "mismatched", (f"header names namespace {header.namespace.hex()} key {header.key.hex()}"
                               f"{'' if header.namespace == digest else ' (another namespace)'}")
-    if ns is not None and (header.dtype != ns.dtype or list(header.shape) != block_shape(ns)):
+    if ns is not None and (header.dtype != ns.dtype or tuple(header.shape) != ns.block_shape):
         return "mismatched", (f"block is {header.dtype} {list(header.shape)}, its namespace record "
-                              f"says {ns.dtype} {block_shape(ns)}")
+                              f"says {ns.dtype} {list(ns.block_shape)}")
     try:  # against the record's block when there is one, else with the declared size bounded
         check_block(key, value, ns)
     except CorruptBlock as exc:
