@@ -7,9 +7,9 @@ import json
 from math import prod
 
 from tests.cli.conftest import cli
-from tiered_kv.store.codec import HEADER_BYTES
 from tiered_kv.engine import ModelConfig
 from tiered_kv.engine.config import EngineConfig
+from tiered_kv.store.codec import HEADER_BYTES
 
 
 def _disk(run: dict) -> dict:

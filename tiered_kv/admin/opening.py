@@ -98,18 +98,18 @@ def open_tier(url: str, *, name: str = "store", create: bool = False, timeout: f
 
 
 def open_config(path: str, *, timeout: float = 5.0, only: str | None = None) -> list[Tier]:
-    """The disk and remote tiers a TOML config file names (the host tier lives in a process)."""
+    """The lower tiers a TOML config file names, in the store's order (disk, remote, then its
+    ``[[tiers]]``), or only the one named ``only`` (the host tier lives in a process)."""
     config = TieredKVConfig.from_toml(path)
-    wanted = [(n, s) for n, s in (("disk", config.disk), ("remote", config.remote))
-              if s.url and (only is None or n == only)]
+    wanted = [t for t in config.lower_tiers if only is None or t.name == only]
     if not wanted:
-        raise ConfigError(f"config {path} names no {only or 'disk or remote'} tier")
+        raise ConfigError(f"config {path} names no tier {only!r}" if only else
+                          f"config {path} names no lower tier (disk, remote or [[tiers]])")
     tiers: list[Tier] = []
     try:
-        for name, section in wanted:
-            capacity = getattr(section, "capacity", None)
-            tier = open_tier(section.url, name=name, timeout=timeout, capacity=capacity)
-            tier.tenant_quota = getattr(section, "tenant_quota", None)
+        for section in wanted:
+            tier = open_tier(section.url, name=section.name, timeout=timeout, capacity=section.capacity)
+            tier.tenant_quota = section.tenant_quota
             tiers.append(tier)
     except BaseException:
         for tier in tiers:

@@ -13,8 +13,9 @@ from tiered_kv.units import parse_duration, parse_size
 def add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", nargs="?", metavar="STORE",
                    help="store URL (lmdb:///dir, file:///dir, redis://host:port/0) or a store directory")
-    p.add_argument("--config", metavar="FILE", help="TOML config: its disk and remote tiers instead of STORE")
-    p.add_argument("--tier", choices=("disk", "remote"), help="with --config: only this tier")
+    p.add_argument("--config", metavar="FILE", help="TOML config: its lower tiers instead of STORE")
+    p.add_argument("--tier", metavar="NAME", help="with --config: only the tier of this name "
+                   "(disk, remote or a [[tiers]] name)")
     add_common(p)
 
 
