@@ -1,0 +1,92 @@
+"""Lower tiers come from the config as an ordered list: a medium added through config alone
+takes part in saves, lookups, loads and copies back up like the built-in ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.store.helpers import NS, keys_for, load, make_store, payloads
+from tiered_kv.config import TieredKVConfig
+from tiered_kv.errors import ConfigError
+
+
+def archive(tmp_path, **settings) -> list[dict]:
+    return [{"name": "archive", "url": f"file://{tmp_path}/archive", **settings}]
+
+
+def test_a_file_medium_added_as_a_third_tier_by_config_carries_a_block_there_and_back(tmp_path):
+    with make_store(tmp_path, host="64KiB", tiers=archive(tmp_path)) as store:  # 4 host slots
+        assert [t.name for t in store.tiers] == ["disk", "archive"]
+        keys = keys_for(4)
+        data = payloads(store, 4)
+        store.save(keys, data)
+        store.flush()
+        assert store.tier("archive").contains(keys) == [True] * 4  # host -> disk -> file
+        store.save(keys_for(4, first_token=10_000), payloads(store, 4, seed=1))  # host evicts
+        store.flush()
+        store.tier("disk").backend.delete_many([store.tier("disk").ns + k for k in keys])
+        assert store.locate(keys) == ["archive"] * 4
+        assert store.lookup(keys) == 4
+
+        ok, outs = load(store, keys)  # file -> host, and copied back up into the disk tier
+
+        assert all(ok) and all(torch.equal(a, b) for a, b in zip(data, outs))
+        assert store.metrics.snapshot()["tiers"]["archive"]["hits"] == 4
+        assert store.tier("disk").contains(keys) == [True] * 4
+        assert store.locate(keys) == ["host"] * 4
+        assert "archive" in store.stats()["backends"]
+
+
+def test_the_third_tier_survives_a_restart_and_serves_a_new_process(tmp_path):
+    keys = keys_for(3)
+    with make_store(tmp_path, tiers=archive(tmp_path)) as store:
+        data = payloads(store, 3)
+        store.save(keys, data)
+    with make_store(tmp_path, disk=None, tiers=archive(tmp_path)) as store:  # no disk tier now
+        assert [t.name for t in store.tiers] == ["archive"]
+        ok, outs = load(store, keys)
+        assert all(ok) and all(torch.equal(a, b) for a, b in zip(data, outs))
+
+
+def test_a_tier_list_entry_is_checked_like_any_section(tmp_path):
+    with pytest.raises(ConfigError, match="x.policy must be one of"):
+        TieredKVConfig.from_dict({"tiers": [{"name": "x", "url": "file:///tmp/x", "policy": "sometimes"}]})
+    with pytest.raises(ConfigError, match="name"):
+        TieredKVConfig.from_dict({"tiers": [{"url": "file:///tmp/x"}]})
+    with pytest.raises(ConfigError, match="two lower tiers are named 'disk'"):
+        TieredKVConfig.from_dict({"tiers": [{"name": "disk", "url": "file:///tmp/x"}]})
+    with pytest.raises(ConfigError, match="no storage backend"):
+        TieredKVConfig.from_dict({"tiers": [{"name": "s3", "url": "s3://bucket/kv"}]})
+    with pytest.raises(ConfigError, match="list of tables"):
+        TieredKVConfig.from_dict({"tiers": {"name": "x"}})
+
+
+def test_tiers_from_toml_keep_their_order_and_medium_settings(tmp_path):
+    path = tmp_path / "tkv.toml"
+    path.write_text(f'''
+[disk]
+url = "lmdb://{tmp_path}/lmdb"
+[[tiers]]
+name = "nfs"
+url = "file://{tmp_path}/nfs"
+capacity = "1GiB"
+options = {{ sync = true }}
+[[tiers]]
+name = "cold"
+url = "file://{tmp_path}/cold"
+policy = "on_evict"
+''')
+    config = TieredKVConfig.from_toml(path)
+    assert [t.name for t in config.lower_tiers] == ["disk", "nfs", "cold"]
+    assert config.lower_tiers[1].medium_options() == {"sync": True, "capacity": 1 << 30}
+    assert hash(config) == hash(TieredKVConfig.from_toml(path))  # configs key shared stores
+    with TieredStore_of(config) as store:
+        assert store.tier("nfs").backend.sync is True
+        assert store.tier("cold").policy == "on_evict"
+
+
+def TieredStore_of(config):
+    from tiered_kv.store import TieredStore
+
+    return TieredStore(config, NS)
