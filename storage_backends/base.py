@@ -12,6 +12,9 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tiered_kv.errors import ConfigError
 
 Visitor = Callable[[int, memoryview], None]
 
@@ -44,11 +47,27 @@ class Backend(ABC):
     """One storage medium. Subclasses set ``name`` and implement the abstract methods."""
 
     name: str = "backend"
+    store_signature: str | None = None  # what marks a store of this medium in a directory (messages)
 
     def __init__(self, url: str) -> None:
         self.url = url
         self._stats_lock = threading.Lock()
         self._counters = BackendStats(name=self.name, url=url)
+
+    # -- recognising and opening existing stores (tools) -------------------------------------
+    @classmethod
+    def store_url_at(cls, path: Path) -> str | None:
+        """The URL of a store of this medium in directory ``path``; None when there is none (the
+        default: media that keep nothing in directories)."""
+        return None
+
+    @classmethod
+    def open_read_only(cls, url: str, *, timeout: float = 5.0) -> Backend:
+        """Open the existing store at ``url`` for tools: never create one, never record accesses
+        (no LRU order or hit count changes), and for remote media no retries and ``timeout``
+        seconds per call. What the tool itself asks for (a delete) still happens. ConfigError
+        when ``url`` names no store of this medium."""
+        raise ConfigError(f"{cls.name} stores cannot be opened by tools")
 
     # -- the interface ----------------------------------------------------------------------
     @abstractmethod

@@ -15,7 +15,8 @@ Options: ``capacity`` (bytes; default none: the filesystem decides) evicts least
 used files when a put would go over it. The LRU order comes from one scan of access times
 (which reads set), kept up to date in memory and rescanned every RESCAN_S to adopt other
 processes' files: approximate when several processes share the directory;
-``sync`` fsyncs each file before the rename; ``touch=false`` leaves access times alone (tools);
+``sync`` fsyncs each file before the rename; ``touch=false`` leaves access times alone (tools:
+no ``utime``, and files are opened with O_NOATIME where the filesystem allows it);
 ``create=false`` refuses to make a store where there is none.
 """
 
@@ -30,14 +31,22 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from urllib.parse import quote
 
 import aiofiles
 import aiofiles.os
 
 from storage_backends.base import Backend, BackendStats
-from storage_backends.file_layout import as_key, check_dir, file_of, open_store, stored_files, temp_of
-from storage_backends.options import as_bool, directory_of
-from storage_backends.registry import split_options
+from storage_backends.file_layout import (
+    MARKER,
+    as_key,
+    check_dir,
+    file_of,
+    open_store,
+    stored_files,
+    temp_of,
+)
+from storage_backends.options import as_bool, directory_of, split_options
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError
 from tiered_kv.units import parse_size
 
@@ -58,6 +67,7 @@ def _flag(value, name: str) -> bool:
 
 class FileBackend(Backend):
     name = "file"
+    store_signature = "file-store marker"
 
     def __init__(self, path: str | os.PathLike, *, capacity: int | str | None = None,
                  sync: bool | str = False, touch: bool | str = True, create: bool | str = True,
@@ -92,6 +102,15 @@ class FileBackend(Backend):
         if unknown:
             raise ConfigError(f"unknown file option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
         return cls(directory_of(url, "file"), url=url, **query)
+
+    @classmethod
+    def store_url_at(cls, path: Path) -> str | None:
+        return f"file://{quote(str(path.resolve()))}" if (path / MARKER).is_file() else None
+
+    @classmethod
+    def open_read_only(cls, url: str, *, timeout: float = 5.0) -> FileBackend:
+        """The existing store at ``url``; reads leave access times alone (``touch=False``)."""
+        return cls.from_url(url, touch=False, create=False)
 
     # -- names and the event loop ------------------------------------------------------------
     def _file(self, key: bytes) -> Path:
@@ -128,7 +147,7 @@ class FileBackend(Backend):
     async def _read(self, key: bytes) -> bytes | None:
         path = self._file(key)
         try:
-            async with aiofiles.open(path, "rb") as fh:
+            async with aiofiles.open(path, "rb", opener=None if self.touch else _open_untouched) as fh:
                 data = await fh.read()
         except FileNotFoundError:
             return None
@@ -282,6 +301,15 @@ def _set_atime(path: Path) -> None:
         os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
     except FileNotFoundError:  # replaced or deleted meanwhile
         pass
+
+
+def _open_untouched(path: str, flags: int) -> int:
+    """Open without the kernel's own access time update (``relatime`` records a first read),
+    where the file is ours (O_NOATIME needs that)."""
+    try:
+        return os.open(path, flags | getattr(os, "O_NOATIME", 0))
+    except PermissionError:
+        return os.open(path, flags)
 
 
 def _unlink_sized(path: Path) -> int | None:

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from storage_backends.options import existing_directory
 from tiered_kv.errors import ConfigError, InvalidKey
 
 MARKER = ".tiered-kv-file-store"
@@ -60,7 +61,7 @@ def open_store(root: Path, create: bool) -> None:
     there is nothing. ConfigError for a foreign, unreadable or other-format directory."""
     marker = root / MARKER
     if root.exists() and not root.is_dir():
-        raise ConfigError(f"{root} is a file, not a file store directory")
+        raise ConfigError(f"{root} is a file, not a store directory")
     if marker.is_file():
         try:
             found = json.loads(marker.read_text()).get("format")
@@ -70,8 +71,8 @@ def open_store(root: Path, create: bool) -> None:
             raise ConfigError(f"file store at {root} has format {found}, this version reads {FORMAT}")
         return
     if not create:
-        what = "does not exist" if not root.exists() else f"is not a file store (no {MARKER})"
-        raise ConfigError(f"{root} {what}")
+        existing_directory(root)
+        raise ConfigError(f"{root} is not a file store (no {MARKER})")
     if root.exists() and any(root.iterdir()):
         raise ConfigError(f"{root} is not empty and not a file store: refusing to write there")
     try:

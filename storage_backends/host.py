@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from storage_backends.base import Backend, BackendStats, Visitor
-from storage_backends.registry import split_options
+from storage_backends.options import split_options
 from tiered_kv.errors import ConfigError
 from tiered_kv.units import format_size, parse_size
 
@@ -86,6 +86,11 @@ class HostBackend(Backend):
         if query:
             raise ConfigError(f"unknown host backend option {sorted(query)[0]!r}")
         return cls(capacity=capacity, slot_bytes=slot, pinned=pinned, url=url, on_evict=on_evict)
+
+    @classmethod
+    def open_read_only(cls, url: str, *, timeout: float = 5.0) -> HostBackend:
+        raise ConfigError("host:// lives inside a serving process; point tools at the disk or remote "
+                          "tier (or use `tiered-kv stats` on its metrics port)")
 
     # -- slot interface (two-phase, leases) ----------------------------------------------------
     def can_reserve(self, n: int) -> bool:

@@ -27,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from urllib.parse import quote
 
 import lmdb
 
@@ -44,8 +45,7 @@ from storage_backends.lmdb_tables import (
 )
 from storage_backends.lmdb_transactions import LmdbTransactions, NoSpace
 from storage_backends.lmdb_transactions import log as transactions_log
-from storage_backends.options import as_bool, as_int, directory_of
-from storage_backends.registry import split_options
+from storage_backends.options import as_bool, as_int, directory_of, existing_directory, split_options
 from tiered_kv.errors import BackendClosed, BackendError, BackendUnavailable, ConfigError, InvalidKey
 from tiered_kv.log_throttle import LogThrottle
 from tiered_kv.units import format_size, parse_size
@@ -54,7 +54,8 @@ __all__ = ["BackendClosed", "InvalidKey", "LmdbBackend", "path_of"]
 
 log = logging.getLogger(__name__)
 
-OPTIONS = ("capacity", "sync", "map_size", "readahead", "writemap", "max_readers", "batch_bytes")
+OPTIONS = ("capacity", "sync", "map_size", "readahead", "writemap", "max_readers", "batch_bytes",
+           "record_access")
 
 
 def path_of(url: str) -> Path:
@@ -64,17 +65,20 @@ def path_of(url: str) -> Path:
 
 class LmdbBackend(LmdbTransactions, Backend):
     name = "lmdb"
+    store_signature = "LMDB data.mdb"
 
     def __init__(self, path: str | os.PathLike, *, capacity: int | str, sync: bool | str = False,
                  map_size: int | str | None = None, readahead: bool | str = True,
                  writemap: bool | str = False, max_readers: int | str = 512,
-                 batch_bytes: int | str = 2 << 20, url: str | None = None) -> None:
+                 batch_bytes: int | str = 2 << 20, record_access: bool | str = True,
+                 url: str | None = None) -> None:
         self.path = Path(path)
         super().__init__(url or f"lmdb://{self.path.resolve()}")
         self.capacity = parse_size(capacity, name="lmdb capacity")
         if self.capacity <= 0:
             raise ConfigError(f"lmdb capacity must be positive, got {capacity!r}")
         self.sync = as_bool(sync, "lmdb sync")
+        self.record_access = as_bool(record_access, "lmdb record_access")  # False: tools' reads
         # 1-2 MiB per write transaction amortises the commit; 4+ MiB faults fresh pages
         self.batch_bytes = parse_size(batch_bytes, name="lmdb batch_bytes")
         wanted = parse_size(map_size, name="lmdb map_size") if map_size is not None else \
@@ -106,7 +110,7 @@ class LmdbBackend(LmdbTransactions, Backend):
                  entries, format_size(used), format_size(self.capacity),
                  format_size(self.map_size), format_size(self._file_bytes()[0]),
                  "sync" if self.sync else "no-sync")
-        if used > self.capacity:
+        if used > self.capacity and self.record_access:  # (tools open without a capacity)
             log.warning("lmdb tier at %s holds %s, over its capacity %s: the next puts evict",
                         self.path, format_size(used), format_size(self.capacity))
 
@@ -119,6 +123,18 @@ class LmdbBackend(LmdbTransactions, Backend):
             raise ConfigError(f"unknown lmdb option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
         query.setdefault("capacity", 8 << 30)
         return cls(path_of(url), url=url, **query)
+
+    @classmethod
+    def store_url_at(cls, path: Path) -> str | None:
+        return f"lmdb://{quote(str(path.resolve()))}" if (path / "data.mdb").is_file() else None
+
+    @classmethod
+    def open_read_only(cls, url: str, *, timeout: float = 5.0) -> LmdbBackend:
+        """The existing environment at ``url``; reads are not recorded (``record_access=False``)."""
+        path = existing_directory(path_of(url))
+        if cls.store_url_at(path) is None:
+            raise ConfigError(f"{path} is not an LMDB store (no data.mdb)")
+        return cls.from_url(url, record_access=False)
 
     # -- reads -------------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:

@@ -42,6 +42,7 @@ class LmdbTransactions:
     capacity: int
     batch_bytes: int
     max_map: int
+    record_access: bool
     _gate: RemapGate
     _failures: LogThrottle  # failed calls repeat while a disk is full: one warning a minute
     _lock: threading.Lock
@@ -181,6 +182,8 @@ class LmdbTransactions:
 
     # -- buffered read accesses ------------------------------------------------------------
     def _touch(self, keys: list[bytes], now: int) -> None:
+        if not self.record_access:
+            return
         with self._lock:
             for key in keys:
                 hits = self._touches.get(key, (0, 0))[1]

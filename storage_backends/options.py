@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote, urlsplit
 
-from storage_backends.registry import split_options
 from tiered_kv.errors import ConfigError
+
+
+def split_options(url: str) -> tuple[str, dict[str, str]]:
+    """(url without the query, query parameters)."""
+    parts = urlsplit(url)
+    base = parts._replace(query="").geturl()
+    return base, dict(parse_qsl(parts.query, keep_blank_values=True))
 
 
 def as_bool(value, name: str) -> bool:
@@ -44,3 +50,13 @@ def directory_of(url: str, scheme: str) -> Path:
     if not rest:
         raise ConfigError(f"{scheme} URL {url!r} names no directory")
     return Path(unquote(rest)).expanduser()
+
+
+def existing_directory(path: Path) -> Path:
+    """``path`` when it is a directory; ConfigError saying what it is otherwise (the first part
+    of "is there a store here?", the same words for every medium)."""
+    if not path.exists():
+        raise ConfigError(f"no store at {path}: the path does not exist")
+    if not path.is_dir():
+        raise ConfigError(f"{path} is a file, not a store directory")
+    return path

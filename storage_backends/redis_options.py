@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from storage_backends.options import split_options
 from storage_backends.redaction import redact_url
-from storage_backends.registry import split_options
 from tiered_kv.errors import ConfigError
 from tiered_kv.units import parse_duration, parse_size
 

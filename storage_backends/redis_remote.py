@@ -112,6 +112,12 @@ class RedisBackend(Backend):
         target, kwargs = redis_arguments(url, options)
         return cls(target, **kwargs)
 
+    @classmethod
+    def open_read_only(cls, url: str, *, timeout: float = 5.0) -> RedisBackend:
+        """``url`` with ``timeout`` seconds per call and no retries (a tool must not hang on a
+        Redis that is away); Redis has nothing to create and records no accesses of ours."""
+        return cls.from_url(url, timeout=timeout, retries=0)
+
     @property
     def client(self) -> Any:
         """The redis-py client (a cluster client is made, and connects, on first use)."""

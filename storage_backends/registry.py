@@ -1,24 +1,36 @@
 """Backends by URL scheme or name, imported only when first used.
 
 ``open_backend("lmdb:///var/cache/tkv?capacity=8GiB")``, ``open_backend("redis://h:6379/0")``,
-``open_backend("host://?capacity=1GiB&slot=2MiB")``, ``open_backend("file:///mnt/shared/tkv")``. Query parameters become keyword arguments
-of the backend's ``from_url`` (strings; the backend converts them).
+``open_backend("host://?capacity=1GiB&slot=2MiB")``, ``open_backend("file:///mnt/shared/tkv")``.
+Query parameters become keyword arguments of the backend's ``from_url`` (strings; the backend
+converts them). For tools: ``url_for_path(dir)`` asks every medium whether ``dir`` holds one of
+its stores, and ``open_read_only(url)`` opens an existing store without changing it.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
+import os
+from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import urlsplit
 
+from storage_backends.options import existing_directory, split_options
 from storage_backends.redaction import redact_url
-from tiered_kv.errors import UnknownBackend
+from tiered_kv.errors import ConfigError, UnknownBackend
 
-# scheme -> "module:Class"; a class provides from_url(url, **options)
+__all__ = ["backend_class", "is_url", "open_backend", "open_read_only", "register_backend",
+           "registered_schemes", "scheme_of", "split_options", "url_for_path"]
+
+log = logging.getLogger(__name__)
+
+# scheme -> "module:Class"; a class provides from_url(url, **options). Media that keep stores in
+# directories are asked in this order by url_for_path.
 _REGISTRY: dict[str, str] = {
     "host": "storage_backends.host:HostBackend",
-    "file": "storage_backends.file_dir:FileBackend",
     "lmdb": "storage_backends.lmdb_disk:LmdbBackend",
+    "file": "storage_backends.file_dir:FileBackend",
     "redis": "storage_backends.redis_remote:RedisBackend",
     "rediss": "storage_backends.redis_remote:RedisBackend",
     "unix": "storage_backends.redis_remote:RedisBackend",
@@ -44,19 +56,60 @@ def scheme_of(url: str) -> str:
     return scheme
 
 
+def is_url(arg: str) -> bool:
+    """Whether ``arg`` is a URL rather than a path (a one-letter scheme is a Windows drive)."""
+    return ":" in arg and len(urlsplit(arg).scheme) > 1
+
+
 def backend_class(url: str) -> type:
-    module_name, _, class_name = _REGISTRY[scheme_of(url)].partition(":")
+    return _load(_REGISTRY[scheme_of(url)])
+
+
+def _load(target: str) -> type:
+    module_name, _, class_name = target.partition(":")
     return getattr(importlib.import_module(module_name), class_name)
-
-
-def split_options(url: str) -> tuple[str, dict[str, str]]:
-    """(url without the query, query parameters)."""
-    parts = urlsplit(url)
-    base = parts._replace(query="").geturl()
-    return base, dict(parse_qsl(parts.query, keep_blank_values=True))
 
 
 def open_backend(url: str, **options: Any):
     """Open the backend for ``url``; keyword options override query parameters."""
     cls = backend_class(url)
     return cls.from_url(url, **options)
+
+
+def url_for_path(path: str | os.PathLike) -> str:
+    """The URL of the store in directory ``path``, as the medium that recognises it writes it.
+    Media are imported here, on first use; one whose import fails is skipped. ConfigError: no
+    store at PATH (nothing there), PATH is a file, PATH is not a tiered-kv store."""
+    where = existing_directory(Path(path).expanduser())
+    signs = []
+    for cls in _media():
+        url = cls.store_url_at(where)
+        if url is not None:
+            return url
+        if cls.store_signature:
+            signs.append(cls.store_signature)
+    raise ConfigError(f"{path} is not a tiered-kv store (no {', no '.join(signs) or 'medium knows it'})")
+
+
+def _media() -> list[type]:
+    """Every registered medium class that imports, once each, in registry order."""
+    classes: list[type] = []
+    for target in dict.fromkeys(_REGISTRY.values()):
+        try:
+            cls = _load(target)
+        except ImportError as exc:
+            log.debug("storage medium %s not available: %s", target, exc)
+            continue
+        if cls not in classes:
+            classes.append(cls)
+    return classes
+
+
+def open_read_only(url: str, *, timeout: float = 5.0):
+    """Open the existing store at ``url`` (or at a store directory's path) for tools: nothing
+    is created, tools' reads are not recorded as accesses, remote media answer within
+    ``timeout`` seconds without retries. ConfigError when there is no store there (and for
+    ``host://``, which lives inside a serving process)."""
+    if not is_url(str(url)):
+        url = url_for_path(url)
+    return backend_class(url).open_read_only(url, timeout=timeout)
