@@ -13,6 +13,7 @@ class LoadSpec:
     keys: tuple[bytes, ...]  # block keys, in token order
     block_ids: tuple[int, ...]  # device block per key
     is_async: bool  # True: completion is reported through get_finished
+    tenant: bytes | None = None  # the request's tenant label (keys.tenant_label); None: the namespace's
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class SaveSpec:
     block_ids: tuple[int, ...]  # device block per key
     first_block: int  # index of the first block within the request
     context_block_ids: tuple[int, ...] = ()  # the request's blocks before first_block (its prefix)
+    tenant: bytes | None = None  # the request's tenant label (keys.tenant_label); None: the namespace's
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec
-from tiered_kv.keys import KeyChain, Namespace
+from tiered_kv.keys import KeyChain, Namespace, tenant_label
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ class _Request:
     had_saves: bool = False  # whether any save was planned (request_finished holds blocks)
     promised: bool = False  # an async load was promised and has not been seen to complete
     no_loads: bool = False  # a promised load failed: claim nothing more for this request
+    tenant: bytes | None = None  # the request's own tenant (cache_salt), for quotas and usage
 
 
 class ConnectorScheduler:
@@ -72,11 +73,12 @@ class ConnectorScheduler:
         self._suspect: dict[bytes, int] = {}  # withdrawn keys -> steps they still count as absent
 
     # -- keys ----------------------------------------------------------------------------------
-    def _state(self, request_id: str, tokens: Sequence[int], extra: str | None = None) -> _Request:
+    def _state(self, request_id: str, tokens: Sequence[int], extra: str | None = None,
+               tenant: bytes | None = None) -> _Request:
         state = self._requests.get(request_id)
         if state is None:
             chain = KeyChain(self.namespace, lora=extra)
-            state = self._requests[request_id] = _Request(chain, list(tokens))
+            state = self._requests[request_id] = _Request(chain, list(tokens), tenant=tenant)
         elif len(tokens) > len(state.tokens):
             state.tokens = list(tokens)
         state.chain.update(state.tokens)
@@ -93,7 +95,7 @@ class ConnectorScheduler:
     # -- engine calls ----------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         """External tokens beyond ``num_computed_tokens``; never the last prompt token."""
-        state = self._state(request.request_id, request.prompt_token_ids, _extra(request))
+        state = self._state(request.request_id, request.prompt_token_ids, _extra(request), _tenant(request))
         if state.promised:  # matched again after a promise: its load failed (see module doc)
             state.promised, state.no_loads = False, True
             log.warning("request %s: its promised load failed; it is recomputed, not matched again",
@@ -112,7 +114,7 @@ class ConnectorScheduler:
         return n * bs, self.load_async
 
     def update_state_after_alloc(self, request, block_ids: Sequence[int], num_external_tokens: int) -> None:
-        state = self._state(request.request_id, request.prompt_token_ids, _extra(request))
+        state = self._state(request.request_id, request.prompt_token_ids, _extra(request), _tenant(request))
         state.block_ids = list(block_ids)
         if num_external_tokens <= 0:
             state.promised = False  # (engines call again with 0 once an async load completed)
@@ -125,7 +127,8 @@ class ConnectorScheduler:
         state.promised = self.load_async
         self.index.lease(request.request_id, keys)
         self._loads.append(LoadSpec(request.request_id, tuple(keys),
-                                    tuple(state.block_ids[first : first + n]), self.load_async))
+                                    tuple(state.block_ids[first : first + n]), self.load_async,
+                                    tenant=state.tenant))
 
     def blocks_failed(self, block_ids) -> None:
         """The engine reports device blocks whose load failed: withdraw, on every rank, the keys
@@ -176,7 +179,7 @@ class ConnectorScheduler:
         first = state.saved
         meta.saves.append(SaveSpec(request_id, tuple(state.chain.keys[first:full]),
                                    tuple(state.block_ids[first:full]), first,
-                                   context_block_ids=tuple(state.block_ids[:first])))
+                                   context_block_ids=tuple(state.block_ids[:first]), tenant=state.tenant))
         state.saved = full
         state.planned = max(state.planned, full)
         state.had_saves = True
@@ -204,6 +207,13 @@ class ConnectorScheduler:
         self._matched_from.pop(request.request_id, None)
         self._drop_loads(request.request_id)
         return bool(state and state.had_saves)
+
+
+def _tenant(request) -> bytes | None:
+    """The tenant label of a request that names its own tenant (vLLM's ``cache_salt``), when the
+    engine adapter's request view carries ``tenant``; None: the namespace's tenant."""
+    tenant = getattr(request, "tenant", None)
+    return None if tenant in (None, "") else tenant_label(str(tenant))
 
 
 def _extra(request) -> str | None:

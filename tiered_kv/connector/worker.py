@@ -86,7 +86,7 @@ class ConnectorWorker:
             self.store.invalidate(self.meta.invalidate)
         sync: list[_PendingLoad] = []
         for spec in self.meta.loads:
-            plan = self.store.load(self.store.take_lease(spec.request_id, spec.keys))
+            plan = self.store.load(self.store.take_lease(spec.request_id, spec.keys, spec.tenant))
             pending = _PendingLoad(spec, plan)
             if spec.is_async:
                 self._async_loads[spec.request_id] = pending
@@ -145,16 +145,15 @@ class ConnectorWorker:
         specs = [s for s in self.meta.saves if s.keys]
         if not specs:
             return
-        items, owners = self._save_items(specs)
-        if items:
-            batch = self.store.prepare_save([k for k, _ in items])
+        for tenant, (items, owners) in self._save_items(specs).items():
+            batch = self.store.prepare_save([k for k, _ in items], tenant)
             if batch.keys:
                 index = dict(items)
                 self._gather([index[k] for k in batch.keys], batch.slots, batch, owners)
         self._commit_ready()
 
-    def _save_items(self, specs: list[SaveSpec]) -> tuple[list[tuple[bytes, int]], set[str]]:
-        """(key, block id) of the saves to make, and the requests they belong to."""
+    def _save_items(self, specs: list[SaveSpec]) -> dict[bytes | None, tuple[list[tuple[bytes, int]], set[str]]]:
+        """Per tenant: (key, block id) of the saves to make, and the requests they belong to."""
         kept, dropped = [], []
         for spec in specs:
             self._save_requests.add(spec.request_id)
@@ -169,8 +168,12 @@ class ConnectorWorker:
             self.store.metrics.event("saves_dropped_failed_load", n)
             log.info("%d blocks of %d requests were computed over a failed load and are not saved",
                      n, len({spec.request_id for spec in dropped}))
-        items = [(k, b) for spec in kept for k, b in zip(spec.keys, spec.block_ids)]
-        return items, {spec.request_id for spec in kept}
+        groups: dict[bytes | None, tuple[list[tuple[bytes, int]], set[str]]] = {}
+        for spec in kept:  # one batch per tenant (quotas, usage)
+            items, owners = groups.setdefault(spec.tenant, ([], set()))
+            items.extend(zip(spec.keys, spec.block_ids))
+            owners.add(spec.request_id)
+        return groups
 
     def _gather(self, block_ids: list[int], slots: list[int], batch: SaveBatch, owners: set[str]) -> None:
         assert self.layout is not None, "register_kv_caches was not called"

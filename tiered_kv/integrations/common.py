@@ -23,7 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tiered_kv.config import ENV_PREFIX, TieredKVConfig
+from tiered_kv.config import TieredKVConfig
+from tiered_kv.config_loading import ENV_PREFIX
 from tiered_kv.errors import ConfigError
 from tiered_kv.keys import Namespace
 
@@ -49,6 +50,7 @@ class RequestView:
     prompt_token_ids: list[int]
     num_prompt_tokens: int
     key_extra: str | None  # LoRA, tenant salt, multimodal hashes: folded into the keys
+    tenant: str | None = None  # the request's tenant (its cache_salt): quotas and usage per tenant
 
 
 @dataclass(frozen=True)

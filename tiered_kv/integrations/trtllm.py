@@ -161,7 +161,9 @@ def _view(request: Any) -> RequestView:
     files = _lora_fingerprint(request)
     if files:
         parts.append(f"lora_files={files}")
-    return RequestView(request.request_id, tokens, n, ";".join(parts) or None)
+    salt = getattr(request, "cache_salt_id", None)
+    return RequestView(request.request_id, tokens, n, ";".join(parts) or None,
+                       None if salt is None else f"cache_salt_id={salt}")
 
 
 def _lora_fingerprint(request: Any) -> str | None:

@@ -74,7 +74,7 @@ class SchedulerSide:
         if getattr(request, "prompt_token_ids", None) is None:
             return None  # prompt embeddings: no token ids to key by
         return RequestView(request.request_id, list(request.prompt_token_ids), int(request.num_prompt_tokens),
-                     _key_extra(request))
+                     _key_extra(request), getattr(request, "cache_salt", None) or None)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         view = self._view(request)

@@ -95,10 +95,10 @@ class Loader:
                 self.saver.write_behind(earned, plan.tenant, reached=True)
         return plan
 
-    def lease(self, lease_id: str, keys: Sequence[bytes]) -> LoadPlan:
+    def lease(self, lease_id: str, keys: Sequence[bytes], tenant: bytes | None = None) -> LoadPlan:
         """``prepare_load`` kept under ``lease_id`` for a later :meth:`take_lease` (the scheduler
         half leases blocks when the engine allocates, the worker half loads them a step later)."""
-        plan = self.prepare_load(keys)
+        plan = self.prepare_load(keys, tenant)
         with self._lock:
             old = self._leases.pop(lease_id, None)
             self._leases[lease_id] = plan
@@ -106,15 +106,18 @@ class Loader:
             self.release(old)
         return plan
 
-    def take_lease(self, lease_id: str, keys: Sequence[bytes]) -> LoadPlan:
-        """The plan leased under ``lease_id`` when it covers ``keys``, else a fresh one."""
+    def take_lease(self, lease_id: str, keys: Sequence[bytes], tenant: bytes | None = None) -> LoadPlan:
+        """The plan leased under ``lease_id`` when it covers ``keys``, else a fresh one; its
+        blocks belong to ``tenant`` (None: the namespace's)."""
         with self._lock:
             plan = self._leases.pop(lease_id, None)
         if plan is not None and plan.keys == list(keys):
+            if tenant is not None:
+                plan.tenant = tenant
             return plan
         if plan is not None:
             self.release(plan)
-        return self.prepare_load(keys)
+        return self.prepare_load(keys, tenant)
 
     def drop_lease(self, lease_id: str) -> None:
         with self._lock:

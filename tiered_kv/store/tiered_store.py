@@ -135,8 +135,8 @@ class TieredStore:
     def lease(self, lease_id: str, keys: Sequence[bytes]) -> LoadPlan:
         return self.loader.lease(lease_id, keys)
 
-    def take_lease(self, lease_id: str, keys: Sequence[bytes]) -> LoadPlan:
-        return self.loader.take_lease(lease_id, keys)
+    def take_lease(self, lease_id: str, keys: Sequence[bytes], tenant: bytes | None = None) -> LoadPlan:
+        return self.loader.take_lease(lease_id, keys, tenant)
 
     def drop_lease(self, lease_id: str) -> None:
         self.loader.drop_lease(lease_id)

@@ -83,7 +83,7 @@ def _read_back(store, keys: list[bytes], expected: Expected, ack: Ack) -> None:
 def reopen_check(lmdb_dir: Path, durable: set[bytes], expected: Expected) -> dict:
     """Reopen the store after a kill: CLI verify of every stored block (read-only), then load
     every stored block through a fresh TieredStore and compare bytes."""
-    from tiered_kv.admin.catalog import open_tier
+    from tiered_kv.admin.opening import open_tier
     from tiered_kv.admin.verify import verify_tier
 
     out: dict = {"ok": False}
