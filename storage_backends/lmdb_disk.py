@@ -45,9 +45,9 @@ from storage_backends.lmdb_tables import (
 )
 from storage_backends.lmdb_transactions import LmdbTransactions, NoSpace
 from storage_backends.lmdb_transactions import log as transactions_log
+from storage_backends.log_throttle import LogThrottle
 from storage_backends.options import as_bool, as_int, directory_of, existing_directory, split_options
 from tiered_kv.errors import BackendClosed, BackendError, BackendUnavailable, ConfigError, InvalidKey
-from tiered_kv.log_throttle import LogThrottle
 from tiered_kv.units import format_size, parse_size
 
 __all__ = ["BackendClosed", "InvalidKey", "LmdbBackend", "path_of"]

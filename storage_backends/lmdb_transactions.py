@@ -15,8 +15,8 @@ import lmdb
 from storage_backends.lmdb_entries import apply_accesses, evict_lru
 from storage_backends.lmdb_gate import RemapGate
 from storage_backends.lmdb_tables import FORMAT, U64, Write, read_totals
+from storage_backends.log_throttle import LogThrottle
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError
-from tiered_kv.log_throttle import LogThrottle
 from tiered_kv.units import format_size
 
 log = logging.getLogger(__name__)
