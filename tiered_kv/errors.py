@@ -54,9 +54,5 @@ class BackendClosed(BackendError, ValueError):
     """A backend was used after ``close()``."""
 
 
-class NoRoom(BackendError):
-    """The medium has no room for a value even after eviction (value larger than capacity)."""
-
-
 class UnknownBackend(ConfigError):
     """No storage backend is registered for a URL scheme or name."""

@@ -108,6 +108,15 @@ class Namespace:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
+def leading_present(present: Sequence[bool]) -> int:
+    """How many leading blocks of a chain are present (a chained key is only reusable after
+    every block before it)."""
+    n = 0
+    while n < len(present) and present[n]:
+        n += 1
+    return n
+
+
 def tenant_label(cache_salt: str) -> bytes:
     """The tenant a ``cache_salt`` names, as the tiers record it for quotas and usage: 8 bytes
     of its hash (the salt itself never leaves the process), or ``b""`` for no salt."""

@@ -31,7 +31,7 @@ class KVLayout:
 
     def __init__(self, ns: Namespace) -> None:
         self.ns = ns
-        self.block = (ns.num_layers, 2, ns.block_size, ns.num_kv_heads, ns.head_dim)
+        self.block = ns.block_shape
 
     @property
     def device(self) -> torch.device:

@@ -12,8 +12,6 @@ from collections import Counter, defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-TIERS = ("host", "disk", "remote")
-
 
 @dataclass
 class TierCounters:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from tiered_kv.errors import BackendUnavailable
-from tiered_kv.keys import Namespace
+from tiered_kv.keys import Namespace, leading_present
 from tiered_kv.store.lookup_deadline import DeadlineLookup, LookupTimedOut
 
 log = logging.getLogger(__name__)
@@ -67,11 +67,7 @@ class RankedPresence:
 
     def lookup(self, keys: Sequence[bytes], own_present: Sequence[bool] | None = None) -> int:
         """How many leading ``keys`` every rank can load."""
-        _, complete = self.locate(keys, own_present)
-        n = 0
-        while n < len(complete) and complete[n]:
-            n += 1
-        return n
+        return leading_present(self.locate(keys, own_present)[1])
 
     def _ask(self, name: str, backend, storage_keys: list[bytes], blocks: int) -> list[bool]:
         try:

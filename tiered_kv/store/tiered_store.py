@@ -32,7 +32,7 @@ from storage_backends.host import HostBackend
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.dtypes import itemsize
 from tiered_kv.errors import ConfigError
-from tiered_kv.keys import Namespace
+from tiered_kv.keys import Namespace, leading_present
 from tiered_kv.store.admission import RequestCounts
 from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.host_copy import HostCopier
@@ -163,9 +163,7 @@ class TieredStore:
         """How many leading ``keys`` every tensor-parallel rank can load (this rank from any
         tier, the others from the shared lower tiers). Side-effect free, bounded in time; keys
         being withdrawn (:meth:`invalidate`) count as absent."""
-        withdrawn = self.invalidations.suppressed(keys)
-        if any(withdrawn):
-            keys = keys[: withdrawn.index(True)]
+        keys = keys[: leading_present([not w for w in self.invalidations.suppressed(keys)])]
         return self.presence.lookup(keys, self.host.contains_many(keys))
 
     def invalidate(self, keys: Sequence[bytes]):

@@ -27,7 +27,7 @@ from tiered_kv.keys import Namespace
 # 16 KiB bf16 blocks: [4 layers, K/V, 16 tokens, 2 heads, 32 dims]
 NS = Namespace(model_id="fault-soak", dtype="bfloat16", num_layers=4, num_kv_heads=2,
                head_dim=32, block_size=16)
-SHAPE = (NS.num_layers, 2, NS.block_size, NS.num_kv_heads, NS.head_dim)
+SHAPE = NS.block_shape
 BLOCK_BYTES = 2 * int(np.prod(SHAPE))
 PRELOAD = ["torch", "numpy", "lmdb", "redis", "tiered_kv.store.tiered_store", "tiered_kv.connector",
            "tiered_kv.engine", "tiered_kv.admin.verify", "tiered_kv.admin.catalog", "soak.common"]
