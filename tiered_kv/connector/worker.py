@@ -5,7 +5,7 @@ decoded into host slots there); sync loads are scattered into the device blocks 
 forward, async ones when ``get_finished`` finds them complete. Saves: ``wait_for_save`` gathers
 the step's completed blocks into reserved host slots in one batched copy and commits them (on
 CUDA: a copy on a side stream, committed once its event completed, so the forward never waits);
-write-behind to disk and remote runs in the pool.
+write-behind to the lower tiers runs in the pool.
 
 Nothing computed over a block that failed to load is saved. Engines share a block loaded for
 one request with other requests of the same step (vLLM's prefix cache), so failures are tracked

@@ -181,13 +181,13 @@ def _close_all() -> None:
 
 def scheduler_index(config: TieredKVConfig, namespace: Namespace):
     """What a scheduler half looks blocks up in: the store of a worker in this process (host tier
-    and leases included), or a lookup-only index of the disk and remote tiers."""
+    and leases included), or a lookup-only index of the lower tiers."""
     if existing_store(config, namespace) is not None:
         log.info("tiered-kv scheduler: sharing the worker's store in this process")
         return acquire_store(config, namespace)  # one more user: release it with release_index
     from tiered_kv.store.lower_index import LowerTierIndex
 
-    log.info("tiered-kv scheduler: no worker in this process; looking up the disk/remote tiers")
+    log.info("tiered-kv scheduler: no worker in this process; looking up the lower tiers")
     return LowerTierIndex(config, namespace)
 
 

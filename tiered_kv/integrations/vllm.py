@@ -9,7 +9,7 @@ Attach by configuration only::
 ``kv_connector_extra_config`` takes the keys of our TOML file plus ``config_file``, ``load_async``,
 ``save`` and ``kv_layout`` (:mod:`tiered_kv.integrations.common`). vLLM builds one instance per
 role, usually in different processes: the scheduler one looks blocks up in the worker's store
-when a worker lives in its process, else in the disk/remote tiers (:mod:`tiered_kv.store.lower_index`).
+when a worker lives in its process, else in the lower tiers (:mod:`tiered_kv.store.lower_index`).
 
 Semantics kept: keys come from token ids (vLLM's own block hashes are process-seeded), with
 LoRA, ``cache_salt`` and multimodal hashes folded in; the KV layout is detected when the worker

@@ -1,4 +1,5 @@
-"""Prometheus export of the store's counters, and the summary ``tiered-kv stats`` prints.
+"""Prometheus export of the store's counters (``tiered-kv stats`` reads them back:
+:mod:`tiered_kv.admin.stats`).
 
 A store whose config sets ``metrics_port`` registers with the exporter of that port (one HTTP
 server per port and process, shared by the stores of that process: one per model shard). Each
@@ -20,31 +21,24 @@ Metric families (labels ``namespace``, ``model`` on all of them):
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
-import urllib.error
-import urllib.request
 from collections import defaultdict
-from pathlib import Path
 from typing import Protocol
-from urllib.parse import unquote, urlsplit
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from storage_backends.base import Backend
-from storage_backends.redaction import redact_text, redact_url
-from tiered_kv.errors import BackendUnavailable, ConfigError
+from tiered_kv.errors import BackendUnavailable
 from tiered_kv.keys import Namespace
 from tiered_kv.store.metrics import StoreMetrics
 from tiered_kv.store.transfer import TransferPool
 
 
 class MetricSource(Protocol):
-    """What the exporter reads of a store (:class:`tiered_kv.store.MetricSource` is one)."""
+    """What the exporter reads of a store (:class:`tiered_kv.store.TieredStore` is one)."""
 
     namespace: Namespace  # labels
     metrics: StoreMetrics  # counters
@@ -176,93 +170,3 @@ def unexport(store: MetricSource) -> None:
                 del _servers[port]
                 entry[0].shutdown()
                 entry[0].server_close()
-
-
-# -- reading metrics back (tiered-kv stats) ------------------------------------------------------
-def fetch(target: str, timeout: float = 5.0) -> str:
-    """Metrics text from an exporter URL (``host:port`` is enough) or a saved file."""
-    if Path(target).is_file():
-        return Path(target).read_text()
-    url = target if "://" in target else f"http://{target}"
-    if url.split("://", 1)[1].count("/") == 0:
-        url += "/metrics"
-    if not url.startswith(("http://", "https://")):
-        raise ConfigError(f"metrics URL must be http(s)://HOST:PORT[/metrics] or a file, got {redact_url(target)!r}")
-    try:
-        with urllib.request.urlopen(_request(url), timeout=timeout) as response:
-            return response.read().decode()
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        reason = redact_text(str(getattr(exc, "reason", exc)), url)
-        raise BackendUnavailable(f"cannot fetch metrics from {redact_url(url)}: {reason}") from None
-
-
-def _request(url: str) -> urllib.request.Request:
-    """A request for ``url``; ``user:password@`` in it becomes a basic-auth header (urllib would
-    take it for a host name)."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return urllib.request.Request(url)
-    host = parts.netloc.rpartition("@")[2]
-    token = base64.b64encode(f"{unquote(parts.username or '')}:{unquote(parts.password or '')}".encode())
-    return urllib.request.Request(parts._replace(netloc=host).geturl(),
-                                  headers={"Authorization": "Basic " + token.decode()})
-
-
-def summarize(text: str) -> dict:
-    """Per tier: hits, misses by reason, blocks / bytes / seconds per direction, evictions,
-    entries; store-wide: events and queued bytes (summed over namespaces)."""
-    tiers: dict[str, dict] = defaultdict(lambda: {"hits": 0, "misses": defaultdict(float), "in": defaultdict(float),
-                                                  "out": defaultdict(float), "evictions": 0})
-    events: dict[str, float] = defaultdict(float)
-    queued: dict[str, float] = defaultdict(float)
-    namespaces = set()
-    seen = False
-    try:
-        families = list(text_string_to_metric_families(text))
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"not Prometheus metrics text: {exc}") from None
-    for family in families:
-        for s in family.samples:
-            if not s.name.startswith("tiered_kv_") or s.name.endswith("_created"):
-                continue
-            seen = True
-            lab = s.labels
-            namespaces.add((lab.get("namespace"), lab.get("model")))
-            name, tier = s.name, lab.get("tier")
-            if name == "tiered_kv_hits_total":
-                tiers[tier]["hits"] += s.value
-            elif name == "tiered_kv_misses_total":
-                tiers[tier]["misses"][lab["reason"]] += s.value
-            elif name in ("tiered_kv_blocks_total", "tiered_kv_bytes_total", "tiered_kv_transfer_seconds_total"):
-                what = name[len("tiered_kv_"):-len("_total")].replace("transfer_", "")
-                tiers[tier][lab["direction"]][what] += s.value
-            elif name == "tiered_kv_evictions_total":
-                tiers[tier]["evictions"] += s.value
-            elif name in ("tiered_kv_tier_entries", "tiered_kv_tier_used_bytes", "tiered_kv_tier_capacity_bytes"):
-                key = name[len("tiered_kv_tier_"):]
-                tiers[tier][key] = tiers[tier].get(key, 0) + s.value
-            elif name == "tiered_kv_events_total":
-                events[lab["event"]] += s.value
-            elif name == "tiered_kv_queued_bytes":
-                queued[lab["direction"]] += s.value
-    if not seen:
-        raise ConfigError("no tiered_kv metrics in that text (is it a tiered-kv exporter?)")
-    out = {}
-    for name, t in sorted(tiers.items()):
-        row = {"hits": int(t["hits"]), "misses": {r: int(n) for r, n in sorted(t["misses"].items())},
-               "evictions": int(t["evictions"])}
-        total = row["hits"] + sum(row["misses"].values())
-        row["hit_rate"] = round(row["hits"] / total, 4) if total else None
-        for direction in ("in", "out"):
-            d = t[direction]
-            secs = d.get("seconds", 0.0)
-            row[direction] = {"blocks": int(d.get("blocks", 0)), "bytes": int(d.get("bytes", 0)),
-                              "seconds": round(secs, 6),
-                              "mb_per_s": round(d.get("bytes", 0) / secs / 1e6, 1) if secs else None}
-        for key in ("entries", "used_bytes", "capacity_bytes"):
-            if key in t:
-                row[key] = int(t[key])
-        out[name] = row
-    return {"namespaces": [{"namespace": n, "model": m} for n, m in sorted(namespaces, key=str)],
-            "tiers": out, "events": {k: int(v) for k, v in sorted(events.items())},
-            "queued_bytes": {k: int(v) for k, v in sorted(queued.items())}}
