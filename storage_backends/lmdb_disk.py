@@ -29,25 +29,21 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import quote
 
-import lmdb
-
 from storage_backends.base import Backend, BackendStats, Visitor
-from storage_backends.lmdb_entries import put_entry, remove_entry
-from storage_backends.lmdb_gate import RemapGate
+from storage_backends.lmdb_entries import evict_lru, put_entry, remove_entry
+from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
 from storage_backends.lmdb_tables import (
     MAX_KEY,
     META,
+    Write,
     as_key,
     check_tables,
     fits,
     indexed,
     read_totals,
 )
-from storage_backends.lmdb_transactions import LmdbTransactions, NoSpace
-from storage_backends.lmdb_transactions import log as transactions_log
-from storage_backends.log_throttle import LogThrottle
 from storage_backends.options import as_bool, as_int, directory_of, existing_directory, split_options
-from tiered_kv.errors import BackendClosed, BackendError, BackendUnavailable, ConfigError, InvalidKey
+from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError, InvalidKey
 from tiered_kv.units import format_size, parse_size
 
 __all__ = ["BackendClosed", "InvalidKey", "LmdbBackend", "path_of"]
@@ -63,7 +59,10 @@ def path_of(url: str) -> Path:
     return directory_of(url, "lmdb")
 
 
-class LmdbBackend(LmdbTransactions, Backend):
+class LmdbBackend(Backend):
+    """The disk tier's Backend interface over an :class:`LmdbEnvironment`, plus this process's
+    pins (leases) and the capacity they are evicted to."""
+
     name = "lmdb"
     store_signature = "LMDB data.mdb"
 
@@ -83,7 +82,6 @@ class LmdbBackend(LmdbTransactions, Backend):
         self.batch_bytes = parse_size(batch_bytes, name="lmdb batch_bytes")
         wanted = parse_size(map_size, name="lmdb map_size") if map_size is not None else \
             max(2 * self.capacity, self.capacity + (1 << 30))  # sparse: costs address space only
-        self.max_map = max(wanted, 4 * self.capacity + (1 << 30))
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"lmdb path {self.path} exists and is not a directory")
         self.path.mkdir(parents=True, exist_ok=True)
@@ -96,19 +94,15 @@ class LmdbBackend(LmdbTransactions, Backend):
         options = dict(map_size=wanted, max_dbs=8, sync=self.sync, metasync=self.sync,
                        readahead=as_bool(readahead, "lmdb readahead"), writemap=writemap,
                        max_readers=as_int(max_readers, "lmdb max_readers"), lock=True)
-        self.env = self._open_env(options)
-        self.blocks, self.meta, self.lru, self.info = self._open_tables()
-        self._gate = RemapGate()
-        self._failures = LogThrottle(transactions_log)
-        self._lock = threading.Lock()  # touches and pins
-        self._touches: dict[bytes, tuple[int, int]] = {}  # key -> (last access ns, hits)
+        self._lock = threading.Lock()  # pins
         self._pins: Counter = Counter()
-        self._closed = False
-        self._check_format()
+        self._db = LmdbEnvironment(self.path, options, max_map=max(wanted, 4 * self.capacity + (1 << 30)),
+                                   batch_bytes=self.batch_bytes, count=self._count,
+                                   evict=self._evict_beyond_capacity, record_access=self.record_access)
         used, entries = self._totals()
         log.info("lmdb tier at %s: %d blocks, %s of %s used (map %s, file %s, %s)", self.path,
                  entries, format_size(used), format_size(self.capacity),
-                 format_size(self.map_size), format_size(self._file_bytes()[0]),
+                 format_size(self._db.map_size), format_size(self._db.file_bytes()[0]),
                  "sync" if self.sync else "no-sync")
         if used > self.capacity and self.record_access:  # (tools open without a capacity)
             log.warning("lmdb tier at %s holds %s, over its capacity %s: the next puts evict",
@@ -136,6 +130,24 @@ class LmdbBackend(LmdbTransactions, Backend):
             raise ConfigError(f"{path} is not an LMDB store (no data.mdb)")
         return cls.from_url(url, record_access=False)
 
+    # -- the environment's handles (maintenance and tests) -----------------------------------
+    @property
+    def env(self):
+        """The ``lmdb.Environment``."""
+        return self._db.env
+
+    @property
+    def blocks(self):
+        return self._db.tables.blocks
+
+    @property
+    def meta(self):
+        return self._db.tables.meta
+
+    @property
+    def lru(self):
+        return self._db.tables.lru
+
     # -- reads -------------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return self._get_by_visiting(keys)
@@ -146,7 +158,7 @@ class LmdbBackend(LmdbTransactions, Backend):
         found = [False] * len(keys)
         hits: list[bytes] = []
         nbytes = 0
-        with self._guard("read"), self._txn() as txn:
+        with self._db.guard("read"), self._db.txn() as txn:
             for i, key in enumerate(keys):
                 value = txn.get(key, db=self.blocks) if fits(key) else None
                 if value is not None:
@@ -155,7 +167,7 @@ class LmdbBackend(LmdbTransactions, Backend):
                     nbytes += len(value)
                     visitor(i, value)
         if hits:
-            self._touch(hits, time.time_ns())
+            self._db.touch(hits, time.time_ns())
         self._count(gets=len(keys), hits=len(hits), bytes_out=nbytes)
         return found
 
@@ -163,13 +175,13 @@ class LmdbBackend(LmdbTransactions, Backend):
         """Asks the meta table (small, dense pages: the block table would fault in the first
         page of every large value on a cold restart). No side effects."""
         keys = [as_key(k) for k in keys]
-        with self._guard("contains"), self._txn() as txn:
+        with self._db.guard("contains"), self._db.txn() as txn:
             return [fits(k) and txn.get(k, db=self.meta) is not None for k in keys]
 
     def scan(self, prefix: bytes = b"") -> Iterator[bytes]:
         prefix = bytes(prefix)
         keys: list[bytes] = []
-        with self._guard("scan"), self._txn() as txn:
+        with self._db.guard("scan"), self._db.txn() as txn:
             cursor = txn.cursor(db=self.blocks)
             if cursor.set_range(prefix):
                 for key in cursor.iternext(keys=True, values=False):
@@ -200,9 +212,9 @@ class LmdbBackend(LmdbTransactions, Backend):
 
     def _put_batch(self, batch: list[tuple[bytes, object, int]]) -> list[bool]:
         try:
-            with self._guard("put"):
-                return self._write(lambda w: [put_entry(self, w, *item, self.capacity, self._pinned)
-                                              for item in batch], nbytes=sum(n for _, _, n in batch))
+            with self._db.guard("put"):
+                return self._db.write(lambda w: [put_entry(self._db.tables, w, *item, self.capacity, self._pinned)
+                                                 for item in batch], nbytes=sum(n for _, _, n in batch))
         except NoSpace as exc:
             log.warning("lmdb tier at %s: %d values refused: %s", self.path, len(batch), exc)
             self._count(put_rejected=len(batch))
@@ -213,8 +225,8 @@ class LmdbBackend(LmdbTransactions, Backend):
         if not keys:
             return 0
         try:
-            with self._guard("delete"):
-                n = self._write(lambda w: sum(remove_entry(self, w, k) for k in keys))
+            with self._db.guard("delete"):
+                n = self._db.write(lambda w: sum(remove_entry(self._db.tables, w, k) for k in keys))
         except NoSpace as exc:
             raise BackendUnavailable(f"lmdb store at {self.path} is full: {exc}") from None
         self._count(deletes=n)
@@ -236,56 +248,32 @@ class LmdbBackend(LmdbTransactions, Backend):
         with self._lock:
             return set(self._pins)
 
+    def _evict_beyond_capacity(self, w: Write, nbytes: int) -> int:
+        """Room for ``nbytes`` more than the capacity allows (the map is full, cannot grow)."""
+        return evict_lru(self._db.tables, w, nbytes, self.capacity, self._pinned)
+
     def flush(self) -> None:
         """Apply buffered accesses and make every committed put durable (fsync)."""
-        self._apply_pending()
-        with self._guard("sync"), self._gate.shared():
-            self._check_open()
-            self.env.sync(True)
+        self._db.sync()
 
     def close(self) -> None:
         """Apply buffered accesses, sync and close. Idempotent; waits for running calls."""
-        if self._closed:
-            return
-        if self._gate.held():
-            raise BackendError("lmdb backend closed from inside one of its own visitors")
-        with self._gate.exclusive(None):
-            if self._closed:
-                return
-            try:
-                self._apply_pending()
-                self.env.sync(True)
-            except (BackendError, lmdb.Error) as exc:
-                log.warning("lmdb tier at %s: closing without the last accesses: %s", self.path, exc)
-            finally:
-                self._closed = True
-                self.env.close()
-        log.info("lmdb tier at %s closed", self.path)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendClosed(f"lmdb backend at {self.path} is closed")
+        if self._db.close():
+            log.info("lmdb tier at %s closed", self.path)
 
     # -- totals, stats, check ----------------------------------------------------------------
     def _totals(self) -> tuple[int, int]:
-        with self._txn() as txn:
-            return read_totals(self, txn)
-
-    def _file_bytes(self) -> tuple[int, int]:
-        """(apparent size, allocated bytes) of data.mdb (the map is sparse)."""
-        try:
-            st = os.stat(self.path / "data.mdb")
-        except OSError:
-            return 0, 0
-        return st.st_size, st.st_blocks * 512
+        with self._db.txn() as txn:
+            return read_totals(self._db.tables, txn)
 
     def stats(self) -> BackendStats:
-        with self._guard("stats"), self._gate.shared():
+        with self._db.guard("stats"), self._db.shared():
             used, entries = self._totals()
             info, page = self.env.info(), self.env.stat()["psize"]
-        size, allocated = self._file_bytes()
+        size, allocated = self._db.file_bytes()
         with self._lock:
-            pending, pinned = len(self._touches), len(self._pins)
+            pinned = len(self._pins)
+        pending = len(self._db.accesses)
         return self._snapshot(entries=entries, used_bytes=used, capacity_bytes=self.capacity, extra={
             "map_size": info["map_size"], "page_size": page, "file_bytes": size,
             "file_allocated_bytes": allocated, "readers": info["num_readers"],
@@ -293,13 +281,13 @@ class LmdbBackend(LmdbTransactions, Backend):
 
     def lru_order(self) -> list[bytes]:
         """Keys from least to most recently used (after applying pending accesses)."""
-        self._apply_pending()
-        with self._txn() as txn:
+        self._db.apply_pending()
+        with self._db.txn() as txn:
             return [indexed(stamp, value) for stamp, value in txn.cursor(db=self.lru)]
 
     def entry_meta(self, key: bytes) -> dict | None:
         """Size, last access, hits and creation time of ``key`` (None when absent)."""
-        with self._txn() as txn:
+        with self._db.txn() as txn:
             meta = txn.get(as_key(key), db=self.meta)
             if meta is None:
                 return None
@@ -309,10 +297,10 @@ class LmdbBackend(LmdbTransactions, Backend):
     def check(self, fix: bool = False) -> list[str]:
         """Problems between the block, meta, LRU and info tables (the block table is the
         truth); repaired only with ``fix``. Reads every value's pages: a maintenance call."""
-        self._apply_pending()
+        self._db.apply_pending()
         if not fix:
-            with self._guard("check"), self._txn() as txn:
-                return check_tables(self, txn, None)
-        with self._guard("check"):
-            return self._write(lambda w: check_tables(self, w.txn, w))
+            with self._db.guard("check"), self._db.txn() as txn:
+                return check_tables(self._db.tables, txn, None)
+        with self._db.guard("check"):
+            return self._db.write(lambda w: check_tables(self._db.tables, w.txn, w))
 

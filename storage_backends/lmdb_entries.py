@@ -1,6 +1,6 @@
 """Entry operations of the LMDB tier inside one write transaction: put, remove, evict the least
 recently used, and apply buffered read accesses. ``tables`` is an object with the ``blocks``,
-``meta`` and ``lru`` table handles (the backend)."""
+``meta`` and ``lru`` table handles (:class:`storage_backends.lmdb_tables.Tables`)."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import hashlib
 import struct
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 from tiered_kv.errors import InvalidKey
 
@@ -50,6 +51,18 @@ def lru_value(key: bytes) -> bytes:
 def indexed(stamp, value) -> bytes:
     """The key an LRU index entry stands for."""
     return bytes(value) if len(value) else bytes(stamp[STAMP.size:])
+
+
+@dataclass(frozen=True)
+class Tables:
+    """The handles of the named databases of one environment."""
+
+    blocks: object
+    meta: object
+    lru: object
+    info: object
+
+    NAMES = (b"blocks", b"meta", b"lru", b"info")
 
 
 class Write:

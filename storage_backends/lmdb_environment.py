@@ -1,22 +1,23 @@
-"""Opening and transactions of the LMDB tier: the environment and its tables, the remap gate
-around every transaction, map growth and adoption, room made on a full map, and read accesses
-buffered until the next write transaction."""
+"""The LMDB environment of the disk tier: opened with its tables, every transaction behind the
+remap gate, map growth and adoption of a map another process grew, room made on a full map, and
+read accesses buffered until the next write transaction."""
 
 from __future__ import annotations
 
 import logging
-import threading
+import os
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
 import lmdb
 
-from storage_backends.lmdb_entries import apply_accesses, evict_lru
+from storage_backends.lmdb_accesses import AccessBuffer
+from storage_backends.lmdb_entries import apply_accesses
 from storage_backends.lmdb_gate import RemapGate
-from storage_backends.lmdb_tables import FORMAT, U64, Write, read_totals
+from storage_backends.lmdb_tables import FORMAT, U64, Tables, Write, read_totals
 from storage_backends.log_throttle import LogThrottle
-from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError
+from tiered_kv.errors import BackendClosed, BackendError, BackendUnavailable, ConfigError
 from tiered_kv.units import format_size
 
 log = logging.getLogger(__name__)
@@ -24,30 +25,30 @@ log = logging.getLogger(__name__)
 MAX_TOUCHES = 4096  # pending read accesses before they are applied eagerly
 REMAP_WAIT_S = 10.0  # how long a remap waits for this process's transactions to end
 
+Evict = Callable[[Write, int], int]  # (write, bytes wanted) -> entries evicted beyond capacity
+
 
 class NoSpace(Exception):
     """The map (or the disk) stayed full after growing and evicting (never leaves the tier)."""
 
 
-class LmdbTransactions:
-    """Transactions of :class:`storage_backends.lmdb_disk.LmdbBackend` (a mixin: the backend
-    sets the attributes below and provides ``_count`` and ``_pinned``)."""
+class LmdbEnvironment:
+    """One environment and its tables. ``count`` takes the backend's counters (``errors=1``,
+    a write's ``puts``, ...); ``evict`` makes room beyond the capacity when the map is full and
+    cannot grow; ``record_access=False`` keeps no read accesses (tools)."""
 
-    path: Path
-    env: lmdb.Environment
-    blocks: object
-    meta: object
-    lru: object
-    info: object
-    capacity: int
-    batch_bytes: int
-    max_map: int
-    record_access: bool
-    _gate: RemapGate
-    _failures: LogThrottle  # failed calls repeat while a disk is full: one warning a minute
-    _lock: threading.Lock
-    _touches: dict[bytes, tuple[int, int]]
-    _closed: bool
+    def __init__(self, path: Path, options: dict, *, max_map: int, batch_bytes: int,
+                 count: Callable[..., None], evict: Evict, record_access: bool = True) -> None:
+        self.path = path
+        self.max_map, self.batch_bytes = max_map, batch_bytes
+        self._count, self._evict = count, evict
+        self.gate = RemapGate()
+        self.accesses = AccessBuffer(record_access)
+        self._failures = LogThrottle(log)  # failed calls repeat while a disk is full: one a minute
+        self.closed = False
+        self.env = self._open_env(options)
+        self.tables = self._open_tables()
+        self._check_format()
 
     # -- opening -----------------------------------------------------------------------------
     def _open_env(self, options: dict) -> lmdb.Environment:
@@ -60,11 +61,11 @@ class LmdbTransactions:
                 raise ConfigError(f"cannot open LMDB store at {self.path}: {exc}") from None
         raise ConfigError(f"cannot open LMDB store at {self.path}: its map keeps being resized")
 
-    def _open_tables(self) -> list:
+    def _open_tables(self) -> Tables:
         for _ in range(3):
             try:
                 self.env.reader_check()  # readers left by crashed processes would pin old pages
-                return [self.env.open_db(name) for name in (b"blocks", b"meta", b"lru", b"info")]
+                return Tables(*[self.env.open_db(name) for name in Tables.NAMES])
             except lmdb.MapResizedError:  # another process grew the map beyond ours: adopt it
                 self.env.set_mapsize(0)
             except lmdb.Error as exc:
@@ -74,11 +75,11 @@ class LmdbTransactions:
         raise ConfigError(f"cannot open LMDB store at {self.path}: its map keeps being resized")
 
     def _check_format(self) -> None:
-        with self._txn(write=True) as txn:
-            stored = txn.get(b"format", db=self.info)
+        with self.txn(write=True) as txn:
+            stored = txn.get(b"format", db=self.tables.info)
             found = FORMAT if stored is None else U64.unpack(stored)[0]
             if stored is None:
-                txn.put(b"format", U64.pack(FORMAT), db=self.info)
+                txn.put(b"format", U64.pack(FORMAT), db=self.tables.info)
         if found != FORMAT:
             self.env.close()
             raise ConfigError(f"lmdb store at {self.path} has format {found}, this version reads {FORMAT}")
@@ -87,15 +88,34 @@ class LmdbTransactions:
     def map_size(self) -> int:
         return self.env.info()["map_size"]
 
+    def file_bytes(self) -> tuple[int, int]:
+        """(apparent size, allocated bytes) of data.mdb (the map is sparse)."""
+        try:
+            st = os.stat(self.path / "data.mdb")
+        except OSError:
+            return 0, 0
+        return st.st_size, st.st_blocks * 512
+
     # -- transactions ------------------------------------------------------------------------
+    def check_open(self) -> None:
+        if self.closed:
+            raise BackendClosed(f"lmdb backend at {self.path} is closed")
+
     @contextmanager
-    def _txn(self, write: bool = False):
+    def shared(self):
+        """Hold the gate shared (no remap meanwhile) on an open environment, outside a
+        transaction (figures from ``env.info``, a sync)."""
+        with self.gate.shared():
+            self.check_open()
+            yield
+
+    @contextmanager
+    def txn(self, write: bool = False):
         """A transaction (zero-copy buffers) under the shared gate; adopts a map another
         process grew (``MapResizedError``) and retries."""
         for _ in range(3):
-            with self._gate.shared():
-                if self._closed:
-                    raise BackendClosed(f"lmdb backend at {self.path} is closed")
+            with self.gate.shared():
+                self.check_open()
                 try:
                     txn = self.env.begin(write=write, buffers=True)
                 except lmdb.MapResizedError:
@@ -108,17 +128,17 @@ class LmdbTransactions:
                     try:
                         yield txn
                     except BaseException:
-                        with self._gate.paused():  # else readers can starve the abort
+                        with self.gate.paused():  # else readers can starve the abort
                             txn.abort()
                         raise
                     txn.commit()
                     return
-            if not self._remap(0):
+            if not self.remap(0):
                 break
         raise BackendUnavailable(f"lmdb store at {self.path}: cannot adopt the resized map")
 
     @contextmanager
-    def _guard(self, what: str):
+    def guard(self, what: str):
         """lmdb errors (I/O, reader table full, ...) become BackendUnavailable, counted."""
         try:
             yield
@@ -127,27 +147,27 @@ class LmdbTransactions:
             self._failures.warning("lmdb tier at %s: %s failed: %s", self.path, what, exc)
             raise BackendUnavailable(f"lmdb store at {self.path}: {what} failed: {exc}") from exc
 
-    def _write(self, body: Callable[[Write], object], nbytes: int = 0):
+    def write(self, body: Callable[[Write], object], nbytes: int = 0):
         """``body`` in one write transaction, after the buffered accesses. On a full map
         (or disk) the transaction is rolled back, room is made and it runs again."""
         for _ in range(6):
-            touches = self._take_touches()
+            touches = self.accesses.take()
             try:
-                with self._txn(write=True) as txn:
-                    w = Write(txn, *read_totals(self, txn))
+                with self.txn(write=True) as txn:
+                    w = Write(txn, *read_totals(self.tables, txn))
                     before = (w.used, w.entries)
-                    apply_accesses(self, txn, touches)
+                    apply_accesses(self.tables, txn, touches)
                     result = body(w)
                     if (w.used, w.entries) != before:
-                        txn.put(b"used", U64.pack(max(0, w.used)), db=self.info)
-                        txn.put(b"entries", U64.pack(max(0, w.entries)), db=self.info)
+                        txn.put(b"used", U64.pack(max(0, w.used)), db=self.tables.info)
+                        txn.put(b"entries", U64.pack(max(0, w.entries)), db=self.tables.info)
             except (lmdb.MapFullError, lmdb.DiskError) as exc:
-                self._restore_touches(touches)
+                self.accesses.restore(touches)
                 if not self._make_room(nbytes, grow=isinstance(exc, lmdb.MapFullError)):
                     raise NoSpace(str(exc)) from exc
                 continue
             except BaseException:
-                self._restore_touches(touches)
+                self.accesses.restore(touches)
                 raise
             if w.counts:
                 self._count(**w.counts)
@@ -160,19 +180,18 @@ class LmdbTransactions:
         current = self.map_size
         if grow and current < self.max_map:
             new = min(self.max_map, max(2 * current, current + 4 * nbytes))
-            if self._remap(new):
+            if self.remap(new):
                 return True
         extra = max(2 * nbytes, self.batch_bytes)
-        evicted = self._write(lambda w: evict_lru(self, w, extra, self.capacity, self._pinned)) \
-            if nbytes else 0
+        evicted = self.write(lambda w: self._evict(w, extra)) if nbytes else 0
         log.warning("lmdb tier at %s: map %s full; evicted %d entries beyond capacity", self.path,
                     format_size(current), evicted)
         return evicted > 0
 
-    def _remap(self, size: int) -> bool:
+    def remap(self, size: int) -> bool:
         """Grow the map to ``size`` (0: adopt the size another process set), exclusively."""
-        with self._gate.exclusive(REMAP_WAIT_S) as won:
-            if not won or self._closed:
+        with self.gate.exclusive(REMAP_WAIT_S) as won:
+            if not won or self.closed:
                 return False
             old = self.map_size
             self.env.set_mapsize(size)
@@ -181,37 +200,46 @@ class LmdbTransactions:
         return True
 
     # -- buffered read accesses ------------------------------------------------------------
-    def _touch(self, keys: list[bytes], now: int) -> None:
-        if not self.record_access:
-            return
-        with self._lock:
-            for key in keys:
-                hits = self._touches.get(key, (0, 0))[1]
-                self._touches[key] = (now, hits + 1)
-            eager = len(self._touches) >= MAX_TOUCHES
-        if eager:
+    def touch(self, keys: list[bytes], now: int) -> None:
+        """Buffer a read of ``keys``; applied eagerly once many are pending."""
+        if self.accesses.add(keys, now) >= MAX_TOUCHES:
             try:
-                self._apply_pending()
+                self.apply_pending()
             except BackendUnavailable:
                 pass  # logged; the read itself went fine and the accesses stay buffered
 
-    def _take_touches(self) -> dict[bytes, tuple[int, int]]:
-        with self._lock:
-            touches, self._touches = self._touches, {}
-        return touches
-
-    def _restore_touches(self, touches: dict[bytes, tuple[int, int]]) -> None:
-        with self._lock:
-            for key, (atime, hits) in touches.items():
-                now, more = self._touches.get(key, (0, 0))
-                self._touches[key] = (max(atime, now), hits + more)
-
-    def _apply_pending(self) -> None:
-        with self._lock:
-            if not self._touches:
-                return
+    def apply_pending(self) -> None:
+        if not len(self.accesses):
+            return
         try:
-            with self._guard("recording accesses"):
-                self._write(lambda w: None)
+            with self.guard("recording accesses"):
+                self.write(lambda w: None)
         except NoSpace:
             log.warning("lmdb tier at %s: map full, access times not recorded", self.path)
+
+    # -- durability and the end ------------------------------------------------------------
+    def sync(self) -> None:
+        """Apply buffered accesses and make every committed write durable (fsync)."""
+        self.apply_pending()
+        with self.guard("sync"), self.shared():
+            self.env.sync(True)
+
+    def close(self) -> bool:
+        """Apply buffered accesses, sync and close; waits for running calls. False when it
+        was closed already."""
+        if self.closed:
+            return False
+        if self.gate.held():
+            raise BackendError("lmdb backend closed from inside one of its own visitors")
+        with self.gate.exclusive(None):
+            if self.closed:
+                return False
+            try:
+                self.apply_pending()
+                self.env.sync(True)
+            except (BackendError, lmdb.Error) as exc:
+                log.warning("lmdb tier at %s: closing without the last accesses: %s", self.path, exc)
+            finally:
+                self.closed = True
+                self.env.close()
+        return True
