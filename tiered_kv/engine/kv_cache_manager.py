@@ -13,10 +13,10 @@ from collections.abc import Iterable
 
 import torch
 
+from tiered_kv.dtypes import torch_dtype
 from tiered_kv.engine.batch import ScheduledBatch
 from tiered_kv.engine.block_manager import BlockManager
 from tiered_kv.engine.config import EngineConfig, ModelConfig
-from tiered_kv.engine.model import torch_dtype
 from tiered_kv.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)

@@ -1,7 +1,6 @@
 """A Llama-style decoder: embeddings, RMSNorm, RoPE, GQA attention, SwiGLU MLP, final norm, LM head.
 
-Also ``torch_dtype`` (dtype name -> ``torch.dtype``). The model defines parameters and the forward
-only: seeding, loading and saving them is :mod:`tiered_kv.engine.weights`, which imports this module
+The model defines parameters and the forward only: seeding, loading and saving them is :mod:`tiered_kv.engine.weights`, which imports this module
 (never the reverse). Parameter names follow Hugging Face's ``LlamaForCausalLM``
 (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``, ...), so those files are HF safetensors.
 """
@@ -16,11 +15,7 @@ from tiered_kv.engine.attention import Attention, AttentionMetadata
 from tiered_kv.engine.config import ModelConfig
 from tiered_kv.engine.rotary import RotaryEmbedding
 
-__all__ = ["LlamaForCausalLM", "ModelConfig", "torch_dtype"]
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+__all__ = ["LlamaForCausalLM", "ModelConfig"]
 
 
 class RMSNorm(nn.Module):

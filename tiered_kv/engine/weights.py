@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 import xxhash
 
+from tiered_kv.dtypes import torch_dtype
 from tiered_kv.engine.config import ModelConfig
-from tiered_kv.engine.model import LlamaForCausalLM, torch_dtype
+from tiered_kv.engine.model import LlamaForCausalLM
 from tiered_kv.errors import ConfigError
 
 logger = logging.getLogger(__name__)
