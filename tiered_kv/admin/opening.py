@@ -1,24 +1,29 @@
-"""Opening a store for tools: a URL, a store directory or a config file's lower tiers, read-only
-(nothing is created, and tools' reads are not recorded as accesses: a verify or a copy must not
-make every block look just used). The copy command's destination is the one store opened to be
-written, and created when it is a new path."""
+"""Opening a store for tools: a URL, a store directory or a config file's lower tiers, as the
+medium opens a store for tools (``storage_backends.registry.open_read_only``: nothing created,
+tools' reads not recorded as accesses, a remote medium answering within the tool's timeout).
+The copy command's destination is opened the same way, or created when it names a new (or
+empty) directory."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from storage_backends.base import Backend
+from storage_backends.options import directory_of
 from storage_backends.redaction import redact_url
-from storage_backends.registry import open_backend, scheme_of, split_options
+from storage_backends.registry import (
+    backend_class,
+    is_url,
+    open_backend,
+    open_read_only,
+    scheme_of,
+    split_options,
+)
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import ConfigError
 from tiered_kv.store.records import namespace_key
 from tiered_kv.units import parse_size
-
-REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster")
-FILE_MARKER = ".tiered-kv-file-store"  # storage_backends.file_layout.MARKER
 
 
 @dataclass
@@ -39,58 +44,47 @@ class Tier:
         self.backend.close()
 
 
-def store_url(arg: str) -> str:
-    """A store URL from a command-line argument: a URL as it is, or a path to an LMDB store
-    directory or a file store directory."""
-    if _has_scheme(arg):
-        scheme_of(arg)  # UnknownBackend for schemes nobody registered
-        return arg
-    path = Path(arg).expanduser()
-    if not path.exists():
-        raise ConfigError(f"no store at {arg}: the path does not exist")
-    if not path.is_dir():
-        raise ConfigError(f"{arg} is a file, not a store (an LMDB directory or a file:// store directory)")
-    if (path / "data.mdb").is_file():
-        return f"lmdb://{path.resolve()}"
-    if (path / FILE_MARKER).is_file():
-        return f"file://{path.resolve()}"
-    raise ConfigError(f"{arg} is not a tiered-kv store (no LMDB data.mdb, no file-store marker)")
+def open_tier(url: str, *, name: str = "store", timeout: float = 5.0, capacity: int | None = None) -> Tier:
+    """The existing store at ``url`` (a URL or a store directory) for tools. A path that holds no
+    store is an error, never a new empty store; a Redis that cannot be reached raises
+    BackendUnavailable here."""
+    return _reachable(name, open_read_only(url, timeout=timeout), url, capacity)
 
 
-def _has_scheme(arg: str) -> bool:
-    return ":" in arg and len(urlsplit(arg).scheme) > 1  # (one letter: a Windows drive)
+def open_destination(url: str, *, name: str = "destination", timeout: float = 5.0) -> Tier:
+    """The store at ``url`` to copy into: an existing one opened as :func:`open_tier` does, or a
+    new one when ``url`` names a directory that does not exist yet (or is empty)."""
+    if not is_url(url):
+        if not Path(url).expanduser().exists():
+            raise ConfigError(f"no store at {url}: name a new one as lmdb://{url} or file://{url}")
+        return open_tier(url, name=name, timeout=timeout)
+    try:
+        backend = open_read_only(url, timeout=timeout)
+    except ConfigError:
+        if not _new_directory(url):
+            raise
+        backend = open_backend(url)
+    return _reachable(name, backend, url, None)
 
 
-def open_tier(url: str, *, name: str = "store", create: bool = False, timeout: float = 5.0,
-              capacity: int | None = None) -> Tier:
-    """Open ``url`` for tools. Without ``create`` a path that holds no store is an error, never
-    a new empty store; a Redis that cannot be reached raises BackendUnavailable here."""
-    if create and not _has_scheme(url) and not Path(url).expanduser().exists():
-        raise ConfigError(f"no store at {url}: name a new one as lmdb://{url} or file://{url}")
-    url = store_url(url)
-    scheme = scheme_of(url)
-    options: dict = {}
-    if scheme == "host":
-        raise ConfigError("host:// lives inside a serving process; point tools at the disk or "
-                          "remote tier (or use `tiered-kv stats` on its metrics port)")
-    if scheme == "lmdb":
-        from storage_backends.lmdb_disk import path_of
+def _new_directory(url: str) -> bool:
+    """Whether ``url`` is of a medium that keeps its stores in directories and names one that
+    does not exist yet or is empty (where opening it creates a store)."""
+    if not getattr(backend_class(url), "store_signature", ""):
+        return False
+    path = directory_of(url, scheme_of(url))
+    return not path.exists() or (path.is_dir() and not any(path.iterdir()))
 
-        path = path_of(url)
-        if not create:
-            store_url(str(path))  # the same one-line errors as for a bare path
-    elif scheme == "file":
-        options = {"touch": "false", "create": "true" if create else "false"}
-    elif scheme in REDIS_SCHEMES:
-        options = {"timeout": timeout, "retries": 0}
-    _, query = split_options(url)
-    if capacity is None and "capacity" in query:
-        capacity = parse_size(query["capacity"], name="capacity")
-    backend = open_backend(url, **options)
-    _quiet(backend)
+
+def _reachable(name: str, backend: Backend, url: str, capacity: int | None) -> Tier:
+    """``backend`` as a tier, once it answered a first call (Redis connects here); its capacity
+    from the URL's ``capacity`` when none is given."""
+    if capacity is None and is_url(url):
+        _, query = split_options(url)
+        capacity = parse_size(query["capacity"], name="capacity") if "capacity" in query else None
     tier = Tier(name, backend, capacity)
     try:
-        backend.contains_many([namespace_key(bytes(16))])  # reachable at all? (Redis connects here)
+        backend.contains_many([namespace_key(bytes(16))])
     except BaseException:
         tier.close()
         raise
@@ -116,10 +110,3 @@ def open_config(path: str, *, timeout: float = 5.0, only: str | None = None) -> 
             tier.close()
         raise
     return tiers
-
-
-def _quiet(backend: Backend) -> None:
-    """Tools' reads must not count as accesses. The file medium has an option for it (set
-    above); LMDB buffers accesses in ``_touch`` — this instance, owned by the tool, drops them."""
-    if getattr(backend, "name", "") == "lmdb" and hasattr(backend, "_touch"):
-        backend._touch = lambda keys, now: None  # type: ignore[method-assign]

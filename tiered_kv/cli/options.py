@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from contextlib import contextmanager
 
-from tiered_kv.admin.opening import Tier, open_config, open_tier
+from tiered_kv.admin.opening import Tier, open_config, open_destination, open_tier
 from tiered_kv.errors import ConfigError
 from tiered_kv.units import parse_duration, parse_size
 
@@ -43,7 +43,9 @@ def opened(args: argparse.Namespace):
 
 @contextmanager
 def opened_url(url: str, args: argparse.Namespace, *, create: bool = False, name: str = "store"):
-    tier: Tier = open_tier(url, name=name, create=create, timeout=args.timeout)
+    """The store at ``url`` (with ``create``: the copy destination, created when new); closed afterwards."""
+    opener = open_destination if create else open_tier
+    tier: Tier = opener(url, name=name, timeout=args.timeout)
     try:
         yield tier
     finally:
