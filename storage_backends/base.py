@@ -110,15 +110,6 @@ class Backend(ABC):
             found.append(value is not None)
         return found
 
-    def leading_present(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` are present."""
-        n = 0
-        for present in self.contains_many(keys):
-            if not present:
-                break
-            n += 1
-        return n
-
     # -- optional hooks: deliberately empty, a medium overrides those that apply to it ------
     def flush(self) -> None:  # noqa: B027  # optional hook, no-op by default
         """Make every completed put durable (no-op for media without a notion of it)."""

@@ -46,9 +46,9 @@ from storage_backends.file_layout import (
     stored_files,
     temp_of,
 )
-from storage_backends.options import as_bool, directory_of, split_options
+from storage_backends.options import directory_of, split_options
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError
-from tiered_kv.units import parse_size
+from tiered_kv.units import as_bool, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +56,6 @@ CONCURRENCY = 16  # files read or written at once per call
 RESCAN_S = 60.0  # with a capacity: how old the in-memory LRU order may get before a rescan
 OPTIONS = ("capacity", "sync", "touch", "create")
 IGNORED = ("timeout", "retries")  # remote-tier settings with no meaning for a local path
-
-
-def _flag(value, name: str) -> bool:
-    """:func:`as_bool`, except that a blank value is refused (``?sync=`` is no setting)."""
-    if not isinstance(value, bool) and not str(value).strip():
-        raise ConfigError(f"{name} must be true or false, got {value!r}")
-    return as_bool(value, name)
 
 
 class FileBackend(Backend):
@@ -77,9 +70,9 @@ class FileBackend(Backend):
         self.capacity = None if capacity in (None, "") else parse_size(capacity, name="file capacity")
         if self.capacity is not None and self.capacity <= 0:
             raise ConfigError(f"file capacity must be positive, got {capacity!r}")
-        self.sync = _flag(sync, "file sync")
-        self.touch = _flag(touch, "file touch")
-        open_store(self.path, _flag(create, "file create"))
+        self.sync = as_bool(sync, "file sync")
+        self.touch = as_bool(touch, "file touch")
+        open_store(self.path, as_bool(create, "file create"))
         self._lock = threading.Lock()
         self._pins: Counter = Counter()
         self._lru: OrderedDict[bytes, int] | None = None  # key -> size, LRU first (capacity only)
@@ -277,9 +270,6 @@ class FileBackend(Backend):
             return None
         return {"size": st.st_size, "last_access_ns": st.st_atime_ns, "hits": None,
                 "created_ns": st.st_mtime_ns}
-
-    def lru_order(self) -> list[bytes]:
-        return [k for k, _ in sorted(self._listing(), key=lambda e: e[1].st_atime_ns)]
 
     def check(self, fix: bool = False) -> list[str]:
         """Leftover temporary files (older than ``file_layout.STALE_TEMP_S``) and foreign files;

@@ -21,7 +21,7 @@ import torch
 from storage_backends.base import Backend, BackendStats, Visitor
 from storage_backends.options import split_options
 from tiered_kv.errors import ConfigError
-from tiered_kv.units import format_size, parse_size
+from tiered_kv.units import as_bool, format_size, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +38,10 @@ class _Entry:
 
 
 def _want_pinned(pinned: str | bool) -> bool:
-    if isinstance(pinned, str):
-        if pinned not in ("auto", "yes", "no", "true", "false", "1", "0"):
-            raise ConfigError(f"host pinned must be auto, yes or no, got {pinned!r}")
-        if pinned == "auto":
-            return torch.cuda.is_available()
-        pinned = pinned in ("yes", "true", "1")
-    return bool(pinned) and torch.cuda.is_available()
+    """Page-locked memory: "auto" (when CUDA is there) or a bool setting (only with CUDA)."""
+    if isinstance(pinned, str) and pinned.strip().lower() == "auto":
+        return torch.cuda.is_available()
+    return as_bool(pinned, "host pinned (auto, or true / false)") and torch.cuda.is_available()
 
 
 class HostBackend(Backend):
@@ -76,11 +73,8 @@ class HostBackend(Backend):
     def from_url(cls, url: str, **options) -> HostBackend:
         _, query = split_options(url)
         query.update(options)
-        try:
-            capacity = parse_size(query.pop("capacity", 1 << 30), name="host capacity")
-            slot = parse_size(query.pop("slot", query.pop("slot_bytes", 2 << 20)), name="host slot")
-        except ConfigError:
-            raise
+        capacity = parse_size(query.pop("capacity", 1 << 30), name="host capacity")
+        slot = parse_size(query.pop("slot", query.pop("slot_bytes", 2 << 20)), name="host slot")
         pinned = query.pop("pinned", "auto")
         on_evict = query.pop("on_evict", None)
         if query:
@@ -191,11 +185,6 @@ class HostBackend(Backend):
         with self._lock:
             entry = self._entries.get(key)
             return entry is not None and not entry.ready
-
-    def length_of(self, key: bytes) -> int | None:
-        with self._lock:
-            entry = self._entries.get(key)
-            return entry.length if entry is not None and entry.ready else None
 
     # -- byte interface ------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:

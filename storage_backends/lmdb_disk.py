@@ -42,9 +42,9 @@ from storage_backends.lmdb_tables import (
     indexed,
     read_totals,
 )
-from storage_backends.options import as_bool, as_int, directory_of, existing_directory, split_options
+from storage_backends.options import as_int, directory_of, existing_directory, split_options
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError, InvalidKey
-from tiered_kv.units import format_size, parse_size
+from tiered_kv.units import as_bool, format_size, parse_size
 
 __all__ = ["BackendClosed", "InvalidKey", "LmdbBackend", "path_of"]
 

@@ -15,18 +15,6 @@ def split_options(url: str) -> tuple[str, dict[str, str]]:
     return base, dict(parse_qsl(parts.query, keep_blank_values=True))
 
 
-def as_bool(value, name: str) -> bool:
-    """``value`` (a bool or a URL string such as "1", "yes", "off") as a bool."""
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off", ""):
-        return False
-    raise ConfigError(f"{name} must be true or false, got {value!r}")
-
-
 def as_int(value, name: str, minimum: int = 1) -> int:
     """``value`` as an integer of at least ``minimum``."""
     try:

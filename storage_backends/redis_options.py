@@ -1,4 +1,4 @@
-"""Options of the Redis tier from its URL and keywords, and URLs fit to show (no password)."""
+"""Options of the Redis tier from its URL and keywords."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 from storage_backends.options import split_options
-from storage_backends.redaction import redact_url
 from tiered_kv.errors import ConfigError
-from tiered_kv.units import parse_duration, parse_size
+from tiered_kv.units import as_bool, parse_duration, parse_size
 
 
 def _int(value: Any, name: str) -> int:
@@ -18,14 +17,8 @@ def _int(value: Any, name: str) -> int:
         raise ConfigError(f"{name} must be an integer, got {value!r}") from None
 
 
-def _flag(value: Any, name: str) -> bool:
-    if str(value).lower() not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        raise ConfigError(f"{name} must be true or false, got {value!r}")
-    return str(value).lower() in ("1", "true", "yes", "on")
-
-
 PARSERS: dict[str, Callable[[Any, str], Any]] = {
-    "prefix": lambda v, name: v, "retries": _int, "max_connections": _int, "cluster": _flag,
+    "prefix": lambda v, name: v, "retries": _int, "max_connections": _int, "cluster": as_bool,
     "ttl": lambda v, name: None if str(v).lower() in ("none", "", "0") else parse_duration(v, name=name),
     "timeout": lambda v, name: parse_duration(v, name=name),
     "pipeline_bytes": lambda v, name: parse_size(v, name=name),
@@ -46,9 +39,3 @@ def redis_arguments(url: str, options: dict[str, Any]) -> tuple[str, dict[str, A
     rest = "&".join(p for p in text.split("&") if p and p.split("=")[0] not in PARSERS)
     kwargs = {name: PARSERS[name](value, f"redis {name}") for name, value in mine.items()}
     return (f"{head}?{rest}" if rest else head), kwargs
-
-
-def redacted(url: str) -> str:
-    """``url`` without credentials: its userinfo password and secret query parameters
-    (``?password=…``) as ``***`` (see :mod:`storage_backends.redaction`)."""
-    return redact_url(url)

@@ -36,7 +36,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from storage_backends.base import Backend, BackendStats, Visitor
-from storage_backends.redis_options import redacted, redis_arguments
+from storage_backends.redaction import redact_url
+from storage_backends.redis_options import redis_arguments
 from storage_backends.redis_packer import PACKER, PackedConnection
 from tiered_kv.errors import BackendUnavailable, ConfigError
 
@@ -67,7 +68,7 @@ class RedisBackend(Backend):
     def __init__(self, url: str, *, prefix: bytes | str = b"tkv:", ttl: float | None = None,
                  timeout: float = 2.0, retries: int = 2, max_connections: int = 64, cluster: bool = False,
                  pipeline_bytes: int = PIPELINE_BYTES) -> None:
-        super().__init__(redacted(url))  # stats and logs never show a password
+        super().__init__(redact_url(url))  # stats and logs never show a password
         if timeout <= 0 or retries < 0 or max_connections < 1 or pipeline_bytes < 1:
             raise ConfigError("redis timeout and pipeline_bytes must be positive, retries >= 0 "
                               "and max_connections >= 1")

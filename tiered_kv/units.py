@@ -58,3 +58,20 @@ def format_size(n: int | float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def as_bool(value: bool | int | str, name: str) -> bool:
+    """A setting as a bool: a bool, 0 / 1, or a string such as "yes", "off", "True" (case and
+    surrounding blanks ignored). A blank string is no setting and refused like any other word
+    (``?sync=`` in a URL is a mistake, not "false"); ConfigError naming ``name``."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower() if isinstance(value, (int, str)) else None
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{name} must be true or false (1/0, yes/no, on/off), got {value!r}")
