@@ -21,7 +21,7 @@ from tiered_kv.admin.catalog import (
     sample_header,
 )
 from tiered_kv.admin.opening import Tier
-from tiered_kv.admin.tenants import tenant_quota, tenant_usage
+from tiered_kv.admin.tenants import default_quota, tenant_usage
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import KEY_BYTES
 from tiered_kv.store.records import split_key
@@ -62,7 +62,7 @@ def inspect_tier(tier: Tier, now: float | None = None) -> dict:
         "foreign_entries": kinds["foreign"], "stored_bytes": stored,
         "used_bytes": stats.used_bytes, "capacity_bytes": tier.capacity,
         "capacity_used": round(stats.used_bytes / tier.capacity, 4) if tier.capacity else None,
-        "tenants": tenant_usage(tier), "tenant_quota_bytes": tenant_quota(tier),
+        "tenants": tenant_usage(tier), "tenant_quota_bytes": default_quota(tier),
         "broken_namespace_records": {d.hex(): why for d, why in found.broken.items()},
         "namespaces": report,
     }

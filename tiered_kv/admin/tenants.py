@@ -1,6 +1,6 @@
-"""Usage per tenant: the bytes a tier holds for each tenant (a ``cache_salt`` label) as its medium
-reports them, and the per-tenant quota when one applies. Labels are shown in hex; blocks stored
-without a tenant are ``-``."""
+"""Usage per tenant: what a tier holds for each tenant (a ``cache_salt`` label) as its medium
+reports it (bytes and entries), and each tenant's byte quota where one applies. Labels are shown
+in hex; what was stored without a tenant is ``-``."""
 
 from __future__ import annotations
 
@@ -14,20 +14,37 @@ def label(tenant: bytes) -> str:
     return tenant.hex() if tenant else NO_TENANT
 
 
-def tenant_quota(tier: Tier) -> int | None:
-    """Bytes each tenant may hold in ``tier``: the medium's own setting, else the config's."""
+def default_quota(tier: Tier) -> int | None:
+    """Bytes every labelled tenant may hold in ``tier``: the medium's own setting, else the
+    config's."""
     quota = getattr(tier.backend, "tenant_quota", None)
-    return quota if isinstance(quota, int) and not isinstance(quota, bool) else tier.tenant_quota
+    return quota if _is_size(quota) else tier.tenant_quota
+
+
+def quota_of(tier: Tier, tenant: bytes) -> int | None:
+    """Bytes ``tenant`` may hold in ``tier`` (None: no quota); the medium's per-tenant quotas
+    first, then the default quota, which only labelled tenants have."""
+    quotas = getattr(tier.backend, "quotas", None)
+    quota = quotas.of(tenant) if callable(getattr(quotas, "of", None)) else None
+    if _is_size(quota):
+        return quota
+    return default_quota(tier) if tenant else None
 
 
 def tenant_usage(tier: Tier) -> dict[str, dict] | None:
-    """Per tenant label: ``stored_bytes`` and, under a quota, ``quota_used`` (a fraction); None
-    when the medium does not track tenants."""
-    report = getattr(tier.backend, "tenant_usage", None)
-    usage = report() if callable(report) else None
-    if usage is None:
+    """Per tenant label: ``stored_bytes``, ``entries``, ``quota_bytes`` and ``quota_used`` (a
+    fraction); None when the medium keeps no figures per tenant."""
+    report = getattr(tier.backend, "tenant_totals", None)
+    totals = report() if callable(report) else None
+    if totals is None:
         return None
-    quota = tenant_quota(tier)
-    return {label(tenant): {"stored_bytes": used,
-                            "quota_used": round(used / quota, 4) if quota else None}
-            for tenant, used in sorted(usage.items())}
+    out = {}
+    for tenant, total in sorted(totals.items()):
+        quota = quota_of(tier, tenant)
+        out[label(tenant)] = {"stored_bytes": total.used_bytes, "entries": total.entries, "quota_bytes": quota,
+                              "quota_used": round(total.used_bytes / quota, 4) if quota else None}
+    return out
+
+
+def _is_size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -73,16 +73,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                                       "stored", "ratio", "oldest", "newest", "last access"], rows,
                                right=("blocks", "tokens", "raw", "stored", "ratio")))
         if r["tenants"]:
-            out.print(_tenant_table(r["tenants"], r["tenant_quota_bytes"]))
+            out.print(_tenant_table(r["tenants"]))
     return EXIT_OK
 
 
-def _tenant_table(tenants: dict[str, dict], quota: int | None):
-    rows = [[label, render.size(t["stored_bytes"]), None if t["quota_used"] is None else f"{t['quota_used']:.1%}"]
-            for label, t in tenants.items()]
-    quota_column = f"of quota {render.size(quota)}" if quota else "of quota"
-    return render.table("usage per tenant", ["tenant", "stored", quota_column], rows,
-                        right=("stored", quota_column))
+def _tenant_table(tenants: dict[str, dict]):
+    rows = [[label, t["entries"], render.size(t["stored_bytes"]), render.size(t["quota_bytes"]),
+             None if t["quota_used"] is None else f"{t['quota_used']:.1%}"] for label, t in tenants.items()]
+    return render.table("usage per tenant", ["tenant", "entries", "stored", "quota", "of quota"], rows,
+                        right=("entries", "stored", "quota", "of quota"))
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
