@@ -17,6 +17,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 from tiered_kv.errors import ConfigError
+from tiered_kv.units import as_bool
 
 ENV_PREFIX = "TIERED_KV_"
 
@@ -105,11 +106,7 @@ def _coerce(key: str, value: Any, target: Any, parse) -> Any:
         return parse(value, name=key)
     base = next((a for a in args if a is not type(None)), target) if args else target
     if base is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
+        return as_bool(value, key)
     if base is int:
         if isinstance(value, bool):
             raise ConfigError(f"{key} must be an integer, got {value!r}")

@@ -27,6 +27,7 @@ from tiered_kv.config import TieredKVConfig
 from tiered_kv.config_loading import ENV_PREFIX
 from tiered_kv.errors import ConfigError
 from tiered_kv.keys import Namespace
+from tiered_kv.units import as_bool
 
 log = logging.getLogger(__name__)
 
@@ -101,12 +102,7 @@ def parse_settings(extra: Mapping[str, Any] | None, *, source: str,
 
 
 def _flag(source: str, key: str, options: Mapping[str, Any], default: bool) -> bool:
-    value = options.get(key, default)
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-        return value.lower() in ("1", "true", "yes", "on")
-    raise ConfigError(f"{source}: {key} must be true or false, got {value!r}")
+    return as_bool(options.get(key, default), f"{source}: {key}")
 
 
 def _as_dict(config: TieredKVConfig) -> dict:
