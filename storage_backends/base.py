@@ -4,6 +4,10 @@ Keys and values are bytes. All calls are batched. Misses are ``None`` (get) / ``
 (contains, put); a medium that cannot be reached raises
 :class:`tiered_kv.errors.BackendUnavailable` so that the store can count it as a miss.
 Implementations must be safe to call from several threads at once.
+
+Every put names the tenant its values belong to (a label of at most 16 bytes, ``b""`` for none:
+:mod:`storage_backends.quotas`); media that keep byte quotas per tenant evict by
+:mod:`storage_backends.eviction` and report usage per tenant, the others accept the label.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from tiered_kv.errors import ConfigError
 
@@ -37,10 +42,18 @@ class BackendStats:
     bytes_in: int = 0  # bytes written
     bytes_out: int = 0  # bytes read
     errors: int = 0  # calls that failed because the medium was unavailable
-    extra: dict = field(default_factory=dict)  # medium-specific figures
+    extra: dict = field(default_factory=dict)  # medium-specific figures (``quota_evictions``: the
+    #                                            evictions a tenant's quota made, among ``evictions``)
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+class TenantTotal(NamedTuple):
+    """What one tenant holds in a medium now."""
+
+    used_bytes: int
+    entries: int
 
 
 class Backend(ABC):
@@ -75,9 +88,10 @@ class Backend(ABC):
         """Values of ``keys`` (None where absent), in order."""
 
     @abstractmethod
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
-        """Store each (key, value); True where stored. Evicts to make room; never raises for
-        lack of room (False instead). Overwrites an existing key."""
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], tenant: bytes = b"") -> list[bool]:
+        """Store each (key, value) for ``tenant``; True where stored. Evicts to make room (a
+        tenant over its quota only its own entries); never raises for lack of room (False
+        instead). Overwrites an existing key (whoever's it was)."""
 
     @abstractmethod
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
@@ -110,6 +124,16 @@ class Backend(ABC):
             found.append(value is not None)
         return found
 
+    # -- tenants: media that keep no figures per tenant answer None ------------------------------
+    def tenant_totals(self) -> dict[bytes, TenantTotal] | None:
+        """Bytes and entries per tenant label now (tenants holding nothing are left out)."""
+        return None
+
+    def tenant_usage(self) -> dict[bytes, int] | None:
+        """Bytes stored per tenant label now."""
+        totals = self.tenant_totals()
+        return None if totals is None else {tenant: t.used_bytes for tenant, t in totals.items()}
+
     # -- optional hooks: deliberately empty, a medium overrides those that apply to it ------
     def flush(self) -> None:  # noqa: B027  # optional hook, no-op by default
         """Make every completed put durable (no-op for media without a notion of it)."""
@@ -133,14 +157,19 @@ class Backend(ABC):
         return out
 
     def _count(self, **deltas: int) -> None:
+        """Add to the counters; names that are no field of BackendStats count in ``extra``."""
         with self._stats_lock:
             for name, delta in deltas.items():
-                setattr(self._counters, name, getattr(self._counters, name) + delta)
+                if hasattr(self._counters, name):
+                    setattr(self._counters, name, getattr(self._counters, name) + delta)
+                else:
+                    self._counters.extra[name] = self._counters.extra.get(name, 0) + delta
 
     def _snapshot(self, **current) -> BackendStats:
         with self._stats_lock:
-            snap = BackendStats(**{**self._counters.as_dict(), **current})
-        return snap
+            counted = self._counters.as_dict()
+        extra = {**counted.pop("extra"), **current.pop("extra", {})}
+        return BackendStats(**{**counted, **current}, extra=extra)
 
     def __enter__(self):
         return self

@@ -1,28 +1,35 @@
-"""On-disk layout of the file medium: the marker, file names of keys and temporary files, and
-the check for files that do not belong.
+"""On-disk layout of the file medium: the marker and its format, and the names of values, tenant
+files and temporary files.
 
-Layout::
+Layout (format 2)::
 
-    DIR/.tiered-kv-file-store      marker (format version); a directory without it is refused
-    DIR/<ff>/<key as hex>          one value; ``<ff>`` is the last byte of the key in hex
-    DIR/<ff>/.<name>.<pid>.<thread>.<n>.tmp   a value being written, renamed over <name>
+    DIR/.tiered-kv-file-store          marker (format version); a directory without it is refused
+    DIR/<ff>/<key as hex>              a value of no tenant, or a link to the next one
+    DIR/<ff>/<key as hex>.<tenant hex> a value of that tenant (the key's name links to it)
+    DIR/<ff>/.<name>.<pid>.<thread>.<n>.tmp   a value or link being written, renamed over <name>
+
+``<ff>`` is the last byte of the key in hex. Reads and presence checks open the key's name
+(following the link), so they never need the tenant; listings read the tenant from the link.
+Format 1 (no tenants, no links) is a format 2 store whose values all belong to no tenant: it is
+read as it is, and its marker says 2 from the first value stored for a tenant.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
-import time
 from pathlib import Path
 
 from storage_backends.options import existing_directory
 from tiered_kv.errors import ConfigError, InvalidKey
 
 MARKER = ".tiered-kv-file-store"
-FORMAT = 1
+FORMAT = 2
+READS = (1, 2)  # formats this version opens
 MAX_KEY = 120  # bytes: 240 hex characters, within every filesystem's 255-byte name limit
-STALE_TEMP_S = 600.0  # check(): temporary files older than this were left by a crash
+MAX_NAME = 255  # bytes of a file name
 
 
 def as_key(key) -> bytes:
@@ -36,18 +43,42 @@ def as_key(key) -> bytes:
 
 
 def file_of(root: Path, key: bytes) -> Path:
-    """Where the value of ``key`` lives under ``root``."""
+    """The name of ``key`` under ``root``: its value, or a link to its tenant's file."""
     name = key.hex()
     return root / name[-2:] / name
 
 
-def temp_of(path: Path, serial: int) -> Path:
+def tenant_file_of(path: Path, tenant: bytes) -> Path:
+    """Where the value of ``tenant`` for the key named ``path`` lives (next to it)."""
+    stem = path.name
+    if len(stem) + 1 + 2 * len(tenant) > MAX_NAME:  # a long key: a digest names it here
+        stem = hashlib.blake2b(stem.encode(), digest_size=16).hexdigest()
+    return path.with_name(f"{stem}.{tenant.hex()}")
+
+
+def tenant_of_link(target: str) -> bytes | None:
+    """The tenant a link target names (None: not a tenant file's name)."""
+    stem, dot, label = target.partition(".")
+    if not dot or not stem or not label or "/" in target:
+        return None
+    try:
+        bytes.fromhex(stem)
+        return bytes.fromhex(label)
+    except ValueError:
+        return None
+
+
+def is_tenant_file(name: str) -> bool:
+    return not name.startswith(".") and tenant_of_link(name) is not None
+
+
+def temp_of(path: Path, serial: int | str) -> Path:
     """A temporary name next to ``path``, unique to this process, thread and ``serial``."""
-    return path.parent / f".{path.name}.{os.getpid()}.{threading.get_ident()}.{serial}.tmp"
+    return path.parent / f".{path.name[:64]}.{os.getpid()}.{threading.get_ident()}.{serial}.tmp"
 
 
 def key_of(name: str) -> bytes | None:
-    """The key a file name stands for; None for temporary and foreign names."""
+    """The key a file name stands for; None for temporary, tenant and foreign names."""
     if name.startswith(".") or len(name) % 2:
         return None
     try:
@@ -56,9 +87,10 @@ def key_of(name: str) -> bytes | None:
         return None
 
 
-def open_store(root: Path, create: bool) -> None:
-    """Check the marker of the store at ``root``; with ``create``, make an empty store where
-    there is nothing. ConfigError for a foreign, unreadable or other-format directory."""
+def open_store(root: Path, create: bool) -> int:
+    """Check the marker of the store at ``root`` and return its format; with ``create``, make
+    an empty store where there is nothing. ConfigError for a foreign, unreadable or other-format
+    directory."""
     marker = root / MARKER
     if root.exists() and not root.is_dir():
         raise ConfigError(f"{root} is a file, not a store directory")
@@ -67,9 +99,9 @@ def open_store(root: Path, create: bool) -> None:
             found = json.loads(marker.read_text()).get("format")
         except (OSError, ValueError, AttributeError) as exc:
             raise ConfigError(f"file store at {root}: unreadable marker: {exc}") from None
-        if found != FORMAT:
+        if found not in READS:
             raise ConfigError(f"file store at {root} has format {found}, this version reads {FORMAT}")
-        return
+        return found
     if not create:
         existing_directory(root)
         raise ConfigError(f"{root} is not a file store (no {MARKER})")
@@ -80,50 +112,13 @@ def open_store(root: Path, create: bool) -> None:
         marker.write_text(json.dumps({"format": FORMAT}))
     except OSError as exc:
         raise ConfigError(f"cannot create a file store at {root}: {exc}") from None
+    return FORMAT
 
 
-def stored_files(root: Path) -> list[tuple[bytes, os.stat_result]]:
-    """(key, stat) of every stored value under ``root``; temporary and foreign files are
-    skipped. OSError when the directory cannot be read."""
-    out = []
-    for sub in os.scandir(root):
-        if not sub.is_dir() or len(sub.name) != 2:
-            continue
-        for entry in os.scandir(sub.path):
-            key = key_of(entry.name)
-            if key is not None and entry.name.endswith(sub.name):
-                try:
-                    out.append((key, entry.stat()))
-                except FileNotFoundError:  # deleted meanwhile
-                    continue
-    return out
-
-
-def check_dir(root: Path, fix: bool = False) -> list[str]:
-    """Leftover temporary files (older than STALE_TEMP_S) and foreign files under ``root``;
-    removed with ``fix``."""
-    problems, doomed = [], []
-    now = time.time()
-    for sub in os.scandir(root):
-        if not sub.is_dir():
-            if sub.name != MARKER:
-                problems.append(f"foreign file: {sub.name}")
-            continue
-        for entry in os.scandir(sub.path):
-            key = key_of(entry.name)
-            if key is not None and entry.name.endswith(sub.name) and len(sub.name) == 2:
-                continue
-            if entry.name.endswith(".tmp"):
-                if now - entry.stat().st_mtime < STALE_TEMP_S:
-                    continue  # maybe being written right now
-                problems.append(f"leftover temporary file: {sub.name}/{entry.name}")
-            else:
-                problems.append(f"foreign file: {sub.name}/{entry.name}")
-            doomed.append(entry.path)
-    if fix:
-        for path in doomed:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-    return problems
+def upgrade_marker(root: Path) -> None:
+    """Say FORMAT in the marker (before the first tenant file is written): a process of the
+    version before tenants then refuses the store rather than take tenant files for foreign ones."""
+    marker = root / MARKER
+    tmp = temp_of(marker, "marker")
+    tmp.write_text(json.dumps({"format": FORMAT}))
+    os.replace(tmp, marker)

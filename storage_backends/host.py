@@ -4,34 +4,41 @@ Besides the byte interface, the store uses the slot interface: ``reserve_many`` 
 slots are handed out but the keys are not visible), ``commit_many`` / ``abort_many`` (phase two),
 ``pin_many`` / ``unpin_many`` (leases: a pinned entry is never evicted or reused) and
 ``slot_view`` (a uint8 tensor over a slot, for gathers and scatters without extra copies).
-Eviction is LRU over committed, unpinned entries; ``on_evict`` sees an entry's bytes before its
-slot is reused (the store uses it for the ``on_evict`` write-behind policy).
+Eviction (:mod:`storage_backends.eviction`) is LRU over committed, unpinned entries when no slot
+is free; a tenant over its ``tenant_quota`` (bytes of the lengths its entries were reserved
+with) evicts its own entries first. ``on_evict(key, bytes, tenant)`` sees an entry before its
+slot is reused (the store uses it for the ``on_evict`` write-behind policy). Tenant figures live
+in memory only.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from storage_backends.base import Backend, BackendStats, Visitor
+from storage_backends.base import Backend, BackendStats, TenantTotal, Visitor
+from storage_backends.eviction import Eviction
+from storage_backends.eviction_lru import LRU
 from storage_backends.options import split_options
+from storage_backends.quotas import Quotas, as_tenant
+from storage_backends.recency import RecencyIndex
 from tiered_kv.errors import ConfigError
 from tiered_kv.units import as_bool, format_size, parse_size
 
 log = logging.getLogger(__name__)
 
-EvictHook = Callable[[bytes, memoryview], None]
+EvictHook = Callable[[bytes, memoryview, bytes], None]  # (key, value, tenant)
 
 
 @dataclass
 class _Entry:
     slot: int
     length: int
+    tenant: bytes = b""
     ready: bool = False  # committed: visible to lookups and loads
     refs: int = 0  # pins (leases) held by loads in flight
     retired: bool = False  # superseded while leased: invisible, dropped when the last lease ends
@@ -48,8 +55,11 @@ class HostBackend(Backend):
     name = "host"
 
     def __init__(self, *, capacity: int, slot_bytes: int, pinned: str | bool = "auto",
-                 url: str = "host://", on_evict: EvictHook | None = None) -> None:
+                 url: str = "host://", on_evict: EvictHook | None = None,
+                 tenant_quota: int | str | None = None, tenant_quotas=None) -> None:
         super().__init__(url)
+        self.quotas = Quotas.from_options("host", tenant_quota, tenant_quotas)
+        self.tenant_quota = self.quotas.default
         if slot_bytes <= 0:
             raise ConfigError(f"host slot size must be positive, got {slot_bytes}")
         self.slot_bytes = slot_bytes
@@ -62,9 +72,11 @@ class HostBackend(Backend):
                  format_size(self.capacity), "pinned" if self.pinned else "pageable")
         self._np = self.slab.numpy()
         self._lock = threading.Lock()
-        self._entries: OrderedDict[bytes, _Entry] = OrderedDict()  # LRU first
+        self._entries: dict[bytes, _Entry] = {}
+        self._recency = RecencyIndex(self._held)  # every entry, reserved ones included
+        self._eviction = Eviction(LRU, None, self.quotas)  # capacity: the slots
+        self._counters.extra["quota_evictions"] = 0
         self._free = list(range(self.num_slots - 1, -1, -1))
-        self._used = 0
         self._ready = 0
         self.on_evict = on_evict
         self._closed = False
@@ -75,11 +87,10 @@ class HostBackend(Backend):
         query.update(options)
         capacity = parse_size(query.pop("capacity", 1 << 30), name="host capacity")
         slot = parse_size(query.pop("slot", query.pop("slot_bytes", 2 << 20)), name="host slot")
-        pinned = query.pop("pinned", "auto")
-        on_evict = query.pop("on_evict", None)
+        known = {k: query.pop(k) for k in ("pinned", "on_evict", "tenant_quota", "tenant_quotas") if k in query}
         if query:
             raise ConfigError(f"unknown host backend option {sorted(query)[0]!r}")
-        return cls(capacity=capacity, slot_bytes=slot, pinned=pinned, url=url, on_evict=on_evict)
+        return cls(capacity=capacity, slot_bytes=slot, url=url, **known)
 
     @classmethod
     def open_read_only(cls, url: str, *, timeout: float = 5.0) -> HostBackend:
@@ -90,25 +101,24 @@ class HostBackend(Backend):
     def can_reserve(self, n: int) -> bool:
         """Whether ``n`` slots could be had now (free or evictable)."""
         with self._lock:
-            evictable = sum(1 for e in self._entries.values() if e.ready and e.refs == 0)
+            evictable = sum(1 for _ in self._eviction.policy.candidates(self._recency))
             return len(self._free) + evictable >= n
 
-    def reserve_many(self, keys: Sequence[bytes], lengths: Sequence[int] | None = None) -> list[int | None]:
-        """Phase one: a slot per key, or None where the key is already here or there is no room."""
+    def reserve_many(self, keys: Sequence[bytes], lengths: Sequence[int] | None = None,
+                     tenant: bytes = b"") -> list[int | None]:
+        """Phase one: a slot per key of ``tenant`` (charged ``lengths``, else a whole slot), or
+        None where the key is already here or there is no room (within the tenant's quota)."""
+        tenant = as_tenant(tenant)
         out: list[int | None] = []
-        evicted: list[tuple[bytes, memoryview]] = []
+        evicted: list[tuple[bytes, bytes, bytes]] = []
         with self._lock:
             for i, key in enumerate(keys):
                 length = self.slot_bytes if lengths is None else lengths[i]
-                if key in self._entries or length > self.slot_bytes:
-                    out.append(None)
-                    continue
-                slot = self._take_slot(evicted)
-                if slot is None:
-                    out.append(None)
-                    continue
-                self._entries[key] = _Entry(slot, length)
-                self._used += length
+                slot = None if key in self._entries or length > self.slot_bytes else \
+                    self._take_slot(tenant, length, evicted)
+                if slot is not None:
+                    self._entries[key] = _Entry(slot, length, tenant)
+                    self._recency.add(key, length, tenant)
                 out.append(slot)
         self._run_hooks(evicted)
         return out
@@ -123,7 +133,7 @@ class HostBackend(Backend):
                     entry.ready = True
                     entry.refs += int(pin)
                     self._ready += 1
-                    self._entries.move_to_end(key)
+                    self._recency.touch(key)
                     if entry.retired and entry.refs == 0:  # retired while being filled
                         self._drop(key, entry)
 
@@ -145,7 +155,7 @@ class HostBackend(Backend):
                     out.append(None)
                     continue
                 entry.refs += 1
-                self._entries.move_to_end(key)
+                self._recency.touch(key)
                 out.append(entry.slot)
         return out
 
@@ -207,14 +217,14 @@ class HostBackend(Backend):
         finally:
             self.unpin_many([k for k, s in zip(keys, slots) if s is not None])
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], tenant: bytes = b"") -> list[bool]:
         self._check_open()
         if not items:
             return []
         keys = [k for k, _ in items]
         lengths = [len(memoryview(v).cast("B")) for _, v in items]
         self.delete_many([k for k, n in zip(keys, lengths) if n <= self.slot_bytes])  # overwrite
-        slots = self.reserve_many(keys, lengths)
+        slots = self.reserve_many(keys, lengths, tenant)
         stored = []
         for (_key, value), slot, n in zip(items, slots, lengths):
             if slot is not None:
@@ -247,9 +257,14 @@ class HostBackend(Backend):
             keys = [k for k, e in self._entries.items() if e.ready and not e.retired and k.startswith(prefix)]
         return iter(keys)
 
+    def tenant_totals(self) -> dict[bytes, TenantTotal]:
+        """Per tenant: bytes (the lengths reserved) and entries, reservations included."""
+        with self._lock:
+            return {tenant: TenantTotal(*t) for tenant, t in self._recency.usage().items()}
+
     def stats(self) -> BackendStats:
         with self._lock:
-            used, ready = self._used, self._ready
+            used, ready = self._recency.used(), self._ready
             pinned = sum(1 for e in self._entries.values() if e.refs)
         return self._snapshot(entries=ready, used_bytes=used, capacity_bytes=self.capacity,
                               extra={"slots": self.num_slots, "slot_bytes": self.slot_bytes,
@@ -259,32 +274,46 @@ class HostBackend(Backend):
         with self._lock:
             self._closed = True
             self._entries.clear()
+            self._recency = RecencyIndex(self._held)
             self._free = []
 
     # -- internals -----------------------------------------------------------------------------
-    def _take_slot(self, evicted: list) -> int | None:
-        if self._free:
-            return self._free.pop()
-        for key, entry in self._entries.items():  # least recently used first
-            if entry.ready and entry.refs == 0:
-                if self.on_evict is not None:
-                    evicted.append((key, bytes(self._np[entry.slot, : entry.length])))
-                self._drop(key, entry)
-                self._count(evictions=1)
-                return self._free.pop()
-        return None
+    def _held(self, key: bytes) -> bool:
+        """Not to be evicted: leased, or reserved and not committed yet."""
+        entry = self._entries[key]
+        return entry.refs > 0 or not entry.ready
+
+    def _take_slot(self, tenant: bytes, length: int, evicted: list) -> int | None:
+        """A free slot for ``length`` bytes of ``tenant``, after evicting what its quota, then
+        the lack of a free slot, asks for; None when that cannot be done."""
+        plan = self._eviction.plan(self._recency, tenant, length)
+        if plan is None:
+            return None
+        if not self._free and not plan.quota:
+            victim = self._eviction.next_victim(self._recency)
+            if victim is None:
+                return None
+            plan.capacity = [victim]
+        for key, _ in plan.victims:
+            entry = self._entries[key]
+            if self.on_evict is not None:
+                evicted.append((key, bytes(self._np[entry.slot, : entry.length]), entry.tenant))
+            self._drop(key, entry)
+        if plan.victims:
+            self._count(evictions=len(plan.victims), quota_evictions=len(plan.quota))
+        return self._free.pop()
 
     def _drop(self, key: bytes, entry: _Entry) -> None:
         del self._entries[key]
-        self._used -= entry.length
+        self._recency.remove(key)
         if entry.ready:
             self._ready -= 1
         self._free.append(entry.slot)
 
     def _run_hooks(self, evicted: list) -> None:
-        for key, value in evicted:
+        for key, value, tenant in evicted:
             try:
-                self.on_evict(key, memoryview(value))  # type: ignore[misc]
+                self.on_evict(key, memoryview(value), tenant)  # type: ignore[misc]
             except Exception:  # a failing hook must not break the tier
                 log.exception("host on_evict hook failed for key %s", key.hex())
 

@@ -1,16 +1,17 @@
-"""Disk tier: one LMDB environment with a meta table and LRU eviction to a byte capacity.
+"""Disk tier: one LMDB environment with a meta table and LRU eviction to a byte capacity, and
+byte quotas per tenant.
 
-Named databases inside the environment (a directory):
+Named databases inside the environment (a directory; formats in :mod:`storage_backends.lmdb_tables`):
+``blocks`` (key -> stored value, already encoded and compressed by the caller), ``meta`` (size,
+times, hits and tenant of each key), ``lru`` and ``tenant_lru`` (keys in access order, overall
+and per tenant), ``tenants`` and ``info`` (used bytes and entries per tenant and overall, and the
+format), all updated in the same write transaction as every put, delete and eviction, so they
+stay right with several processes.
 
-- ``blocks``: key -> stored value (already encoded and compressed by the caller);
-- ``meta``: key -> (stored size, last access ns, hits, created ns);
-- ``lru``: big-endian last access ns || key -> empty, so a cursor from the start yields the
-  least recently used entry (keys over 503 bytes are indexed by a digest and kept as the value);
-- ``info``: ``used`` / ``entries`` totals and the ``format``, updated in the same write
-  transaction as every put, delete and eviction, so they stay right with several processes.
-
-Reopening is the whole warm-up: usage, entry count and LRU order come back from these tables
-without a scan. Reads record accesses in memory; they are applied in the next write transaction
+Reopening is the whole warm-up: usage (per tenant too), entry count and LRU order come back from
+these tables without a scan. ``tenant_quota`` / ``tenant_quotas`` bound each tenant's bytes: a put
+over its quota evicts the tenant's own least recently used entries, or is refused
+(:mod:`storage_backends.eviction`). Reads record accesses in memory; they are applied in the next write transaction
 (or on ``flush``/``close``, or when many are pending), never with a write per read. A value that
 cannot fit is refused (``False``); ``lmdb.MapFullError`` never reaches the caller: the map grows
 (it is sparse) or more is evicted. Remapping (ours, or adopting a map another process grew)
@@ -29,20 +30,24 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from urllib.parse import quote
 
-from storage_backends.base import Backend, BackendStats, Visitor
-from storage_backends.lmdb_entries import evict_lru, put_entry, remove_entry
+from storage_backends.base import Backend, BackendStats, TenantTotal, Visitor
+from storage_backends.eviction import Eviction
+from storage_backends.eviction_lru import LRU
+from storage_backends.lmdb_check import check_tables
+from storage_backends.lmdb_entries import evict_beyond, put_entry, remove_entry
 from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
 from storage_backends.lmdb_tables import (
     MAX_KEY,
-    META,
     Write,
     as_key,
-    check_tables,
     fits,
     indexed,
     read_totals,
+    tenant_totals,
+    unpack_meta,
 )
 from storage_backends.options import as_int, directory_of, existing_directory, split_options
+from storage_backends.quotas import Quotas, as_tenant
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError, InvalidKey
 from tiered_kv.units import as_bool, format_size, parse_size
 
@@ -51,7 +56,7 @@ __all__ = ["BackendClosed", "InvalidKey", "LmdbBackend", "path_of"]
 log = logging.getLogger(__name__)
 
 OPTIONS = ("capacity", "sync", "map_size", "readahead", "writemap", "max_readers", "batch_bytes",
-           "record_access")
+           "record_access", "tenant_quota", "tenant_quotas")
 
 
 def path_of(url: str) -> Path:
@@ -70,12 +75,16 @@ class LmdbBackend(Backend):
                  map_size: int | str | None = None, readahead: bool | str = True,
                  writemap: bool | str = False, max_readers: int | str = 512,
                  batch_bytes: int | str = 2 << 20, record_access: bool | str = True,
-                 url: str | None = None) -> None:
+                 tenant_quota: int | str | None = None, tenant_quotas=None, url: str | None = None) -> None:
         self.path = Path(path)
         super().__init__(url or f"lmdb://{self.path.resolve()}")
         self.capacity = parse_size(capacity, name="lmdb capacity")
         if self.capacity <= 0:
             raise ConfigError(f"lmdb capacity must be positive, got {capacity!r}")
+        self.quotas = Quotas.from_options("lmdb", tenant_quota, tenant_quotas)
+        self.tenant_quota = self.quotas.default
+        self._eviction = Eviction(LRU, self.capacity, self.quotas)
+        self._counters.extra["quota_evictions"] = 0
         self.sync = as_bool(sync, "lmdb sync")
         self.record_access = as_bool(record_access, "lmdb record_access")  # False: tools' reads
         # 1-2 MiB per write transaction amortises the commit; 4+ MiB faults fresh pages
@@ -191,8 +200,9 @@ class LmdbBackend(Backend):
         return iter(keys)
 
     # -- writes ------------------------------------------------------------------------------
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], tenant: bytes = b"") -> list[bool]:
         """Grouped into write transactions of about ``batch_bytes`` (one per large value)."""
+        tenant = as_tenant(tenant)
         batch: list[tuple[bytes, object, int]] = []
         for key, value in items:
             key = as_key(key)
@@ -203,17 +213,18 @@ class LmdbBackend(Backend):
         start, size = 0, 0
         for i, (_, _, n) in enumerate(batch):
             if i > start and size + n > self.batch_bytes:
-                stored += self._put_batch(batch[start:i])
+                stored += self._put_batch(batch[start:i], tenant)
                 start, size = i, 0
             size += n
         if start < len(batch):
-            stored += self._put_batch(batch[start:])
+            stored += self._put_batch(batch[start:], tenant)
         return stored
 
-    def _put_batch(self, batch: list[tuple[bytes, object, int]]) -> list[bool]:
+    def _put_batch(self, batch: list[tuple[bytes, object, int]], tenant: bytes) -> list[bool]:
+        tables = self._db.tables
         try:
             with self._db.guard("put"):
-                return self._db.write(lambda w: [put_entry(self._db.tables, w, *item, self.capacity, self._pinned)
+                return self._db.write(lambda w: [put_entry(tables, w, *item, tenant, self._eviction, self._pinned)
                                                  for item in batch], nbytes=sum(n for _, _, n in batch))
         except NoSpace as exc:
             log.warning("lmdb tier at %s: %d values refused: %s", self.path, len(batch), exc)
@@ -250,7 +261,7 @@ class LmdbBackend(Backend):
 
     def _evict_beyond_capacity(self, w: Write, nbytes: int) -> int:
         """Room for ``nbytes`` more than the capacity allows (the map is full, cannot grow)."""
-        return evict_lru(self._db.tables, w, nbytes, self.capacity, self._pinned)
+        return evict_beyond(self._db.tables, w, nbytes, self._eviction, self._pinned)
 
     def flush(self) -> None:
         """Apply buffered accesses and make every committed put durable (fsync)."""
@@ -265,6 +276,11 @@ class LmdbBackend(Backend):
     def _totals(self) -> tuple[int, int]:
         with self._db.txn() as txn:
             return read_totals(self._db.tables, txn)
+
+    def tenant_totals(self) -> dict[bytes, TenantTotal]:
+        """Per tenant: bytes and entries, from the ``tenants`` table (every process's puts)."""
+        with self._db.guard("tenants"), self._db.txn() as txn:
+            return {tenant: TenantTotal(*t) for tenant, t in tenant_totals(self._db.tables, txn).items()}
 
     def stats(self) -> BackendStats:
         with self._db.guard("stats"), self._db.shared():
@@ -286,17 +302,18 @@ class LmdbBackend(Backend):
             return [indexed(stamp, value) for stamp, value in txn.cursor(db=self.lru)]
 
     def entry_meta(self, key: bytes) -> dict | None:
-        """Size, last access, hits and creation time of ``key`` (None when absent)."""
+        """Size, last access, hits, creation time and tenant of ``key`` (None when absent)."""
         with self._db.txn() as txn:
-            meta = txn.get(as_key(key), db=self.meta)
-            if meta is None:
+            record = txn.get(as_key(key), db=self.meta)
+            if record is None:
                 return None
-            size, atime, hits, created = META.unpack(meta)
-        return {"size": size, "last_access_ns": atime, "hits": hits, "created_ns": created}
+            meta = unpack_meta(record)
+        return {"size": meta.size, "last_access_ns": meta.atime, "hits": meta.hits,
+                "created_ns": meta.created, "tenant": meta.tenant}
 
     def check(self, fix: bool = False) -> list[str]:
-        """Problems between the block, meta, LRU and info tables (the block table is the
-        truth); repaired only with ``fix``. Reads every value's pages: a maintenance call."""
+        """Problems between the block, meta, both LRU, tenants and info tables (the block table
+        is the truth); repaired only with ``fix``. Reads every value's pages: a maintenance call."""
         self._db.apply_pending()
         if not fix:
             with self._db.guard("check"), self._db.txn() as txn:

@@ -1,89 +1,138 @@
-"""Entry operations of the LMDB tier inside one write transaction: put, remove, evict the least
-recently used, and apply buffered read accesses. ``tables`` is an object with the ``blocks``,
-``meta`` and ``lru`` table handles (:class:`storage_backends.lmdb_tables.Tables`)."""
+"""Entry operations of the LMDB tier inside one write transaction: put (after what
+:mod:`storage_backends.eviction` decides must go), remove, evict beyond the capacity, and apply
+buffered read accesses. ``tables`` is a :class:`storage_backends.lmdb_tables.Tables`."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from storage_backends.lmdb_tables import META, STAMP, Write, indexed, lru_value, stamp_of
+from storage_backends.eviction import Eviction, Victim
+from storage_backends.lmdb_tables import (
+    Meta,
+    Tables,
+    Write,
+    atime_of,
+    indexed,
+    lru_value,
+    stamp_of,
+    tenant_prefix,
+    tenant_stamp,
+    unpack_meta,
+)
+
+Pinned = Callable[[], set[bytes]]  # this process's leased keys, now
 
 
-def put_entry(tables, w: Write, key: bytes, value, size: int, capacity: int,
-              pinned: Callable[[], set[bytes]]) -> bool:
-    """Store ``value`` under ``key``, evicting unpinned entries to stay within ``capacity``;
-    False (counted as rejected) when it cannot fit."""
-    if size > capacity:
+class TableIndex:
+    """The :class:`~storage_backends.eviction.EvictionIndex` of one write transaction: the
+    ``lru`` and ``tenant_lru`` tables (entries left there by damage are skipped, and dropped by
+    :meth:`drop_stale`), the pins of this process and the totals of ``w``."""
+
+    def __init__(self, tables: Tables, w: Write, pinned: Pinned) -> None:
+        self.tables, self.w, self._pinned, self._pins = tables, w, pinned, None
+        self._stale: list[tuple[object, bytes]] = []  # (table, index key)
+
+    def oldest(self, tenant: bytes | None = None) -> Iterator[Victim]:
+        db, prefix = (self.tables.lru, b"") if tenant is None else (self.tables.tenant_lru, tenant_prefix(tenant))
+        cursor = self.w.txn.cursor(db=db)
+        if not cursor.set_range(prefix):
+            return
+        for stamp, value in cursor:
+            if stamp[: len(prefix)] != prefix:
+                return
+            key = indexed(stamp, value, len(prefix))
+            record = self.w.txn.get(key, db=self.tables.meta)
+            meta = unpack_meta(record) if record is not None else None
+            if meta is None or meta.atime != atime_of(stamp, len(prefix)) or \
+                    (tenant is not None and meta.tenant != tenant):
+                self._stale.append((db, bytes(stamp)))  # not the key's real position
+                continue
+            yield key, meta.size
+
+    def pinned(self, key: bytes) -> bool:
+        if self._pins is None:
+            self._pins = self._pinned()
+        return key in self._pins
+
+    def used(self, tenant: bytes | None = None) -> int:
+        return self.w.used if tenant is None else self.w.tenant_used(tenant)
+
+    def drop_stale(self) -> None:
+        for db, stamp in self._stale:
+            self.w.txn.delete(stamp, db=db)
+        self._stale = []
+
+
+def put_entry(tables: Tables, w: Write, key: bytes, value, size: int, tenant: bytes,
+              eviction: Eviction, pinned: Pinned) -> bool:
+    """Store ``value`` under ``key`` for ``tenant`` after evicting what ``eviction`` plans;
+    False (counted as rejected) when it cannot be stored."""
+    if not eviction.fits(tenant, size):
         w.counts["put_rejected"] += 1
         return False
     remove_entry(tables, w, key)  # an overwrite replaces the old entry
-    evict_lru(tables, w, size, capacity, pinned)
-    if w.used + size > capacity:  # the rest is pinned
+    index = TableIndex(tables, w, pinned)
+    plan = eviction.plan(index, tenant, size)
+    index.drop_stale()
+    if plan is None:  # the rest is pinned (or the tenant's own entries are)
         w.counts["put_rejected"] += 1
         return False
+    for victim, _ in plan.victims:
+        remove_entry(tables, w, victim)
+    w.counts["evictions"] += len(plan.victims)
+    w.counts["quota_evictions"] += len(plan.quota)
     now = time.time_ns()
     w.txn.put(key, value, db=tables.blocks)
-    w.txn.put(key, META.pack(size, now, 0, now), db=tables.meta)
-    w.txn.put(stamp_of(now, key), lru_value(key), db=tables.lru)
-    w.used += size
-    w.entries += 1
+    w.txn.put(key, Meta(size, now, 0, now, tenant).pack(), db=tables.meta)
+    index_entry(tables, w.txn, key, now, tenant)
+    w.add(tenant, size, 1)
     w.counts["puts"] += 1
     w.counts["bytes_in"] += size
     return True
 
 
-def remove_entry(tables, w: Write, key: bytes) -> bool:
+def index_entry(tables: Tables, txn, key: bytes, atime: int, tenant: bytes) -> None:
+    """Put ``key`` at ``atime`` in the ``lru`` and ``tenant_lru`` tables."""
+    txn.put(stamp_of(atime, key), lru_value(key), db=tables.lru)
+    txn.put(tenant_stamp(tenant, atime, key), lru_value(key, tenant_prefix(tenant)), db=tables.tenant_lru)
+
+
+def unindex_entry(tables: Tables, txn, key: bytes, atime: int, tenant: bytes) -> None:
+    txn.delete(stamp_of(atime, key), db=tables.lru)
+    txn.delete(tenant_stamp(tenant, atime, key), db=tables.tenant_lru)
+
+
+def remove_entry(tables: Tables, w: Write, key: bytes) -> bool:
     """Delete ``key`` from every table; whether it was there."""
-    meta = w.txn.get(key, db=tables.meta)
-    if meta is not None:
-        size, atime = META.unpack(meta)[:2]  # before any write invalidates the buffer
-        w.txn.delete(stamp_of(atime, key), db=tables.lru)
+    record = w.txn.get(key, db=tables.meta)
+    if record is not None:
+        meta = unpack_meta(record)  # before any write invalidates the buffer
+        unindex_entry(tables, w.txn, key, meta.atime, meta.tenant)
         w.txn.delete(key, db=tables.meta)
-        w.used -= size
-        w.entries -= 1
-    return w.txn.delete(key, db=tables.blocks) or meta is not None
+        w.add(meta.tenant, -meta.size, -1)
+    return w.txn.delete(key, db=tables.blocks) or record is not None
 
 
-def evict_lru(tables, w: Write, incoming: int, capacity: int, pinned: Callable[[], set[bytes]]) -> int:
-    """Delete least recently used entries not in ``pinned()`` until ``incoming`` bytes fit."""
-    if w.used + incoming <= capacity:
-        return 0
-    keep = pinned()
-    victims, stale = [], []
-    for stamp, value in w.txn.cursor(db=tables.lru):
-        if w.used + incoming <= capacity:
-            break
-        key = indexed(stamp, value)
-        if key in keep:
-            continue
-        meta = w.txn.get(key, db=tables.meta)
-        if meta is None or META.unpack(meta)[1] != STAMP.unpack(stamp[:STAMP.size])[0]:
-            stale.append(bytes(stamp))  # left over by damage; not the key's real position
-            continue
-        victims.append(key)
-        w.used -= META.unpack(meta)[0]
-        w.entries -= 1
-    for stamp in stale:
-        w.txn.delete(stamp, db=tables.lru)
-    for key in victims:
-        meta = META.unpack(w.txn.get(key, db=tables.meta))
-        w.txn.delete(stamp_of(meta[1], key), db=tables.lru)
-        w.txn.delete(key, db=tables.meta)
-        w.txn.delete(key, db=tables.blocks)
+def evict_beyond(tables: Tables, w: Write, nbytes: int, eviction: Eviction, pinned: Pinned) -> int:
+    """Evict until ``nbytes`` more than the capacity would fit (or nothing more may go)."""
+    index = TableIndex(tables, w, pinned)
+    victims = eviction.beyond_capacity(index, nbytes)
+    index.drop_stale()
+    for key, _ in victims:
+        remove_entry(tables, w, key)
     w.counts["evictions"] += len(victims)
     return len(victims)
 
 
-def apply_accesses(tables, txn, touches: dict[bytes, tuple[int, int]]) -> None:
+def apply_accesses(tables: Tables, txn, touches: dict[bytes, tuple[int, int]]) -> None:
     """Record buffered reads (key -> (last access ns, hits)) in the meta and LRU tables."""
     for key, (atime, hits) in touches.items():
-        meta = txn.get(key, db=tables.meta)
-        if meta is None:
+        record = txn.get(key, db=tables.meta)
+        if record is None:
             continue  # evicted or deleted meanwhile (maybe by another process)
-        size, old_atime, old_hits, created = META.unpack(meta)
-        if atime > old_atime:
-            txn.delete(stamp_of(old_atime, key), db=tables.lru)
-            txn.put(stamp_of(atime, key), lru_value(key), db=tables.lru)
-        txn.put(key, META.pack(size, max(atime, old_atime), min(old_hits + hits, 2**32 - 1),
-                               created), db=tables.meta)
+        meta = unpack_meta(record)
+        if atime > meta.atime:
+            unindex_entry(tables, txn, key, meta.atime, meta.tenant)
+            index_entry(tables, txn, key, atime, meta.tenant)
+        txn.put(key, meta._replace(atime=max(atime, meta.atime), hits=meta.hits + hits).pack(), db=tables.meta)

@@ -14,8 +14,9 @@ import lmdb
 
 from storage_backends.lmdb_accesses import AccessBuffer
 from storage_backends.lmdb_entries import apply_accesses
+from storage_backends.lmdb_format import settle_format
 from storage_backends.lmdb_gate import RemapGate
-from storage_backends.lmdb_tables import FORMAT, U64, Tables, Write, read_totals
+from storage_backends.lmdb_tables import FORMAT, Tables, Write
 from storage_backends.log_throttle import LogThrottle
 from tiered_kv.errors import BackendClosed, BackendError, BackendUnavailable, ConfigError
 from tiered_kv.units import format_size
@@ -75,11 +76,12 @@ class LmdbEnvironment:
         raise ConfigError(f"cannot open LMDB store at {self.path}: its map keeps being resized")
 
     def _check_format(self) -> None:
-        with self.txn(write=True) as txn:
-            stored = txn.get(b"format", db=self.tables.info)
-            found = FORMAT if stored is None else U64.unpack(stored)[0]
-            if stored is None:
-                txn.put(b"format", U64.pack(FORMAT), db=self.tables.info)
+        """Write the format of a new environment, upgrade an old one; refuse any other."""
+        try:
+            found = self.write(lambda w: settle_format(self.tables, w))
+        except (NoSpace, lmdb.Error) as exc:
+            self.env.close()
+            raise ConfigError(f"cannot open LMDB store at {self.path}: {exc}") from None
         if found != FORMAT:
             self.env.close()
             raise ConfigError(f"lmdb store at {self.path} has format {found}, this version reads {FORMAT}")
@@ -154,13 +156,10 @@ class LmdbEnvironment:
             touches = self.accesses.take()
             try:
                 with self.txn(write=True) as txn:
-                    w = Write(txn, *read_totals(self.tables, txn))
-                    before = (w.used, w.entries)
+                    w = Write(txn, self.tables)
                     apply_accesses(self.tables, txn, touches)
                     result = body(w)
-                    if (w.used, w.entries) != before:
-                        txn.put(b"used", U64.pack(max(0, w.used)), db=self.tables.info)
-                        txn.put(b"entries", U64.pack(max(0, w.entries)), db=self.tables.info)
+                    w.save()
             except (lmdb.MapFullError, lmdb.DiskError) as exc:
                 self.accesses.restore(touches)
                 if not self._make_room(nbytes, grow=isinstance(exc, lmdb.MapFullError)):

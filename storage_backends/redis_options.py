@@ -17,11 +17,17 @@ def _int(value: Any, name: str) -> int:
         raise ConfigError(f"{name} must be an integer, got {value!r}") from None
 
 
+def _no_quota(value: Any, name: str) -> None:
+    raise ConfigError(f"{name}: Redis keeps no per-tenant quotas; it evicts by its own "
+                      f"maxmemory-policy (set maxmemory on the server, or a ttl here)")
+
+
 PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "prefix": lambda v, name: v, "retries": _int, "max_connections": _int, "cluster": as_bool,
     "ttl": lambda v, name: None if str(v).lower() in ("none", "", "0") else parse_duration(v, name=name),
     "timeout": lambda v, name: parse_duration(v, name=name),
     "pipeline_bytes": lambda v, name: parse_size(v, name=name),
+    "tenant_quota": _no_quota, "tenant_quotas": _no_quota,
 }
 
 

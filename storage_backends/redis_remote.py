@@ -36,6 +36,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from storage_backends.base import Backend, BackendStats, Visitor
+from storage_backends.quotas import as_tenant
 from storage_backends.redaction import redact_url
 from storage_backends.redis_options import redis_arguments
 from storage_backends.redis_packer import PACKER, PackedConnection
@@ -228,8 +229,10 @@ class RedisBackend(Backend):
         return replies
 
     # -- writes ------------------------------------------------------------------------------
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
-        """Pipelines of SETs of at most ``pipeline_bytes`` of values (a larger value alone)."""
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], tenant: bytes = b"") -> list[bool]:
+        """Pipelines of SETs of at most ``pipeline_bytes`` of values (a larger value alone).
+        The tenant label is checked and not kept: Redis evicts by its own policy."""
+        as_tenant(tenant)
         stored: list[bool] = []
         batch: list[tuple[bytes, Any]] = []
         size = 0

@@ -1,0 +1,88 @@
+"""Room in a bounded file medium (a capacity or tenant quotas): what puts evict and refuse.
+
+The medium's view of its directory is a :class:`~storage_backends.recency.RecencyIndex` built by
+one listing (access times give the order), kept up to date with this process's puts, reads and
+deletes, and rebuilt every RESCAN_S to adopt other processes' files: approximate when several
+processes share the directory. :mod:`storage_backends.eviction` decides on it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from storage_backends.eviction import Eviction
+from storage_backends.file_entries import Stored
+from storage_backends.recency import RecencyIndex
+
+RESCAN_S = 60.0  # how old the in-memory view may get before a rescan
+
+
+@dataclass
+class Admission:
+    """What one put call may store, and what must go first."""
+
+    accepted: list[bool] = field(default_factory=list)
+    victims: list[bytes] = field(default_factory=list)  # evicted (quota ones included)
+    quota_victims: int = 0
+    dropped: list[bytes] = field(default_factory=list)  # overwritten by a put that was refused
+
+
+class FileRoom:
+    def __init__(self, eviction: Eviction, listing: Callable[[], list[Stored]],
+                 pinned: Callable[[bytes], bool]) -> None:
+        self.eviction = eviction
+        self._listing, self._pinned = listing, pinned
+        self._lock = threading.Lock()
+        self._index: RecencyIndex | None = None
+        self._scanned = 0.0
+
+    def admit(self, keys: Sequence[bytes], sizes: Sequence[int], tenant: bytes) -> Admission:
+        """Plan a put of ``keys`` (in order) for ``tenant``: each is stored unless the eviction
+        rule refuses it; an overwritten key that is refused goes too (as in every medium)."""
+        index = self._current()
+        out = Admission()
+        with self._lock:
+            for key, size in zip(keys, sizes):
+                if not self.eviction.fits(tenant, size):  # the old value stays
+                    out.accepted.append(False)
+                    continue
+                old = index.remove(key)
+                plan = self.eviction.plan(index, tenant, size)
+                if plan is None:
+                    out.accepted.append(False)
+                    out.dropped += [key] if old is not None else []
+                    continue
+                for victim, _ in plan.victims:
+                    index.remove(victim)
+                out.victims += [victim for victim, _ in plan.victims]
+                out.quota_victims += len(plan.quota)
+                index.add(key, size, tenant)
+                out.accepted.append(True)
+        return out
+
+    def touched(self, key: bytes) -> None:
+        with self._lock:
+            if self._index is not None:
+                self._index.touch(key)
+
+    def removed(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys if self._index is not None else ():
+                self._index.remove(key)
+
+    def forget(self) -> None:
+        """Rebuild the view at the next put (a write failed: it may hold what is not there)."""
+        with self._lock:
+            self._index = None
+
+    def _current(self) -> RecencyIndex:
+        if self._index is None or time.monotonic() - self._scanned > RESCAN_S:
+            index = RecencyIndex(self._pinned)
+            for stored in sorted(self._listing(), key=lambda s: s.stat.st_atime_ns):
+                index.add(stored.key, stored.stat.st_size, stored.tenant)
+            with self._lock:
+                self._index, self._scanned = index, time.monotonic()
+        return self._index

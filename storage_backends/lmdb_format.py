@@ -1,0 +1,66 @@
+"""The format of an LMDB tier environment, and the upgrade of older formats in place.
+
+Format 1 had no tenants. Format 2 adds the tenant label to meta records (a suffix: a format 1
+record is a format 2 record of tenant ``b""``), the ``tenant_lru`` index and the ``tenants``
+totals. The upgrade indexes every entry under tenant ``b""`` in one write transaction, so several
+processes opening an old environment at once upgrade it exactly once; a process of the previous
+version then refuses the environment (format 2) rather than miscount it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from storage_backends.lmdb_tables import (
+    FORMAT,
+    TOTALS,
+    U64,
+    Tables,
+    Write,
+    lru_value,
+    tenant_prefix,
+    tenant_stamp,
+    unpack_meta,
+)
+
+log = logging.getLogger(__name__)
+
+CHUNK = 4096  # meta records copied out per cursor pass (their buffers end with the next write)
+
+
+def settle_format(tables: Tables, w: Write) -> int:
+    """The environment's format after this: a new one is written as FORMAT, format 1 is
+    upgraded to it; any other is left alone and returned (the caller refuses it)."""
+    stored = w.txn.get(b"format", db=tables.info)
+    found = U64.unpack(stored)[0] if stored is not None else None
+    if found == 1:
+        _index_tenants(tables, w)
+    if found in (None, 1):
+        w.txn.put(b"format", U64.pack(FORMAT), db=tables.info)
+        return FORMAT
+    return found
+
+
+def _index_tenants(tables: Tables, w: Write) -> None:
+    """Every entry of a format 1 environment becomes tenant b""'s: its ``tenant_lru`` entry and
+    the tenant's totals."""
+    used = entries = 0
+    start = b""
+    while True:
+        cursor = w.txn.cursor(db=tables.meta)
+        batch = []
+        if cursor.set_range(start):
+            for key, record in cursor:
+                batch.append((bytes(key), unpack_meta(record)))
+                if len(batch) == CHUNK:
+                    break
+        for key, meta in batch:
+            w.txn.put(tenant_stamp(b"", meta.atime, key), lru_value(key, tenant_prefix(b"")), db=tables.tenant_lru)
+            used, entries = used + meta.size, entries + 1
+        if len(batch) < CHUNK:
+            break
+        start = batch[-1][0] + b"\0"  # the next key after the last one copied
+    if entries:
+        w.txn.put(tenant_prefix(b""), TOTALS.pack(used, entries), db=tables.tenants)
+    log.info("lmdb tier: format 1 upgraded to %d (%d entries, %d bytes, all of tenant b'')",
+             FORMAT, entries, used)

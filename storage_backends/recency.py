@@ -1,0 +1,74 @@
+"""An in-memory :class:`~storage_backends.eviction.EvictionIndex`: entries in access order,
+overall and per tenant, with the bytes each tenant holds (the host slab's entries, the file
+medium's view of its directory)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+
+from storage_backends.eviction import Victim
+
+
+class RecencyIndex:
+    """Keys with their size and tenant, least recently used first. ``pinned(key)`` says which
+    ones must stay (the medium knows its leases)."""
+
+    def __init__(self, pinned: Callable[[bytes], bool]) -> None:
+        self._pinned = pinned
+        self._all: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()  # key -> (size, tenant)
+        self._tenants: dict[bytes, OrderedDict[bytes, int]] = {}  # tenant -> key -> size
+        self._used: dict[bytes, int] = {}  # tenant -> bytes
+        self._total = 0
+
+    def add(self, key: bytes, size: int, tenant: bytes = b"") -> None:
+        """``key`` as the most recently used entry (replacing what it was)."""
+        self.remove(key)
+        self._all[key] = (size, tenant)
+        self._tenants.setdefault(tenant, OrderedDict())[key] = size
+        self._used[tenant] = self._used.get(tenant, 0) + size
+        self._total += size
+
+    def touch(self, key: bytes) -> None:
+        """``key`` (if here) becomes the most recently used."""
+        if key in self._all:
+            self._all.move_to_end(key)
+            self._tenants[self._all[key][1]].move_to_end(key)
+
+    def remove(self, key: bytes) -> tuple[int, bytes] | None:
+        """Forget ``key``; its (size, tenant), or None when it was not here."""
+        found = self._all.pop(key, None)
+        if found is not None:
+            size, tenant = found
+            mine = self._tenants[tenant]
+            del mine[key]
+            self._used[tenant] -= size
+            self._total -= size
+            if not mine:
+                del self._tenants[tenant], self._used[tenant]
+        return found
+
+    def oldest(self, tenant: bytes | None = None) -> Iterator[Victim]:
+        if tenant is None:
+            return ((key, size) for key, (size, _) in self._all.items())
+        return iter(self._tenants.get(tenant, {}).items())
+
+    def pinned(self, key: bytes) -> bool:
+        return self._pinned(key)
+
+    def used(self, tenant: bytes | None = None) -> int:
+        return self._total if tenant is None else self._used.get(tenant, 0)
+
+    def usage(self) -> dict[bytes, tuple[int, int]]:
+        """tenant -> (bytes, entries) of every tenant holding something."""
+        return {tenant: (self._used[tenant], len(keys)) for tenant, keys in self._tenants.items()}
+
+    def tenant_of(self, key: bytes) -> bytes | None:
+        found = self._all.get(key)
+        return None if found is None else found[1]
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._all
+
+    def __len__(self) -> int:
+        return len(self._all)

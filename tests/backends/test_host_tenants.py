@@ -1,0 +1,50 @@
+"""Tenants on the host slab through the store's slot interface: reservations count against their
+tenant's quota from phase one, a tenant over its quota gives up its own committed entries (never
+one being filled or leased), and the eviction hook learns whose entry it sees."""
+
+from __future__ import annotations
+
+from storage_backends.host import HostBackend
+
+KiB = 1 << 10
+SLOT = 64 * KiB
+A, B = b"tenant-a", b"tenant-b"
+
+
+def host(**options) -> HostBackend:
+    return HostBackend(capacity=16 * SLOT, slot_bytes=SLOT, pinned=False, **options)
+
+
+def test_reservations_count_for_their_tenant_until_aborted():
+    h = host(tenant_quota=3 * SLOT)
+    assert None not in h.reserve_many([b"a1", b"a2"], tenant=A)
+    assert h.reserve_many([b"b1"], lengths=[1000], tenant=B) != [None]
+    assert h.tenant_usage() == {A: 2 * SLOT, B: 1000}
+    h.abort_many([b"a2"])
+    h.commit_many([b"a1", b"b1"])
+    assert {t: tuple(v) for t, v in h.tenant_totals().items()} == {A: (SLOT, 1), B: (1000, 1)}
+
+
+def test_a_tenant_over_its_quota_gives_up_its_committed_entries_only():
+    seen: list[tuple[bytes, bytes, bytes]] = []
+    h = host(tenant_quota=2 * SLOT, on_evict=lambda k, v, tenant: seen.append((k, bytes(v[:1]), tenant)))
+    h.put_many([(b"a1", b"1" * 10)], tenant=A)  # committed: 10 bytes
+    h.reserve_many([b"a2"], tenant=A)  # being filled: a whole slot
+    h.reserve_many([b"a3"], lengths=[SLOT - 10], tenant=A)
+    h.commit_many([b"a3"], pin=True)  # leased by a load: A is at its quota now
+    assert h.reserve_many([b"a4"], lengths=[20], tenant=A) == [None]  # a1 alone frees too little
+    assert h.contains_many([b"a1", b"a3"]) == [True, True] and seen == []
+    h.unpin_many([b"a3"])
+    assert h.reserve_many([b"a4"], lengths=[20], tenant=A) != [None]
+    assert seen == [(b"a1", b"1", A), (b"a3", bytes(1), A)] and h.reserved(b"a2")
+    assert h.stats().extra["quota_evictions"] == 2
+
+
+def test_without_a_free_slot_the_oldest_of_anyone_goes_and_the_hook_names_its_tenant():
+    seen: list[bytes] = []
+    h = HostBackend(capacity=2 * SLOT, slot_bytes=SLOT, pinned=False,
+                    on_evict=lambda k, v, tenant: seen.append(tenant))
+    h.put_many([(b"b1", b"x")], tenant=B)
+    h.put_many([(b"a1", b"y")], tenant=A)
+    assert h.put_many([(b"a2", b"z")], tenant=A) == [True]
+    assert seen == [B] and h.tenant_usage() == {A: 2}
