@@ -62,13 +62,3 @@ class RecencyIndex:
     def usage(self) -> dict[bytes, tuple[int, int]]:
         """tenant -> (bytes, entries) of every tenant holding something."""
         return {tenant: (self._used[tenant], len(keys)) for tenant, keys in self._tenants.items()}
-
-    def tenant_of(self, key: bytes) -> bytes | None:
-        found = self._all.get(key)
-        return None if found is None else found[1]
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._all
-
-    def __len__(self) -> int:
-        return len(self._all)
