@@ -225,3 +225,15 @@ def test_any_sequence_of_puts_reads_back_like_a_dict(backend, ops):
     keys = [b"a", b"b", b"\x00", b"k" * 40, b"\xff" * 32]
     assert backend.get_many([ns + k for k in keys]) == [model.get(k) for k in keys]
     assert sorted(backend.scan(ns)) == sorted(ns + k for k in model)
+
+
+def test_every_medium_takes_a_tenant_label_and_those_that_count_add_it_up(backend):
+    assert backend.put_many([(b"a", b"1" * 100), (b"b", b"2" * 50)], tenant=b"tenant-1") == [True, True]
+    assert backend.put_many([(b"c", b"3" * 10)]) == [True]
+    assert backend.get_many([b"a", b"c"]) == [b"1" * 100, b"3" * 10]
+    usage = backend.tenant_usage()
+    if usage is None:  # Redis: the label is accepted, not kept
+        assert not bounded(backend)
+        return
+    assert usage == {b"tenant-1": 150, b"": 10} and sum(usage.values()) == backend.stats().used_bytes
+    assert {t: n.entries for t, n in backend.tenant_totals().items()} == {b"tenant-1": 2, b"": 1}
