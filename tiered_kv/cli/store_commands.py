@@ -7,6 +7,7 @@ import time
 
 from rich.markup import escape
 
+from tiered_kv.admin.tenants import NO_TENANT
 from tiered_kv.cli import render
 from tiered_kv.cli.options import add_store_args, duration_arg, opened, size_arg
 from tiered_kv.cli.render import EXIT_OK, EXIT_PROBLEM
@@ -72,9 +73,14 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         out.print(render.table(None, ["namespace", "model", "dtype", "block shape", "blocks", "tokens", "raw",
                                       "stored", "ratio", "oldest", "newest", "last access"], rows,
                                right=("blocks", "tokens", "raw", "stored", "ratio")))
-        if r["tenants"]:
+        if _has_tenants(r["tenants"]):
             out.print(_tenant_table(r["tenants"]))
     return EXIT_OK
+
+
+def _has_tenants(tenants: dict[str, dict] | None) -> bool:
+    """Whether a tier's usage per tenant says more than its total: a labelled tenant, or a quota."""
+    return bool(tenants) and (set(tenants) != {NO_TENANT} or any(t["quota_bytes"] for t in tenants.values()))
 
 
 def _tenant_table(tenants: dict[str, dict]):
