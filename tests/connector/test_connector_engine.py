@@ -96,9 +96,9 @@ def _slow_lmdb_class():
         def from_url(cls, url, **options):
             return super().from_url("lmdb" + url[len("slowlmdb"):], **options)
 
-        def put_many(self, items):
+        def put_many(self, items, tenant=b""):
             time.sleep(_SlowPuts.delay)
-            return super().put_many(items)
+            return super().put_many(items, tenant)
 
     return SlowLmdb
 

@@ -193,7 +193,7 @@ class DictBackend(Backend):
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return [self.values.get(k) for k in keys]
 
-    def put_many(self, items) -> list[bool]:
+    def put_many(self, items, tenant: bytes = b"") -> list[bool]:
         self.values.update((k, bytes(v)) for k, v in items)
         return [True] * len(items)
 

@@ -66,7 +66,7 @@ class EncodedTier:
 
     def _put(self, blobs: list[tuple[bytes, bytes]], raw: int, start: float, tenant: bytes) -> list[bool]:
         try:
-            stored = self.backend.put_many(blobs, tenant=tenant) if tenant else self.backend.put_many(blobs)
+            stored = self.backend.put_many(blobs, tenant=tenant)
         except BackendUnavailable:
             self.metrics.event(f"{self.name}_save_failed", len(blobs))
             self.metrics.miss(self.name, self.unavailable, 0)

@@ -35,7 +35,7 @@ class HostSlots:
 
     def reserve(self, keys: Sequence[bytes], tenant: bytes) -> list[int | None]:
         """Phase one of filling slots: a slot per key of ``tenant`` (None: held already, no room)."""
-        return self.host.reserve_many(list(keys), tenant=tenant) if tenant else self.host.reserve_many(list(keys))
+        return self.host.reserve_many(list(keys), tenant=tenant)
 
     def slot_tensor(self, slot: int) -> torch.Tensor:
         """Host slot ``slot`` as a canonical block tensor (shares memory with the slab)."""
