@@ -1,0 +1,79 @@
+"""Byte quotas per tenant (``cache_salt``) per tier, through the store: a tenant over its quota
+evicts its own least recently used blocks, never another tenant's, in the host tier and in the
+disk tier, and the disk tier's accounting survives a restart."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from tests.store.helpers import NS, keys_for, load, make_store, payloads
+from tiered_kv.config import TieredKVConfig
+from tiered_kv.keys import tenant_label
+from tiered_kv.store import TieredStore
+
+A, B = tenant_label("tenant-a"), tenant_label("tenant-b")
+BLOCK = 16 << 10  # raw 16 KiB blocks (+ a small header when stored)
+QUOTA = 4 * BLOCK + 2048  # four stored blocks
+
+
+def quota_store(tmp_path, **extra):
+    return make_store(tmp_path, disk={"codec": "raw", "tenant_quota": QUOTA}, **extra)
+
+
+def test_a_tenant_over_its_disk_quota_never_evicts_another_tenants_blocks(tmp_path):
+    a_keys, b_keys = keys_for(10), keys_for(4, first_token=90_000)
+    with quota_store(tmp_path) as store:
+        b_data = payloads(store, 4, seed=1)
+        store.save(b_keys, b_data, tenant=B)
+        store.save(a_keys, payloads(store, 10), tenant=A)
+        store.flush()
+        disk = store.tier("disk")
+        assert disk.contains(b_keys) == [True] * 4
+        assert disk.contains(a_keys) == [False] * 6 + [True] * 4  # A paid with its own oldest
+        usage = disk.backend.tenant_usage()
+        assert usage[A] <= QUOTA and usage[B] <= QUOTA and usage[A] > 3 * BLOCK
+        assert disk.backend.stats().extra["quota_evictions"] == 6
+
+
+def test_quotas_and_usage_survive_a_restart_of_the_lmdb_tier(tmp_path):
+    a_keys, b_keys = keys_for(6), keys_for(4, first_token=90_000)
+    with quota_store(tmp_path) as store:
+        b_data = payloads(store, 4, seed=1)
+        store.save(b_keys, b_data, tenant=B)
+        store.save(a_keys, payloads(store, 6), tenant=A)
+        store.flush()
+        before = store.tier("disk").backend.tenant_usage()
+    with quota_store(tmp_path) as store:  # a new process: nothing in host memory
+        disk = store.tier("disk")
+        assert disk.backend.tenant_usage() == before
+        more = keys_for(3, first_token=50_000)
+        store.save(more, payloads(store, 3, seed=2), tenant=A)
+        store.flush()
+        assert disk.contains(more) == [True] * 3
+        assert disk.contains(a_keys) == [False] * 5 + [True]  # still only A's own blocks go
+        ok, outs = load(store, b_keys)
+        assert all(ok) and all(torch.equal(a, b) for a, b in zip(b_data, outs))
+
+
+def test_a_tenant_over_its_host_quota_keeps_the_other_tenants_host_blocks(tmp_path):
+    a_keys, b_keys = keys_for(8), keys_for(3, first_token=90_000)
+    config = TieredKVConfig.from_dict({"host": {"capacity": "1MiB", "tenant_quota": 4 * BLOCK}})
+    with TieredStore(config, NS) as store:
+        store.save(b_keys, payloads(store, 3, seed=1), tenant=B)
+        a_data = payloads(store, 8)
+        for i in range(0, 8, 2):  # requests arrive one after another
+            store.save(a_keys[i : i + 2], a_data[i : i + 2], tenant=A)
+        assert store.host.contains_many(b_keys) == [True] * 3
+        assert store.host.contains_many(a_keys) == [False] * 4 + [True] * 4
+        assert store.host.tenant_usage() == {A: 4 * BLOCK, B: 3 * BLOCK}
+
+
+def test_blocks_of_a_namespace_with_a_cache_salt_are_that_tenants(tmp_path):
+    with quota_store(tmp_path, ns=replace(NS, cache_salt="tenant-a")) as store:
+        store.save(keys_for(2), payloads(store, 2))
+        store.flush()
+        usage = store.tier("disk").backend.tenant_usage()
+        assert usage[A] > 2 * BLOCK
+        assert usage.get(b"", 0) < 1024  # only the namespace record, which is no tenant's
