@@ -4,6 +4,7 @@ disk tier, and the disk tier's accounting survives a restart."""
 
 from __future__ import annotations
 
+import urllib.request
 from dataclasses import replace
 
 import torch
@@ -77,3 +78,23 @@ def test_blocks_of_a_namespace_with_a_cache_salt_are_that_tenants(tmp_path):
         usage = store.tier("disk").backend.tenant_usage()
         assert usage[A] > 2 * BLOCK
         assert usage.get(b"", 0) < 1024  # only the namespace record, which is no tenant's
+
+
+def test_metrics_show_quota_evictions_usage_per_tenant_and_skipped_admissions(tmp_path):
+    from tiered_kv.store.prometheus import export, unexport
+
+    with make_store(tmp_path, disk={"codec": "raw", "tenant_quota": QUOTA, "admit_after_hits": 1},
+                    tiers=[{"name": "ssd2", "url": f"file://{tmp_path}/f", "admit_after_hits": 2}]) as store:
+        store.save(keys_for(6), payloads(store, 6), tenant=A)
+        store.flush()
+        port = export(store, 0, "127.0.0.1")
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        finally:
+            unexport(store)
+    lines = [line for line in text.splitlines() if not line.startswith("#")]
+    assert any(line.startswith("tiered_kv_quota_evictions_total") and 'tier="disk"' in line
+               and line.endswith(" 2.0") for line in lines)
+    assert any(line.startswith("tiered_kv_tenant_used_bytes") and f'tenant="{A.hex()}"' in line
+               for line in lines)
+    assert any('event="admission_skipped"' in line and line.endswith(" 6.0") for line in lines)

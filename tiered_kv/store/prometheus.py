@@ -16,7 +16,10 @@ Metric families (labels ``namespace``, ``model`` on all of them):
 - ``tiered_kv_evictions_total{tier}``, ``tiered_kv_dropped_saves_total``,
   ``tiered_kv_events_total{event}`` (saves_dropped, loads_failed, disk_save_failed, ...);
 - ``tiered_kv_queued_bytes{direction}`` (save / load), ``tiered_kv_tier_entries{tier}``,
-  ``tiered_kv_tier_used_bytes{tier}``, ``tiered_kv_tier_capacity_bytes{tier}``.
+  ``tiered_kv_tier_used_bytes{tier}``, ``tiered_kv_tier_capacity_bytes{tier}``;
+- ``tiered_kv_quota_evictions_total{tier}``, ``tiered_kv_tenant_used_bytes{tier,tenant}`` (the
+  tenant's 8-byte label in hex, ``-`` for none); admission's skipped writes are the event
+  ``admission_skipped``.
 """
 
 from __future__ import annotations
@@ -94,6 +97,12 @@ class StoreCollector(Collector):
             "used": GaugeMetricFamily("tiered_kv_tier_used_bytes", "Bytes a tier holds", labels=base + ["tier"]),
             "capacity": GaugeMetricFamily("tiered_kv_tier_capacity_bytes", "Byte capacity of a tier",
                                           labels=base + ["tier"]),
+            "quota_evictions": CounterMetricFamily(
+                "tiered_kv_quota_evictions", "Entries a tenant over its quota evicted of its own",
+                labels=base + ["tier"]),
+            "tenant_used": GaugeMetricFamily("tiered_kv_tenant_used_bytes",
+                                             "Bytes a tier holds per tenant (cache_salt label, hex)",
+                                             labels=base + ["tier", "tenant"]),
         }
         for store in stores:
             try:
@@ -135,6 +144,9 @@ def _collect_store(store: MetricSource, fam: dict) -> None:
         fam["used"].add_metric(ids + [tier], stats.used_bytes)
         if stats.capacity_bytes is not None:
             fam["capacity"].add_metric(ids + [tier], stats.capacity_bytes)
+        fam["quota_evictions"].add_metric(ids + [tier], stats.extra.get("quota_evictions", 0))
+        for tenant, used in (backend.tenant_usage() or {}).items():
+            fam["tenant_used"].add_metric(ids + [tier, tenant.hex() or "-"], used)
     for tier, n in evictions.items():
         fam["evictions"].add_metric(ids + [tier], n)
 
