@@ -130,3 +130,19 @@ def _top_imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and not node.level:
             out.add(node.module or "")
     return out
+
+
+PUBLIC = [("tiered_kv.store", "TieredStore"), ("tiered_kv.store", "LoadPlan"), ("tiered_kv.store", "SaveBatch"),
+          ("tiered_kv.config", "TieredKVConfig"), ("tiered_kv.keys", "Namespace"), ("tiered_kv.keys", "block_keys"),
+          ("tiered_kv.keys", "tenant_label"), ("tiered_kv.connector", "build_connector"),
+          ("tiered_kv.connector", "TieredKVConnector"), ("tiered_kv.connector.scheduler", "ConnectorScheduler"),
+          ("tiered_kv.connector.worker", "ConnectorWorker"), ("storage_backends", "register_backend"),
+          ("storage_backends", "open_backend")]
+
+
+@pytest.mark.parametrize(("module", "name"), PUBLIC)
+def test_the_public_imports_the_readme_documents_resolve(module, name):
+    import importlib
+
+    assert getattr(importlib.import_module(module), name) is not None
+    assert f"{module}.{name}" in (ROOT / "README.md").read_text() or name in (ROOT / "README.md").read_text()
