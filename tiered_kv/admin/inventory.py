@@ -22,6 +22,7 @@ from tiered_kv.admin.catalog import (
 )
 from tiered_kv.admin.opening import Tier
 from tiered_kv.admin.tenants import default_quota, tenant_usage
+from tiered_kv.dtypes import torch_dtype
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import KEY_BYTES
 from tiered_kv.store.records import split_key
@@ -217,7 +218,7 @@ def as_float(payload: memoryview, dtype: str) -> np.ndarray:
     if dtype.startswith("float8"):
         import torch  # numpy has no float8
 
-        return torch.frombuffer(bytearray(buf), dtype=getattr(torch, dtype)).float().numpy()
+        return torch.frombuffer(bytearray(buf), dtype=torch_dtype(dtype)).float().numpy()
     return buf.view(np.dtype(dtype).newbyteorder("<")).astype(np.float32)
 
 

@@ -30,7 +30,7 @@ NS = Namespace(model_id="fault-soak", dtype="bfloat16", num_layers=4, num_kv_hea
 SHAPE = NS.block_shape
 BLOCK_BYTES = 2 * int(np.prod(SHAPE))
 PRELOAD = ["torch", "numpy", "lmdb", "redis", "tiered_kv.store.tiered_store", "tiered_kv.connector",
-           "tiered_kv.engine", "tiered_kv.admin.verify", "tiered_kv.admin.catalog", "soak.common"]
+           "tiered_kv.engine", "tiered_kv.admin.verify", "tiered_kv.admin.opening", "soak.common"]
 
 
 # -- keys and payloads ----------------------------------------------------------------------------
