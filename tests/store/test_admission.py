@@ -81,3 +81,17 @@ def test_a_block_fetched_from_a_lower_tier_is_copied_up_only_where_admitted(tmp_
     with make_store(tmp_path, disk={"admit_after_hits": 3}, tiers=tiers) as store:
         assert all(load(store, keys)[0])  # request 1: served by "shared", not copied up
         assert store.tier("disk").contains(keys) == [False, False]
+
+
+def test_a_host_block_loaded_again_and_again_is_written_behind_once(tmp_path):
+    with twice(tmp_path) as store:
+        keys = keys_for(2)
+        store.save(keys, payloads(store, 2))
+        writes = []
+        write_behind = store.saver.write_behind
+        store.saver.write_behind = lambda ks, *a, **kw: (writes.append(list(ks)), write_behind(ks, *a, **kw))[1]
+        for _ in range(4):
+            load(store, keys)
+        store.flush()
+        assert writes == [keys], "each later host hit would queue a pointless write job"
+        assert store.tier("disk").contains(keys) == [True, True]

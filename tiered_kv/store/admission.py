@@ -20,7 +20,8 @@ class RequestCounts:
     """How often each block key was requested, for the tiers that admit after N requests."""
 
     def __init__(self, thresholds: Sequence[int], max_tracked: int = MAX_TRACKED) -> None:
-        self.needed = max(thresholds, default=1)  # counting stops mattering past this
+        self.needed = max(thresholds, default=1)
+        self.cap = self.needed + 1  # counts stop here: "reached N" happens once per key
         self.max_tracked = max_tracked
         self._lock = threading.Lock()
         self._counts: OrderedDict[bytes, int] = OrderedDict()
@@ -37,7 +38,7 @@ class RequestCounts:
         out = []
         with self._lock:
             for key in keys:
-                n = min(self._counts.pop(key, 0) + 1, self.needed)
+                n = min(self._counts.pop(key, 0) + 1, self.cap)
                 self._counts[key] = n
                 out.append(n)
             while len(self._counts) > self.max_tracked:

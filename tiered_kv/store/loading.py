@@ -90,7 +90,7 @@ class Loader:
             tier.pin(plan.lower_pinned)
         counts = self.saver.requests.request(keys)
         if self.saver.requests.active:  # host blocks that just earned a lower tier go there now
-            earned = [k for k, s, n in zip(keys, slots, counts) if s is not None and n > 1]
+            earned = [k for k, s, n in zip(keys, slots, counts) if s is not None and self.saver.earns(n)]
             if earned:
                 self.saver.write_behind(earned, plan.tenant, reached=True)
         return plan

@@ -126,6 +126,12 @@ class Saver:
             self.metrics.event("admission_skipped", skipped)
         return groups
 
+    def earns(self, requests: int) -> bool:
+        """Whether a block requested ``requests`` times just earned a place in some
+        ``write_through`` tier that admits only after several requests."""
+        return requests > 1 and any(t.policy == "write_through" and t.config.admit_after_hits == requests
+                                    for t in self.tiers)
+
     def write_behind(self, keys: list[bytes], tenant: bytes, reached: bool = False) -> Future | None:
         """Queue the write of host-resident ``keys`` to the ``write_through`` tiers that admit them."""
         targets = [t for t in self.tiers if t.policy == "write_through"]
