@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
+import threading
 
 import pytest
 
@@ -82,43 +82,44 @@ def test_async_loads_complete_through_get_finished_with_identical_output(tmp_pat
     conn.close()
 
 
-class _SlowPuts:
-    """An LMDB backend whose puts take ``delay`` seconds: an artificially slow tier."""
+class _HeldPuts:
+    """An LMDB tier whose puts wait until the test lets them through: an arbitrarily slow tier."""
 
-    delay = 0.0
+    gate = threading.Event()
+    finished = 0  # puts that completed
 
 
-def _slow_lmdb_class():
+def _held_lmdb_class():
     from storage_backends.lmdb_disk import LmdbBackend
 
-    class SlowLmdb(LmdbBackend):
+    class HeldLmdb(LmdbBackend):
         @classmethod
         def from_url(cls, url, **options):
-            return super().from_url("lmdb" + url[len("slowlmdb"):], **options)
+            return super().from_url("lmdb" + url[len("heldlmdb"):], **options)
 
         def put_many(self, items, tenant=b""):
-            time.sleep(_SlowPuts.delay)
+            _HeldPuts.gate.wait(60)
+            _HeldPuts.finished += 1
             return super().put_many(items, tenant)
 
-    return SlowLmdb
+    return HeldLmdb
 
 
 def test_forward_pass_is_not_blocked_by_saves_to_a_slow_tier(tmp_path, monkeypatch):
     import tests.connector.test_connector_engine as me
 
-    me.SlowLmdb = _slow_lmdb_class()
-    register_backend("slowlmdb", "tests.connector.test_connector_engine:SlowLmdb")
-    monkeypatch.setattr(_SlowPuts, "delay", 2.0)
+    me.HeldLmdb = _held_lmdb_class()
+    register_backend("heldlmdb", "tests.connector.test_connector_engine:HeldLmdb")
+    monkeypatch.setattr(_HeldPuts, "gate", threading.Event())
+    monkeypatch.setattr(_HeldPuts, "finished", 0)
     prompts = [prompt(320, seed=s) for s in range(3)]
-    conn = connector(None, disk_url=f"slowlmdb://{tmp_path}/db")
-    t0 = time.perf_counter()
+    conn = connector(None, disk_url=f"heldlmdb://{tmp_path}/db")
     outs = engine(conn).generate(prompts, GREEDY)
-    served = time.perf_counter() - t0
-    assert served < 2.0, f"generate took {served:.2f}s: it waited for the slow tier"
+    assert _HeldPuts.finished == 0, "generate waited for a save to the slow tier"
     assert [o.output_token_ids for o in outs] == reference(prompts)
-    t0 = time.perf_counter()
-    conn.close()  # flushes the write-behind: this is where the slow puts are paid
-    assert time.perf_counter() - t0 >= 2.0
+    _HeldPuts.gate.set()
+    conn.close()  # flushes the write-behind: this is where the held puts complete
+    assert _HeldPuts.finished > 0
 
 
 def test_scheduler_half_never_imports_torch():
