@@ -28,6 +28,7 @@ negative sizes and URLs with no registered backend raise :class:`ConfigError` na
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, replace
@@ -87,7 +88,7 @@ class _Settings(dict):
     """A table of medium settings that can be part of a hashable config (never mutated)."""
 
     def __hash__(self) -> int:  # type: ignore[override]
-        return hash(repr(sorted(self.items())))
+        return hash(json.dumps(self, sort_keys=True, default=repr))  # nested tables in any order
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ installed here; ``trtllm_executor`` stands in for PyExecutor with the same field
 
 from __future__ import annotations
 
+import os
 import random
 
 import lmdb
@@ -281,3 +282,27 @@ def test_hung_redis_never_stalls_the_trtllm_scheduler_and_outputs_stay_identical
     assert first == second == reference
     assert all(n == 0 for n, _ in matched(ex).values())  # unanswered Redis: misses, recomputed
     assert elapsed < 3.0  # landed code: 1 s x 3 tries per lookup, per request, per step
+
+
+def test_a_request_that_hits_the_host_counts_once_for_admission(tmp_path, monkeypatch):
+    """The adapter reads matched blocks to check them before promising them; that check is not
+    a request of its own (else a tier admitting after 3 requests would take the 2nd)."""
+    for name in [n for n in os.environ if n.startswith("TIERED_KV_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TIERED_KV_DISK_URL", f"lmdb://{tmp_path}/db")
+    monkeypatch.setenv("TIERED_KV_HOST_CAPACITY", "256KiB")
+    monkeypatch.setenv("TIERED_KV_DISK_ADMIT_AFTER_HITS", "3")
+    write_model_config(tmp_path / "model")
+    args = LlmArgs(model=str(tmp_path / "model"), kv_cache_config=KvCacheConfig())
+    sched, worker = TieredKVScheduler(args), TieredKVWorker(args)
+    executor, store = Executor(sched, worker), sched.store
+    prompt = list(range(1, 25))
+    entries = []
+    for rid in (1, 2, 3):
+        executor.add(rid, prompt)
+        executor.run()
+        store.flush()
+        entries.append(store.tier("disk").backend.stats().entries)
+    sched.close()
+    worker.close()
+    assert entries[:2] == [0, 0] and entries[2] > 0

@@ -23,13 +23,19 @@ def quota_store(tmp_path, **extra):
     return make_store(tmp_path, disk={"codec": "raw", "tenant_quota": QUOTA}, **extra)
 
 
+def save_in_turn(store, keys, data, tenant) -> None:
+    """Requests one after another: write-behind order (so LRU order) follows the keys."""
+    for key, block in zip(keys, data):
+        store.save([key], [block], tenant=tenant)
+        store.flush()
+
+
 def test_a_tenant_over_its_disk_quota_never_evicts_another_tenants_blocks(tmp_path):
     a_keys, b_keys = keys_for(10), keys_for(4, first_token=90_000)
     with quota_store(tmp_path) as store:
         b_data = payloads(store, 4, seed=1)
-        store.save(b_keys, b_data, tenant=B)
-        store.save(a_keys, payloads(store, 10), tenant=A)
-        store.flush()
+        save_in_turn(store, b_keys, b_data, B)
+        save_in_turn(store, a_keys, payloads(store, 10), A)
         disk = store.tier("disk")
         assert disk.contains(b_keys) == [True] * 4
         assert disk.contains(a_keys) == [False] * 6 + [True] * 4  # A paid with its own oldest
@@ -42,16 +48,14 @@ def test_quotas_and_usage_survive_a_restart_of_the_lmdb_tier(tmp_path):
     a_keys, b_keys = keys_for(6), keys_for(4, first_token=90_000)
     with quota_store(tmp_path) as store:
         b_data = payloads(store, 4, seed=1)
-        store.save(b_keys, b_data, tenant=B)
-        store.save(a_keys, payloads(store, 6), tenant=A)
-        store.flush()
+        save_in_turn(store, b_keys, b_data, B)
+        save_in_turn(store, a_keys, payloads(store, 6), A)
         before = store.tier("disk").backend.tenant_usage()
     with quota_store(tmp_path) as store:  # a new process: nothing in host memory
         disk = store.tier("disk")
         assert disk.backend.tenant_usage() == before
         more = keys_for(3, first_token=50_000)
-        store.save(more, payloads(store, 3, seed=2), tenant=A)
-        store.flush()
+        save_in_turn(store, more, payloads(store, 3, seed=2), A)
         assert disk.contains(more) == [True] * 3
         assert disk.contains(a_keys) == [False] * 5 + [True]  # still only A's own blocks go
         ok, outs = load(store, b_keys)

@@ -84,7 +84,7 @@ class _EverythingStored:
     def lookup(self, keys):
         return len(keys)
 
-    def lease(self, lease_id, keys):
+    def lease(self, lease_id, keys, tenant=None):
         pass
 
     def drop_lease(self, lease_id):

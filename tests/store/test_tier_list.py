@@ -3,6 +3,8 @@ takes part in saves, lookups, loads and copies back up like the built-in ones.""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -90,3 +92,31 @@ def TieredStore_of(config):
     from tiered_kv.store import TieredStore
 
     return TieredStore(config, NS)
+
+
+def test_a_block_withdrawn_while_it_is_being_loaded_is_not_copied_back_up(tmp_path):
+    tiers = [{"name": "shared", "url": f"file://{tmp_path}/shared"}]
+    keys = keys_for(2)
+    with make_store(tmp_path, disk=None, tiers=tiers) as other_replica:
+        other_replica.save(keys, payloads(other_replica, 2))
+    with make_store(tmp_path, tiers=tiers, workers=4) as store:
+        reached, go = threading.Event(), threading.Event()
+        copy_up = store.loader._copy_up
+
+        def held_copy_up(*args):
+            reached.set()
+            go.wait(10)
+            return copy_up(*args)
+
+        store.loader._copy_up = held_copy_up
+        plan = store.load(store.prepare_load(keys))
+        assert reached.wait(10)
+        withdrawn = store.invalidate(keys)  # the scheduler learned their KV may be wrong
+        go.set()
+        withdrawn.result(10)
+        plan.wait(10)
+        store.release(plan)
+        store.flush()
+        assert store.tier("disk").contains(keys) == [False, False]
+        assert store.tier("shared").contains(keys) == [False, False]
+        assert store.lookup(keys) == 0

@@ -37,7 +37,7 @@ class BlockIndex(Protocol):
 
     def lookup(self, keys: Sequence[bytes]) -> int: ...
 
-    def lease(self, lease_id: str, keys: Sequence[bytes]) -> Any: ...
+    def lease(self, lease_id: str, keys: Sequence[bytes], tenant: bytes | None = None) -> Any: ...
 
     def drop_lease(self, lease_id: str) -> None: ...
 
@@ -125,7 +125,7 @@ class ConnectorScheduler:
         keys = state.chain.keys[first : first + n]
         state.external = num_external_tokens
         state.promised = self.load_async
-        self.index.lease(request.request_id, keys)
+        self.index.lease(request.request_id, keys, state.tenant)
         self._loads.append(LoadSpec(request.request_id, tuple(keys),
                                     tuple(state.block_ids[first : first + n]), self.load_async,
                                     tenant=state.tenant))

@@ -49,7 +49,7 @@ from tiered_kv.integrations.common import (
     parse_settings,
     release_store,
 )
-from tiered_kv.keys import Namespace
+from tiered_kv.keys import Namespace, tenant_label
 from tiered_kv.store.futures import gather
 
 log = logging.getLogger(__name__)
@@ -207,7 +207,8 @@ class TieredKVScheduler(_SchedulerBase):
         bs = self.namespace.block_size
         first = num_computed_tokens // bs
         keys = self.core.keys_of(view.request_id)[first : first + n // bs]
-        plan = self.store.load(self.store.prepare_load(keys))
+        tenant = tenant_label(view.tenant) if view.tenant else None  # checked here, counted at the lease
+        plan = self.store.load(self.store.prepare_load(keys, tenant, count=False))
         finished = True
         try:
             futures_wait(plan.futures, self.store.config.remote.timeout)  # one deadline for all

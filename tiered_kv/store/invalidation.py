@@ -41,7 +41,7 @@ class Invalidations:
         self.host, self.tiers, self.pool, self.metrics = host, tiers, pool, metrics
         self._lock = threading.Lock()
         self._suppressed: Counter[bytes] = Counter()  # key -> invalidations not finished
-        self._writes: dict[bytes, Future] = {}  # key -> its latest write-behind in flight
+        self._writes: dict[bytes, list[Future]] = {}  # key -> its writes in flight (write-behind, copies up)
         self._deletes: dict[bytes, Future] = {}  # key -> its delete in flight
 
     # -- what others ask -----------------------------------------------------------------------
@@ -63,13 +63,16 @@ class Invalidations:
         keys = list(keys)
         with self._lock:
             for k in keys:
-                self._writes[k] = fut
+                self._writes.setdefault(k, []).append(fut)
 
         def done(_f: Future) -> None:
             with self._lock:
                 for k in keys:
-                    if self._writes.get(k) is fut:
-                        del self._writes[k]
+                    writes = self._writes.get(k)
+                    if writes is not None and fut in writes:
+                        writes.remove(fut)
+                        if not writes:
+                            del self._writes[k]
 
         fut.add_done_callback(done)
 
@@ -84,7 +87,7 @@ class Invalidations:
             return out
         with self._lock:
             self._suppressed.update(keys)
-            earlier = list({id(f): f for k in keys if (f := self._writes.get(k)) is not None}.values())
+            earlier = list({id(f): f for k in keys for f in self._writes.get(k, ())}.values())
             for k in keys:
                 self._deletes[k] = out
         self.host.retire_many(keys)

@@ -42,6 +42,7 @@ class LoadPlan:
     served: list[str | None] = field(default_factory=list)  # tier that served each key
     futures: list[Future] = field(default_factory=list)
     lower_pinned: list[bytes] = field(default_factory=list)  # keys protected in the lower tiers
+    counts: list[int] = field(default_factory=list)  # request count of each key (admission)
     tenant: bytes = b""  # whose blocks these are (copies into other tiers are theirs)
     released: bool = False
 
@@ -76,9 +77,11 @@ class Loader:
         self._lock = threading.Lock()
         self._leases: dict[str, LoadPlan] = {}
 
-    def prepare_load(self, keys: Sequence[bytes], tenant: bytes | None = None) -> LoadPlan:
+    def prepare_load(self, keys: Sequence[bytes], tenant: bytes | None = None, *,
+                     count: bool = True) -> LoadPlan:
         """Lease ``keys`` for a coming load: host entries are pinned now, lower-tier ones
-        protected from eviction (each key is one request of its block, for admission)."""
+        protected from eviction. Each key is one request of its block, for admission, unless
+        ``count`` is False (a read that only checks what a later lease will load)."""
         keys = list(keys)
         slots = self.host.pin_many(keys)
         sources = ["host" if s is not None else "lower" for s in slots]
@@ -88,11 +91,11 @@ class Loader:
         plan.lower_pinned = [k for k, s in zip(keys, slots) if s is None]
         for tier in self.tiers:
             tier.pin(plan.lower_pinned)
-        counts = self.saver.requests.request(keys)
-        if self.saver.requests.active:  # host blocks that just earned a lower tier go there now
-            earned = [k for k, s, n in zip(keys, slots, counts) if s is not None and self.saver.earns(n)]
-            if earned:
-                self.saver.write_behind(earned, plan.tenant, reached=True)
+        requests = self.saver.requests
+        plan.counts = requests.request(keys) if count else requests.counts(keys)
+        held = [(k, n) for k, s, n in zip(keys, slots, plan.counts) if s is not None]
+        if held and requests.active:  # host blocks this request may have earned a tier for
+            self.saver.write_behind([k for k, _ in held], plan.tenant, [n for _, n in held], earned_only=True)
         return plan
 
     def lease(self, lease_id: str, keys: Sequence[bytes], tenant: bytes | None = None) -> LoadPlan:
@@ -161,13 +164,20 @@ class Loader:
         # this job committed its own (a job never waits while holding reservations)
         others = [i for i, slot in zip(idx, slots) if slot is None]
         reasons: dict[int, str | None] = {i: LOAD_ERROR for i, _ in want}  # until read
+        reading: Future = Future()  # copies up are writes: a withdrawal deletes after them
+        self.invalidations.track_write([plan.keys[i] for i, _ in want], reading)
         try:
             reasons = self._read_reserved(plan, want)
         except Exception:  # a bug, not a bad block (those are per-block reasons): never raised
             log.exception("load of %d blocks failed; they are counted as %s misses", len(want), LOAD_ERROR)
             self.metrics.miss("host", LOAD_ERROR, len(want))
         finally:
+            reading.set_result(None)
             self._settle(plan, want, reasons)  # every reservation of this job ends here
+            promoted = [i for i, _ in want if reasons[i] is None]
+            if promoted and self.saver.requests.active:  # the tiers below may have been earned
+                self.saver.write_behind([plan.keys[i] for i in promoted], plan.tenant,
+                                        [plan.counts[i] for i in promoted], earned_only=True)
             for i in others:
                 try:
                     pinned = self._pin_promoted(plan.keys[i])
@@ -182,10 +192,17 @@ class Loader:
 
     def _read_reserved(self, plan: LoadPlan, want: list[tuple[int, int]]) -> dict[int, str | None]:
         """Read the blocks of ``want`` (plan index, reserved slot) from the lower tiers into
-        their slots; the miss reason per plan index (None: loaded)."""
+        their slots; the miss reason per plan index (None: loaded). Keys withdrawn since the
+        load was planned are not read (the job is already tracked: a withdrawal that starts
+        later deletes after it)."""
         reasons: dict[int, str | None] = {i: "absent" for i, _ in want}
+        withdrawn = self.invalidations.suppressed([plan.keys[i] for i, _ in want])
+        for (i, _), gone in zip(want, withdrawn):
+            if gone:
+                reasons[i] = "invalidated"
+                self.metrics.miss("host", "invalidated")
         for depth, tier in enumerate(self.tiers):
-            pending = [(i, s) for i, s in want if reasons[i] is not None]
+            pending = [(i, s) for i, s in want if reasons[i] not in (None, "invalidated")]
             if not pending:
                 break
             outs = [self.slots.row(s) for _, s in pending]
@@ -196,22 +213,29 @@ class Loader:
                     plan.served[i] = tier.name
                 if reason is None or reasons[i] == "absent":
                     reasons[i] = reason  # keep the first real failure reason for the report
-            up = {plan.keys[i]: blob for (i, _), blob in zip(pending, blobs) if blob is not None}
+            up = {i: blob for (i, _), blob in zip(pending, blobs) if blob is not None}
             if up:
-                self._copy_up(up, above, plan.tenant)
+                self._copy_up(plan, up, above)
         return reasons
 
-    def _copy_up(self, blobs: dict[bytes, bytes], above: list[EncodedTier], tenant: bytes) -> None:
-        """Store blocks read from a lower tier in the tiers above it that admit them (validated
-        stored bytes, not re-encoded: a remote hit warms the disk tier)."""
-        for tiers, keys in self.saver.admitted(list(blobs), above).items():
+    def _copy_up(self, plan: LoadPlan, blobs: dict[int, bytes], above: list[EncodedTier]) -> None:
+        """Store blocks read from a lower tier (plan index -> validated stored bytes, not
+        re-encoded) in the tiers above it that admit them: a remote hit warms the disk tier.
+        The load job is a tracked write for invalidation: a key withdrawn before the copy is not
+        copied, and a withdrawal that started meanwhile deletes after the job."""
+        keys = [plan.keys[i] for i in blobs]
+        by_key = {plan.keys[i]: blob for i, blob in blobs.items()}
+        live = [(k, n) for k, n, gone in zip(keys, [plan.counts[i] for i in blobs],
+                                             self.invalidations.suppressed(keys)) if not gone]
+        groups = self.saver.admitted([k for k, _ in live], above, [n for _, n in live])
+        for tiers, group in groups.items():
             for tier in tiers:
                 try:
                     self.saver.records.keep(tier)
-                    tier.put_blobs([(k, blobs[k]) for k in keys], len(keys) * self.block_nbytes,
-                                   tenant=tenant)
+                    tier.put_blobs([(k, by_key[k]) for k in group], len(group) * self.block_nbytes,
+                                   tenant=plan.tenant)
                 except Exception:  # the blocks were loaded; only their copy up there is lost
-                    log.exception("copy of %d blocks into the %s tier failed", len(keys), tier.name)
+                    log.exception("copy of %d blocks into the %s tier failed", len(group), tier.name)
 
     def _pin_promoted(self, key: bytes) -> int | None:
         """Lease ``key`` in the host tier. When another load is promoting it right now (two

@@ -51,7 +51,7 @@ class LowerTierIndex:
             return 0
         return self.presence.lookup(keys)
 
-    def lease(self, lease_id: str, keys: Sequence[bytes]) -> None:
+    def lease(self, lease_id: str, keys: Sequence[bytes], tenant: bytes | None = None) -> None:
         """Nothing to pin from here: the worker leases the blocks when it loads them."""
 
     def drop_lease(self, lease_id: str) -> None:

@@ -35,6 +35,7 @@ class SaveBatch:
     slots: list[int]
     skipped: int = 0  # keys already stored in the host tier or without room
     tenant: bytes = b""  # whose blocks these are (quotas, usage)
+    counts: list[int] | None = None  # request count of each key (admission)
 
 
 class Saver:
@@ -59,15 +60,21 @@ class Saver:
         """Phase one: reserve host slots for the keys not stored yet (each key is one request
         of its block, for admission)."""
         tenant = self.tenant if tenant is None else tenant
-        self.requests.request(keys)
+        counts = self.requests.request(keys)
         slots = self.slots.reserve(keys, tenant)
         kept = [(k, s) for k, s in zip(keys, slots) if s is not None]
         skipped = len(keys) - len(kept)
         if skipped:
-            present = sum(self.host.contains_many([k for k, s in zip(keys, slots) if s is None]))
-            if skipped - present:
-                self.metrics.event("saves_no_room", skipped - present)
-        return SaveBatch([k for k, _ in kept], [s for _, s in kept], skipped, tenant)
+            unreserved = [(k, n) for k, s, n in zip(keys, slots, counts) if s is None]
+            present = [(k, n) for (k, n), held in zip(unreserved, self.host.contains_many([k for k, _ in unreserved]))
+                       if held]
+            if len(unreserved) - len(present):
+                self.metrics.event("saves_no_room", len(unreserved) - len(present))
+            if present:  # computed again while held: this request may earn it a tier
+                self.write_behind([k for k, _ in present], tenant, [n for _, n in present], earned_only=True)
+        by_key = dict(zip(keys, counts))
+        return SaveBatch([k for k, _ in kept], [s for _, s in kept], skipped, tenant,
+                         [by_key[k] for k, _ in kept])
 
     def commit_save(self, batch: SaveBatch, ok: bool = True) -> Future | None:
         """Phase two: publish the filled slots (or roll back) and queue write-behind."""
@@ -80,7 +87,7 @@ class Saver:
         self.host.commit_many(batch.keys)
         nbytes = len(batch.keys) * self.block_nbytes
         self.metrics.wrote("host", len(batch.keys), nbytes, nbytes, 0.0)
-        return self.write_behind(batch.keys, batch.tenant)
+        return self.write_behind(batch.keys, batch.tenant, batch.counts)
 
     def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor],
              tenant: bytes | None = None) -> Future | None:
@@ -108,37 +115,36 @@ class Saver:
         return gather(futures)
 
     # -- write-behind ----------------------------------------------------------------------------
-    def admitted(self, keys: Sequence[bytes], tiers: Sequence[EncodedTier],
-                 reached: bool = False) -> dict[tuple[EncodedTier, ...], list[bytes]]:
-        """``keys`` grouped by the tiers of ``tiers`` that admit them now (their request count
-        reached the tier's ``admit_after_hits``; with ``reached``, reached it exactly: a load
-        that made it so). Keys no tier admits are counted as ``admission_skipped``."""
-        counts = self.requests.counts(keys)
+    def admitted(self, keys: Sequence[bytes], tiers: Sequence[EncodedTier], counts: Sequence[int] | None = None,
+                 earned_only: bool = False) -> dict[tuple[EncodedTier, ...], list[bytes]]:
+        """``keys`` grouped by the tiers of ``tiers`` that admit them: a tier whose
+        ``admit_after_hits`` the key's request count (``counts``, else the table's) has reached.
+        With ``earned_only`` (the block is requested again while held), only tiers that wait for
+        several requests and that the key was not queued for yet; else misses are counted."""
+        counts = self.requests.counts(keys) if counts is None else counts
         groups: dict[tuple[EncodedTier, ...], list[bytes]] = {}
         skipped = 0
         for key, n in zip(keys, counts):
-            want = tuple(t for t in tiers if (n == t.config.admit_after_hits if reached
-                                              else n >= t.config.admit_after_hits))
-            skipped += len(tiers) - len(want) if not reached else 0
+            want = [t for t in tiers if t.config.admit_after_hits <= max(n, 1)
+                    and not (earned_only and t.config.admit_after_hits == 1)]
+            if not earned_only:
+                skipped += len(tiers) - len(want)
+            names = self.requests.claim(key, [t.name for t in want], fresh_only=earned_only)
+            want = [t for t in want if t.name in names]
             if want:
-                groups.setdefault(want, []).append(key)
+                groups.setdefault(tuple(want), []).append(key)
         if skipped:
             self.metrics.event("admission_skipped", skipped)
         return groups
 
-    def earns(self, requests: int) -> bool:
-        """Whether a block requested ``requests`` times just earned a place in some
-        ``write_through`` tier that admits only after several requests."""
-        return requests > 1 and any(t.policy == "write_through" and t.config.admit_after_hits == requests
-                                    for t in self.tiers)
-
-    def write_behind(self, keys: list[bytes], tenant: bytes, reached: bool = False) -> Future | None:
+    def write_behind(self, keys: list[bytes], tenant: bytes, counts: Sequence[int] | None = None,
+                     earned_only: bool = False) -> Future | None:
         """Queue the write of host-resident ``keys`` to the ``write_through`` tiers that admit them."""
         targets = [t for t in self.tiers if t.policy == "write_through"]
-        if not targets:
+        if not targets or (earned_only and not self.requests.active):
             return None
         futures = []
-        for tiers, group in self.admitted(keys, targets, reached).items():
+        for tiers, group in self.admitted(keys, targets, counts, earned_only).items():
             per_job = max(1, min(SAVE_CHUNK_BYTES // self.block_nbytes, -(-len(group) // self.workers)))
             for start in range(0, len(group), per_job):
                 chunk = group[start : start + per_job]

@@ -129,11 +129,11 @@ class TieredStore:
     def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor], tenant: bytes | None = None):
         return self.saver.save(keys, payloads, tenant)
 
-    def prepare_load(self, keys: Sequence[bytes], tenant: bytes | None = None) -> LoadPlan:
-        return self.loader.prepare_load(keys, tenant)
+    def prepare_load(self, keys: Sequence[bytes], tenant: bytes | None = None, *, count: bool = True) -> LoadPlan:
+        return self.loader.prepare_load(keys, tenant, count=count)
 
-    def lease(self, lease_id: str, keys: Sequence[bytes]) -> LoadPlan:
-        return self.loader.lease(lease_id, keys)
+    def lease(self, lease_id: str, keys: Sequence[bytes], tenant: bytes | None = None) -> LoadPlan:
+        return self.loader.lease(lease_id, keys, tenant)
 
     def take_lease(self, lease_id: str, keys: Sequence[bytes], tenant: bytes | None = None) -> LoadPlan:
         return self.loader.take_lease(lease_id, keys, tenant)
