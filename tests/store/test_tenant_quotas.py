@@ -102,3 +102,15 @@ def test_metrics_show_quota_evictions_usage_per_tenant_and_skipped_admissions(tm
     assert any(line.startswith("tiered_kv_tenant_used_bytes") and f'tenant="{A.hex()}"' in line
                for line in lines)
     assert any('event="admission_skipped"' in line and line.endswith(" 6.0") for line in lines)
+
+
+def test_a_block_a_lease_earns_a_tier_for_is_charged_to_the_leasing_tenant(tmp_path):
+    with make_store(tmp_path, disk={"admit_after_hits": 2}) as store:
+        keys = keys_for(3)
+        store.save(keys, payloads(store, 3), tenant=A)  # request 1 (the worker saves it)
+        plan = store.lease("request-2", keys, A)  # request 2: the scheduler half leases it
+        store.release(store.take_lease("request-2", keys, A))
+        store.release(plan)
+        store.flush()
+        usage = store.tier("disk").backend.tenant_usage()
+        assert usage[A] > 2 * BLOCK and usage.get(b"", 0) < 1024
