@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from storage_backends.base import Backend, BackendStats, TenantTotal, Visitor
-from storage_backends.eviction import Eviction
+from storage_backends.eviction import Eviction, Plan
 from storage_backends.eviction_lru import LRU
 from storage_backends.options import split_options
 from storage_backends.quotas import Quotas, as_tenant
@@ -286,7 +286,13 @@ class HostBackend(Backend):
     def _take_slot(self, tenant: bytes, length: int, evicted: list) -> int | None:
         """A free slot for ``length`` bytes of ``tenant``, after evicting what its quota, then
         the lack of a free slot, asks for; None when that cannot be done."""
-        plan = self._eviction.plan(self._recency, tenant, length)
+        if not self._eviction.quotas:  # the common case: a free slot, else the first to go
+            if self._free:
+                return self._free.pop()
+            victim = self._eviction.next_victim(self._recency)
+            plan = Plan(capacity=[victim]) if victim is not None else None
+        else:
+            plan = self._eviction.plan(self._recency, tenant, length)
         if plan is None:
             return None
         if not self._free and not plan.quota:
@@ -299,8 +305,10 @@ class HostBackend(Backend):
             if self.on_evict is not None:
                 evicted.append((key, bytes(self._np[entry.slot, : entry.length]), entry.tenant))
             self._drop(key, entry)
-        if plan.victims:
+        if plan.quota:
             self._count(evictions=len(plan.victims), quota_evictions=len(plan.quota))
+        elif plan.victims:
+            self._count(evictions=len(plan.victims))
         return self._free.pop()
 
     def _drop(self, key: bytes, entry: _Entry) -> None:
