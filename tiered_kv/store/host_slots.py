@@ -33,10 +33,6 @@ class HostSlots:
         self._rows = host.slab.numpy()  # [slot, byte]: host copies without torch ops
         self._blocks = host.slab.view(host.num_slots, host.slot_bytes)[:, : self.block_nbytes]
 
-    def reserve(self, keys: Sequence[bytes], tenant: bytes) -> list[int | None]:
-        """Phase one of filling slots: a slot per key of ``tenant`` (None: held already, no room)."""
-        return self.host.reserve_many(list(keys), tenant=tenant)
-
     def slot_tensor(self, slot: int) -> torch.Tensor:
         """Host slot ``slot`` as a canonical block tensor (shares memory with the slab)."""
         view = self._views[slot]

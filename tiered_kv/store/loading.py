@@ -93,9 +93,8 @@ class Loader:
             tier.pin(plan.lower_pinned)
         requests = self.saver.requests
         plan.counts = requests.request(keys) if count else requests.counts(keys)
-        held = [(k, n) for k, s, n in zip(keys, slots, plan.counts) if s is not None]
-        if held and requests.active:  # host blocks this request may have earned a tier for
-            self.saver.write_behind([k for k, _ in held], plan.tenant, [n for _, n in held], earned_only=True)
+        self.saver.write_earned([(k, n) for k, s, n in zip(keys, slots, plan.counts) if s is not None],
+                                plan.tenant)
         return plan
 
     def lease(self, lease_id: str, keys: Sequence[bytes], tenant: bytes | None = None) -> LoadPlan:
@@ -158,7 +157,7 @@ class Loader:
 
     def _load_job(self, plan: LoadPlan, idx: list[int]) -> None:
         keys = [plan.keys[i] for i in idx]
-        slots = self.slots.reserve(keys, plan.tenant)
+        slots = self.host.reserve_many(keys, tenant=plan.tenant)
         want = [(i, s) for i, s in zip(idx, slots) if s is not None]
         # keys this job could not reserve are leased once another load promoted them, after
         # this job committed its own (a job never waits while holding reservations)
@@ -174,10 +173,8 @@ class Loader:
         finally:
             reading.set_result(None)
             self._settle(plan, want, reasons)  # every reservation of this job ends here
-            promoted = [i for i, _ in want if reasons[i] is None]
-            if promoted and self.saver.requests.active:  # the tiers below may have been earned
-                self.saver.write_behind([plan.keys[i] for i in promoted], plan.tenant,
-                                        [plan.counts[i] for i in promoted], earned_only=True)
+            self.saver.write_earned([(plan.keys[i], plan.counts[i]) for i, _ in want if reasons[i] is None],
+                                    plan.tenant)  # promoted: the tiers below may have been earned
             for i in others:
                 try:
                     pinned = self._pin_promoted(plan.keys[i])

@@ -61,7 +61,7 @@ class Saver:
         of its block, for admission)."""
         tenant = self.tenant if tenant is None else tenant
         counts = self.requests.request(keys)
-        slots = self.slots.reserve(keys, tenant)
+        slots = self.host.reserve_many(list(keys), tenant=tenant)
         kept = [(k, s) for k, s in zip(keys, slots) if s is not None]
         skipped = len(keys) - len(kept)
         if skipped:
@@ -70,8 +70,7 @@ class Saver:
                        if held]
             if len(unreserved) - len(present):
                 self.metrics.event("saves_no_room", len(unreserved) - len(present))
-            if present:  # computed again while held: this request may earn it a tier
-                self.write_behind([k for k, _ in present], tenant, [n for _, n in present], earned_only=True)
+            self.write_earned(present, tenant)  # computed again while held
         by_key = dict(zip(keys, counts))
         return SaveBatch([k for k, _ in kept], [s for _, s in kept], skipped, tenant,
                          [by_key[k] for k, _ in kept])
@@ -121,6 +120,8 @@ class Saver:
         ``admit_after_hits`` the key's request count (``counts``, else the table's) has reached.
         With ``earned_only`` (the block is requested again while held), only tiers that wait for
         several requests and that the key was not queued for yet; else misses are counted."""
+        if not self.requests.active:  # every tier admits at once: nothing to count or remember
+            return {tuple(tiers): list(keys)} if tiers and keys and not earned_only else {}
         counts = self.requests.counts(keys) if counts is None else counts
         groups: dict[tuple[EncodedTier, ...], list[bytes]] = {}
         skipped = 0
@@ -137,11 +138,17 @@ class Saver:
             self.metrics.event("admission_skipped", skipped)
         return groups
 
+    def write_earned(self, requested: Sequence[tuple[bytes, int]], tenant: bytes) -> None:
+        """Host-resident blocks requested again ((key, request count) each): write them to the
+        tiers this request earned them (none unless some tier admits after several requests)."""
+        if requested and self.requests.active:
+            self.write_behind([k for k, _ in requested], tenant, [n for _, n in requested], earned_only=True)
+
     def write_behind(self, keys: list[bytes], tenant: bytes, counts: Sequence[int] | None = None,
                      earned_only: bool = False) -> Future | None:
         """Queue the write of host-resident ``keys`` to the ``write_through`` tiers that admit them."""
         targets = [t for t in self.tiers if t.policy == "write_through"]
-        if not targets or (earned_only and not self.requests.active):
+        if not targets:
             return None
         futures = []
         for tiers, group in self.admitted(keys, targets, counts, earned_only).items():
@@ -218,9 +225,8 @@ class Saver:
             stored += sum(tier.put_blobs(blobs, len(todo) * self.block_nbytes, start, tenant))
         return stored
 
-    def on_host_evict(self, key: bytes, value: memoryview, tenant: bytes | None = None) -> None:
-        """The host tier evicts ``key``: write it to the ``on_evict`` tiers that admit it."""
-        tenant = self.tenant if tenant is None else tenant
+    def on_host_evict(self, key: bytes, value: memoryview, tenant: bytes) -> None:
+        """The host tier evicts ``key`` of ``tenant``: write it to the ``on_evict`` tiers that admit it."""
         targets = [t for t in self.tiers if t.policy == "on_evict"]
         groups = self.admitted([key], targets)
         if not groups:

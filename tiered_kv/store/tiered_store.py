@@ -150,8 +150,8 @@ class TieredStore:
     def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[bool]:
         return self.loader.load_into(keys, outs)
 
-    def _on_host_evict(self, key: bytes, value: memoryview, *tenant: bytes) -> None:
-        self.saver.on_host_evict(key, value, *tenant)
+    def _on_host_evict(self, key: bytes, value: memoryview, tenant: bytes) -> None:
+        self.saver.on_host_evict(key, value, tenant)
 
     # -- lookup ----------------------------------------------------------------------------------
     def locate(self, keys: Sequence[bytes]) -> list[str | None]:
