@@ -4,6 +4,7 @@ in hex; what was stored without a tenant is ``-``."""
 
 from __future__ import annotations
 
+from storage_backends.quotas import NO_QUOTAS, Quotas
 from tiered_kv.admin.opening import Tier
 
 NO_TENANT = "-"
@@ -17,25 +18,19 @@ def label(tenant: bytes) -> str:
 def default_quota(tier: Tier) -> int | None:
     """Bytes every labelled tenant may hold in ``tier``: the medium's own setting, else the
     config's."""
-    quota = getattr(tier.backend, "tenant_quota", None)
-    return quota if _is_size(quota) else tier.tenant_quota
+    return _quotas(tier).default or tier.tenant_quota
 
 
 def quota_of(tier: Tier, tenant: bytes) -> int | None:
     """Bytes ``tenant`` may hold in ``tier`` (None: no quota); the medium's per-tenant quotas
     first, then the default quota, which only labelled tenants have."""
-    quotas = getattr(tier.backend, "quotas", None)
-    quota = quotas.of(tenant) if callable(getattr(quotas, "of", None)) else None
-    if _is_size(quota):
-        return quota
-    return default_quota(tier) if tenant else None
+    return _quotas(tier).per_tenant.get(tenant) or (default_quota(tier) if tenant else None)
 
 
 def tenant_usage(tier: Tier) -> dict[str, dict] | None:
     """Per tenant label: ``stored_bytes``, ``entries``, ``quota_bytes`` and ``quota_used`` (a
     fraction); None when the medium keeps no figures per tenant."""
-    report = getattr(tier.backend, "tenant_totals", None)
-    totals = report() if callable(report) else None
+    totals = tier.backend.tenant_totals()
     if totals is None:
         return None
     out = {}
@@ -46,5 +41,6 @@ def tenant_usage(tier: Tier) -> dict[str, dict] | None:
     return out
 
 
-def _is_size(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _quotas(tier: Tier) -> Quotas:
+    """The quotas the medium keeps (media that keep none, such as Redis: none)."""
+    return getattr(tier.backend, "quotas", NO_QUOTAS)
