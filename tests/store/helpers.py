@@ -43,8 +43,20 @@ def make_store(tmp_path=None, *, ns: Namespace = NS, host: str = "1MiB",
 
 
 def load(store: TieredStore, keys: list[bytes]) -> tuple[list[bool], list[torch.Tensor]]:
+    """``load_into`` plain CPU blocks: lower-tier blocks are decoded straight into them."""
     outs = [torch.zeros(store.shape, dtype=store.dtype) for _ in keys]
     return store.load_into(keys, outs), outs
+
+
+def load_staged(store: TieredStore, keys: list[bytes]) -> tuple[list[bool], list[torch.Tensor]]:
+    """The engines' path: lease, load into host slots (promotion), copy out, release."""
+    plan = store.load(store.prepare_load(keys))
+    try:
+        plan.wait(30)
+        outs = [store.slot_tensor(s).clone() if s is not None else None for s in plan.slots]
+        return plan.ok, outs
+    finally:
+        store.release(plan)
 
 
 def rewrite_stored_blocks(path, edit) -> int:

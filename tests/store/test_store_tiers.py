@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from tests.store.helpers import NS, keys_for, load, make_store, payloads
+from tests.store.helpers import NS, keys_for, load, load_staged, make_store, payloads
 
 
 def test_saved_blocks_are_found_and_loaded_byte_identical_from_host(tmp_path):
@@ -59,11 +59,26 @@ def test_host_eviction_falls_back_to_disk_and_promotes_the_block_again(tmp_path)
         store.save(keys, data)
         store.flush()
         assert store.locate(keys[:1]) == ["disk"], "oldest block was evicted from host"
-        ok, outs = load(store, keys[:4])
+        ok, outs = load_staged(store, keys[:4])
         assert all(ok) and all(torch.equal(a, b) for a, b in zip(data, outs))
         assert store.locate(keys[:4]) == ["host"] * 4
         snap = store.metrics.snapshot()["tiers"]
         assert snap["disk"]["hits"] == 4
+
+
+def test_load_into_plain_host_blocks_decodes_straight_into_them_without_taking_host_slots(tmp_path):
+    """A caller's CPU memory is host memory already: staging its blocks in host slots would
+    only add a copy (and evict what the host tier holds)."""
+    with make_store(tmp_path, host="64KiB") as store:  # 4 host slots
+        keys, data = keys_for(8), payloads(store, 8)
+        store.save(keys, data)
+        store.flush()
+        held = [k for k, where in zip(keys, store.locate(keys)) if where == "host"]
+        ok, outs = load(store, keys)
+        assert all(ok) and all(torch.equal(a, b) for a, b in zip(data, outs))
+        assert [k for k, where in zip(keys, store.locate(keys)) if where == "host"] == held
+        snap = store.metrics.snapshot()["tiers"]
+        assert snap["disk"]["hits"] == 8 - len(held) and snap["host"]["hits"] == len(held)
 
 
 def test_leased_blocks_are_not_evicted_before_their_load_runs(tmp_path):

@@ -31,12 +31,12 @@ def test_a_file_medium_added_as_a_third_tier_by_config_carries_a_block_there_and
         assert store.locate(keys) == ["archive"] * 4
         assert store.lookup(keys) == 4
 
-        ok, outs = load(store, keys)  # file -> host, and copied back up into the disk tier
+        ok, outs = load(store, keys)  # file -> the caller, and copied back up into the disk tier
 
         assert all(ok) and all(torch.equal(a, b) for a, b in zip(data, outs))
         assert store.metrics.snapshot()["tiers"]["archive"]["hits"] == 4
         assert store.tier("disk").contains(keys) == [True] * 4
-        assert store.locate(keys) == ["host"] * 4
+        assert store.locate(keys) == ["disk"] * 4
         assert "archive" in store.stats()["backends"]
 
 
@@ -101,14 +101,14 @@ def test_a_block_withdrawn_while_it_is_being_loaded_is_not_copied_back_up(tmp_pa
         other_replica.save(keys, payloads(other_replica, 2))
     with make_store(tmp_path, tiers=tiers, workers=4) as store:
         reached, go = threading.Event(), threading.Event()
-        copy_up = store.loader._copy_up
+        copy_up = store.loader.reader._copy_up
 
         def held_copy_up(*args):
             reached.set()
             go.wait(10)
             return copy_up(*args)
 
-        store.loader._copy_up = held_copy_up
+        store.loader.reader._copy_up = held_copy_up
         plan = store.load(store.prepare_load(keys))
         assert reached.wait(10)
         withdrawn = store.invalidate(keys)  # the scheduler learned their KV may be wrong

@@ -45,7 +45,7 @@ class HostSlots:
         """The block bytes of ``slot`` as a uint8 array (shares memory; for codecs and media)."""
         return self._rows[slot, : self.block_nbytes]
 
-    def _plain(self, t: torch.Tensor) -> bool:
+    def plain(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a whole contiguous CPU block of our dtype and shape: copied to and from
         host slots with one memcpy on the calling thread. torch's CPU ``copy_`` splits every block
         over its OpenMP pool, and when another thread holds a core (the transfer pool compressing,
@@ -59,7 +59,7 @@ class HostSlots:
         batch of memcpys (spread over the copier's threads when large), others through torch."""
         plain = []
         for slot, block in zip(slots, blocks):
-            if self._plain(block):
+            if self.plain(block):
                 row, mem = self.row(slot), bytes_of(block)
                 plain.append((row, mem) if into_slots else (mem, row))
             elif into_slots:

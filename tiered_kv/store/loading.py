@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tiered_kv.store.encoded_tier import EncodedTier
-from tiered_kv.store.host_slots import HostSlots
+from tiered_kv.store.host_slots import HostSlots, bytes_of
 from tiered_kv.store.invalidation import Invalidations
+from tiered_kv.store.lower_reads import LowerReader
 from tiered_kv.store.metrics import StoreMetrics
 from tiered_kv.store.saving import Saver
 from tiered_kv.store.transfer import TransferPool
@@ -64,7 +65,8 @@ class Loader:
     the saver (blocks read from a lower tier are copied into the tiers above it that admit them)."""
 
     def __init__(self, slots: HostSlots, tiers: list[EncodedTier], pool: TransferPool,
-                 metrics: StoreMetrics, invalidations: Invalidations, saver: Saver, workers: int) -> None:
+                 metrics: StoreMetrics, invalidations: Invalidations, saver: Saver, reader: LowerReader,
+                 workers: int) -> None:
         self.slots = slots
         self.host = slots.host
         self.tiers = tiers
@@ -72,6 +74,7 @@ class Loader:
         self.metrics = metrics
         self.invalidations = invalidations
         self.saver = saver
+        self.reader = reader  # reads lower tiers into slots or into callers' buffers
         self.workers = workers
         self.block_nbytes = slots.block_nbytes
         self._lock = threading.Lock()
@@ -189,50 +192,14 @@ class Loader:
 
     def _read_reserved(self, plan: LoadPlan, want: list[tuple[int, int]]) -> dict[int, str | None]:
         """Read the blocks of ``want`` (plan index, reserved slot) from the lower tiers into
-        their slots; the miss reason per plan index (None: loaded). Keys withdrawn since the
-        load was planned are not read (the job is already tracked: a withdrawal that starts
-        later deletes after it)."""
-        reasons: dict[int, str | None] = {i: "absent" for i, _ in want}
-        withdrawn = self.invalidations.suppressed([plan.keys[i] for i, _ in want])
-        for (i, _), gone in zip(want, withdrawn):
-            if gone:
-                reasons[i] = "invalidated"
-                self.metrics.miss("host", "invalidated")
-        for depth, tier in enumerate(self.tiers):
-            pending = [(i, s) for i, s in want if reasons[i] not in (None, "invalidated")]
-            if not pending:
-                break
-            outs = [self.slots.row(s) for _, s in pending]
-            above = [t for t in self.tiers[:depth] if t.policy != "off"]
-            got, blobs = tier.read_into([plan.keys[i] for i, _ in pending], outs, keep_blobs=bool(above))
-            for (i, _), reason in zip(pending, got):
-                if reason is None:
-                    plan.served[i] = tier.name
-                if reason is None or reasons[i] == "absent":
-                    reasons[i] = reason  # keep the first real failure reason for the report
-            up = {i: blob for (i, _), blob in zip(pending, blobs) if blob is not None}
-            if up:
-                self._copy_up(plan, up, above)
-        return reasons
-
-    def _copy_up(self, plan: LoadPlan, blobs: dict[int, bytes], above: list[EncodedTier]) -> None:
-        """Store blocks read from a lower tier (plan index -> validated stored bytes, not
-        re-encoded) in the tiers above it that admit them: a remote hit warms the disk tier.
-        The load job is a tracked write for invalidation: a key withdrawn before the copy is not
-        copied, and a withdrawal that started meanwhile deletes after the job."""
-        keys = [plan.keys[i] for i in blobs]
-        by_key = {plan.keys[i]: blob for i, blob in blobs.items()}
-        live = [(k, n) for k, n, gone in zip(keys, [plan.counts[i] for i in blobs],
-                                             self.invalidations.suppressed(keys)) if not gone]
-        groups = self.saver.admitted([k for k, _ in live], above, [n for _, n in live])
-        for tiers, group in groups.items():
-            for tier in tiers:
-                try:
-                    self.saver.records.keep(tier)
-                    tier.put_blobs([(k, by_key[k]) for k in group], len(group) * self.block_nbytes,
-                                   tenant=plan.tenant)
-                except Exception:  # the blocks were loaded; only their copy up there is lost
-                    log.exception("copy of %d blocks into the %s tier failed", len(group), tier.name)
+        their slots; the miss reason per plan index (None: loaded)."""
+        idx = [i for i, _ in want]
+        reasons, served = self.reader.read([plan.keys[i] for i in idx], [self.slots.row(s) for _, s in want],
+                                           [plan.counts[i] for i in idx], plan.tenant)
+        for i, tier in zip(idx, served):
+            if tier is not None:
+                plan.served[i] = tier
+        return dict(zip(idx, reasons))
 
     def _pin_promoted(self, key: bytes) -> int | None:
         """Lease ``key`` in the host tier. When another load is promoting it right now (two
@@ -264,19 +231,77 @@ class Loader:
 
     def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[bool]:
         """Synchronous convenience: load ``keys`` and copy them into ``outs``; success per key.
-        Runs in chunks of half the host tier, so any number of blocks can be loaded."""
+        Host hits are copied out of their slots. When every destination is a plain CPU block,
+        lower-tier blocks are decoded straight into it by the pool's workers (the destination is
+        host memory already: staging it in a host slot would only add a copy, and the block
+        stays warm in the page cache or wherever its tier keeps it); other destinations (a GPU)
+        are staged through host slots. Runs in chunks of half the host tier."""
         ok: list[bool] = []
         chunk = max(1, self.host.num_slots // 2)
+        direct = all(self.slots.plain(o) for o in outs)
         for start in range(0, len(keys), chunk):
             plan = self.prepare_load(keys[start : start + chunk])
+            part = outs[start : start + chunk]
             try:
+                if direct:
+                    ok.extend(self._load_direct(plan, part))
+                    continue
                 self.load(plan).wait()
-                found = [(s, o) for s, o in zip(plan.slots, outs[start : start + chunk]) if s is not None]
+                found = [(s, o) for s, o in zip(plan.slots, part) if s is not None]
                 self.slots.copy_blocks([s for s, _ in found], [o for _, o in found], into_slots=False)
                 ok.extend(plan.ok)
             finally:
                 self.release(plan)
         return ok
+
+    def _load_direct(self, plan: LoadPlan, outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Host hits copied out of their slots, the other blocks read from the lower tiers
+        straight into ``outs`` (plain CPU blocks) in the pool; success per key."""
+        hits = [(s, o) for s, o in zip(plan.slots, outs) if s is not None]
+        if hits:
+            self.metrics.hit("host", len(hits), len(hits) * self.block_nbytes)
+        todo = [i for i, s in enumerate(plan.slots) if s is None]
+        jobs = []
+        if todo:
+            per_job = -(-len(todo) // self.workers)
+            for start in range(0, len(todo), per_job):
+                idx = todo[start : start + per_job]
+                jobs.append(self.pool.submit_load(len(idx) * self.block_nbytes,
+                                                  lambda idx=idx: self._direct_job(plan, idx, outs)))
+        self.slots.copy_blocks([s for s, _ in hits], [o for _, o in hits], into_slots=False)
+        loaded = [s is not None for s in plan.slots]
+        for job in jobs:
+            for i in job.result():
+                loaded[i] = True
+        return loaded
+
+    def _direct_job(self, plan: LoadPlan, idx: list[int], outs: Sequence[torch.Tensor]) -> list[int]:
+        """Read the blocks ``idx`` of ``plan`` into their destinations; the indices loaded.
+        Tracked as a write for invalidation (its copies up are writes); never raises."""
+        keys = [plan.keys[i] for i in idx]
+        reading: Future = Future()
+        self.invalidations.track_write(keys, reading)
+        try:
+            reasons, served = self.reader.read(keys, [bytes_of(outs[i]) for i in idx],
+                                               [plan.counts[i] for i in idx], plan.tenant)
+        except Exception:  # a bug, not a bad block (those are per-block reasons)
+            log.exception("load of %d blocks failed; they are counted as %s misses", len(idx), LOAD_ERROR)
+            self.metrics.miss("host", LOAD_ERROR, len(idx))
+            reasons, served = [LOAD_ERROR] * len(idx), [None] * len(idx)
+        finally:
+            reading.set_result(None)
+        for i, reason, tier in zip(idx, reasons, served):
+            plan.reasons[i], plan.served[i] = reason, tier
+        loaded = [i for i, r in zip(idx, reasons) if r is None]
+        try:  # the tiers below may have been earned
+            self.saver.write_earned_copies([(plan.keys[i], plan.counts[i], bytes_of(outs[i])) for i in loaded],
+                                           plan.tenant)
+        except Exception:  # the blocks were loaded; only their copies below are lost
+            log.exception("queueing copies of %d loaded blocks failed", len(loaded))
+        failed = len(idx) - len(loaded)
+        if failed:
+            self.metrics.event("loads_failed", failed)
+        return loaded
 
     def _settle(self, plan: LoadPlan, want: list[tuple[int, int]], reasons: dict[int, str | None]) -> None:
         """End the reservations of ``want``: loaded blocks are committed and leased to ``plan``,

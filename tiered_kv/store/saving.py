@@ -225,17 +225,28 @@ class Saver:
             stored += sum(tier.put_blobs(blobs, len(todo) * self.block_nbytes, start, tenant))
         return stored
 
+    def write_earned_copies(self, requested: Sequence[tuple[bytes, int, object]], tenant: bytes) -> None:
+        """Blocks just loaded straight into a caller's memory ((key, request count, payload)
+        each, not held by the host tier): queue copies for the tiers this request earned them."""
+        if not requested or not self.requests.active:
+            return
+        payloads = {k: p for k, _, p in requested}
+        targets = [t for t in self.tiers if t.policy == "write_through"]
+        for tiers, group in self.admitted([k for k, _, _ in requested], targets,
+                                          [n for _, n, _ in requested], earned_only=True).items():
+            self._queue_copies([(k, bytes(memoryview(payloads[k]).cast("B"))) for k in group], tiers, tenant)
+
     def on_host_evict(self, key: bytes, value: memoryview, tenant: bytes) -> None:
         """The host tier evicts ``key`` of ``tenant``: write it to the ``on_evict`` tiers that admit it."""
         targets = [t for t in self.tiers if t.policy == "on_evict"]
-        groups = self.admitted([key], targets)
-        if not groups:
-            return
-        payload = bytes(value)
-        ((tiers, _),) = groups.items()
-        fut = self.pool.try_submit_save(len(payload),
-                                        lambda: self.write_lower([(key, payload)], list(tiers), tenant))
+        for tiers, _ in self.admitted([key], targets).items():
+            self._queue_copies([(key, bytes(value))], tiers, tenant)
+
+    def _queue_copies(self, items: list[tuple[bytes, bytes]], tiers: Sequence[EncodedTier], tenant: bytes) -> None:
+        """Queue the write of ``items`` (private copies of their payloads) to ``tiers``."""
+        fut = self.pool.try_submit_save(len(items) * self.block_nbytes,
+                                        lambda: self.write_lower(items, list(tiers), tenant))
         if fut is None:
-            self.metrics.event("saves_dropped")
+            self.metrics.event("saves_dropped", len(items))
         else:
-            self.invalidations.track_write([key], fut)
+            self.invalidations.track_write([k for k, _ in items], fut)

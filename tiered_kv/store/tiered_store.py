@@ -39,6 +39,7 @@ from tiered_kv.store.host_copy import HostCopier
 from tiered_kv.store.host_slots import HostSlots
 from tiered_kv.store.invalidation import Invalidations
 from tiered_kv.store.loading import Loader, LoadPlan
+from tiered_kv.store.lower_reads import LowerReader
 from tiered_kv.store.lower_tiers import open_media
 from tiered_kv.store.metrics import StoreMetrics
 from tiered_kv.store.presence import RankedPresence
@@ -84,8 +85,9 @@ class TieredStore:
         self.requests = RequestCounts([t.config.admit_after_hits for t in self.tiers])
         self.saver = Saver(self.slots, self.tiers, self.pool, self.metrics, self.invalidations,
                            RecordKeeper(namespace), self.requests, config.workers, namespace.tenant)
+        reader = LowerReader(self.tiers, self.invalidations, self.saver, self.metrics, block_nbytes)
         self.loader = Loader(self.slots, self.tiers, self.pool, self.metrics, self.invalidations,
-                             self.saver, config.workers)
+                             self.saver, reader, config.workers)
         self._closed = False
         self._close_lock = threading.Lock()
         self._metrics_ports: list[int] = []  # Prometheus exporter ports serving this store

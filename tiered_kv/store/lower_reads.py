@@ -1,0 +1,79 @@
+"""Reading blocks from the lower tiers into caller-given buffers: each tier in order is asked
+for the blocks still missing, every block is validated while it is decoded, and a block read
+from a lower tier is copied (its validated stored bytes, not re-encoded) into the tiers above it
+that admit it. Used both for loads staged through host slots and for direct loads into the
+caller's own host memory."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from tiered_kv.store.encoded_tier import EncodedTier
+from tiered_kv.store.invalidation import Invalidations
+from tiered_kv.store.metrics import StoreMetrics
+from tiered_kv.store.saving import Saver
+
+log = logging.getLogger(__name__)
+
+
+class LowerReader:
+    """Handed the ordered lower tiers, the invalidations (withdrawn keys are never read), the
+    saver (admission and tier records for copies up) and the metrics."""
+
+    def __init__(self, tiers: list[EncodedTier], invalidations: Invalidations, saver: Saver,
+                 metrics: StoreMetrics, block_nbytes: int) -> None:
+        self.tiers = tiers
+        self.invalidations = invalidations
+        self.saver = saver
+        self.metrics = metrics
+        self.block_nbytes = block_nbytes
+
+    def read(self, keys: Sequence[bytes], outs: Sequence[object], counts: Sequence[int],
+             tenant: bytes) -> tuple[list[str | None], list[str | None]]:
+        """Read ``keys`` into ``outs`` (writable buffers of one block each) from the first tier
+        holding a good copy; per key (miss reason or None, tier that served it or None). Keys
+        withdrawn meanwhile are not read (``invalidated``). The caller tracks the read as a
+        write for invalidation (copies up are writes: a withdrawal deletes after them). A miss
+        may leave its buffer partly written: the caller must not use it."""
+        reasons: list[str | None] = ["absent"] * len(keys)
+        served: list[str | None] = [None] * len(keys)
+        for i, gone in enumerate(self.invalidations.suppressed(keys)):
+            if gone:
+                reasons[i] = "invalidated"
+                self.metrics.miss("host", "invalidated")
+        for depth, tier in enumerate(self.tiers):
+            pending = [i for i, r in enumerate(reasons) if r not in (None, "invalidated")]
+            if not pending:
+                break
+            above = [t for t in self.tiers[:depth] if t.policy != "off"]
+            got, blobs = tier.read_into([keys[i] for i in pending], [outs[i] for i in pending],
+                                        keep_blobs=bool(above))
+            for i, reason in zip(pending, got):
+                if reason is None:
+                    served[i] = tier.name
+                if reason is None or reasons[i] == "absent":
+                    reasons[i] = reason  # keep the first real failure reason for the report
+            up = {i: blob for i, blob in zip(pending, blobs) if blob is not None}
+            if up:
+                self._copy_up(keys, counts, tenant, up, above)
+        return reasons, served
+
+    def _copy_up(self, keys: Sequence[bytes], counts: Sequence[int], tenant: bytes,
+                 blobs: dict[int, bytes], above: list[EncodedTier]) -> None:
+        """Store blocks read from a lower tier (index -> validated stored bytes) in the tiers
+        above it that admit them: a remote hit warms the disk tier. A key withdrawn before the
+        copy is not copied."""
+        picked = list(blobs)
+        live = [(keys[i], counts[i]) for i, gone in
+                zip(picked, self.invalidations.suppressed([keys[i] for i in picked])) if not gone]
+        by_key = {keys[i]: blobs[i] for i in picked}
+        groups = self.saver.admitted([k for k, _ in live], above, [n for _, n in live])
+        for tiers, group in groups.items():
+            for tier in tiers:
+                try:
+                    self.saver.records.keep(tier)
+                    tier.put_blobs([(k, by_key[k]) for k in group], len(group) * self.block_nbytes,
+                                   tenant=tenant)
+                except Exception:  # the blocks were loaded; only their copy up there is lost
+                    log.exception("copy of %d blocks into the %s tier failed", len(group), tier.name)
