@@ -35,7 +35,7 @@ import zstandard
 
 from tiered_kv.dtypes import ITEMSIZE, itemsize
 from tiered_kv.errors import ConfigError, CorruptBlock, NamespaceMismatch
-from tiered_kv.store.codec_body import body_check, body_parts, compress_body, decompress_body, short
+from tiered_kv.store.codec_body import body_check, body_parts, compress_body, copy_bytes, decompress_body, short
 
 MAGIC = b"TKVB"
 VERSION = 1
@@ -119,8 +119,11 @@ class BlockCodec:
 
     # -- encode -----------------------------------------------------------------------------
     def encode(self, payload, *, dtype: str, shape: tuple[int, ...], namespace: bytes,
-               key: bytes, created: float | None = None) -> bytes:
-        """One stored block (header + body) for ``payload`` (any C-contiguous buffer)."""
+               key: bytes, created: float | None = None, into=None):
+        """One stored block (header + body) for ``payload`` (any C-contiguous buffer): new
+        bytes, or with ``into`` (a writable buffer of at least ``HEADER_BYTES`` + the payload's
+        length) written there and returned as a view of it. A reused ``into`` is memory already
+        touched: a fresh 2 MiB object costs its page faults (~1.4 GB/s here against ~9 GB/s)."""
         raw = memoryview(payload).cast("B")
         size = itemsize(dtype)
         try:
@@ -139,10 +142,20 @@ class BlockCodec:
         body = compress_body(codec, raw, size, self.level)
         if codec != "raw" and len(body) >= len(raw):
             codec, body = "raw", raw  # incompressible: do not pay to decompress later
-        header = self._header(codec, dtype, shape, namespace, key, len(raw), len(body),
-                              xxhash.xxh3_64_intdigest(raw), body_check(body),
-                              time.time() if created is None else created)
-        return b"".join((header, body))
+        created = time.time() if created is None else created
+        if into is None:
+            checksum = xxhash.xxh3_64_intdigest(raw)
+            check = checksum & 0xFFFFFFFF if codec == "raw" else body_check(body)
+            header = self._header(codec, dtype, shape, namespace, key, len(raw), len(body), checksum, check, created)
+            return b"".join((header, body))
+        out = memoryview(into).cast("B")
+        stored = out[HEADER_BYTES : HEADER_BYTES + len(body)]
+        copy_bytes(stored, body)
+        checksum = xxhash.xxh3_64_intdigest(stored if codec == "raw" else raw)  # raw: the copy, in cache
+        check = checksum & 0xFFFFFFFF if codec == "raw" else body_check(stored)
+        out[:HEADER_BYTES] = self._header(codec, dtype, shape, namespace, key, len(raw), len(body),
+                                          checksum, check, created)
+        return out[: HEADER_BYTES + len(body)]
 
     def _header(self, codec: str, dtype: str, shape, namespace: bytes, key: bytes,
                 raw_len: int, stored_len: int, checksum: int, body_check: int, created: float) -> bytes:

@@ -119,6 +119,12 @@ def decompress_exact(dctx: zstandard.ZstdDecompressor, src: memoryview, dst: mem
         raise CorruptBlock("zstd frame size mismatch")
 
 
+def copy_bytes(dst: memoryview, src) -> None:
+    """``dst[:] = src`` for buffers of equal length, without holding the GIL (NumPy releases
+    it while copying; a memoryview slice assignment does not: two threads would take turns)."""
+    np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
 def body_check(body) -> int:
     """32-bit check of the stored body (xxh3 is ~3x faster than xxh32 on large buffers)."""
     return xxhash.xxh3_64_intdigest(body) & 0xFFFFFFFF
@@ -129,7 +135,7 @@ def decompress_body(codec: str, size: int, raw_len: int, parts: tuple[memoryview
     """Decompress ``parts`` (from :func:`body_parts`) into exactly ``dst``."""
     packed, low = parts
     if codec == "raw":
-        dst[:] = packed
+        copy_bytes(dst, packed)
         return
     dctx = _local.dctx
     if codec == "zstd":

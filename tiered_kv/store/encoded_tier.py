@@ -17,7 +17,7 @@ from storage_backends.base import Backend
 from tiered_kv.config import TierConfig
 from tiered_kv.errors import BackendUnavailable, CorruptBlock
 from tiered_kv.keys import Namespace
-from tiered_kv.store.codec import BlockCodec, BlockLayout
+from tiered_kv.store.codec import HEADER_BYTES, BlockCodec, BlockLayout
 from tiered_kv.store.metrics import StoreMetrics
 
 log = logging.getLogger(__name__)
@@ -38,6 +38,7 @@ class EncodedTier:
         self.ns = namespace.digest()
         self.shape = namespace.block_shape
         self.layout = BlockLayout(namespace.dtype, self.shape)  # what every block here must be
+        self.stored_max = HEADER_BYTES + self.layout.raw_len  # the largest stored block (raw)
         self.metrics = metrics
         self.unavailable = f"{config.name}_unavailable"
 
@@ -53,9 +54,11 @@ class EncodedTier:
             return [False] * len(keys)
 
     # -- write -------------------------------------------------------------------------------
-    def encode(self, key: bytes, payload) -> bytes:
+    def encode(self, key: bytes, payload, into=None):
+        """The stored block of ``payload``: new bytes, or written into ``into`` (at least
+        ``stored_max`` bytes) and returned as a view of it."""
         return self.codec.encode(payload, dtype=self.namespace.dtype, shape=self.shape,
-                                 namespace=self.ns, key=key)
+                                 namespace=self.ns, key=key, into=into)
 
     def put_blobs(self, items: Sequence[tuple[bytes, bytes]], raw_bytes: int,
                   start: float | None = None, tenant: bytes = b"") -> list[bool]:

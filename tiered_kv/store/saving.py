@@ -6,6 +6,7 @@ to the blocks."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -36,6 +37,22 @@ class SaveBatch:
     skipped: int = 0  # keys already stored in the host tier or without room
     tenant: bytes = b""  # whose blocks these are (quotas, usage)
     counts: list[int] | None = None  # request count of each key (admission)
+
+
+class _Arena(threading.local):
+    """Per-thread encode buffer, grown when a chunk needs more and reused after."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def views(self, count: int, stride: int) -> list[memoryview]:
+        if len(self.buf) < count * stride:
+            self.buf = bytearray(count * stride)  # zero-filled: every page touched once, here
+        whole = memoryview(self.buf)
+        return [whole[i * stride : (i + 1) * stride] for i in range(count)]
+
+
+_arena = _Arena()
 
 
 class Saver:
@@ -209,9 +226,19 @@ class Saver:
     def write_lower(self, items: list[tuple[bytes, object]], targets: list[EncodedTier],
                     tenant: bytes) -> int:
         """Encode (once per codec setting) and store ``items`` in each target tier (keys the tier
-        holds already are skipped)."""
+        holds already are skipped), a chunk of about SAVE_CHUNK_BYTES at a time."""
+        per_chunk = max(1, SAVE_CHUNK_BYTES // self.block_nbytes)
+        return sum(self._write_chunk(items[start : start + per_chunk], targets, tenant)
+                   for start in range(0, len(items), per_chunk))
+
+    def _write_chunk(self, items: list[tuple[bytes, object]], targets: list[EncodedTier], tenant: bytes) -> int:
+        """Blocks are encoded into this thread's arena (memory touched once and reused: a fresh
+        object per block costs its page faults), which outlives every put of the chunk."""
+        settings = list(dict.fromkeys((t.codec.codec, t.codec.level) for t in targets))
+        room = _arena.views(len(items) * len(settings), max(t.stored_max for t in targets))
+        position = {k: i for i, (k, _) in enumerate(items)}
+        encoded: dict[tuple[str, int], dict[bytes, memoryview]] = {}
         stored = 0
-        encoded: dict[tuple[str, int], dict[bytes, bytes]] = {}
         for tier in targets:
             have = tier.contains([k for k, _ in items])
             todo = [(k, p) for (k, p), held in zip(items, have) if not held]
@@ -219,10 +246,14 @@ class Saver:
                 continue
             self.records.keep(tier)
             start = time.perf_counter()
-            cache = encoded.setdefault((tier.codec.codec, tier.codec.level), {})
-            blobs = [(k, cache[k] if k in cache else cache.setdefault(k, tier.encode(k, p)))
-                     for k, p in todo]
-            stored += sum(tier.put_blobs(blobs, len(todo) * self.block_nbytes, start, tenant))
+            setting = (tier.codec.codec, tier.codec.level)
+            base = settings.index(setting) * len(items)
+            cache = encoded.setdefault(setting, {})
+            for k, p in todo:
+                if k not in cache:
+                    cache[k] = tier.encode(k, p, into=room[base + position[k]])
+            stored += sum(tier.put_blobs([(k, cache[k]) for k, _ in todo], len(todo) * self.block_nbytes,
+                                         start, tenant))
         return stored
 
     def write_earned_copies(self, requested: Sequence[tuple[bytes, int, object]], tenant: bytes) -> None:
