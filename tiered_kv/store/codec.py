@@ -35,7 +35,14 @@ import zstandard
 
 from tiered_kv.dtypes import ITEMSIZE, itemsize
 from tiered_kv.errors import ConfigError, CorruptBlock, NamespaceMismatch
-from tiered_kv.store.codec_body import body_check, body_parts, compress_body, copy_bytes, decompress_body, short
+from tiered_kv.store.codec_body import (
+    body_check,
+    body_parts,
+    compress_body,
+    copy_bytes,
+    decompress_body,
+    short,
+)
 
 MAGIC = b"TKVB"
 VERSION = 1
