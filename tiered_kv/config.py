@@ -100,7 +100,7 @@ class TierConfig:
     name: str = ""  # tier name in metrics, logs and tools (unique; "host" is taken)
     url: str | None = None  # the medium, e.g. "lmdb:///var/cache/tkv", "file:///mnt/tkv"; None = off
     capacity: int | None = _size(None)  # bytes of stored blocks before LRU eviction; None = medium decides
-    codec: str = "zstd+shuffle"  # "raw", "zstd" or "zstd+shuffle"
+    codec: str = "auto"  # "auto" (measured at open: see tiered_kv.store.codec_choice), "raw", "zstd" or "zstd+shuffle"
     level: int = 1  # zstd level (1 is the best speed/ratio trade on KV bytes)
     policy: str = "write_through"  # when host blocks are written here: write_through|on_evict|off
     admit_after_hits: int = 1  # write a block here only once it was requested (saved or loaded) this often
@@ -113,7 +113,7 @@ class TierConfig:
             raise ConfigError(f"{key}.name must be a word other than 'host', got {self.name!r}")
         _check_url(key, self.url)
         _check_choice(f"{key}.policy", self.policy, POLICIES)
-        _check_choice(f"{key}.codec", self.codec, ("raw", "zstd", "zstd+shuffle"))
+        _check_choice(f"{key}.codec", self.codec, ("auto", "raw", "zstd", "zstd+shuffle"))
         _check_level(f"{key}.level", self.level)
         if self.capacity is not None and self.capacity <= 0:
             raise ConfigError(f"{key}.capacity must be positive, got {self.capacity}")

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from math import prod
 
+import numpy as np
 import xxhash
 import zstandard
 
@@ -232,6 +233,10 @@ class BlockCodec:
                max_raw: int | None = None) -> tuple[BlockHeader, memoryview]:
         """Validate ``blob`` and return (header, payload). With ``out`` (a writable buffer of
         exactly the raw length) the payload is written there and a view of ``out`` is returned.
+        A raw body is checked before it is copied into ``out``; a compressed one is checked
+        before it is decompressed (its body check) and after (the payload checksum): when that
+        last check fails (or decompressing does), ``out`` is cleared: no decoded byte of a bad
+        block stays in it. A block refused before that leaves ``out`` untouched.
 
         ``expect``: the block the caller's namespace stores; a header describing any other is
         corrupt, found before anything is allocated or decompressed. Without ``expect`` and
@@ -260,11 +265,17 @@ class BlockCodec:
             if header.codec != "raw" and body_check(body) != header.body_check:
                 raise CorruptBlock("stored body checksum mismatch")
             parts = body_parts(header.codec, ITEMSIZE[header.dtype], header.raw_len, body)  # framing checked before allocating anything
+            if header.codec == "raw" and xxhash.xxh3_64_intdigest(body) != header.checksum:
+                raise CorruptBlock("payload checksum mismatch")  # before a byte is copied out
             if dst is None:
                 dst = memoryview(bytearray(header.raw_len))
-            decompress_body(header.codec, ITEMSIZE[header.dtype], header.raw_len, parts, dst)
-            if xxhash.xxh3_64_intdigest(dst) != header.checksum:
-                raise CorruptBlock("payload checksum mismatch")
+            try:
+                decompress_body(header.codec, ITEMSIZE[header.dtype], header.raw_len, parts, dst)
+                if header.codec != "raw" and xxhash.xxh3_64_intdigest(dst) != header.checksum:
+                    raise CorruptBlock("payload checksum mismatch")
+            except BaseException:
+                np.frombuffer(dst, dtype=np.uint8).fill(0)  # nothing decoded from it stays in out
+                raise
         except CorruptBlock:
             raise
         except zstandard.ZstdError as exc:

@@ -17,6 +17,7 @@ from storage_backends.base import Backend
 from tiered_kv.config import TierConfig
 from tiered_kv.errors import BackendUnavailable, CorruptBlock
 from tiered_kv.keys import Namespace
+from tiered_kv.store import codec_choice
 from tiered_kv.store.codec import HEADER_BYTES, BlockCodec, BlockLayout
 from tiered_kv.store.metrics import StoreMetrics
 
@@ -28,12 +29,13 @@ class EncodedTier:
     and read as ``config`` says (codec, policy, admission)."""
 
     def __init__(self, config: TierConfig, backend: Backend, namespace: Namespace,
-                 metrics: StoreMetrics) -> None:
+                 metrics: StoreMetrics, codec: str | None = None) -> None:
         self.config = config
         self.name = config.name
         self.policy = config.policy
         self.backend = backend
-        self.codec = BlockCodec(config.codec, config.level)
+        # the codec this tier writes ("auto" resolved by the store for its workers; alone, for one)
+        self.codec = BlockCodec(codec or codec_choice.choose(config.codec, 1), config.level)
         self.namespace = namespace
         self.ns = namespace.digest()
         self.shape = namespace.block_shape

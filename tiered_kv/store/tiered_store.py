@@ -33,6 +33,7 @@ from tiered_kv.config import TieredKVConfig
 from tiered_kv.dtypes import itemsize
 from tiered_kv.errors import ConfigError
 from tiered_kv.keys import Namespace, leading_present
+from tiered_kv.store import codec_choice
 from tiered_kv.store.admission import RequestCounts
 from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.host_copy import HostCopier
@@ -74,7 +75,8 @@ class TieredStore:
                                 on_evict=self._on_host_evict if evicting else None, **quota)
         self.slots = HostSlots(self.host, namespace, self.copier)
         try:
-            self.tiers = [EncodedTier(tier, backend, namespace, self.metrics)
+            self.tiers = [EncodedTier(tier, backend, namespace, self.metrics,
+                                      codec_choice.choose(tier.codec, config.workers))
                           for tier, backend in open_media(config)]
         except BaseException:
             self.close_parts()
@@ -184,6 +186,7 @@ class TieredStore:
     def stats(self) -> dict:
         snap = self.metrics.snapshot()
         snap["backends"] = {"host": self.host.stats().as_dict()}
+        snap["codecs"] = {tier.name: tier.codec.codec for tier in self.tiers}  # "auto" as resolved
         for tier in self.tiers:
             try:
                 snap["backends"][tier.name] = tier.backend.stats().as_dict()

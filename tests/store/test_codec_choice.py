@@ -1,0 +1,58 @@
+"""The ``auto`` codec: raw bodies where compressing would be the slowest step of the write-behind,
+byte-shuffled zstd where enough threads compress faster than the medium takes raw bodies."""
+
+import torch
+
+from tests.store.helpers import keys_for, load, make_store, payloads
+from tiered_kv.config import ConfigError, DiskConfig
+from tiered_kv.store import codec_choice
+from tiered_kv.store.codec import BlockCodec
+
+
+def test_auto_stores_raw_bodies_when_the_write_behind_threads_compress_slower_than_the_medium_takes_them():
+    assert codec_choice.choose("auto", workers=2, cpus=2, rate=0.9) == "raw"  # a 2-vCPU host
+    assert codec_choice.choose("auto", workers=16, cpus=2, rate=0.9) == "raw", "threads beyond the CPUs do not compress"
+
+
+def test_auto_compresses_when_enough_threads_keep_up_with_the_medium():
+    assert codec_choice.choose("auto", workers=8, cpus=32, rate=0.9) == "zstd+shuffle"
+
+
+def test_an_explicit_codec_is_kept_whatever_the_machine():
+    for codec in ("raw", "zstd", "zstd+shuffle"):
+        assert codec_choice.choose(codec, workers=64, cpus=64, rate=10.0) == codec
+        assert codec_choice.choose(codec, workers=1, cpus=1, rate=0.01) == codec
+
+
+def test_the_measured_compress_rate_is_positive_and_taken_once():
+    first = codec_choice.compress_rate()
+    assert first > 0 and codec_choice.compress_rate() == first
+
+
+def test_the_sample_the_rate_is_measured_on_compresses_like_kv_data():
+    sample = codec_choice.sample_block()
+    blob = BlockCodec("zstd+shuffle").encode(sample, dtype="bfloat16", shape=(sample.size,),
+                                             namespace=bytes(16), key=bytes(16))
+    assert 1.2 < sample.nbytes / len(blob) < 2.0, "a sample that compresses unlike KV would mislead the choice"
+
+
+def test_an_unknown_codec_is_a_config_error():
+    try:
+        DiskConfig(codec="lz4")
+    except ConfigError as exc:
+        assert "auto" in str(exc)
+    else:
+        raise AssertionError("lz4 accepted")
+
+
+def test_a_store_reports_the_codec_auto_chose_and_reads_blocks_another_codec_wrote(tmp_path):
+    keys = keys_for(3)
+    with make_store(tmp_path, disk={"codec": "zstd+shuffle"}) as store:
+        data = payloads(store, 3)
+        store.save(keys, data)
+        store.flush()
+        assert store.stats()["codecs"] == {"disk": "zstd+shuffle"}
+    with make_store(tmp_path, disk={"codec": "auto"}, host="64KiB") as store:
+        assert store.stats()["codecs"]["disk"] in ("raw", "zstd+shuffle")
+        ok, outs = load(store, keys)
+        assert all(ok) and all(torch.equal(a, b) for a, b in zip(data, outs))
