@@ -1,7 +1,8 @@
 """This machine's limits, measured by bench_tiers in the same run as the store (each function
 adds its figures as ``limits.*`` to the run's ``Figures``): memcpy into pre-touched memory on 1
-and 2 threads (and torch ``copy_`` as a diagnostic); BlockCodec encode / decode at the store's
-codec settings and plain zstd-1; one raw file written + fsync'd and read warm and cold; the naive
+and 2 threads (and torch ``copy_`` as a diagnostic); BlockCodec encode / decode with the codec the
+store writes (``auto`` resolved) and plain zstd-1; one raw file written (page cache), fsync'd, and
+read warm and cold; the naive
 baseline of one ``torch.save`` file per block; redis-py SET / GET round trips (raw, encoded,
 pipelined) and ``redis-benchmark`` on our own server."""
 
@@ -19,7 +20,7 @@ import zstandard
 from .common import MiB, Stopwatch
 from .data import as_np
 from .figures import run_parallel, torch_threads
-from .internals import BlockCodec
+from .internals import HEADER_BYTES, BlockCodec
 from .pagecache import files_under, resident_fraction
 from .redis_server import redis_benchmark
 
@@ -47,19 +48,29 @@ def memcpy(b: Bench, size: str) -> None:
     b.fig.add(size, "limits.memcpy", best, n * nb, n, what="best of memcpy_1t and memcpy_2t")
 
 
-def codec(b: Bench, size: str) -> list[bytes]:
+def codec_label(name: str, level: int) -> str:
+    return name if name == "raw" else f"{name} level {level}"
+
+
+def codec(b: Bench, size: str) -> list[memoryview]:
     """Encode / decode figures; returns the encoded blobs (redis_py ships them too)."""
     blocks = b.data[size]
     n, nb = len(blocks), blocks[0].numel() * 2
     shape = tuple(blocks[0].shape)
     block_codec = BlockCodec(b.codec_name, b.codec_level)
+    label = f"{codec_label(b.codec_name, b.codec_level)} (BlockCodec)"
     src = [as_np(x) for x in blocks]
     ns = b"\x11" * 16
     keys = [i.to_bytes(16, "little") for i in range(n)]
-    blobs: list[bytes | None] = [None] * n
+    # encoded into memory touched once, as the store's write-behind encodes into its arenas
+    arena_t = torch.empty((n, HEADER_BYTES + nb), dtype=torch.uint8)
+    arena_t.fill_(1)
+    arena = arena_t.numpy()
+    blobs: list = [None] * n
 
     def enc(i: int) -> None:
-        blobs[i] = block_codec.encode(src[i], dtype="bfloat16", shape=shape, namespace=ns, key=keys[i])
+        blobs[i] = block_codec.encode(src[i], dtype="bfloat16", shape=shape, namespace=ns, key=keys[i],
+                                      into=arena[i])
 
     outs_t = torch.empty((n, nb), dtype=torch.uint8)
     outs_t.fill_(1)
@@ -70,11 +81,11 @@ def codec(b: Bench, size: str) -> list[bytes]:
 
     for threads in (1, 2):
         b.fig.add(size, f"limits.codec_encode_{threads}t", run_parallel(enc, n, threads), n * nb, n,
-                  codec=f"{b.codec_name} level {b.codec_level} (BlockCodec)")
+                  codec=label)
         b.fig.add(size, f"limits.codec_decode_{threads}t", run_parallel(dec, n, threads), n * nb, n,
-                  codec=f"{b.codec_name} level {b.codec_level} (BlockCodec)")
+                  codec=label)
     assert all(np.array_equal(outs[i], src[i]) for i in (0, n - 1)), "codec round trip differs"
-    stored = sum(len(x) for x in blobs)  # type: ignore[arg-type]
+    stored = sum(len(x) for x in blobs)
     # plain zstd level 1 on the raw bytes, for reference
     plain: list[bytes | None] = [None] * n
     ctx = threading.local()  # zstd contexts are per thread, made once
@@ -95,12 +106,18 @@ def codec(b: Bench, size: str) -> list[bytes]:
               codec="zstd level 1, raw bytes (fresh output buffers)")
     plain_stored = sum(len(x) for x in plain)  # type: ignore[arg-type]
     b.compression.setdefault(size, {}).update({
-        "store_codec": f"{b.codec_name} level {b.codec_level}",
-        "store_codec_ratio": round(n * nb / stored, 4),
+        "store_codec": codec_label(b.codec_name, b.codec_level),
+        "store_codec_compresses": b.codec_name != "raw",
+        "store_codec_ratio": round(n * nb / stored, 4),  # raw: header only, just under 1
         "zstd1_ratio": round(n * nb / plain_stored, 4),
     })
+    if b.codec_name == "raw":  # what compressing would store, for reference (a few blocks)
+        z = BlockCodec("zstd+shuffle", b.codec_level)
+        few = range(min(n, 8))
+        zs = sum(len(z.encode(src[i], dtype="bfloat16", shape=shape, namespace=ns, key=keys[i])) for i in few)
+        b.compression[size]["zstd_shuffle_ratio_sample"] = round(len(few) * nb / zs, 4)
     del outs_t
-    return blobs  # type: ignore[return-value]
+    return blobs
 
 
 def raw_file(b: Bench, size: str) -> None:
@@ -116,11 +133,15 @@ def raw_file(b: Bench, size: str) -> None:
             view = memoryview(buf)
             while view:
                 view = view[os.write(fd, view):]
+        written = sw.lap()  # in the page cache: another process can read it
         os.fsync(fd)
+        synced = sw.lap()
     finally:
         os.close(fd)
-    b.fig.add(size, "limits.file_write_fsync", sw.lap(), n * nb, n,
-              what=f"one file, {format(nb, ',')}-byte sequential writes, then fsync")
+    b.fig.add(size, "limits.file_write", written, n * nb, n,
+              what=f"one file, {format(nb, ',')}-byte sequential writes (page cache, before fsync)")
+    b.fig.add(size, "limits.file_write_fsync", synced, n * nb, n,
+              what=f"one file, {format(nb, ',')}-byte sequential writes, then fsync (total)")
     dst_t = torch.empty(n * nb, dtype=torch.uint8)
     dst_t.fill_(1)
     dst = memoryview(dst_t.numpy())
@@ -188,7 +209,7 @@ def _naive(b: Bench, size: str) -> None:
     shutil.rmtree(d_sync, ignore_errors=True)
 
 
-def redis_py(b: Bench, size: str, rep: int, blobs: list[bytes]) -> None:
+def redis_py(b: Bench, size: str, rep: int, blobs: list[memoryview]) -> None:
     import redis
 
     blocks = b.data[size]

@@ -25,6 +25,8 @@ from .pagecache import files_under, resident_fraction
 if TYPE_CHECKING:
     from .tiers_main import Bench
 
+WORKERS = 2  # the store's transfer threads (its codec ``auto`` is resolved for this many)
+
 
 def make_store(b: Bench, size: str, tag: str, host_blocks: int, disk: str | None = None,
                remote: str | None = None) -> TieredStore:
@@ -32,7 +34,7 @@ def make_store(b: Bench, size: str, tag: str, host_blocks: int, disk: str | None
     total = len(b.data[size]) * b.data[size][0].numel() * 2
     cfg: dict = {
         "host": {"capacity": host_blocks * b.data[size][0].numel() * 2},
-        "workers": 2,
+        "workers": WORKERS,
         # the whole run fits: a dropped save would make the figure meaningless
         "max_inflight_save": 2 * total + 64 * MiB,
         "max_inflight_load": 2 * total + 64 * MiB,

@@ -24,6 +24,7 @@ from . import limits, tiers
 from .common import MiB, Stopwatch, log
 from .data import SIZES, kv_like_blocks, shape_of
 from .figures import Figures
+from .internals import codec_choice
 from .pagecache import Evictor
 from .redis_server import OwnRedis
 from .targets import derive
@@ -46,9 +47,13 @@ class Bench:
         self.residency: dict[str, list] = {}
         self.compression: dict[str, dict] = {}
         self.store_info: dict[str, dict] = {}
+        # the codecs the store writes: "auto" (the default) resolved as the store resolves it
+        # when it opens (measured once per process, so the limits and the stores agree)
         cfg = TieredKVConfig()
-        self.codec_name, self.codec_level = cfg.disk.codec, cfg.disk.level
-        self.remote_codec = (cfg.remote.codec, cfg.remote.level)
+        self.codec_setting = {"disk": cfg.disk.codec, "remote": cfg.remote.codec}
+        self.codec_name = codec_choice.choose(cfg.disk.codec, tiers.WORKERS)
+        self.codec_level = cfg.disk.level
+        self.remote_codec = (codec_choice.choose(cfg.remote.codec, tiers.WORKERS), cfg.remote.level)
         self.data: dict[str, list[torch.Tensor]] = {}
 
     # -- setup / teardown ------------------------------------------------------------------------

@@ -1,6 +1,7 @@
-"""bench_tiers' report: the one JSON object (machine, settings, cache eviction, per block size
-the limits, store figures, compression and store info, the target ratios, load average and
-elapsed time), printed either as JSON (lists of numbers kept on one line) or as rich tables."""
+"""bench_tiers' report: the one JSON object (machine, settings with the codecs the store writes,
+cache eviction, per block size the limits, store figures, compression and store info, the target
+ratios, load average and elapsed time), printed either as JSON (lists of numbers kept on one line)
+or as rich tables."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from .common import Stopwatch, median
 from .data import SIZES
 from .machine import tiers_machine
 from .targets import ratios
+from .tiers import WORKERS
 
 if TYPE_CHECKING:
     from .tiers_main import Bench
@@ -39,15 +41,18 @@ def build_report(b: Bench, started: Stopwatch, load_start: tuple) -> dict:
                 for op in ("set", "get") if any(op in r for r in rb)} or rb[0]
         entry["store_info"] = b.store_info.get(size, {})
         sizes[size] = entry
-    rows = ratios(b.fig)
+    rows = ratios(b.fig, b.compression)
+    targets = [r for r in rows if not r.get("extra") and r["pass"] is not None]
     return {
         "bench": "tiered-kv tiers vs machine limits",
         "machine": tiers_machine(b.base),
         "settings": {
             "blocks_2MiB": len(b.data["2MiB"]), "blocks_64KiB": len(b.data["64KiB"]),
             "repeats": b.args.repeats, "quick": b.args.quick, "dir": b.base,
-            "store_workers": 2, "disk_codec": f"{b.codec_name} level {b.codec_level}",
-            "remote_codec": f"{b.remote_codec[0]} level {b.remote_codec[1]}",
+            "store_workers": WORKERS,
+            "codec": {"disk": b.codec_name, "remote": b.remote_codec[0]},  # what the store writes
+            "codec_level": {"disk": b.codec_level, "remote": b.remote_codec[1]},
+            "codec_setting": b.codec_setting,  # as configured ("auto": resolved for this machine)
             "redis": b.redis_url and (("own redis-server at " + b.redis_url) if b.redis
                                       else "given: " + b.redis_url),
             "redis_error": b.redis_error,
@@ -58,8 +63,8 @@ def build_report(b: Bench, started: Stopwatch, load_start: tuple) -> dict:
                            "resident_fraction_after_evict": b.residency},
         "sizes": sizes,
         "ratios": rows,
-        "targets_passed": sum(r["pass"] for r in rows if not r.get("extra")),
-        "targets_total": sum(1 for r in rows if not r.get("extra")),
+        "targets_passed": sum(r["pass"] for r in targets),
+        "targets_total": len(targets),
         "loadavg": {"start": list(load_start), "end": list(os.getloadavg())},
         "elapsed_s": round(started.lap()[0], 1),
         "process_cpu_cores": round(started.lap()[1] / started.lap()[0], 2),
@@ -107,15 +112,37 @@ def print_table(report: dict) -> None:
                           " ".join(f"{x:.2f}" for x in f["runs_gbps"]),
                           "" if f.get("cpu_cores") is None else f"{f['cpu_cores']:.2f}", note[:80])
         console.print(t)
-    t = Table(title=f"targets: {report['targets_passed']}/{report['targets_total']} pass "
-                    "(rows marked context: which of codec / medium bounds the tier, not targets)")
-    for col in ("size", "target", "store GB/s", "bound GB/s", "ratio", "paired", "need", "pass"):
-        t.add_column(col)
-    for r in report["ratios"]:
-        t.add_row(r["size"], r["name"] + (" (context)" if r.get("extra") else ""),
-                  str(r.get("store_gbps", "-")), str(r.get("bound_gbps", "-")),
-                  str(r["ratio"]) if r["ratio"] is not None else r.get("error", "-")[:40],
-                  str(r.get("ratio_paired_median", "")), f"≥{r['target']}",
-                  "[green]yes[/]" if r["pass"] else "[red]no[/]")
+    codec, setting = report["settings"]["codec"], report["settings"]["codec_setting"]
+    console.print("codec the store writes: " + ", ".join(
+        f"{tier} {codec[tier]}" + (f" ({setting[tier]})" if setting[tier] != codec[tier] else "")
+        for tier in codec))
+    t = Table(title=f"targets: {report['targets_passed']}/{report['targets_total']} pass (ratios of GB/s "
+                    "to limits measured in the same run; context rows are not targets: the naive "
+                    "baseline, and which of codec / medium bounds a tier)")
+    for col in ("size", "kind", "name", "store / bound", "store", "bound", "ratio", "paired", "need", "pass"):
+        t.add_column(col, no_wrap=True, justify="right" if col in ("store", "bound", "ratio", "paired") else "left")
+    notes = []
+    for r in sorted(report["ratios"], key=lambda r: bool(r.get("extra"))):  # targets first
+        verdict = "[dim]n/a[/]" if r["pass"] is None else "[green]yes[/]" if r["pass"] else "[red]no[/]"
+        note = r.get("skipped") or r.get("error")
+        if r["ratio"] is None and note:
+            notes.append(f"{r['size']} {r['name']}: {note}")
+        t.add_row(r["size"], "context" if r.get("extra") else "target", r["name"],
+                  short(r["store"]) + (f" / {short(r['bound'])}" if r["bound"] else ""),
+                  gbps(r.get("store_gbps")), gbps(r.get("bound_gbps")),
+                  "-" if r["ratio"] is None else f"{r['ratio']:.3f}",
+                  "" if r.get("ratio_paired_median") is None else f"{r['ratio_paired_median']:.3f}",
+                  f"≥{r['target']}", verdict)
     console.print(t)
+    for note in notes:
+        console.print(f"  {note}")
     console.print(f"elapsed {report['elapsed_s']} s, load average {report['loadavg']}")
+
+
+def short(figure: str) -> str:
+    """A figure's name without its group: ``store.host_save`` -> ``host_save``."""
+    return " ".join(w.split(".", 1)[-1] for w in figure.split(" "))
+
+
+def gbps(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
