@@ -175,9 +175,9 @@ def test_large_batches_are_copied_by_several_threads_and_land_byte_identical(tmp
         pool, submitted = store.copier._pool, []
         real_submit = pool.submit
         pool.submit = lambda fn: submitted.append(fn) or real_submit(fn)
-        keys, data = keys_for(96), payloads(store, 96, seed=5)
+        keys, data = keys_for(256), payloads(store, 256, seed=5)  # 4 shares of small blocks
         store.save(keys, data)
         outs = [torch.empty_like(d) for d in data]
-        assert store.load_into(keys, outs) == [True] * 96
+        assert store.load_into(keys, outs) == [True] * 256
         assert all(torch.equal(o, d) for o, d in zip(outs, data))
         assert len(submitted) == 2 * store.copier.helpers  # both copies were offered to helpers

@@ -11,13 +11,15 @@ calling thread, where a thread hand-off would cost more than it saves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+import torch
 
 PARALLEL_MIN_BYTES = 4 << 20  # below this a batch is copied on the calling thread (a helper's
 # wake-up costs about what it saves on a 2 MiB batch of 64 KiB blocks)
+TENSORS_PER_CALL = 64  # small blocks per torch._foreach_copy_ call (one share of a batch)
 
 
 class HostCopier:
@@ -30,20 +32,39 @@ class HostCopier:
                       if self.helpers else None)
 
     def copy(self, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
+        """``np.copyto(dst, src)`` for every pair (large blocks: one memcpy each)."""
+        def run(i: int) -> None:
+            np.copyto(*pairs[i])
+
+        self._spread(len(pairs), sum(dst.nbytes for dst, _ in pairs), run)
+
+    def copy_tensors(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        """``dst.copy_(src)`` for every pair, ``TENSORS_PER_CALL`` pairs per ``torch._foreach_copy_``
+        (small blocks: the per-block Python work of a copy costs more than the copy itself)."""
+        shares = range(0, len(dsts), TENSORS_PER_CALL)
+
+        def run(i: int) -> None:
+            lo = shares[i]
+            torch._foreach_copy_(list(dsts[lo : lo + TENSORS_PER_CALL]), list(srcs[lo : lo + TENSORS_PER_CALL]))
+
+        self._spread(len(shares), sum(d.nbytes for d in dsts), run)
+
+    def _spread(self, count: int, nbytes: int, run: Callable[[int], None]) -> None:
+        """``run(i)`` for i in range(count), on this thread and the helpers when it is worth it."""
         pool = self._pool  # read once: close() may run concurrently
-        if pool is None or len(pairs) < 2 or sum(dst.nbytes for dst, _ in pairs) < self.min_bytes:
-            for dst, src in pairs:
-                np.copyto(dst, src)
+        if pool is None or count < 2 or nbytes < self.min_bytes:
+            for i in range(count):
+                run(i)
             return
-        indices = iter(range(len(pairs)))
+        indices = iter(range(count))
 
         def drain() -> None:
             for i in indices:
-                np.copyto(*pairs[i])
+                run(i)
 
         futures = []
         try:
-            for _ in range(min(self.helpers, len(pairs) - 1)):
+            for _ in range(min(self.helpers, count - 1)):
                 try:
                     futures.append(pool.submit(drain))
                 except RuntimeError:  # pool shut down (close(), interpreter exit): copy alone
