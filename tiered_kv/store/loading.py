@@ -238,12 +238,11 @@ class Loader:
         are staged through host slots. Runs in chunks of half the host tier."""
         ok: list[bool] = []
         chunk = max(1, self.host.num_slots // 2)
-        direct = all(self.slots.plain(o) for o in outs)
         for start in range(0, len(keys), chunk):
             plan = self.prepare_load(keys[start : start + chunk])
             part = outs[start : start + chunk]
             try:
-                if direct:
+                if all(self.slots.plain(o) for o, s in zip(part, plan.slots) if s is None):
                     ok.extend(self._load_direct(plan, part))
                     continue
                 self.load(plan).wait()
