@@ -129,7 +129,13 @@ class FileBackend(Backend):
             async with gate:
                 return await fn(item)
 
-        return list(await asyncio.gather(*(one(item) for item in items)))
+        # every call ends before this returns, a failed one too: a caller may reuse the buffers
+        # it handed in as soon as the batch is over (the store encodes into reused memory)
+        results = await asyncio.gather(*(one(item) for item in items), return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)
 
     # -- reads -------------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:

@@ -7,7 +7,7 @@ Everything runs on the demo model (``ModelConfig.demo()``, fp32) with one engine
 block 16, ``max_num_batched_tokens`` 8192 (a prompt of up to 8192 tokens is prefilled in one
 step, no chunking), ``max_position`` = longest prompt + 256, a KV pool sized for the longest
 prompt, a connector with sync loads (``load_async=False``) over a host tier and an LMDB disk
-tier (zstd+shuffle level 1, ``write_through``).
+tier (codec ``auto``, the default, ``write_through``).
 
 1. TTFT, per prompt length. A *cold* child process (empty LMDB store) prefills the prompt; the
    connector saves every full block; the store is flushed and closed. Then, ``--repeats`` times,

@@ -56,3 +56,12 @@ def test_a_store_reports_the_codec_auto_chose_and_reads_blocks_another_codec_wro
         assert store.stats()["codecs"]["disk"] in ("raw", "zstd+shuffle")
         ok, outs = load(store, keys)
         assert all(ok) and all(torch.equal(a, b) for a, b in zip(data, outs))
+
+
+def test_a_container_cpu_quota_bounds_the_threads_auto_counts_on(tmp_path):
+    quota = tmp_path / "cpu.max"
+    quota.write_text("200000 100000\n")  # two CPUs' time
+    assert codec_choice.usable_cpus(str(quota)) <= 2
+    quota.write_text("max 100000\n")
+    assert codec_choice.usable_cpus(str(quota)) >= 1
+    assert codec_choice.usable_cpus(str(tmp_path / "absent")) >= 1

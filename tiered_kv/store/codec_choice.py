@@ -38,11 +38,24 @@ _lock = threading.Lock()
 _rate: list[float] = []  # GB/s per thread, measured once
 
 
-def usable_cpus() -> int:
+CPU_MAX = "/sys/fs/cgroup/cpu.max"  # cgroup v2: "<quota> <period>" or "max <period>"
+
+
+def usable_cpus(cpu_max: str = CPU_MAX) -> int:
+    """CPUs this process may run on: its affinity, bounded by a cgroup CPU quota (a container
+    limited to two CPUs' time on a 64-core host compresses like a 2-CPU machine)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    try:
+        with open(cpu_max) as fh:
+            quota, period = fh.read().split()[:2]
+        if quota != "max":
+            cpus = min(cpus, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass  # no cgroup v2 quota readable: the affinity it is
+    return cpus
 
 
 def sample_block(nbytes: int = SAMPLE_BYTES) -> np.ndarray:

@@ -39,13 +39,18 @@ class HostCopier:
         self._spread(len(pairs), sum(dst.nbytes for dst, _ in pairs), run)
 
     def copy_tensors(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
-        """``dst.copy_(src)`` for every pair, ``TENSORS_PER_CALL`` pairs per ``torch._foreach_copy_``
-        (small blocks: the per-block Python work of a copy costs more than the copy itself)."""
+        """``dst.copy_(src)`` for every pair of CPU tensors, ``TENSORS_PER_CALL`` pairs per
+        ``torch._foreach_copy_`` (small blocks: the per-block Python work of a copy costs more
+        than the copy itself). No autograd: these are copies of data, never of a graph."""
         shares = range(0, len(dsts), TENSORS_PER_CALL)
 
         def run(i: int) -> None:
             lo = shares[i]
-            torch._foreach_copy_(list(dsts[lo : lo + TENSORS_PER_CALL]), list(srcs[lo : lo + TENSORS_PER_CALL]))
+            # torch's modes are per thread: on a helper the caller's inference mode is not on,
+            # and an in-place copy into (or from) inference tensors would be refused
+            with torch.inference_mode():
+                torch._foreach_copy_(list(dsts[lo : lo + TENSORS_PER_CALL]),
+                                     list(srcs[lo : lo + TENSORS_PER_CALL]))
 
         self._spread(len(shares), sum(d.nbytes for d in dsts), run)
 

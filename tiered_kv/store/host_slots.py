@@ -14,10 +14,9 @@ from tiered_kv.dtypes import torch_dtype
 from tiered_kv.keys import Namespace
 from tiered_kv.store.host_copy import HostCopier
 
-
-SMALL_BLOCK_BYTES = 64 << 10  # blocks up to this size are copied by torch in batches: at most
-# 32768 bf16/fp16 elements, which torch copies on the calling thread (larger copies go to its
-# OpenMP pool, which stalls whenever another thread holds a core: see HostSlots.plain)
+SMALL_BLOCK_ITEMS = 32768  # blocks of at most this many elements are copied by torch in batches:
+# torch copies them on the calling thread (larger copies go to its OpenMP pool, which stalls
+# whenever another thread holds a core: see HostSlots.plain); 64 KiB of bf16
 
 
 def bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -33,6 +32,7 @@ class HostSlots:
         self.shape = namespace.block_shape
         self.dtype = torch_dtype(namespace.dtype)
         self.block_nbytes = self.dtype.itemsize * int(np.prod(self.shape))
+        self.small = int(np.prod(self.shape)) <= SMALL_BLOCK_ITEMS  # copied by torch in batches
         self.copier = copier  # large batches of memcpys on several threads
         self._views: list[torch.Tensor | None] = [None] * host.num_slots
         self._rows = host.slab.numpy()  # [slot, byte]: host copies without torch ops
@@ -63,11 +63,11 @@ class HostSlots:
                 and t.is_contiguous() and not t.requires_grad)
 
     def copy_blocks(self, slots: Sequence[int], blocks: Sequence[torch.Tensor], *, into_slots: bool) -> None:
-        """Copy canonical block tensors into (or out of) host ``slots``. Small blocks (at most
-        SMALL_BLOCK_BYTES) go to torch a batch at a time (``_foreach_copy_``: ~10 against ~17 us
-        a 64 KiB block for a checked memcpy each); large plain CPU blocks as one batch of
-        memcpys, others through torch; either spread over the copier's threads when large."""
-        if self.block_nbytes <= SMALL_BLOCK_BYTES:
+        """Copy canonical block tensors into (or out of) host ``slots``. Small CPU blocks (at
+        most SMALL_BLOCK_ITEMS elements) go to torch a batch at a time (``_foreach_copy_``: ~10
+        against ~17 us a 64 KiB block for a checked memcpy each); large plain CPU blocks as one
+        batch of memcpys; others (a GPU's) through torch on this thread, on its current stream."""
+        if self.small and all(b.device.type == "cpu" for b in blocks):
             views = [self.slot_tensor(s) for s in slots]
             if into_slots:
                 self.copier.copy_tensors(views, blocks)

@@ -267,6 +267,7 @@ class Loader:
                 idx = todo[start : start + per_job]
                 jobs.append(self.pool.submit_load(len(idx) * self.block_nbytes,
                                                   lambda idx=idx: self._direct_job(plan, idx, outs)))
+                plan.futures.append(jobs[-1])  # release() waits for them, whatever happens here
         self.slots.copy_blocks([s for s, _ in hits], [o for _, o in hits], into_slots=False)
         loaded = [s is not None for s in plan.slots]
         for job in jobs:
@@ -281,23 +282,24 @@ class Loader:
         reading: Future = Future()
         self.invalidations.track_write(keys, reading)
         try:
-            reasons, served = self.reader.read(keys, [bytes_of(outs[i]) for i in idx],
-                                               [plan.counts[i] for i in idx], plan.tenant)
-        except Exception:  # a bug, not a bad block (those are per-block reasons)
-            log.exception("load of %d blocks failed; they are counted as %s misses", len(idx), LOAD_ERROR)
-            self.metrics.miss("host", LOAD_ERROR, len(idx))
-            reasons, served = [LOAD_ERROR] * len(idx), [None] * len(idx)
+            try:
+                reasons, served = self.reader.read(keys, [bytes_of(outs[i]) for i in idx],
+                                                   [plan.counts[i] for i in idx], plan.tenant)
+            except Exception:  # a bug, not a bad block (those are per-block reasons)
+                log.exception("load of %d blocks failed; they are counted as %s misses", len(idx), LOAD_ERROR)
+                self.metrics.miss("host", LOAD_ERROR, len(idx))
+                reasons, served = [LOAD_ERROR] * len(idx), [None] * len(idx)
+            loaded = [i for i, r in zip(idx, reasons) if r is None]
+            try:  # the tiers below may have been earned (queued while the read is a tracked write)
+                self.saver.write_earned_copies([(plan.keys[i], plan.counts[i], bytes_of(outs[i]))
+                                                for i in loaded], plan.tenant)
+            except Exception:  # the blocks were loaded; only their copies below are lost
+                log.exception("queueing copies of %d loaded blocks failed", len(loaded))
         finally:
             reading.set_result(None)
         for i, reason, tier in zip(idx, reasons, served):
             plan.reasons[i], plan.served[i] = reason, tier
-        loaded = [i for i, r in zip(idx, reasons) if r is None]
-        try:  # the tiers below may have been earned
-            self.saver.write_earned_copies([(plan.keys[i], plan.counts[i], bytes_of(outs[i])) for i in loaded],
-                                           plan.tenant)
-        except Exception:  # the blocks were loaded; only their copies below are lost
-            log.exception("queueing copies of %d loaded blocks failed", len(loaded))
-        failed = len(idx) - len(loaded)
+        failed = sum(r not in (None, "invalidated") for r in reasons)
         if failed:
             self.metrics.event("loads_failed", failed)
         return loaded

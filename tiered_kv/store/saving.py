@@ -182,19 +182,20 @@ class Saver:
 
     def _submit_write(self, pinned: list[tuple[bytes, int]], targets: list[EncodedTier],
                       tenant: bytes) -> Future | None:
-        """Queue the write of ``pinned`` (after any delete in flight of the same keys: that is
-        a withdrawn wrong copy, and this is its recomputed replacement); None when dropped."""
+        """Queue the write of the host slots ``pinned`` to ``targets``; None when dropped."""
         keys = [k for k, _ in pinned]
+        return self._submit(keys, len(pinned) * self.block_nbytes,
+                            lambda: self._write_job(pinned, targets, tenant), lambda: self._drop_write(keys))
+
+    def _submit(self, keys: list[bytes], nbytes: int, job, dropped) -> Future | None:
+        """Queue the write ``job`` of ``keys``, after any delete in flight of the same keys (that
+        is a withdrawn wrong copy, and this is its recomputed replacement), tracked as a write
+        for later withdrawals; ``dropped()`` runs instead when the save budget refuses it."""
         deletes = self.invalidations.deletes_of(keys)
-        nbytes = len(pinned) * self.block_nbytes
-
-        def job() -> int:
-            return self._write_job(pinned, targets, tenant)
-
         if not deletes:
             fut = self.pool.try_submit_save(nbytes, job)
             if fut is None:
-                self._drop_write(keys)
+                dropped()
                 return None
             self.invalidations.track_write(keys, fut)
             return fut
@@ -204,7 +205,7 @@ class Saver:
         def start() -> None:
             queued = self.pool.try_submit_save(nbytes, job)
             if queued is None:
-                self._drop_write(keys)
+                dropped()
                 out.set_result(0)
             else:
                 queued.add_done_callback(lambda j: out.set_exception(j.exception()) if j.exception()
@@ -258,13 +259,17 @@ class Saver:
 
     def write_earned_copies(self, requested: Sequence[tuple[bytes, int, object]], tenant: bytes) -> None:
         """Blocks just loaded straight into a caller's memory ((key, request count, payload)
-        each, not held by the host tier): queue copies for the tiers this request earned them."""
+        each, not held by the host tier): queue copies for the tiers this request earned them.
+        Called before the load's read ends as a tracked write, so a withdrawal of the keys either
+        suppresses them here or deletes after these copies."""
         if not requested or not self.requests.active:
             return
-        payloads = {k: p for k, _, p in requested}
+        live = [r for r, gone in zip(requested, self.invalidations.suppressed([k for k, _, _ in requested]))
+                if not gone]
+        payloads = {k: p for k, _, p in live}
         targets = [t for t in self.tiers if t.policy == "write_through"]
-        for tiers, group in self.admitted([k for k, _, _ in requested], targets,
-                                          [n for _, n, _ in requested], earned_only=True).items():
+        for tiers, group in self.admitted([k for k, _, _ in live], targets, [n for _, n, _ in live],
+                                          earned_only=True).items():
             self._queue_copies([(k, bytes(memoryview(payloads[k]).cast("B"))) for k in group], tiers, tenant)
 
     def on_host_evict(self, key: bytes, value: memoryview, tenant: bytes) -> None:
@@ -275,9 +280,6 @@ class Saver:
 
     def _queue_copies(self, items: list[tuple[bytes, bytes]], tiers: Sequence[EncodedTier], tenant: bytes) -> None:
         """Queue the write of ``items`` (private copies of their payloads) to ``tiers``."""
-        fut = self.pool.try_submit_save(len(items) * self.block_nbytes,
-                                        lambda: self.write_lower(items, list(tiers), tenant))
-        if fut is None:
-            self.metrics.event("saves_dropped", len(items))
-        else:
-            self.invalidations.track_write([k for k, _ in items], fut)
+        self._submit([k for k, _ in items], len(items) * self.block_nbytes,
+                     lambda: self.write_lower(items, list(tiers), tenant),
+                     lambda: self.metrics.event("saves_dropped", len(items)))

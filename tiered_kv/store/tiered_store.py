@@ -12,6 +12,8 @@ Lifecycle of a block:
   runs in the pool: host hits are ready at once, lower-tier hits are validated and decoded into
   freshly reserved host slots (promotion) and leased to the caller; ``release(plan)`` ends the
   lease. Failures are per block with a counted reason; nothing unvalidated is handed out.
+  ``load_into(keys, outs)`` (the synchronous form) decodes lower-tier blocks straight into
+  ``outs`` when they are plain CPU blocks: host memory already, so no host slot is taken.
 
 The store is assembled from parts handed what they use: :class:`~tiered_kv.store.host_slots.HostSlots`
 (the host tier's slots as blocks), the lower tiers (:class:`~tiered_kv.store.encoded_tier.EncodedTier`,

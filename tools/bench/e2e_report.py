@@ -24,7 +24,7 @@ def collect(args, max_position: int, scratch: str, started: float) -> dict:
             "engine": {"block_size": BLOCK_SIZE, "max_num_batched_tokens": MAX_BATCHED_TOKENS,
                        "prefill": f"one step up to {MAX_BATCHED_TOKENS} tokens (no chunking)",
                        "max_position": max_position, "device": "auto"},
-            "store": {"host": "2x the KV pool, >= 64 MiB", "disk": "lmdb, zstd+shuffle level 1, "
+            "store": {"host": "2x the KV pool, >= 64 MiB", "disk": "lmdb, codec auto (as resolved in each process), "
                       "write_through, capacity 4 GiB, sync off (flushed before the next process)"},
             "connector": {"load_async": False},
             "ttft_generated_tokens": GEN_TOKENS, "lengths": args.lengths, "repeats": args.repeats,

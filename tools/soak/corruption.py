@@ -32,7 +32,8 @@ POOL_BLOCKS = 64  # device blocks of the worker path's KV pool
 
 def tier_configs(work: Path, redis_url: str | None) -> dict[str, dict]:
     """One store config per medium: LMDB and file:// as the disk tier, Redis as the remote."""
-    out = {"lmdb": store_config(disk_url=f"lmdb://{work}/lmdb"),
+    # one medium with compressed bodies (flips inside zstd frames), one with the default (auto)
+    out = {"lmdb": store_config(disk_url=f"lmdb://{work}/lmdb", disk={"codec": "zstd+shuffle"}),
            "file": store_config(disk_url=f"file://{work}/files")}
     if redis_url:
         out["redis"] = store_config(remote_url=redis_url)
