@@ -93,3 +93,31 @@ def test_hung_redis_bounds_the_stores_own_lookup_too(own_redis):
         finally:
             own_redis.proc.send_signal(signal.SIGCONT)
         assert store.metrics.misses("lookup_timeout") >= 1
+
+
+def test_a_lookup_cut_by_its_deadline_keeps_the_leading_blocks_the_tier_answered(tmp_path):
+    """A restart with a cold page cache reads LMDB's index from disk: a long prompt's lookup may
+    outlast the deadline. What the tier answered in time is kept (a leading run of blocks),
+    instead of the whole prompt being recomputed."""
+    keys = keys_for(1024)
+    with make_store(tmp_path) as store:
+        store.save(keys, payloads(store, 1024))
+        store.flush()
+    with make_store(tmp_path, lookup_timeout=0.3) as store:
+        disk = store.tier("disk").backend
+        real, calls = disk.contains_many, []
+
+        def cold_disk(storage_keys):  # the first part is in the page cache, the rest on a slow disk
+            calls.append(len(storage_keys))
+            if len(calls) > 1:
+                time.sleep(0.5)
+            return real(storage_keys)
+
+        disk.contains_many = cold_disk
+        t0 = time.perf_counter()
+        found = store.lookup(keys)
+        assert time.perf_counter() - t0 < 0.45, "the lookup outlasted its deadline"
+        assert 0 < found < 1024 and found == sum(calls[:1]), "the leading answered part was dropped"
+        assert store.metrics.misses("lookup_timeout") > 0
+        time.sleep(0.6)  # the part running at the deadline ends; no later part was asked
+        assert len(calls) == 2

@@ -6,7 +6,11 @@ disk) must cost that thread a bounded time, not ``timeout x (retries + 1)`` agai
 lookup runs on the tier's own helper thread and the scheduler waits for it at most ``deadline``
 seconds; an unanswered tier counts as a miss for that lookup. While a late answer is still
 outstanding the tier is skipped at once (a hung tier holds one thread, never a growing pile), and
-the late answer is dropped. The helper is a daemon thread (not a ThreadPoolExecutor, whose
+the late answer is dropped. A lookup asked in parts (:meth:`DeadlineLookup.call_parts`: a long
+prompt's keys in order) keeps what the tier answered in time: the leading parts are a usable
+answer (a restart with a cold page cache reads LMDB's index from disk: 2048 keys took ~60 ms
+there, and a whole-or-nothing answer made a 32k-token prompt recompute); the parts left are
+not asked. The helper is a daemon thread (not a ThreadPoolExecutor, whose
 workers are joined at exit): a call stuck on a hung tier never holds up the process's exit.
 """
 
@@ -15,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TypeVar
@@ -66,6 +70,28 @@ class DeadlineLookup:
             log.debug("%s tier: lookup unanswered after %.0f ms: counted as a miss", self.name,
                       self.deadline * 1000)
             raise LookupTimedOut(f"{self.name}: no answer within {self.deadline:.3f}s") from None
+
+    def call_parts(self, parts: Sequence[Callable[[], list[T]]]) -> tuple[list[T], bool]:
+        """Each of ``parts`` in order on the helper thread, until the deadline: (the results of
+        the parts answered, concatenated; whether every part was). The part running at the
+        deadline is left to finish (the tier stays skipped until it has); none after it runs.
+        Exceptions of a part reach the caller unchanged."""
+        done: list[list[T]] = []
+        stop = threading.Event()
+
+        def run() -> None:
+            for part in parts:
+                if stop.is_set():
+                    return
+                done.append(part())
+
+        try:
+            self.call(run)
+        except LookupTimedOut:
+            stop.set()
+            answered = list(done)  # parts appended before the deadline
+            return [x for part in answered for x in part], False
+        return [x for part in done for x in part], True
 
     def _start_thread(self) -> None:
         if self._thread is None:

@@ -23,6 +23,7 @@ from tiered_kv.store.lookup_deadline import DeadlineLookup, LookupTimedOut
 
 log = logging.getLogger(__name__)
 
+KEYS_PER_PART = 256  # storage keys per presence query: an answer cut by the deadline keeps whole parts
 MissCounter = Callable[[str, str, int], None]  # (tier, reason, blocks)
 
 
@@ -70,8 +71,16 @@ class RankedPresence:
         return leading_present(self.locate(keys, own_present)[1])
 
     def _ask(self, name: str, backend, storage_keys: list[bytes], blocks: int) -> list[bool]:
+        """Presence of ``storage_keys`` (leading keys first) in one tier; what it did not answer
+        within the deadline counts as absent (``lookup_timeout``, in blocks)."""
+        parts = [lambda lo=lo: list(backend.contains_many(storage_keys[lo : lo + KEYS_PER_PART]))
+                 for lo in range(0, len(storage_keys), KEYS_PER_PART)]
         try:
-            return list(self.gates[name].call(lambda: backend.contains_many(storage_keys)))
+            found, complete = self.gates[name].call_parts(parts)
+            if not complete:
+                self._count_miss(name, "lookup_timeout", max(1, blocks * (len(storage_keys) - len(found))
+                                                              // max(1, len(storage_keys))))
+            return found + [False] * (len(storage_keys) - len(found))
         except LookupTimedOut:
             self._count_miss(name, "lookup_timeout", blocks)
         except BackendUnavailable:
