@@ -46,6 +46,7 @@ from storage_backends.lmdb_tables import (
     tenant_totals,
     unpack_meta,
 )
+from storage_backends.lmdb_warmup import warm_index
 from storage_backends.options import as_int, directory_of, existing_directory, split_options
 from storage_backends.quotas import Quotas, as_tenant
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError, InvalidKey
@@ -109,6 +110,10 @@ class LmdbBackend(Backend):
                                    batch_bytes=self.batch_bytes, count=self._count,
                                    evict=self._evict_beyond_capacity, record_access=self.record_access)
         used, entries = self._totals()
+        self.warmup = None
+        if self.record_access and entries:  # a restart: read the index into the page cache
+            self.warmup = warm_index(self._db.txn, self._db.tables.meta, lambda: self._db.closed,
+                                     f"lmdb tier at {self.path}")
         log.info("lmdb tier at %s: %d blocks, %s of %s used (map %s, file %s, %s)", self.path,
                  entries, format_size(used), format_size(self.capacity),
                  format_size(self._db.map_size), format_size(self._db.file_bytes()[0]),
