@@ -33,8 +33,10 @@ class IndexWarmup:
     def _walk(self) -> None:
         start, last = time.perf_counter(), None
         try:
-            while not self._closed() and self._batch(last) is not None:
-                last = self._last
+            while not self._closed():
+                last = self._batch(last)
+                if last is None:
+                    break
         except Exception as exc:  # a warm-up only: lookups read the pages themselves otherwise
             log.debug("%s: index warm-up stopped: %r", self.name, exc)
             return
@@ -44,7 +46,6 @@ class IndexWarmup:
     def _batch(self, after: bytes | None) -> bytes | None:
         """Read up to KEYS_PER_TXN records after ``after`` in one transaction; the last key read
         when more may follow, else None."""
-        self._last = None
         with self._txn() as txn:
             cursor = txn.cursor(db=self._db)
             if not (cursor.set_range(after) if after is not None else cursor.first()):
@@ -56,8 +57,7 @@ class IndexWarmup:
                 batch += 1
                 self.seen += 1
                 if batch >= KEYS_PER_TXN:
-                    self._last = bytes(key)
-                    return self._last
+                    return bytes(key)
         return None
 
 

@@ -152,17 +152,17 @@ class BlockCodec:
             codec, body = "raw", raw  # incompressible: do not pay to decompress later
         created = time.time() if created is None else created
         if into is None:
-            checksum = xxhash.xxh3_64_intdigest(raw)
-            check = checksum & 0xFFFFFFFF if codec == "raw" else body_check(body)
-            header = self._header(codec, dtype, shape, namespace, key, len(raw), len(body), checksum, check, created)
+            stored, checksum = body, xxhash.xxh3_64_intdigest(raw)
+        else:
+            out = memoryview(into).cast("B")
+            stored = out[HEADER_BYTES : HEADER_BYTES + len(body)]
+            copy_bytes(stored, body)
+            checksum = xxhash.xxh3_64_intdigest(stored if codec == "raw" else raw)  # raw: the copy, in cache
+        check = checksum & 0xFFFFFFFF if codec == "raw" else body_check(stored)  # raw: the same hash
+        header = self._header(codec, dtype, shape, namespace, key, len(raw), len(body), checksum, check, created)
+        if into is None:
             return b"".join((header, body))
-        out = memoryview(into).cast("B")
-        stored = out[HEADER_BYTES : HEADER_BYTES + len(body)]
-        copy_bytes(stored, body)
-        checksum = xxhash.xxh3_64_intdigest(stored if codec == "raw" else raw)  # raw: the copy, in cache
-        check = checksum & 0xFFFFFFFF if codec == "raw" else body_check(stored)
-        out[:HEADER_BYTES] = self._header(codec, dtype, shape, namespace, key, len(raw), len(body),
-                                          checksum, check, created)
+        out[:HEADER_BYTES] = header
         return out[: HEADER_BYTES + len(body)]
 
     def _header(self, codec: str, dtype: str, shape, namespace: bytes, key: bytes,

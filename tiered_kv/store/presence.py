@@ -77,10 +77,10 @@ class RankedPresence:
                  for lo in range(0, len(storage_keys), KEYS_PER_PART)]
         try:
             found, complete = self.gates[name].call_parts(parts)
-            if not complete:
-                self._count_miss(name, "lookup_timeout", max(1, blocks * (len(storage_keys) - len(found))
-                                                              // max(1, len(storage_keys))))
-            return found + [False] * (len(storage_keys) - len(found))
+            unanswered = len(storage_keys) - len(found)
+            if not complete:  # in blocks (a block has a key per rank)
+                self._count_miss(name, "lookup_timeout", max(1, blocks * unanswered // len(storage_keys)))
+            return found + [False] * unanswered
         except LookupTimedOut:
             self._count_miss(name, "lookup_timeout", blocks)
         except BackendUnavailable:
