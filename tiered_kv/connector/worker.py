@@ -126,12 +126,20 @@ class ConnectorWorker:
                      spec.request_id, len(bad), len(spec.block_ids))
 
     def _scatter(self, block_ids: list[int], slots: list[int]) -> None:
+        """Write the loaded host ``slots`` into the device blocks ``block_ids``. On CUDA the
+        blocks go straight from the pinned slab to the device (one copy per run of consecutive
+        slots, on the engine's current stream, so its forward pass is ordered after them), are
+        scattered there, and this waits for the copies: the caller releases the slots next."""
         assert self.layout is not None, "register_kv_caches was not called"
-        src = self.store.slots.gather(slots)
-        ids = torch.tensor(block_ids, device=self.layout.device)
-        if self.layout.device.type == "cuda":
-            src = src.to(self.layout.device, non_blocking=True)
-        self.layout.scatter(ids, src)
+        device = self.layout.device
+        if device.type != "cuda":
+            self.layout.scatter(torch.tensor(block_ids), self.store.slots.gather(slots))
+            return
+        src = self.store.slots.to_device(slots, device)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(device))
+        self.layout.scatter(torch.tensor(block_ids, device=device), src)
+        copied.synchronize()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

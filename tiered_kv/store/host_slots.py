@@ -66,7 +66,9 @@ class HostSlots:
         """Copy canonical block tensors into (or out of) host ``slots``. Small CPU blocks (at
         most SMALL_BLOCK_ITEMS elements) go to torch a batch at a time (``_foreach_copy_``: ~10
         against ~17 us a 64 KiB block for a checked memcpy each); large plain CPU blocks as one
-        batch of memcpys; others (a GPU's) through torch on this thread, on its current stream."""
+        batch of memcpys; device blocks (a GPU's) are all queued on their device's current stream
+        (asynchronous from and into the pinned slab), then waited for once, so no copy still reads
+        or writes a slot when this returns."""
         if self.small and all(b.device.type == "cpu" for b in blocks):
             views = [self.slot_tensor(s) for s in slots]
             if into_slots:
@@ -74,16 +76,22 @@ class HostSlots:
             else:
                 self.copier.copy_tensors(blocks, views)
             return
-        plain = []
+        plain, devices = [], set()
         for slot, block in zip(slots, blocks):
             if self.plain(block):
                 row, mem = self.row(slot), bytes_of(block)
                 plain.append((row, mem) if into_slots else (mem, row))
-            elif into_slots:
-                self.slot_tensor(slot).copy_(block)
+                continue
+            queued = block.device.type == "cuda"
+            if queued:
+                devices.add(block.device)
+            if into_slots:
+                self.slot_tensor(slot).copy_(block, non_blocking=queued)
             else:
-                block.copy_(self.slot_tensor(slot))
+                block.copy_(self.slot_tensor(slot), non_blocking=queued)
         self.copier.copy(plain)
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
 
     def gather(self, slots: Sequence[int]) -> torch.Tensor:
         """The blocks of ``slots`` as one new ``[n, *block shape]`` tensor (one batched copy)."""
@@ -92,10 +100,33 @@ class HostSlots:
 
     def fill(self, slots: Sequence[int], data: torch.Tensor, *, non_blocking: bool = False) -> None:
         """Write ``data`` (``[n, block bytes]`` uint8, on any device) into ``slots``. With
-        ``non_blocking`` each slot is copied on the current CUDA stream and the caller waits for
-        its own event before committing the slots."""
+        ``non_blocking`` the copies (one per run of consecutive slots) are queued on the current
+        CUDA stream and the caller waits for its own event before committing the slots."""
         if not non_blocking:
             self._blocks.index_copy_(0, torch.tensor(list(slots), dtype=torch.long), data.to("cpu"))
             return
-        for i, slot in enumerate(slots):
-            self._blocks[slot].copy_(data[i], non_blocking=True)
+        for pos, first, count in self.runs(slots):
+            self._blocks[first : first + count].copy_(data[pos : pos + count], non_blocking=True)
+
+    def to_device(self, slots: Sequence[int], device: torch.device) -> torch.Tensor:
+        """The blocks of ``slots`` as one new ``[n, *block shape]`` tensor on ``device``, copied
+        straight from the (pinned) slab, one copy per run of consecutive slots, queued on the
+        current stream. The caller waits for that stream before the slots are released."""
+        out = torch.empty((len(slots), self.block_nbytes), dtype=torch.uint8, device=device)
+        for pos, first, count in self.runs(slots):
+            out[pos : pos + count].copy_(self._blocks[first : first + count], non_blocking=True)
+        return out.view(self.dtype).view(len(slots), *self.shape)
+
+    def runs(self, slots: Sequence[int]) -> list[tuple[int, int, int]]:
+        """``(position in slots, first slot, count)`` for each run of consecutive slots, whose
+        blocks lie back to back in the slab (only when a slot holds exactly one block's bytes;
+        otherwise every slot is a run of its own)."""
+        joinable = self.host.slot_bytes == self.block_nbytes
+        runs: list[tuple[int, int, int]] = []
+        for pos, slot in enumerate(slots):
+            if runs and joinable and runs[-1][1] + runs[-1][2] == slot:
+                start, first, count = runs[-1]
+                runs[-1] = (start, first, count + 1)
+            else:
+                runs.append((pos, slot, 1))
+        return runs
