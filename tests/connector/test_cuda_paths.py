@@ -141,3 +141,23 @@ def test_the_store_saves_and_loads_gpu_tensors_through_every_tier(tmp_path):
         assert store.load_into(keys, outs) == [True] * 10
         for out, block in zip(outs, blocks):
             assert torch.equal(out, block)
+
+
+@cuda
+def test_a_save_returns_while_the_engines_stream_is_still_busy(tmp_path):
+    """The side stream waits for the engine's queued work; the host must not (a host wait there
+    would stall an engine that queues its next step while the GPU runs this one)."""
+    keys = keys_for(4)
+    pool = _pool(16, "cuda")
+    with make_store(tmp_path, host="8MiB", disk=None) as store:
+        worker = _worker(store, pool)
+        pool[:, :, 4:8] = 1.5
+        torch.cuda._sleep(2_000_000_000)  # about a second of queued engine work
+        worker.bind_connector_meta(ConnectorMeta(saves=[SaveSpec("r", tuple(keys), (4, 5, 6, 7), 0)]))
+        worker.wait_for_save()
+        assert not torch.cuda.current_stream().query(), "wait_for_save waited for the engine's stream"
+        worker.flush_copies()
+        slots = store.host.pin_many(keys)
+        assert all(s is not None and bool((store.slot_tensor(s) == 1.5).all()) for s in slots)
+        store.host.unpin_many(keys)
+        worker.close()

@@ -100,10 +100,22 @@ def fake_cuda(monkeypatch):
             out._made_on = current_stream()
         return out
 
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        device = kwargs.get("device", args[0] if args else None)
+        if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
+            out = self.clone()  # a copy "on the device", made on the current stream
+            out._made_on = current_stream()
+            return out
+        return real_to(self, *args, **kwargs)
+
     def record_stream(self, stream) -> None:
         self._recorded_on = (*getattr(self, "_recorded_on", ()), stream)
 
     monkeypatch.setattr(torch, "tensor", tensor)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
     monkeypatch.setattr(torch.Tensor, "record_stream", record_stream, raising=False)
     monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
     monkeypatch.setattr(torch.cuda, "stream", stream_context)

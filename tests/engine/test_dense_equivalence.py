@@ -38,7 +38,7 @@ def test_paged_engine_matches_dense_forward(dtype, mode):
         generated = out.output_token_ids
         assert len(generated) == MAX_TOKENS
         assert out.num_prefilled_tokens == len(prompt)
-        dense = engine.model.forward_dense(prompt + generated[:-1]).float()[len(prompt) - 1:]
+        dense = engine.model.forward_dense(prompt + generated[:-1]).float()[len(prompt) - 1:].cpu()
         paged = torch.stack(out.logits)
         # logits of the last prompt position and of every decode position agree
         torch.testing.assert_close(paged, dense, atol=LOGIT_ATOL[dtype], rtol=0)

@@ -33,6 +33,17 @@ log = logging.getLogger(__name__)
 LOAD_STATS_KEPT = 4096
 
 
+def device_ids(block_ids: list[int], device: torch.device) -> torch.Tensor:
+    """``block_ids`` as a long tensor on ``device``, without making the host wait: on CUDA it is
+    copied from pinned memory, queued on the current stream (torch's host allocator keeps the
+    pinned buffer until the copy ran). ``torch.tensor(ids, device=cuda)`` waits for the stream,
+    and on the side stream that means for everything the engine queued before the save."""
+    ids = torch.tensor(block_ids, dtype=torch.long)
+    if device.type != "cuda":
+        return ids.to(device)
+    return ids.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class _PendingSave:
     batch: SaveBatch
@@ -138,7 +149,7 @@ class ConnectorWorker:
         src = self.store.slots.to_device(slots, device)
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(device))
-        self.layout.scatter(torch.tensor(block_ids, device=device), src)
+        self.layout.scatter(device_ids(block_ids, device), src)
         copied.synchronize()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -197,7 +208,7 @@ class ConnectorWorker:
         # stay reserved until the event completed.
         self._stream.wait_stream(torch.cuda.current_stream(self.layout.device))
         with torch.cuda.stream(self._stream):
-            ids = torch.tensor(block_ids, device=self.layout.device)
+            ids = device_ids(block_ids, self.layout.device)
             data = self.layout.gather(ids).view(len(block_ids), -1).view(torch.uint8)
             self.store.slots.fill(slots, data, non_blocking=True)
             event = torch.cuda.Event()
