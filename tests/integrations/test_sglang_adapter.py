@@ -1,0 +1,254 @@
+"""tiered-kv as SGLang's HiCache L3 storage, against stand-ins with SGLang's fields (no SGLang
+install needed; ``tools/check_sglang.sh`` drives SGLang's own controller and radix cache).
+
+Pages go out of a host pool through the backend and come back bit-exact into another host pool,
+in a new backend over the same LMDB directory (a restart), under every host layout, both storage
+interfaces, bf16 and fp16, MHA and MLA; what SGLang relies on beyond that: leading runs, stops at
+the first bad page, re-sets that succeed, answers instead of exceptions, several threads."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import pytest
+import torch
+
+from tests.integrations.sglang_standins import MHAPool, MLAPool, StorageConfig
+from tests.store.helpers import rewrite_stored_blocks
+from tiered_kv.errors import ConfigError
+from tiered_kv.integrations.sglang import TieredKVHiCacheStorage
+from tiered_kv.integrations.sglang_pages import page_key
+
+MHA_LAYOUTS = ["layer_first", "page_first", "page_first_direct", "page_head"]
+MLA_LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+def sglang_keys(n: int, seed: str = "prompt") -> list[str]:
+    """Chained page hashes the way SGLang spells them (64 hex digits)."""
+    keys, prev = [], seed.encode()
+    for i in range(n):
+        prev = hashlib.sha256(prev + i.to_bytes(4, "little")).digest()
+        keys.append(prev.hex())
+    return keys
+
+
+def backend(tmp_path, pool, *, config: StorageConfig | None = None, **extra) -> TieredKVHiCacheStorage:
+    config = config or StorageConfig(is_mla_model=isinstance(pool, MLAPool))
+    config.extra_config = {"backend_name": "tiered_kv", "module_path": "tiered_kv.integrations.sglang",
+                           "class_name": "TieredKVHiCacheStorage",
+                           "disk": {"url": f"lmdb://{tmp_path}/l3", "capacity": "64MiB"}, **extra}
+    storage = TieredKVHiCacheStorage(config, {})
+    storage.register_mem_pool_host(pool)
+    return storage
+
+
+def pages_of(pool, first_page: int, n: int) -> list[torch.Tensor]:
+    return [pool.get_data_page((first_page + i) * pool.page_size, flat=True).clone() for i in range(n)]
+
+
+def make_pool(kind: str, layout: str, dtype, seed: int):
+    cls = MHAPool if kind == "mha" else MLAPool
+    return cls(layout, dtype=dtype, seed=seed)
+
+
+CASES = ([("mha", lay) for lay in MHA_LAYOUTS] + [("mla", lay) for lay in MLA_LAYOUTS])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind,layout", CASES)
+@pytest.mark.parametrize("interface", ["v0", "v1"])
+def test_pages_backed_up_come_back_bit_exact_after_a_restart(tmp_path, kind, layout, dtype, interface):
+    keys = sglang_keys(6)
+    source = make_pool(kind, layout, dtype, seed=1)
+    writer = backend(tmp_path, source)
+    if interface == "v1":
+        assert writer.batch_set_v1(keys, source.page_indices(2, 6)) == [True] * 6
+    else:
+        assert writer.batch_set(keys, pages_of(source, 2, 6)) is True
+    writer.close()
+
+    target = make_pool(kind, layout, dtype, seed=2)  # other bytes everywhere
+    reader = backend(tmp_path, target)
+    assert reader.batch_exists(keys) == 6
+    if interface == "v1":
+        assert reader.batch_get_v1(keys, target.page_indices(9, 6)) == [True] * 6
+    else:
+        got = reader.batch_get(keys, [target.get_dummy_flat_data_page() for _ in keys])
+        for i, page in enumerate(got):
+            target.set_from_flat_data_page((9 + i) * target.page_size, page)
+    for want, got in zip(pages_of(source, 2, 6), pages_of(target, 9, 6)):
+        assert torch.equal(want, got)
+    reader.close()
+
+
+@pytest.mark.parametrize("layout", MHA_LAYOUTS)
+def test_the_zero_copy_and_the_flat_interfaces_store_the_same_bytes(tmp_path, layout):
+    keys = sglang_keys(3)
+    source = MHAPool(layout, seed=1)
+    storage = backend(tmp_path, source)
+    assert storage.batch_set_v1(keys, source.page_indices(0, 3)) == [True] * 3
+    flat = storage.batch_get(keys, [source.get_dummy_flat_data_page() for _ in keys])
+    assert all(torch.equal(a, b) for a, b in zip(flat, pages_of(source, 0, 3)))
+    storage.close()
+
+
+def test_a_page_written_under_one_host_layout_is_never_served_to_another(tmp_path):
+    keys = sglang_keys(2)
+    first = MHAPool("page_first", seed=1)
+    storage = backend(tmp_path, first)
+    assert storage.batch_set_v1(keys, first.page_indices(0, 2)) == [True, True]
+    storage.close()
+    other = backend(tmp_path, MHAPool("layer_first", seed=2))
+    assert other.batch_exists(keys) == 0
+    assert other.batch_get_v1(keys, torch.arange(8)) == [False, False]
+    other.close()
+
+
+def test_mha_ranks_keep_their_own_pages_and_mla_ranks_share_one_copy(tmp_path):
+    keys = sglang_keys(2)
+    for kind, cls in (("mha", MHAPool), ("mla", MLAPool)):
+        rank0 = backend(tmp_path, cls("page_first", seed=1),
+                        config=StorageConfig(tp_rank=0, tp_size=2, is_mla_model=kind == "mla"))
+        assert rank0.batch_set_v1(keys, torch.arange(8)) == [True, True]
+        rank0.close()
+        rank1 = backend(tmp_path, cls("page_first", seed=2),
+                        config=StorageConfig(tp_rank=1, tp_size=2, is_mla_model=kind == "mla"))
+        assert rank1.batch_exists(keys) == (2 if kind == "mla" else 0), kind
+        rank1.close()
+
+
+def test_an_mla_rank_that_is_not_the_writer_stores_nothing_and_reports_success(tmp_path):
+    keys = sglang_keys(2)
+    pool = MLAPool("page_first", seed=1)
+    rank1 = backend(tmp_path, pool, config=StorageConfig(tp_rank=1, tp_size=2, is_mla_model=True))
+    assert rank1.batch_set_v1(keys, pool.page_indices(0, 2)) == [True, True]
+    assert rank1.batch_exists(keys) == 0
+    rank1.close()
+
+
+def test_a_corrupt_page_is_a_counted_miss_where_sglang_cuts_the_prefix(tmp_path):
+    keys = sglang_keys(4)
+    source = MHAPool("page_first", seed=1)
+    storage = backend(tmp_path, source)
+    assert storage.batch_set_v1(keys, source.page_indices(0, 4)) == [True] * 4
+    digest, bad = storage.namespace.digest(), page_key(storage.namespace, keys[2])
+    storage.close()
+
+    def flip(storage_key: bytes, value: bytes) -> bytes | None:
+        if storage_key != digest + bad:
+            return None
+        return value[:-9] + bytes([value[-9] ^ 0x40]) + value[-8:]
+
+    assert rewrite_stored_blocks(tmp_path / "l3", flip) == 1
+    target = MHAPool("page_first", seed=2)
+    before = pages_of(target, 6, 4)
+    reader = backend(tmp_path, target)
+    assert reader.batch_get_v1(keys, target.page_indices(4, 4)) == [True, True, False, False]
+    assert all(torch.equal(a, b) for a, b in zip(pages_of(target, 4, 2), pages_of(source, 0, 2)))
+    assert torch.equal(pages_of(target, 6, 2)[0], before[0])  # nothing of the bad page landed
+    assert reader.store.stats()["tiers"]["disk"]["misses"].get("corrupt", 0) == 1
+    reader.close()
+
+
+def test_batch_exists_is_the_leading_run_and_reads_stop_at_the_first_missing_page(tmp_path):
+    keys = sglang_keys(5)
+    pool = MHAPool("layer_first", seed=1)
+    storage = backend(tmp_path, pool)
+    assert storage.batch_set_v1(keys[:2] + keys[3:], torch.cat([pool.page_indices(0, 2), pool.page_indices(3, 2)]))
+    assert storage.batch_exists(keys) == 2
+    assert storage.exists(keys[4]) and not storage.exists(keys[2])
+    assert storage.batch_get_v1(keys, pool.page_indices(8, 5)) == [True, True, False, False, False]
+    storage.close()
+
+
+def test_setting_a_page_that_is_already_stored_is_success(tmp_path):
+    keys = sglang_keys(3)
+    pool = MHAPool("page_head", seed=1)
+    storage = backend(tmp_path, pool)
+    assert storage.batch_set_v1(keys, pool.page_indices(0, 3)) == [True] * 3
+    assert storage.batch_set_v1(keys, pool.page_indices(0, 3)) == [True] * 3
+    assert storage.set(keys[0], pool.get_data_page(0)) is True
+    storage.close()
+
+
+def test_failures_are_answered_as_misses_never_raised_into_sglang_threads(tmp_path):
+    keys = sglang_keys(2)
+    unregistered = TieredKVHiCacheStorage(StorageConfig(extra_config={}), {})
+    assert unregistered.batch_exists(keys) == 0
+    assert unregistered.batch_get_v1(keys, torch.arange(8)) == [False, False]
+    assert unregistered.batch_get(keys) == [None, None]
+    assert unregistered.get(keys[0]) is None
+    assert unregistered.batch_set(keys, [torch.zeros(4)] * 2) is False
+    pool = MHAPool("page_first")
+    storage = backend(tmp_path, pool)
+    assert storage.batch_set_v1(keys, torch.arange(3)) == [False, False]  # too few host indices
+    assert storage.batch_set(keys, [torch.zeros(5), torch.zeros(5)]) is False  # not a page
+    storage.close()
+    assert storage.batch_get_v1(keys, pool.page_indices(0, 2)) == [False, False]  # after close
+    assert unregistered._failures == 5 and storage._failures == 3
+
+
+def test_prefetch_io_and_backup_threads_share_one_backend(tmp_path):
+    pool = MHAPool("page_first", pages=64, seed=3)  # pages 0-31 are backed up, 32-63 prefetched into
+    storage = backend(tmp_path, pool)
+    sources = {p: pages_of(pool, p, 1)[0] for p in range(32)}
+    errors: list[BaseException] = []
+
+    def backup_and_prefetch(t: int) -> None:
+        try:
+            for i in range(4):
+                first = t * 8 + 2 * i
+                keys = sglang_keys(2, seed=f"t{t}-{i}")
+                assert storage.batch_set_v1(keys, pool.page_indices(first, 2)) == [True, True]
+                assert storage.batch_get_v1(keys, pool.page_indices(32 + first, 2)) == [True, True]
+                assert storage.batch_exists(keys) == 2
+                for j, page in enumerate(pages_of(pool, 32 + first, 2)):
+                    assert torch.equal(page, sources[first + j])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=backup_and_prefetch, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    storage.close()
+
+
+def test_settings_come_from_the_extra_config_next_to_sglangs_own_keys(tmp_path):
+    config = StorageConfig(extra_config={"backend_name": "tiered_kv", "interface_v1": 1,
+                                         "tiered_kv": {"workers": 3, "disk": {"url": f"lmdb://{tmp_path}/x"}},
+                                         "model_id": "org/named-here"})
+    storage = TieredKVHiCacheStorage(config, {})
+    storage.register_mem_pool_host(MHAPool("page_first"))
+    assert storage.store.config.workers == 3 and storage.namespace.model_id == "org/named-here"
+    assert [t.name for t in storage.store.tiers] == ["disk"]
+    storage.close()
+    with pytest.raises(ConfigError):
+        TieredKVHiCacheStorage(StorageConfig(extra_config={"workers": 0}), {})
+
+
+def test_clear_removes_every_page_of_the_namespace(tmp_path):
+    keys = sglang_keys(3)
+    pool = MHAPool("page_first", seed=1)
+    storage = backend(tmp_path, pool)
+    assert storage.batch_set_v1(keys, pool.page_indices(0, 3)) == [True] * 3
+    storage.clear()
+    assert storage.batch_exists(keys) == 0
+    storage.close()
+    assert backend(tmp_path, pool).batch_exists(keys) == 0
+
+
+def test_stats_report_pages_per_call_and_the_stores_metrics(tmp_path):
+    keys = sglang_keys(2)
+    pool = MHAPool("page_first", seed=1)
+    storage = backend(tmp_path, pool)
+    storage.batch_set_v1(keys, pool.page_indices(0, 2))
+    storage.batch_get_v1(keys, pool.page_indices(4, 2))
+    stats = storage.get_stats()
+    backup = stats["backup_pgs"] if isinstance(stats, dict) else stats.backup_pgs
+    prefetch = stats["prefetch_pgs"] if isinstance(stats, dict) else stats.prefetch_pgs
+    assert backup == [2] and prefetch == [2]
+    storage.close()

@@ -1,0 +1,333 @@
+"""SGLang adapter: tiered-kv as the L3 storage of SGLang's hierarchical cache (HiCache).
+
+Attach by configuration only (SGLang 0.5.23)::
+
+    python -m sglang.launch_server --model-path M --enable-hierarchical-cache \\
+        --hicache-storage-backend dynamic \\
+        --hicache-storage-backend-extra-config '{"backend_name": "tiered_kv",
+            "module_path": "tiered_kv.integrations.sglang", "class_name": "TieredKVHiCacheStorage",
+            "interface_v1": 1, "disk": {"url": "lmdb:///var/cache/tiered-kv"}}'
+
+The extra config carries SGLang's keys and ours side by side: tiered-kv's settings (``host``,
+``disk``, ``remote``, ``workers``, … of :class:`~tiered_kv.config.TieredKVConfig`) at the top
+level or in a ``tiered_kv`` table, ``config_file`` (a TOML file of them), ``model_id`` /
+``revision`` (when SGLang's model name is not what should name the blocks) and
+``write_timeout`` (seconds a backup waits for its pages to reach the lower tiers, default 60).
+``TIERED_KV_*`` variables apply as everywhere. The host tier here is only a staging area for
+write-behind (SGLang's host pool is the L2): by default it holds 4 batches of 128 pages.
+
+What SGLang gets (its contract, see ``../shared/connectors.md``): every page is a self-checking
+block of the namespace :mod:`tiered_kv.integrations.sglang_pages` derives from the host pool
+(model, layout, geometry, dtype, TP shard; MLA stored once); ``batch_exists`` returns the leading
+run of stored pages; reads stop at the first page that is missing or fails its checks (a counted
+miss: SGLang cuts the prefix there); re-setting a stored page is success; a backup reports True
+for a page once a lower tier holds it (the host staging copy alone does not count when lower
+tiers are configured); nothing raises into SGLang's threads (an exception there zeroes a whole
+prefetch): every failure is logged, counted and answered as a miss. Both interfaces work: v0
+(``get``/``set`` of flat data pages) and the v1 zero-copy one (``batch_get_v1``/``batch_set_v1``
+over host indices, selected by ``"interface_v1": 1``); both store the same bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from storage_backends.log_throttle import LogThrottle
+from tiered_kv.config import TieredKVConfig
+from tiered_kv.errors import ConfigError
+from tiered_kv.integrations.common import acquire_store, parse_settings, release_store
+from tiered_kv.integrations.sglang_pages import PageGeometry, geometry_of, page_key, page_namespace
+from tiered_kv.keys import leading_present
+
+try:  # SGLang installed: subclass its interface (its factory checks the class)
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
+except ImportError:  # not installed: the adapter still imports (tests, tools)
+    HiCacheStorage = object  # type: ignore[assignment,misc]
+
+log = logging.getLogger(__name__)
+
+OUR_KEYS = frozenset(f.name for f in TieredKVConfig.__dataclass_fields__.values()) | {"config_file"}
+ADAPTER_KEYS = frozenset({"model_id", "revision", "write_timeout", "tiered_kv"})
+STAGING_BYTES = 64 << 20  # reads into non-contiguous host pages are staged this much at a time
+DEFAULT_STAGED_PAGES = 4 * 128  # host staging tier: 4 of SGLang's storage batches
+
+
+def _answers(default: Callable[..., Any]):
+    """Run the method; on any exception log it, count it and return ``default(*args)``."""
+    def wrap(method):
+        @functools.wraps(method)
+        def guarded(self, *args, **kwargs):
+            try:
+                return method(self, *args, **kwargs)
+            except Exception as exc:
+                self._failures += 1
+                if self._complaints.warning("tiered-kv SGLang storage: %s failed (%s: %s); answered as "
+                                            "a miss", method.__name__, type(exc).__name__, exc):
+                    log.debug("the failure", exc_info=True)
+                return default(*args, **kwargs)
+        return guarded
+    return wrap
+
+
+def _keys_of(args: tuple, kwargs: dict) -> Sequence:
+    return args[0] if args else kwargs.get("keys", ())
+
+
+def _no_pages(*args, **kwargs) -> list[bool]:
+    return [False] * len(_keys_of(args, kwargs))
+
+
+def _no_tensors(*args, **kwargs) -> list[None]:
+    return [None] * len(_keys_of(args, kwargs))
+
+
+class TieredKVHiCacheStorage(HiCacheStorage):
+    """SGLang's ``HiCacheStorage`` over a :class:`~tiered_kv.store.TieredStore`."""
+
+    def __init__(self, storage_config: Any, kwargs: Mapping[str, Any] | None = None) -> None:
+        self.storage_config = storage_config
+        extra = dict(getattr(storage_config, "extra_config", None) or {})
+        nested = extra.get("tiered_kv") or {}
+        if not isinstance(nested, Mapping):
+            raise ConfigError("SGLang extra config: 'tiered_kv' must be a table of tiered-kv settings")
+        self._ours = {**{k: v for k, v in extra.items() if k in OUR_KEYS}, **nested}
+        self.settings = parse_settings(self._ours, source="SGLang storage extra config")  # fail early
+        self.model_id = extra.get("model_id")
+        self.revision = str(extra.get("revision") or self.settings.config.model_revision or "")
+        self.write_timeout = float(extra.get("write_timeout", 60.0))
+        self.writer = bool(getattr(storage_config, "is_storage_writer", True))
+        self.mem_pool_host = None
+        self.geometry: PageGeometry | None = None
+        self.namespace = None
+        self._store = None
+        self._lock = threading.Lock()
+        self._local = threading.local()  # per-thread staging buffer
+        self._failures = 0  # calls answered as misses because they failed
+        self._complaints = LogThrottle(log, 30.0)
+        self._metrics_lock = threading.Lock()
+        self._metrics: dict[str, list] = {"prefetch_pgs": [], "backup_pgs": [],
+                                          "prefetch_bandwidth": [], "backup_bandwidth": []}
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """SGLang hands us its host KV pool: the pages' geometry names the namespace."""
+        geometry = geometry_of(mem_pool_host)
+        data = dict(self._ours)
+        host = dict(data.get("host") or {})
+        host.setdefault("capacity", DEFAULT_STAGED_PAGES * geometry.page_bytes)
+        data["host"] = host
+        config = parse_settings(data, source="SGLang storage extra config").config
+        namespace = page_namespace(geometry, self.storage_config, model_id=self.model_id,
+                                   revision=self.revision, hash_algo=config.hash_algo)
+        store = acquire_store(config, namespace)
+        with self._lock:
+            old, self._store = self._store, store
+            self.mem_pool_host, self.geometry, self.namespace = mem_pool_host, geometry, namespace
+        if old is not None:
+            release_store(old)
+        log.info("tiered-kv SGLang storage: %s pages of %d bytes (%s), tiers: %s", geometry.kind,
+                 geometry.page_bytes, geometry.layout, ", ".join(["host"] + [t.name for t in store.tiers]))
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        """Extra pools (Mamba, SWA, sparse indexers) are not stored: their pages stay misses."""
+        log.warning("tiered-kv SGLang storage: extra host pool %s is not stored (KV pages only)",
+                    host_pool_name)
+
+    def on_host_pools_registered(self) -> None:
+        pass
+
+    @property
+    def store(self):
+        store = self._store
+        if store is None:
+            raise ConfigError("SGLang has not registered its host pool with the storage backend yet")
+        return store
+
+    # -- existence ---------------------------------------------------------------------------------
+    @_answers(lambda *a, **k: 0)
+    def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
+        """How many leading pages of ``keys`` this rank has stored (SGLang takes the smallest
+        answer of its ranks)."""
+        return self._stored_run(self._keys(keys))
+
+    @_answers(lambda *a, **k: False)
+    def exists(self, key: str) -> bool:
+        return self._stored_run(self._keys([key])) == 1
+
+    # -- v0: flat data pages -------------------------------------------------------------------
+    @_answers(lambda *a, **k: None)
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None):
+        target = target_location if target_location is not None else self._new_page()
+        return target if self._read([key], [target])[0] else None
+
+    @_answers(_no_tensors)
+    def batch_get(self, keys: Sequence[str], target_locations: Any = None, target_sizes: Any = None):
+        targets = list(target_locations) if target_locations is not None else [self._new_page() for _ in keys]
+        ok = self._read(keys, targets)
+        return [t if good else None for t, good in zip(targets, ok)]
+
+    @_answers(lambda *a, **k: False)
+    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+        return all(self._write([key], [value]))
+
+    @_answers(lambda *a, **k: False)
+    def batch_set(self, keys: Sequence[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        return all(self._write(keys, list(values)))
+
+    # -- v1: host pool indices (zero-copy interface) ---------------------------------------------
+    @_answers(_no_pages)
+    def batch_get_v1(self, keys: Sequence[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        """Read ``keys`` into the host pool's pages starting at ``host_indices[i * page_size]``."""
+        pool, starts = self.mem_pool_host, self._page_starts(keys, host_indices)
+        pages = [pool.get_data_page(s, flat=False) for s in starts]
+        return self._read(keys, pages)
+
+    @_answers(_no_pages)
+    def batch_set_v1(self, keys: Sequence[str], host_indices: Any, extra_info: Any = None) -> list[bool]:
+        pool, starts = self.mem_pool_host, self._page_starts(keys, host_indices)
+        return self._write(keys, [pool.get_data_page(s, flat=True) for s in starts])
+
+    # -- the rest of the interface ---------------------------------------------------------------
+    @_answers(lambda *a, **k: None)
+    def clear(self) -> None:
+        """Remove every page of this namespace from every tier (SGLang's cache flush)."""
+        from tiered_kv.admin.evict_copy import evict
+        from tiered_kv.admin.opening import Tier
+
+        store = self.store
+        store.flush(self.write_timeout)
+        for tier in store.tiers:
+            evict(Tier(tier.name, tier.backend), namespace=self.namespace.digest())
+        store.host.delete_many(list(store.host.scan()))
+
+    def get_stats(self):
+        """SGLang's ``StorageMetrics`` of the calls since the last time it asked (pages per call,
+        GB/s), with our store's ``stats()`` as ``tiered_kv``; None before the pool is registered."""
+        with self._metrics_lock:
+            drained = self._metrics
+            self._metrics = {k: [] for k in drained}
+        if self._store is None:
+            return None
+        try:
+            from sglang.srt.observability.metrics_collector import StorageMetrics
+        except ImportError:
+            return {**drained, "tiered_kv": self._store.stats()}
+        metrics = StorageMetrics(**drained)
+        metrics.tiered_kv = self._store.stats()
+        return metrics
+
+    def close(self) -> None:
+        with self._lock:
+            store, self._store = self._store, None
+        if store is not None:
+            release_store(store)
+
+    # -- moving pages ----------------------------------------------------------------------------
+    def _keys(self, keys: Sequence[str]) -> list[bytes]:
+        namespace = self.namespace
+        if namespace is None:
+            raise ConfigError("SGLang has not registered its host pool with the storage backend yet")
+        return [page_key(namespace, k) for k in keys]
+
+    def _stored_run(self, keys: list[bytes]) -> int:
+        """The leading run of ``keys`` some tier of this rank holds (each lower tier answers within
+        the store's lookup deadline or counts as a miss)."""
+        return leading_present([w is not None for w in self.store.locate(keys)]) if keys else 0
+
+    def _page_starts(self, keys: Sequence[str], host_indices: Any) -> list[int]:
+        size = self.geometry.page_size
+        if len(host_indices) < len(keys) * size:
+            raise ValueError(f"{len(keys)} pages need {len(keys) * size} host indices, got {len(host_indices)}")
+        return [int(host_indices[i * size]) for i in range(len(keys))]
+
+    def _new_page(self):
+        import torch
+
+        from tiered_kv.dtypes import torch_dtype
+
+        return torch.zeros(self.geometry.page_elements, dtype=torch_dtype(self.geometry.dtype))
+
+    def _read(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
+        """Load the leading stored run of ``keys`` into ``pages`` (tensors of one page each, any
+        shape or strides); False from the first page that is missing or fails its checks."""
+        started = time.perf_counter()
+        store, ours = self.store, self._keys(keys)
+        found = self._stored_run(ours)
+        ok = [False] * len(keys)
+        shape = store.shape
+        direct = [p.is_contiguous() and p.device.type == "cpu" for p in pages[:found]]
+        done = 0
+        while done < found:
+            if direct[done]:  # decoded straight into the page (contiguous host memory)
+                end = done
+                while end < found and direct[end]:
+                    end += 1
+                got = store.load_into(ours[done:end], [p.view(shape) for p in pages[done:end]])
+            else:  # staged, then copied into the page's parts
+                end = min(found, done + self._staging_pages())
+                while any(direct[done:end]):
+                    end -= 1
+                staging = self._staging(end - done)
+                got = store.load_into(ours[done:end], list(staging))
+                for i, good in enumerate(got):
+                    if not good:
+                        break
+                    pages[done + i].copy_(staging[i].view(pages[done + i].shape))
+            lead = next((i for i, good in enumerate(got) if not good), len(got))
+            ok[done : done + lead] = [True] * lead
+            if lead < len(got):
+                break
+            done = end
+        loaded = sum(ok)
+        self._note("prefetch", loaded, started)
+        return ok
+
+    def _write(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
+        """Store ``pages`` (flat data pages) under ``keys``; True where a lower tier holds the
+        page (or the host tier, when it is the only one) afterwards."""
+        if not keys:
+            return []
+        if not self.writer:  # an MLA rank that is not the writer: the writer stores the same bytes
+            return [True] * len(keys)
+        started = time.perf_counter()
+        store, ours = self.store, self._keys(keys)
+        shape = store.shape
+        future = store.save(ours, [p.reshape(shape) for p in pages])
+        if future is not None:
+            try:
+                future.result(timeout=self.write_timeout)
+            except FutureTimeout:
+                log.warning("tiered-kv SGLang storage: %d pages not written within %.0f s",
+                            len(keys), self.write_timeout)
+        ok = [w is not None for w in store.locate(ours, host=not store.tiers)]
+        self._note("backup", sum(ok), started)
+        return ok
+
+    def _staging_pages(self) -> int:
+        return max(1, STAGING_BYTES // self.geometry.page_bytes)
+
+    def _staging(self, n: int):
+        """This thread's staging blocks (reused across calls), the first ``n`` of them."""
+        import torch
+
+        buf = getattr(self._local, "staging", None)
+        shape = self.store.shape
+        if buf is None or buf.shape[0] < n or tuple(buf.shape[1:]) != tuple(shape):
+            buf = torch.empty((max(n, 1), *shape), dtype=self.store.dtype)
+            self._local.staging = buf
+        return buf[:n]
+
+    def _note(self, what: str, pages: int, started: float) -> None:
+        if not pages:
+            return
+        seconds = max(time.perf_counter() - started, 1e-9)
+        with self._metrics_lock:
+            self._metrics[f"{what}_pgs"].append(pages)
+            self._metrics[f"{what}_bandwidth"].append(pages * self.geometry.page_bytes / seconds / 1e9)

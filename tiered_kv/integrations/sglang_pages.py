@@ -1,0 +1,104 @@
+"""SGLang HiCache pages as tiered-kv blocks: the namespace a host pool's pages are stored under,
+and the key of each page.
+
+A stored block is one page in the byte order SGLang's own flat data page has for the pool's host
+layout (``get_data_page(index, flat=True)``: every K part, then every V part, in the layout's
+order; MLA pages have one latent part). That order differs between layouts, so the layout, the
+pool kind (MHA, MLA) and every page geometry figure are folded into the namespace's ``layout``
+field: a page written under one layout is never found under another. TP rank and size go into
+the namespace for MHA pools (each rank holds its heads); MLA pages are identical on every rank
+and are stored once (rank 0 of 1). Pipeline stages, attention context-parallel and DCP shards
+hold different bytes and are named in the layout too.
+
+The namespace's block shape ``[L, 2, page_size, 1, d]`` only sizes the block (``d`` = the page's
+elements / (2 L page_size)); the real geometry is the one named in ``layout``. SGLang's keys are
+its own chained page hashes (sha256 over the page tokens, seeded by ``extra_key`` and
+``cache_salt``): a page key is 16 bytes of the namespace's hash of that string.
+
+Scheduler-free and torch-free: the pool is read through its attributes only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tiered_kv.dtypes import dtype_name, itemsize
+from tiered_kv.errors import ConfigError
+from tiered_kv.keys import Namespace
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """What SGLang's host pool says about one page."""
+
+    kind: str  # "mha" or "mla"
+    layout: str  # SGLang host layout: layer_first, page_first, page_first_direct, page_head
+    dtype: str  # element dtype name, e.g. "bfloat16"
+    page_size: int  # tokens per page
+    layer_num: int  # layers a page carries
+    page_elements: int  # elements in one flat data page
+    detail: str  # the per-token shape, e.g. "heads=8,head_dim=128,v_head_dim=128" or "kv_dim=576"
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_elements * itemsize(self.dtype)
+
+
+def geometry_of(pool: Any) -> PageGeometry:
+    """The geometry of ``pool`` (an SGLang ``HostKVCache``: MHA or MLA token-to-KV host pool)."""
+    dtype = dtype_name(pool.dtype)
+    itemsize(dtype)  # a dtype we cannot store is refused here
+    layout = str(pool.layout)
+    page_size, layer_num = int(pool.page_size), int(pool.layer_num)
+    if hasattr(pool, "kv_lora_rank"):
+        kind = "mla"
+        kv_dim = int(getattr(pool, "kv_cache_dim", pool.kv_lora_rank + pool.qk_rope_head_dim))
+        elements = layer_num * page_size * kv_dim
+        detail = f"kv_dim={kv_dim},kv_lora_rank={pool.kv_lora_rank},rope={pool.qk_rope_head_dim}"
+    elif hasattr(pool, "head_num") and hasattr(pool, "head_dim"):
+        kind = "mha"
+        v_dim = int(getattr(pool, "v_head_dim", None) or pool.head_dim)
+        elements = layer_num * page_size * int(pool.head_num) * (int(pool.head_dim) + v_dim)
+        detail = f"heads={pool.head_num},head_dim={pool.head_dim},v_head_dim={v_dim}"
+    else:
+        raise ConfigError(f"tiered-kv cannot store pages of SGLang host pool {type(pool).__name__}")
+    return PageGeometry(kind, layout, dtype, page_size, layer_num, elements, detail)
+
+
+def page_namespace(geometry: PageGeometry, storage_config: Any, *, model_id: str | None = None,
+                   revision: str = "", hash_algo: str = "xxh3_128") -> Namespace:
+    """The namespace of ``geometry``'s pages for the rank ``storage_config``
+    (SGLang's ``HiCacheStorageConfig``) describes."""
+    model = model_id or getattr(storage_config, "model_name", None)
+    if not model:
+        raise ConfigError("SGLang did not name the model (HiCacheStorageConfig.model_name); "
+                          "give tiered-kv a model_id in the storage backend's extra config")
+    g = geometry
+    per_part = 2 * g.layer_num * g.page_size
+    if g.page_elements % per_part:
+        raise ConfigError(f"an SGLang page of {g.page_elements} elements ({g.detail}) does not split "
+                          f"into K/V halves of {g.layer_num} layers x {g.page_size} tokens")
+    mla = g.kind == "mla"
+    shard = [f"pp={_int(storage_config, 'pp_rank', 0)}/{_int(storage_config, 'pp_size', 1)}"]
+    if _int(storage_config, "attn_cp_size", 1) > 1:
+        shard.append(f"attn_cp={storage_config.attn_cp_rank}/{storage_config.attn_cp_size}")
+    if _int(storage_config, "dcp_size", 1) > 1:
+        shard.append(f"dcp={storage_config.dcp_rank}/{storage_config.dcp_size},"
+                     f"tp_size={storage_config.tp_size},logical_page={storage_config.logical_page_size}")
+    layout = (f"sglang:{g.kind}:{g.layout}:layers={g.layer_num},page={g.page_size},{g.detail}:"
+              + ":".join(shard))
+    return Namespace(model_id=str(model), dtype=g.dtype, num_layers=g.layer_num, num_kv_heads=1,
+                     head_dim=g.page_elements // per_part, block_size=g.page_size, revision=revision,
+                     layout=layout, tp_rank=0 if mla else _int(storage_config, "tp_rank", 0),
+                     tp_size=1 if mla else _int(storage_config, "tp_size", 1), hash_algo=hash_algo)
+
+
+def page_key(namespace: Namespace, sglang_key: str) -> bytes:
+    """Our 16-byte key of the page SGLang calls ``sglang_key`` (its chained page hash)."""
+    return namespace.hasher(b"sglang-page\x00" + sglang_key.encode())
+
+
+def _int(obj: Any, name: str, default: int) -> int:
+    value = getattr(obj, name, None)
+    return default if value is None else int(value)
