@@ -161,3 +161,19 @@ def test_a_save_returns_while_the_engines_stream_is_still_busy(tmp_path):
         assert all(s is not None and bool((store.slot_tensor(s) == 1.5).all()) for s in slots)
         store.host.unpin_many(keys)
         worker.close()
+
+
+@cuda
+def test_a_load_waits_for_its_own_copies_not_for_the_engines_queued_work(tmp_path):
+    keys = keys_for(8)
+    with make_store(tmp_path, host="8MiB", disk=None) as store:
+        blocks = payloads(store, 8, seed=4)
+        store.save(keys, blocks)
+        pool = _pool(16, "cuda")
+        worker = _worker(store, pool)
+        torch.cuda._sleep(2_000_000_000)  # about a second of the engine's previous step
+        _step(worker, loads=[LoadSpec("r", tuple(keys), tuple(range(8, 16)), is_async=False)])
+        assert not torch.cuda.current_stream().query(), "the load waited for the engine's stream"
+        got = gather_torch(pool, torch.arange(8, 16, device="cuda")).cpu()  # ordered after the scatter
+        assert torch.equal(got, torch.stack(blocks))
+        worker.close()

@@ -252,3 +252,18 @@ def test_stats_report_pages_per_call_and_the_stores_metrics(tmp_path):
     prefetch = stats["prefetch_pgs"] if isinstance(stats, dict) else stats.prefetch_pgs
     assert backup == [2] and prefetch == [2]
     storage.close()
+
+
+def test_pools_whose_pages_cannot_be_stored_are_refused_when_sglang_attaches_them(tmp_path):
+    class UnifiedPool(MHAPool):
+        def get_data_page(self, index, flat=True):
+            raise ValueError("Unsupported layout: page_unified")
+
+    pool = UnifiedPool("page_first")
+    pool.layout = "page_unified"
+    storage = TieredKVHiCacheStorage(StorageConfig(extra_config={}), {})
+    with pytest.raises(ConfigError, match="page_unified"):
+        storage.register_mem_pool_host(pool)
+    storage.register_mem_host_pool_v2(MHAPool("page_first"), "kv")  # the KV pool again: fine
+    with pytest.raises(ConfigError, match="mamba"):
+        storage.register_mem_host_pool_v2(object(), "mamba")

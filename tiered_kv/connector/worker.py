@@ -74,6 +74,7 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()  # failed block ids not yet reported to the engine
         self._tainted: set[int] = set()  # failed block ids no step has computed again since
         self._stream = None
+        self._load_stream = None
         # request -> blocks per serving tier, for reports; the oldest entries are dropped
         self.load_stats: OrderedDict[str, dict[str, int]] = OrderedDict()
 
@@ -81,7 +82,8 @@ class ConnectorWorker:
     def register_kv_caches(self, kv_caches) -> None:
         self.layout = make_layout(self.store.namespace, kv_caches, self.declared_layout)
         if self.layout.device.type == "cuda":
-            self._stream = torch.cuda.Stream(device=self.layout.device)
+            self._stream = torch.cuda.Stream(device=self.layout.device)  # saves
+            self._load_stream = torch.cuda.Stream(device=self.layout.device)
         log.info("connector worker: %s layout on %s", self.layout.name, self.layout.device)
 
     def bind_connector_meta(self, meta: ConnectorMeta) -> None:
@@ -139,16 +141,21 @@ class ConnectorWorker:
     def _scatter(self, block_ids: list[int], slots: list[int]) -> None:
         """Write the loaded host ``slots`` into the device blocks ``block_ids``. On CUDA the
         blocks go straight from the pinned slab to the device (one copy per run of consecutive
-        slots, on the engine's current stream, so its forward pass is ordered after them), are
-        scattered there, and this waits for the copies: the caller releases the slots next."""
+        slots) on a load stream, so they run while the engine's queued work does; the scatter
+        is queued on the engine's stream after them (its forward pass is ordered after it), and
+        this waits for the copies alone: the caller releases the slots next."""
         assert self.layout is not None, "register_kv_caches was not called"
         device = self.layout.device
         if device.type != "cuda":
             self.layout.scatter(torch.tensor(block_ids), self.store.slots.gather(slots))
             return
-        src = self.store.slots.to_device(slots, device)
-        copied = torch.cuda.Event()
-        copied.record(torch.cuda.current_stream(device))
+        current = torch.cuda.current_stream(device)
+        with torch.cuda.stream(self._load_stream):  # not behind the engine's queued work
+            src = self.store.slots.to_device(slots, device)  # allocated on the load stream
+            copied = torch.cuda.Event()
+            copied.record(self._load_stream)
+        current.wait_event(copied)
+        src.record_stream(current)  # the scatter reads it on the engine's stream
         self.layout.scatter(device_ids(block_ids, device), src)
         copied.synchronize()
 

@@ -66,7 +66,8 @@ def _answers(default: Callable[..., Any]):
             try:
                 return method(self, *args, **kwargs)
             except Exception as exc:
-                self._failures += 1
+                with self._metrics_lock:
+                    self._failures += 1
                 if self._complaints.warning("tiered-kv SGLang storage: %s failed (%s: %s); answered as "
                                             "a miss", method.__name__, type(exc).__name__, exc):
                     log.debug("the failure", exc_info=True)
@@ -117,10 +118,11 @@ class TieredKVHiCacheStorage(HiCacheStorage):
     # -- set-up ----------------------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """SGLang hands us its host KV pool: the pages' geometry names the namespace."""
-        geometry = geometry_of(mem_pool_host)
+        geometry = geometry_of(mem_pool_host, mla=bool(getattr(self.storage_config, "is_mla_model", False)))
         data = dict(self._ours)
         host = dict(data.get("host") or {})
         host.setdefault("capacity", DEFAULT_STAGED_PAGES * geometry.page_bytes)
+        host.setdefault("pinned", "no")  # a staging area for write-behind: never copied to a GPU
         data["host"] = host
         config = parse_settings(data, source="SGLang storage extra config").config
         namespace = page_namespace(geometry, self.storage_config, model_id=self.model_id,
@@ -135,9 +137,13 @@ class TieredKVHiCacheStorage(HiCacheStorage):
                  geometry.page_bytes, geometry.layout, ", ".join(["host"] + [t.name for t in store.tiers]))
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
-        """Extra pools (Mamba, SWA, sparse indexers) are not stored: their pages stay misses."""
-        log.warning("tiered-kv SGLang storage: extra host pool %s is not stored (KV pages only)",
-                    host_pool_name)
+        """The KV pool again is fine; extra pools (Mamba and SWA state, sparse indexers, drafts)
+        are refused at attach time: tiered-kv stores KV pages only so far, and SGLang would
+        otherwise call the per-pool (v2) interface from its threads."""
+        if str(host_pool_name) in ("kv", "PoolName.KV"):
+            return
+        raise ConfigError(f"tiered-kv SGLang storage stores KV pages only; SGLang's {host_pool_name} "
+                          "host pool (hybrid, sliding-window or sparse models) is not supported yet")
 
     def on_host_pools_registered(self) -> None:
         pass
@@ -207,6 +213,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             evict(Tier(tier.name, tier.backend), namespace=self.namespace.digest())
         store.host.delete_many(list(store.host.scan()))
 
+    @_answers(lambda *a, **k: None)
     def get_stats(self):
         """SGLang's ``StorageMetrics`` of the calls since the last time it asked (pages per call,
         GB/s), with our store's ``stats()`` as ``tiered_kv``; None before the pool is registered."""
@@ -242,7 +249,9 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         return leading_present([w is not None for w in self.store.locate(keys)]) if keys else 0
 
     def _page_starts(self, keys: Sequence[str], host_indices: Any) -> list[int]:
-        size = self.geometry.page_size
+        """The host index each page starts at. SGLang's indices are logical: with decode context
+        parallelism a logical page spans ``page_size x dcp_size`` of them (the pool maps them)."""
+        size = int(getattr(self.mem_pool_host, "logical_page_size", None) or self.geometry.page_size)
         if len(host_indices) < len(keys) * size:
             raise ValueError(f"{len(keys)} pages need {len(keys) * size} host indices, got {len(host_indices)}")
         return [int(host_indices[i * size]) for i in range(len(keys))]
@@ -290,8 +299,10 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         return ok
 
     def _write(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
-        """Store ``pages`` (flat data pages) under ``keys``; True where a lower tier holds the
-        page (or the host tier, when it is the only one) afterwards."""
+        """Store ``pages`` (flat data pages) under ``keys`` and wait (``write_timeout``) for their
+        write-behind; True where some tier holds the page afterwards, as ``batch_exists`` sees
+        it (a write-behind the store dropped or failed is counted there, and the page is a miss
+        once the staging copy is evicted)."""
         if not keys:
             return []
         if not self.writer:  # an MLA rank that is not the writer: the writer stores the same bytes
@@ -306,7 +317,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             except FutureTimeout:
                 log.warning("tiered-kv SGLang storage: %d pages not written within %.0f s",
                             len(keys), self.write_timeout)
-        ok = [w is not None for w in store.locate(ours, host=not store.tiers)]
+        ok = [w is not None for w in store.locate(ours)]
         self._note("backup", sum(ok), started)
         return ok
 
@@ -319,7 +330,8 @@ class TieredKVHiCacheStorage(HiCacheStorage):
 
         buf = getattr(self._local, "staging", None)
         shape = self.store.shape
-        if buf is None or buf.shape[0] < n or tuple(buf.shape[1:]) != tuple(shape):
+        if (buf is None or buf.shape[0] < n or tuple(buf.shape[1:]) != tuple(shape)
+                or buf.dtype != self.store.dtype):
             buf = torch.empty((max(n, 1), *shape), dtype=self.store.dtype)
             self._local.staging = buf
         return buf[:n]

@@ -45,24 +45,33 @@ class PageGeometry:
         return self.page_elements * itemsize(self.dtype)
 
 
-def geometry_of(pool: Any) -> PageGeometry:
-    """The geometry of ``pool`` (an SGLang ``HostKVCache``: MHA or MLA token-to-KV host pool)."""
+def geometry_of(pool: Any, *, mla: bool) -> PageGeometry:
+    """The geometry of ``pool`` (an SGLang host KV pool; ``mla`` as SGLang's storage config says).
+    A page is what the pool's own flat data page holds; a pool whose pages we cannot read and
+    write that way (K-only index pools, ``page_unified`` / ``page_first_kv_split`` layouts) is
+    refused with ConfigError when it is registered."""
     dtype = dtype_name(pool.dtype)
     itemsize(dtype)  # a dtype we cannot store is refused here
     layout = str(pool.layout)
     page_size, layer_num = int(pool.page_size), int(pool.layer_num)
-    if hasattr(pool, "kv_lora_rank"):
+    try:
+        elements = int(pool.get_dummy_flat_data_page().numel())
+        view = pool.get_data_page(0, flat=False)
+    except Exception as exc:
+        raise ConfigError(f"tiered-kv cannot store the pages of SGLang's {type(pool).__name__} with "
+                          f"host layout {layout!r}: {exc}") from None
+    if int(view.numel()) != elements:
+        raise ConfigError(f"SGLang's {type(pool).__name__} ({layout}) has pages of {view.numel()} "
+                          f"elements but flat pages of {elements}: not a layout tiered-kv can store")
+    if mla:
         kind = "mla"
-        kv_dim = int(getattr(pool, "kv_cache_dim", pool.kv_lora_rank + pool.qk_rope_head_dim))
-        elements = layer_num * page_size * kv_dim
-        detail = f"kv_dim={kv_dim},kv_lora_rank={pool.kv_lora_rank},rope={pool.qk_rope_head_dim}"
-    elif hasattr(pool, "head_num") and hasattr(pool, "head_dim"):
-        kind = "mha"
-        v_dim = int(getattr(pool, "v_head_dim", None) or pool.head_dim)
-        elements = layer_num * page_size * int(pool.head_num) * (int(pool.head_dim) + v_dim)
-        detail = f"heads={pool.head_num},head_dim={pool.head_dim},v_head_dim={v_dim}"
+        kv_dim = getattr(pool, "kv_cache_dim", None)
+        detail = f"kv_dim={kv_dim},kv_lora_rank={getattr(pool, 'kv_lora_rank', None)}," \
+                 f"rope={getattr(pool, 'qk_rope_head_dim', None)}"
     else:
-        raise ConfigError(f"tiered-kv cannot store pages of SGLang host pool {type(pool).__name__}")
+        kind = "mha"
+        detail = (f"heads={getattr(pool, 'head_num', None)},head_dim={getattr(pool, 'head_dim', None)},"
+                  f"v_head_dim={getattr(pool, 'v_head_dim', None)}")
     return PageGeometry(kind, layout, dtype, page_size, layer_num, elements, detail)
 
 

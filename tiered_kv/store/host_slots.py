@@ -77,21 +77,23 @@ class HostSlots:
                 self.copier.copy_tensors(blocks, views)
             return
         plain, devices = [], set()
-        for slot, block in zip(slots, blocks):
-            if self.plain(block):
-                row, mem = self.row(slot), bytes_of(block)
-                plain.append((row, mem) if into_slots else (mem, row))
-                continue
-            queued = block.device.type == "cuda"
-            if queued:
-                devices.add(block.device)
-            if into_slots:
-                self.slot_tensor(slot).copy_(block, non_blocking=queued)
-            else:
-                block.copy_(self.slot_tensor(slot), non_blocking=queued)
-        self.copier.copy(plain)
-        for device in devices:
-            torch.cuda.current_stream(device).synchronize()
+        try:
+            for slot, block in zip(slots, blocks):
+                if self.plain(block):
+                    row, mem = self.row(slot), bytes_of(block)
+                    plain.append((row, mem) if into_slots else (mem, row))
+                    continue
+                queued = block.device.type == "cuda"
+                if queued:
+                    devices.add(block.device)
+                if into_slots:
+                    self.slot_tensor(slot).copy_(block, non_blocking=queued)
+                else:
+                    block.copy_(self.slot_tensor(slot), non_blocking=queued)
+            self.copier.copy(plain)
+        finally:  # also when a copy failed: the caller frees these slots next
+            for device in devices:
+                torch.cuda.current_stream(device).synchronize()
 
     def gather(self, slots: Sequence[int]) -> torch.Tensor:
         """The blocks of ``slots`` as one new ``[n, *block shape]`` tensor (one batched copy)."""
