@@ -20,6 +20,7 @@ from tiered_kv.errors import ConfigError, TokenError
 
 FORMAT_VERSION = 1
 KEY_BYTES = 16
+CANONICAL_LAYOUT = "LKTHD"  # a block's payload as [layers, K/V, tokens, heads, dim]
 
 
 def _blake2b_128(data: bytes) -> bytes:
@@ -52,7 +53,7 @@ class Namespace:
     head_dim: int  # per-head dimension
     block_size: int  # tokens per block
     revision: str = ""  # weights fingerprint / revision; empty when unknown
-    layout: str = "LKTHD"  # canonical payload layout [layers, K/V, tokens, heads, dim]
+    layout: str = CANONICAL_LAYOUT  # payload layout; other values name an engine's own (SGLang pages)
     tp_rank: int = 0  # tensor-parallel rank of this shard
     tp_size: int = 1  # tensor-parallel world size
     cache_salt: str = ""  # tenant salt: different salts never share blocks

@@ -267,3 +267,19 @@ def test_pools_whose_pages_cannot_be_stored_are_refused_when_sglang_attaches_the
     storage.register_mem_host_pool_v2(MHAPool("page_first"), "kv")  # the KV pool again: fine
     with pytest.raises(ConfigError, match="mamba"):
         storage.register_mem_host_pool_v2(object(), "mamba")
+
+
+def test_the_cli_shows_and_verifies_sglang_pages_offline(tmp_path):
+    from tests.cli.conftest import cli
+
+    keys = sglang_keys(3)
+    pool = MLAPool("page_first", seed=1)
+    storage = backend(tmp_path, pool)
+    assert storage.batch_set_v1(keys, pool.page_indices(0, 3)) == [True] * 3
+    storage.close()
+    report = cli("inspect", "--json", tmp_path / "l3").json()
+    (ns,) = report["tiers"][0]["namespaces"].values()
+    assert ns["blocks"] == 3 and ns["layout"].startswith("sglang:mla:page_first:") and ns["tp"] == "0/1"
+    assert "(sglang" in cli("inspect", tmp_path / "l3").out  # the table names the page layout too
+    verified = cli("verify", tmp_path / "l3")
+    assert verified.code == 0 and "3 valid blocks" in verified.out

@@ -76,7 +76,7 @@ def _namespace_summary(tier: Tier, digest: bytes, blocks: list[Entry], found: Na
     if ns is not None:
         out.update(dtype=ns.dtype, block_size=ns.block_size, block_shape=list(ns.block_shape),
                    revision=ns.revision, tp=f"{ns.tp_rank}/{ns.tp_size}", cache_salt=bool(ns.cache_salt),
-                   hash_algo=ns.hash_algo)
+                   hash_algo=ns.hash_algo, layout=ns.layout)
         raw_each, block_size = block_layout(ns).raw_len, ns.block_size
     else:  # no record: dtype and shape from a block's header; tokens unknown
         header = sample_header(tier.backend, digest, keys)

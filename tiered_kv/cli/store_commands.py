@@ -12,6 +12,7 @@ from tiered_kv.cli import render
 from tiered_kv.cli.options import add_store_args, duration_arg, opened, size_arg
 from tiered_kv.cli.render import EXIT_OK, EXIT_PROBLEM
 from tiered_kv.errors import ConfigError
+from tiered_kv.keys import CANONICAL_LAYOUT
 
 
 def add_parsers(sub) -> None:
@@ -67,7 +68,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         rows = []
         for digest, n in r["namespaces"].items():
             ages = " ".join(f"{k}:{v}" for k, v in (n["last_access_age"] or {}).items() if v)
-            rows.append([digest[:12], n["model_id"] or "?", n.get("dtype"), n.get("block_shape"), n["blocks"],
+            model = n["model_id"] or "?"
+            if n.get("layout") not in (None, CANONICAL_LAYOUT):  # an engine's own page layout (SGLang's)
+                model += f" ({':'.join(n['layout'].split(':')[:3])})"
+            rows.append([digest[:12], model, n.get("dtype"), n.get("block_shape"), n["blocks"],
                          n["tokens"], render.size(n["raw_bytes"]), render.size(n["stored_bytes"]),
                          n["compression_ratio"], n["oldest"], n["newest"], ages or None])
         out.print(render.table(None, ["namespace", "model", "dtype", "block shape", "blocks", "tokens", "raw",
