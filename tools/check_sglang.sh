@@ -10,7 +10,9 @@
 # never into the repository's packages. Then runs the opt-in tests (`pytest -m sglang tests/integrations/sglang_real`):
 # SGLang's storage factory (`dynamic`), its HiCacheController over real MHA/MLA host pools for
 # every host layout x storage interface v0/v1 x bf16/fp16, and its radix-cache test kit with a
-# producer and a consumer in separate processes on one storage directory.
+# producer and a consumer in separate processes on one storage directory (every write policy and
+# prefetch policy), or on their own disks sharing one Redis (needs `redis-server` on PATH; those
+# scenarios are skipped without it).
 #
 #   tools/check_sglang.sh              # set up if needed, then run the tests
 #   tools/check_sglang.sh -k mla       # extra arguments go to pytest

@@ -1,16 +1,23 @@
-"""One side of the persistence scenario, run in its own process: SGLang's radix-cache test kit
+"""One side of the persistence scenarios, run in its own process: SGLang's radix-cache test kit
 (``sglang.test.kits.unified_radix_cache``) driving a real ``UnifiedRadixCache`` with HiCache and
 an L3 backend attached through ``--hicache-storage-backend dynamic``.
 
-    python -m tests.integrations.sglang_real.radix_roles produce|consume <settings.json>
+    python -m tests.integrations.sglang_real.radix_roles produce|serve|consume <settings.json>
 
-``produce`` inserts a sequence, fills its KV with random values (saved to ``expected.pt`` beside
-the settings), backs it up to host and writes it to L3 with the kit's helpers, then exits.
-``consume`` (a new process, same storage) prefetches the sequence from L3 with the kit's helper,
-loads it back to the device and prints, as JSON, how many tokens came from L3 and whether they are
-bit-exact. The kit's own ``_init_hicache`` only wires the ``file`` backend; ``Role._init_hicache``
-wires ``dynamic`` the same way (single-rank topology, prefetch threshold 1, non-pinned host pool);
-the kit's device is "cpu" and device<->host copies are cpu_copies' torch ones.
+The settings file holds one job, or ``{"jobs": [...]}``: several independent servers run one after
+the other in the process (each its own radix cache, controller and backend instance), and the
+process prints one result per job. Each job names its ``storage_dir``; ``backend_config`` replaces
+top-level keys of the backend's extra config (a shared Redis, no disk tier, ...), and
+``prefetch_timeout_base`` / ``prefetch_timeout_per_ki_token`` go where SGLang reads them.
+
+``produce`` inserts a sequence, fills its KV with random values (saved to ``expected``), backs it
+up to host and writes it to L3 with the kit's helpers, then exits. ``serve`` (radix_serve.py)
+lets SGLang's write policy decide when pages reach L3. ``consume`` (a new process, same storage)
+prefetches the sequence from L3 under the job's prefetch policy, loads what arrived back to the
+device and reports how many tokens came from L3 and whether they are bit-exact. The kit's own
+``_init_hicache`` only wires the ``file`` backend; ``Role._init_hicache`` wires ``dynamic`` the
+same way (single-rank topology, prefetch threshold 1, non-pinned host pool); the kit's device is
+"cpu" and device<->host copies are cpu_copies' torch ones.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import traceback
 import unittest
 from pathlib import Path
 
@@ -69,7 +77,8 @@ def _role_class(settings: dict):
             patcher.start()
             self.addCleanup(patcher.stop)
             extra = spec.extra_config(Path(settings["storage_dir"]), interface_v1=settings["interface_v1"],
-                                      prefetch_threshold=1)
+                                      prefetch_threshold=1, **_sglang_keys(settings))
+            extra.update(settings.get("backend_config") or {})
             server_args = ServerArgs(
                 model_path="dummy", served_model_name="tiny-test-model", page_size=self.cfg.page_size,
                 hicache_io_backend="kernel",
@@ -81,7 +90,8 @@ def _role_class(settings: dict):
             cache.init_hicache(server_args, cache.cache_init_params)
             self.addCleanup(drop_hicache_atexit_pin, cache)
             self.addCleanup(cache.release_host_resources)
-            cache.write_through_threshold = 1 << 30
+            if not settings.get("tree_writes"):  # the helpers decide what is backed up, not the tree
+                cache.write_through_threshold = 1 << 30
             cache.load_back_threshold = 0
             cc = cache.cache_controller
             cc.prefetch_capacity_limit = max(cc.prefetch_capacity_limit, cc.mem_pool_host.size)
@@ -89,6 +99,12 @@ def _role_class(settings: dict):
 
     Role.cfg = cfg
     return Role
+
+
+def _sglang_keys(settings: dict) -> dict:
+    """Extra-config keys SGLang itself reads (and pops) for the prefetch stop policy."""
+    keys = ("prefetch_timeout_base", "prefetch_timeout_per_ki_token")
+    return {k: settings[k] for k in keys if k in settings}
 
 
 def _full_kv(role, allocator, indices) -> list[torch.Tensor]:
@@ -116,7 +132,7 @@ def produce(settings: dict) -> dict:
         role._insert(cache, allocator, rtp, seq)
         leaf = match_prefix(cache, seq).last_device_node
         indices = cache.path_device_indices(leaf)
-        _randomize(role, allocator, indices, seed=11)
+        _randomize(role, allocator, indices, seed=settings.get("seed", 11))
         torch.save(_full_kv(role, allocator, indices), settings["expected"])
         role._backup_node(cache, leaf)
         role._write_path_to_l3(cache, leaf)
@@ -131,13 +147,15 @@ def consume(settings: dict) -> dict:
     from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
     from sglang.test.kits.unified_radix_cache.fixtures import build_fixture, match_prefix
 
+    from tests.integrations.sglang_real.scheduler_steps import prefetch
+
     role = _role_class(settings)()
     try:
         cache, allocator, _ = build_fixture(role.cfg)
         role._init_hicache(cache)
         seq = settings["tokens"]
         before = match_prefix(cache, seq)
-        role._consume_prefetch(cache, seq, CacheRequestHandle("consumer", 0))
+        prefetch(cache, seq, CacheRequestHandle("consumer", 0), admit=settings.get("admit", "at_once"))
         after = match_prefix(cache, seq)
         result = {"device_before": before.device_prefix_len, "host_before": before.host_hit_length,
                   "host_hit": after.host_hit_length, "device_prefix": after.device_prefix_len}
@@ -156,11 +174,25 @@ def consume(settings: dict) -> dict:
         role.doCleanups()
 
 
+def _one(run, job: dict) -> dict:
+    """One job of several: its failure is its own result, the next job still runs."""
+    try:
+        return run(job)
+    except Exception:
+        return {"error": traceback.format_exc()}
+
+
 def main(argv: list[str]) -> int:
+    from tests.integrations.sglang_real.radix_serve import serve
+
     logging.basicConfig(level=logging.WARNING)
     phase, path = argv
     settings = json.loads(Path(path).read_text())
-    out = {"produce": produce, "consume": consume}[phase](settings)
+    run = {"produce": produce, "serve": serve, "consume": consume}[phase]
+    if "jobs" in settings:
+        out = [_one(run, job) for job in settings["jobs"]]
+    else:
+        out = run(settings)
     print("RESULT " + json.dumps(out), flush=True)
     return 0
 

@@ -1,57 +1,55 @@
 """Persistence across processes with SGLang's own radix cache: a producer process fills L3
 through a real ``UnifiedRadixCache`` (HiCache on, ``dynamic`` backend) and exits; a consumer
 process on the same storage prefetches the sequence, loads it to the device, and gets the
-producer's KV bit for bit. Both sides are driven by SGLang's radix-cache test kit."""
+producer's KV bit for bit. Both sides are driven by SGLang's radix-cache test kit (its backup and
+L3-write helpers here; test_policies lets SGLang's write policies decide instead)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+
+from tests.integrations.sglang_real.backends import BACKENDS, unavailable_reason
+from tests.integrations.sglang_real.role_runs import job, ok, run_phase, sequence
 
 pytestmark = pytest.mark.sglang
 
-PAGE_SIZE = 4
-REPO = Path(__file__).resolve().parents[3]
+# The layouts here are the two extremes; test_controller_roundtrip covers every layout
+# in-process. Prefetch policy wait_complete (test_policies covers the others).
+CASES = {
+    "layer_first-v0": ("layer_first", False),
+    "page_head-v0": ("page_head", False),
+    "layer_first-v1": ("layer_first", True),
+    "page_head-v1": ("page_head", True),
+}
+TOKENS = sequence(1, 6)
 
 
-def _run(phase: str, settings_file: Path) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "tests.integrations.sglang_real.radix_roles", phase,
-                           str(settings_file)], cwd=REPO, capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"{phase} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every (backend, case) produced in one process, then consumed in another."""
+    root = tmp_path_factory.mktemp("persistence")
+    jobs = {}
+    for spec in BACKENDS:
+        if unavailable_reason(spec):
+            continue
+        for case, (layout, v1) in CASES.items():
+            if v1 and not spec.has_v1:
+                continue
+            name = f"{spec.id}-{case}"
+            jobs[(spec.id, case)] = job(spec, root / name, layout=layout, interface_v1=v1, tokens=TOKENS,
+                                        expected=root / f"{name}.pt")
+    produced = run_phase("produce", list(jobs.values()), root)
+    consumed = run_phase("consume", list(jobs.values()), root)
+    return {key: (p, c) for key, p, c in zip(jobs, produced, consumed)}
 
 
-# Each case is two fresh Python processes importing SGLang (~15 s each), so the layouts here are
-# the two extremes; test_controller_roundtrip covers every layout in-process. Only wait_complete:
-# under best_effort the scheduler cuts a prefetch at its first poll, so how much arrives depends
-# on thread timing (the kit's pump polls at once), which a scenario must not assert on.
-@pytest.mark.parametrize("layout,interface_v1,prefetch_policy", [
-    pytest.param("layer_first", False, "wait_complete", id="layer_first-v0-wait_complete"),
-    pytest.param("page_head", False, "wait_complete", id="page_head-v0-wait_complete"),
-    pytest.param("layer_first", True, "wait_complete", id="layer_first-v1-wait_complete"),
-    pytest.param("page_head", True, "wait_complete", id="page_head-v1-wait_complete"),
-])
-def test_a_new_process_reads_back_what_another_process_stored(backend_spec, tmp_path, layout,
-                                                             interface_v1, prefetch_policy):
-    if interface_v1 and not backend_spec.has_v1:
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_new_process_reads_back_what_another_process_stored(backend_spec, runs, case):
+    if CASES[case][1] and not backend_spec.has_v1:
         pytest.skip(f"{backend_spec.class_name} implements only the v0 interface (no batch_get_v1)")
-    tokens = list(range(1, 1 + 6 * PAGE_SIZE))
-    settings = {"backend": backend_spec.id, "storage_dir": str(tmp_path / "store"), "page_size": PAGE_SIZE,
-                "layout": layout, "interface_v1": interface_v1, "prefetch_policy": prefetch_policy,
-                "write_policy": "write_through", "tokens": tokens, "expected": str(tmp_path / "expected.pt")}
-    settings_file = tmp_path / "settings.json"
-    settings_file.write_text(json.dumps(settings))
-
-    produced = _run("produce", settings_file)
+    produced, consumed = (ok(r) for r in runs[(backend_spec.id, case)])
     assert produced == {"stored_pages": 6, "pages": 6}
-
-    consumed = _run("consume", settings_file)
     assert (consumed["device_before"], consumed["host_before"]) == (0, 0)
-    assert consumed["host_hit"] == len(tokens)
-    assert consumed["loaded_tokens"] == len(tokens)
+    assert consumed["host_hit"] == len(TOKENS)
+    assert consumed["loaded_tokens"] == len(TOKENS)
     assert consumed["bit_exact"]
