@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.store.helpers import NS, keys_for, make_store
-from tiered_kv.connector.meta import ConnectorMeta, SaveSpec
+from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec
 from tiered_kv.connector.worker import ConnectorWorker
 
 _current = threading.local()
@@ -28,6 +28,9 @@ class FakeStream:
 
     def wait_stream(self, other) -> None:
         pass
+
+    def wait_event(self, event) -> None:
+        self.waited = (*getattr(self, "waited", ()), event)
 
     def synchronize(self) -> None:
         pass
@@ -60,6 +63,9 @@ class FakeEvent:
     def query(self) -> bool:
         return True
 
+    def synchronize(self) -> None:
+        self.synchronized = True
+
 
 class CheckingLayout:
     """A CPU layout that says it is on CUDA and checks the stream rule for every input."""
@@ -86,6 +92,7 @@ class CheckingLayout:
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
         self._check("scatter block ids", block_ids)
+        self._check("scattered blocks", src)
         self.kv.index_copy_(0, block_ids, src)
 
 
@@ -138,5 +145,37 @@ def test_block_ids_the_side_stream_gathers_with_are_allocated_on_the_side_stream
         stored = [torch.zeros(store.shape, dtype=store.dtype) for _ in keys]
         assert store.load_into(keys, stored) == [True] * 3
         assert all(torch.equal(s, kv[b]) for s, b in zip(stored, (5, 2, 7)))
+    finally:
+        store.close()
+
+
+def test_blocks_a_load_copies_to_the_device_are_made_on_the_load_stream_and_handed_to_the_engines(fake_cuda, monkeypatch):
+    """The copies run on the load stream (not behind the engine's queued work); the scatter runs
+    on the engine's stream, which waits for them, and the copied tensor is recorded on it."""
+    store = make_store(None)
+    try:
+        worker = ConnectorWorker(store)
+        kv = torch.zeros(8, *store.shape).to(store.dtype)
+        layout = CheckingLayout(kv)
+        worker.layout, worker._stream, worker._load_stream = layout, torch.cuda.Stream(), torch.cuda.Stream(name="load")
+        made = []
+
+        def to_device(slots, device):  # the slab's bytes, "on the device", made where it runs
+            out = store.slots.gather(slots)
+            out._made_on = current_stream()
+            made.append(out)
+            return out
+
+        monkeypatch.setattr(store.slots, "to_device", to_device)
+        keys = keys_for(3, NS)
+        blocks = [torch.full(store.shape, float(i + 1)).to(store.dtype) for i in range(3)]
+        store.save(keys, blocks)
+        worker.bind_connector_meta(ConnectorMeta(loads=[LoadSpec("r", tuple(keys), (6, 1, 4), False)]))
+        worker.start_load_kv()
+        assert made and made[0]._made_on is worker._load_stream
+        assert COMPUTE in made[0]._recorded_on and getattr(COMPUTE, "waited", ())
+        assert layout.violations == []
+        assert all(torch.equal(kv[b], blk) for b, blk in zip((6, 1, 4), blocks))
+        assert worker.get_block_ids_with_load_errors() == set()
     finally:
         store.close()
