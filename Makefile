@@ -22,9 +22,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,triton]'
 	touch $(STAMP)
 
-# tests start their own redis-server on a free loopback port; install it when missing
+# tests start their own redis-servers on free loopback ports (a 3+3 cluster too, formed with
+# redis-cli); install both when missing
 redis-server:
-	@command -v redis-server >/dev/null || { \
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || { \
 	  echo "installing redis-server from Debian's packages"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools >/dev/null; }
 

@@ -38,6 +38,7 @@ from redis.retry import Retry
 from storage_backends.base import Backend, BackendStats, Visitor
 from storage_backends.quotas import as_tenant
 from storage_backends.redaction import redact_url
+from storage_backends.redis_names import RedisNames
 from storage_backends.redis_options import redis_arguments
 from storage_backends.redis_packer import PACKER, PackedConnection
 from tiered_kv.errors import BackendUnavailable, ConfigError
@@ -77,6 +78,7 @@ class RedisBackend(Backend):
         self.ttl_ms = max(1, round(ttl * 1000)) if ttl else None
         self.timeout, self.pipeline_bytes = timeout, pipeline_bytes
         self.cluster = cluster or url.startswith("redis+cluster://")
+        self.names = RedisNames(self.prefix, self.cluster)  # key names (no accidental hash tags)
         self._value_size = float(VALUE_SIZE_GUESS)  # running estimate: sizes GET pipelines
         self._breaker = threading.Lock()
         self._failures = 0  # consecutive failed calls; > 0: the breaker is open
@@ -196,7 +198,7 @@ class RedisBackend(Backend):
         start = 0
         while start < len(keys):
             per_call = max(1, int(self.pipeline_bytes // self._value_size))
-            names = [self.prefix + k for k in keys[start : start + per_call]]
+            names = self.names.names(keys[start : start + per_call])
             values = self._call(lambda c, n=names: self._pipelined(c, n, lambda p, name: p.get(name)))
             hits = [(i, v) for i, v in enumerate(values, start) if isinstance(v, bytes)]
             self._count(gets=len(names), hits=len(hits), bytes_out=sum(len(v) for _, v in hits))
@@ -212,7 +214,7 @@ class RedisBackend(Backend):
         """EXISTS per key, pipelined ``KEYS_PER_CALL`` at a time."""
         out: list[bool] = []
         for start in range(0, len(keys), KEYS_PER_CALL):
-            names = [self.prefix + k for k in keys[start : start + KEYS_PER_CALL]]
+            names = self.names.names(keys[start : start + KEYS_PER_CALL])
             replies = self._call(lambda c, n=names: self._pipelined(c, n, lambda p, name: p.exists(name)))
             out += [isinstance(r, int) and r > 0 for r in replies]
         return out
@@ -248,7 +250,7 @@ class RedisBackend(Backend):
         """One pipeline of SETs; refusals (OOM when over ``maxmemory``) are False."""
         if not batch:
             return []
-        names, values = [self.prefix + k for k, _ in batch], [v for _, v in batch]
+        names, values = self.names.names(k for k, _ in batch), [v for _, v in batch]
         pairs = list(zip(names, values))  # a lone value is a lone SET on the wire
         replies = self._call(lambda c: self._pipelined(c, pairs, lambda p, kv: p.set(*kv, px=self.ttl_ms)))
         ok = [r is True or r == b"OK" for r in replies]
@@ -265,7 +267,7 @@ class RedisBackend(Backend):
         """UNLINK (the server frees large values in the background)."""
         n = 0
         for start in range(0, len(keys), KEYS_PER_CALL):
-            names = [self.prefix + k for k in keys[start : start + KEYS_PER_CALL]]
+            names = self.names.names(keys[start : start + KEYS_PER_CALL])
             n += int(self._call(lambda c, ns=names: c.unlink(*ns)))
         self._count(deletes=n)
         return n
@@ -274,9 +276,10 @@ class RedisBackend(Backend):
     def scan(self, prefix: bytes = b"") -> Iterator[bytes]:
         """SCAN MATCH of our prefix + ``prefix`` (glob characters escaped); SCAN may return a
         key twice, so keys are collected into a set first."""
-        pattern = _glob_escape(self.prefix + prefix) + b"*"
-        keys = self._call(lambda c: set(c.scan_iter(match=pattern, count=KEYS_PER_CALL)))
-        return iter([k[len(self.prefix) :] for k in keys])
+        names: set[bytes] = set()
+        for pattern in self.names.patterns(prefix, _glob_escape):
+            names |= self._call(lambda c, p=pattern: set(c.scan_iter(match=p, count=KEYS_PER_CALL)))
+        return iter(sorted({self.names.key(n) for n in names}))
 
     def stats(self) -> BackendStats:
         """``entries``: keys under our prefix, exact when the database holds at most

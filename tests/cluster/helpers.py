@@ -2,26 +2,31 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from redis.crc import key_slot
 
-from tests.redis_cluster import Node, RedisClusterServers
+from storage_backends.redis_names import RedisNames
+from tests.redis_cluster import SLOTS, Node, RedisClusterServers
 from tests.store.helpers import NS, load
 
 PREFIX = b"tkv:"  # the remote tier's default key prefix
+LOOKUP_S = 5.0  # stores' lookup deadline here: a new cluster client first learns the topology
+# (slower than the 50 ms default on this VM), and these scenarios are not about the deadline
 
 
 def stored_name(key: bytes, digest: bytes = NS.digest()) -> bytes:
     """The Redis key a block of namespace ``digest`` is stored under."""
-    return PREFIX + digest + key
+    return RedisNames(PREFIX, cluster=True).name(digest + key)
 
 
-def masters_of(cluster: RedisClusterServers, keys: list[bytes]) -> dict[int, Node]:
+def masters_of(cluster: RedisClusterServers, keys: list[bytes], digest: bytes = NS.digest()) -> dict[int, Node]:
     """Index of each key -> the master serving it now."""
-    masters = {m.port: (m, cluster.slots_of(m)) for m in cluster.masters()}
+    masters = _settled_masters(cluster)
     out = {}
     for i, key in enumerate(keys):
-        slot = key_slot(stored_name(key))
+        slot = key_slot(stored_name(key, digest))
         out[i] = next(m for m, slots in masters.values() if slot in slots)
     return out
 
@@ -31,3 +36,17 @@ def bit_exact_loads(store, keys: list[bytes], expected: list[torch.Tensor]) -> l
     ok, outs = load(store, keys)
     assert all(torch.equal(out, want) for hit, out, want in zip(ok, outs, expected) if hit)
     return ok
+
+
+def _settled_masters(cluster: RedisClusterServers, deadline_s: float = 10.0) -> dict[int, tuple[Node, set[int]]]:
+    """port -> (master, its slots), once the masters' own views cover every slot exactly once
+    (right after the cluster forms or fails over, a node's view can lag for a moment)."""
+    stop = time.monotonic() + deadline_s
+    while True:
+        masters = {m.port: (m, cluster.slots_of(m)) for m in cluster.masters()}
+        slots = [len(s) for _, s in masters.values()]
+        if sum(slots) == SLOTS and len(set().union(*(s for _, s in masters.values()))) == SLOTS:
+            return masters
+        if time.monotonic() > stop:
+            raise AssertionError(f"masters' slot views never settled: {sorted(slots)}")
+        time.sleep(0.05)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
-from tests.cluster.helpers import bit_exact_loads, masters_of
+from tests.cluster.helpers import LOOKUP_S, bit_exact_loads, masters_of
 from tests.store.helpers import keys_for, make_store, payloads
 
 log = logging.getLogger(__name__)
@@ -20,7 +20,7 @@ DEADLINE_S = 30  # a bound on a hang, not a timing claim
 
 
 def _saved(cluster, keys):
-    with make_store(host="64KiB", disk=None, remote_url=cluster.url) as writer:
+    with make_store(host="64KiB", disk=None, remote_url=cluster.url, lookup_timeout=LOOKUP_S) as writer:
         data = payloads(writer, len(keys))
         writer.save(keys, data)
         writer.flush()
@@ -36,7 +36,7 @@ def test_killed_master_costs_counted_misses_until_its_replica_is_promoted_then_t
     where = masters_of(cluster, keys)
     victim = where[0]
     on_victim = {i for i, m in where.items() if m is victim}
-    with make_store(host="16KiB", disk=None, remote_url=cluster.url) as reader:
+    with make_store(host="16KiB", disk=None, remote_url=cluster.url, lookup_timeout=LOOKUP_S) as reader:
         assert all(bit_exact_loads(reader, keys, data))
         cluster.kill(victim)
         t0 = time.monotonic()
@@ -69,7 +69,7 @@ def test_killed_replica_changes_nothing(own_redis_cluster):
     cluster = own_redis_cluster
     keys = keys_for(N, first_token=60_000)
     data = _saved(cluster, keys)
-    with make_store(host="16KiB", disk=None, remote_url=cluster.url) as reader:
+    with make_store(host="16KiB", disk=None, remote_url=cluster.url, lookup_timeout=LOOKUP_S) as reader:
         assert all(bit_exact_loads(reader, keys, data))
         victim = cluster.replicas_of(masters_of(cluster, keys)[0])[0]
         cluster.kill(victim)

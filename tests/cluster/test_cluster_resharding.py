@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from redis.crc import key_slot
 
-from tests.cluster.helpers import bit_exact_loads, masters_of, stored_name
+from tests.cluster.helpers import LOOKUP_S, bit_exact_loads, masters_of, stored_name
 from tests.store.helpers import keys_for, make_store, payloads
 
 N = 24
@@ -13,8 +13,8 @@ N = 24
 
 def test_blocks_in_migrating_and_migrated_slots_load_bit_exact_and_new_saves_land(redis_cluster):
     keys = keys_for(N, first_token=40_000)
-    with make_store(host="64KiB", disk=None, remote_url=redis_cluster.url) as writer, \
-            make_store(host="16KiB", disk=None, remote_url=redis_cluster.url) as reader:
+    with make_store(host="64KiB", disk=None, remote_url=redis_cluster.url, lookup_timeout=LOOKUP_S) as writer, \
+            make_store(host="16KiB", disk=None, remote_url=redis_cluster.url, lookup_timeout=LOOKUP_S) as reader:
         data = payloads(writer, N, seed=5)
         writer.save(keys, data)
         writer.flush()
