@@ -132,6 +132,11 @@ class RedisBackend(Backend):
         return self._client
 
     # -- the breaker -------------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        """False while the breaker is open (calls fail at once until a probe gets an answer)."""
+        return self._failures == 0 and not self._closed
+
     def _call(self, fn: Callable[[Any], T]) -> T:
         """``fn(client)`` behind the breaker; Redis being away raises BackendUnavailable."""
         if self._closed:

@@ -17,6 +17,8 @@ Metric families (labels ``namespace``, ``model`` on all of them):
   ``tiered_kv_events_total{event}`` (saves_dropped, loads_failed, disk_save_failed, ...);
 - ``tiered_kv_queued_bytes{direction}`` (save / load), ``tiered_kv_tier_entries{tier}``,
   ``tiered_kv_tier_used_bytes{tier}``, ``tiered_kv_tier_capacity_bytes{tier}``;
+- ``tiered_kv_tier_up{tier}`` (1 / 0: a Redis tier whose circuit breaker is open is 0; read
+  from memory, no network);
 - ``tiered_kv_quota_evictions_total{tier}``, ``tiered_kv_tenant_used_bytes{tier,tenant}`` (the
   tenant's 8-byte label in hex, ``-`` for none); admission's skipped writes are the event
   ``admission_skipped``.
@@ -100,6 +102,9 @@ class StoreCollector(Collector):
             "quota_evictions": CounterMetricFamily(
                 "tiered_kv_quota_evictions", "Entries a tenant over its quota evicted of its own",
                 labels=base + ["tier"]),
+            "up": GaugeMetricFamily("tiered_kv_tier_up", "1 while a tier answers, 0 while it is "
+                                    "counted unavailable (Redis: its circuit breaker is open)",
+                                    labels=base + ["tier"]),
             "tenant_used": GaugeMetricFamily("tiered_kv_tenant_used_bytes",
                                              "Bytes a tier holds per tenant (cache_salt label, hex)",
                                              labels=base + ["tier", "tenant"]),
@@ -133,6 +138,7 @@ def _collect_store(store: MetricSource, fam: dict) -> None:
         fam["queued"].add_metric(ids + [direction], n)
     media = [("host", store.host)] + [(t.name, t.backend) for t in store.tiers]
     for tier, backend in media:
+        fam["up"].add_metric(ids + [tier], 1 if getattr(backend, "available", True) else 0)
         if backend.name not in CHEAP_MEDIA:
             continue
         try:
