@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from dataclasses import dataclass
@@ -14,12 +15,23 @@ from pathlib import Path
 import redis
 from redis.crc import key_slot
 
-from tests.redis_server import free_port
-
 log = logging.getLogger(__name__)
 
 SLOTS = 16384
 NODE_TIMEOUT_MS = 1000  # how long a master may be silent before its replica takes over
+
+
+def distinct_free_ports(n: int) -> list[int]:
+    """``n`` different free loopback ports (all held at once while they are picked: ports picked
+    one at a time can come back twice, and a node then fails to bind its cluster bus)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def missing_tools() -> str | None:
@@ -33,6 +45,7 @@ class Node:
     port: int
     workdir: Path
     proc: subprocess.Popen | None = None
+    bus_port: int = 0  # the cluster bus port (redis' default, port + 10000, may not exist)
 
     @property
     def name(self) -> str:
@@ -52,7 +65,9 @@ class RedisClusterServers:
     def __init__(self, workdir: Path, masters: int = 3, replicas: int = 1) -> None:
         self.workdir = workdir
         self.replicas = replicas
-        self.nodes = [Node(free_port(), workdir / f"node{i}") for i in range(masters * (1 + replicas))]
+        count = masters * (1 + replicas)
+        ports = distinct_free_ports(2 * count)  # client and cluster-bus ports, none handed out twice
+        self.nodes = [Node(ports[i], workdir / f"node{i}", bus_port=ports[count + i]) for i in range(count)]
 
     @property
     def url(self) -> str:
@@ -80,7 +95,7 @@ class RedisClusterServers:
     def _spawn(self, node: Node) -> None:
         node.workdir.mkdir(parents=True, exist_ok=True)
         node.proc = subprocess.Popen(
-            ["redis-server", "--port", str(node.port), "--cluster-port", str(free_port()),
+            ["redis-server", "--port", str(node.port), "--cluster-port", str(node.bus_port),
              "--bind", "127.0.0.1", "--cluster-enabled", "yes", "--cluster-node-timeout", str(NODE_TIMEOUT_MS),
              "--cluster-config-file", str(node.workdir / "nodes.conf"), "--dir", str(node.workdir),
              "--save", "", "--appendonly", "no", "--protected-mode", "no", "--repl-diskless-sync-delay", "0",
