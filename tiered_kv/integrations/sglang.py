@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 
 OUR_KEYS = frozenset(f.name for f in TieredKVConfig.__dataclass_fields__.values()) | {"config_file"}
 ADAPTER_KEYS = frozenset({"model_id", "revision", "write_timeout", "tiered_kv"})
+NOT_REGISTERED = "SGLang has not registered its host pool with the storage backend yet"
 STAGING_BYTES = 64 << 20  # reads into non-contiguous host pages are staged this much at a time
 DEFAULT_STAGED_PAGES = 4 * 128  # host staging tier: 4 of SGLang's storage batches
 
@@ -140,7 +141,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         """The KV pool again is fine; extra pools (Mamba and SWA state, sparse indexers, drafts)
         are refused at attach time: tiered-kv stores KV pages only so far, and SGLang would
         otherwise call the per-pool (v2) interface from its threads."""
-        if str(host_pool_name) in ("kv", "PoolName.KV"):
+        if str(host_pool_name) == "kv":  # SGLang's PoolName.KV prints as its value
             return
         raise ConfigError(f"tiered-kv SGLang storage stores KV pages only; SGLang's {host_pool_name} "
                           "host pool (hybrid, sliding-window or sparse models) is not supported yet")
@@ -152,7 +153,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
     def store(self):
         store = self._store
         if store is None:
-            raise ConfigError("SGLang has not registered its host pool with the storage backend yet")
+            raise ConfigError(NOT_REGISTERED)
         return store
 
     # -- existence ---------------------------------------------------------------------------------
@@ -240,7 +241,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
         namespace = self.namespace
         if namespace is None:
-            raise ConfigError("SGLang has not registered its host pool with the storage backend yet")
+            raise ConfigError(NOT_REGISTERED)
         return [page_key(namespace, k) for k in keys]
 
     def _stored_run(self, keys: list[bytes]) -> int:
@@ -259,9 +260,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
     def _new_page(self):
         import torch
 
-        from tiered_kv.dtypes import torch_dtype
-
-        return torch.zeros(self.geometry.page_elements, dtype=torch_dtype(self.geometry.dtype))
+        return torch.zeros(self.geometry.page_elements, dtype=self.store.dtype)
 
     def _read(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
         """Load the leading stored run of ``keys`` into ``pages`` (tensors of one page each, any
@@ -273,22 +272,21 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         shape = store.shape
         direct = [p.is_contiguous() and p.device.type == "cpu" for p in pages[:found]]
         done = 0
-        while done < found:
-            if direct[done]:  # decoded straight into the page (contiguous host memory)
-                end = done
-                while end < found and direct[end]:
-                    end += 1
+        while done < found:  # runs of pages of one kind: contiguous host pages, or others
+            kind = direct[done]
+            limit = found if kind else min(found, done + self._staging_pages())
+            end = done + 1
+            while end < limit and direct[end] == kind:
+                end += 1
+            if kind:  # decoded straight into the page (contiguous host memory)
                 got = store.load_into(ours[done:end], [p.view(shape) for p in pages[done:end]])
             else:  # staged, then copied into the page's parts
-                end = min(found, done + self._staging_pages())
-                while any(direct[done:end]):
-                    end -= 1
                 staging = self._staging(end - done)
                 got = store.load_into(ours[done:end], list(staging))
-                for i, good in enumerate(got):
+                for page, block, good in zip(pages[done:end], staging, got):
                     if not good:
                         break
-                    pages[done + i].copy_(staging[i].view(pages[done + i].shape))
+                    page.copy_(block.view(page.shape))
             lead = next((i for i, good in enumerate(got) if not good), len(got))
             ok[done : done + lead] = [True] * lead
             if lead < len(got):

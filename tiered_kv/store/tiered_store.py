@@ -160,12 +160,10 @@ class TieredStore:
         self.saver.on_host_evict(key, value, tenant)
 
     # -- lookup ----------------------------------------------------------------------------------
-    def locate(self, keys: Sequence[bytes], *, host: bool = True) -> list[str | None]:
-        """The first tier holding this rank's copy of each key (None: nowhere; with ``host=False``
-        the first lower tier). No side effects; each lower tier answers within
-        ``lookup_timeout`` or counts as a miss."""
-        in_host = self.host.contains_many(keys) if host else [False] * len(keys)
-        return self.presence.locate(keys, in_host)[0]
+    def locate(self, keys: Sequence[bytes]) -> list[str | None]:
+        """The first tier holding this rank's copy of each key (None: nowhere). No side effects;
+        each lower tier answers within ``lookup_timeout`` or counts as a miss."""
+        return self.presence.locate(keys, self.host.contains_many(keys))[0]
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` every tensor-parallel rank can load (this rank from any
