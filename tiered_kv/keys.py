@@ -16,7 +16,9 @@ from dataclasses import dataclass, fields
 
 import xxhash
 
+from tiered_kv.dtypes import itemsize
 from tiered_kv.errors import ConfigError, TokenError
+from tiered_kv.kv_groups import KVGroup, check_groups, entry_plan, state_groups
 
 FORMAT_VERSION = 1
 KEY_BYTES = 16
@@ -60,6 +62,7 @@ class Namespace:
     hash_algo: str = "xxh3_128"  # one of HASHES; a cryptographic one for multi-tenant use
     token_bytes: int = 4  # 4 (int32) or 8 (int64) bytes per token id in the key
     format_version: int = FORMAT_VERSION  # stored-block format version
+    groups: tuple[KVGroup, ...] = ()  # KV cache groups (MLA, sliding, hybrid); () = one full-attention K/V
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size", "tp_size"):
@@ -74,10 +77,18 @@ class Namespace:
             raise ConfigError(f"namespace.hash_algo must be one of {sorted(HASHES)}, got {self.hash_algo!r}")
         if self.token_bytes not in (4, 8):
             raise ConfigError(f"namespace.token_bytes must be 4 or 8, got {self.token_bytes!r}")
+        if self.groups:
+            object.__setattr__(self, "groups", tuple(self.groups))
+            if not all(isinstance(g, KVGroup) for g in self.groups):
+                raise ConfigError("namespace.groups must be KVGroup values")
+            check_groups(self.groups, self.block_size)
+            if any(size % itemsize(self.dtype) for size in entry_plan(self.groups, self.block_size, self.dtype).sizes):
+                raise ConfigError(f"every KV group's part must be whole {self.dtype} elements")
 
     def canonical(self) -> bytes:
         """A stable text form of every field, the input of :meth:`digest`."""
-        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self)]
+        # (a namespace without groups keeps the digest it had before groups existed)
+        parts = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "groups" or self.groups]
         return ("tiered-kv namespace\n" + "\n".join(parts)).encode()
 
     def digest(self) -> bytes:
@@ -93,9 +104,28 @@ class Namespace:
         return HASHES[self.hash_algo]
 
     @property
-    def block_shape(self) -> tuple[int, int, int, int, int]:
-        """Canonical payload shape of one block: ``[num_layers, 2, block_size, num_kv_heads, head_dim]``."""
+    def block_shape(self) -> tuple[int, ...]:
+        """Payload shape of one stored entry: ``[num_layers, 2, block_size, num_kv_heads, head_dim]``,
+        or, with groups, ``[entry elements]`` of :func:`tiered_kv.kv_groups.entry_plan`."""
+        if self.groups:
+            return (self.entry_plan.entry_nbytes // itemsize(self.dtype),)
         return (self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    @property
+    def entry_plan(self):
+        """Byte offsets of each group's part in an entry (namespaces with groups)."""
+        return entry_plan(self.groups, self.block_size, self.dtype)
+
+    @property
+    def has_state(self) -> bool:
+        """Whether a prefix hit also needs a state entry at its last block (recurrent layers)."""
+        return bool(state_groups(self.groups))
+
+    def state_key(self, key: bytes) -> bytes:
+        """The key of the state entry at the end of block ``key``."""
+        from tiered_kv.kv_groups import state_key
+
+        return state_key(self.hasher, key)
 
     @property
     def tenant(self) -> bytes:
@@ -105,8 +135,23 @@ class Namespace:
     def num_full_blocks(self, num_tokens: int) -> int:
         return num_tokens // self.block_size
 
+    @classmethod
+    def from_dict(cls, data: Mapping, *, strict: bool = True) -> Namespace:
+        """The inverse of :meth:`describe`; unknown fields are a TypeError when ``strict``."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if strict and unknown:
+            raise TypeError(f"unknown namespace fields {sorted(unknown)}")
+        values = {k: v for k, v in data.items() if k in known}
+        if values.get("groups"):
+            values["groups"] = tuple(KVGroup.from_dict(g) for g in values["groups"])
+        return cls(**values)
+
     def describe(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "groups"}
+        if self.groups:
+            out["groups"] = [g.describe() for g in self.groups]
+        return out
 
 
 def leading_present(present: Sequence[bool]) -> int:

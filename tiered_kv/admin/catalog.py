@@ -139,7 +139,7 @@ def resolve_namespace(spec: str | None, found: Namespaces, digests: Sequence[byt
     if spec and Path(spec).is_file():
         try:
             data = json.loads(Path(spec).read_text())
-            ns = Namespace(**data)
+            ns = Namespace.from_dict(data)
         except (OSError, ValueError, TypeError) as exc:
             raise ConfigError(f"namespace file {spec}: {exc}") from None
         found.known.setdefault(ns.digest(), ns)

@@ -14,6 +14,13 @@ class LoadSpec:
     block_ids: tuple[int, ...]  # device block per key
     is_async: bool  # True: completion is reported through get_finished
     tenant: bytes | None = None  # the request's tenant label (keys.tenant_label); None: the namespace's
+    rows: tuple[tuple[int, ...], ...] = ()  # namespaces with groups: per key, each token group's block (-1: none)
+    state_key: bytes | None = None  # namespaces with state groups: the state entry at the last key
+    state_ids: tuple[int, ...] = ()  # per state group: the block the state is written into
+
+    def block_rows(self) -> tuple:
+        """What locates each key's parts on the device: a block id, or a row of group blocks."""
+        return self.rows or self.block_ids
 
 
 @dataclass(frozen=True)
@@ -26,6 +33,13 @@ class SaveSpec:
     first_block: int  # index of the first block within the request
     context_block_ids: tuple[int, ...] = ()  # the request's blocks before first_block (its prefix)
     tenant: bytes | None = None  # the request's tenant label (keys.tenant_label); None: the namespace's
+    rows: tuple[tuple[int, ...], ...] = ()  # namespaces with groups: per key, each token group's block
+    state_key: bytes | None = None  # namespaces with state groups: the state at the end of this step
+    state_ids: tuple[int, ...] = ()  # per state group: the block the state is read from
+
+    def block_rows(self) -> tuple:
+        """What locates each key's parts on the device: a block id, or a row of group blocks."""
+        return self.rows or self.block_ids
 
 
 @dataclass

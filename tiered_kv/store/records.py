@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import fields
 
 from tiered_kv.errors import BackendError, CorruptBlock
 from tiered_kv.keys import KEY_BYTES, Namespace
@@ -42,8 +41,7 @@ def decode_namespace(key: bytes, value: bytes) -> Namespace:
     differs from the one in its key."""
     try:
         data = json.loads(bytes(value).decode())
-        known = {f.name for f in fields(Namespace)}
-        namespace = Namespace(**{k: v for k, v in data.items() if k in known})
+        namespace = Namespace.from_dict(data, strict=False)
     except (ValueError, TypeError, AttributeError) as exc:  # ConfigError is a ValueError
         raise CorruptBlock(f"unreadable namespace record: {exc}") from None
     if namespace.digest() != key[len(NAMESPACE_PREFIX):]:
