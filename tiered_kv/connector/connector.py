@@ -16,10 +16,10 @@ class TieredKVConnector:
     """Scheduler half + worker half over one :class:`TieredStore`."""
 
     def __init__(self, store: TieredStore, *, load_async: bool = False, save: bool = True,
-                 layout: str | None = None) -> None:
+                 layout: str | None = None, writer: bool = True) -> None:
         self.store = store
         self.scheduler = ConnectorScheduler(store, store.namespace, load_async=load_async, save=save)
-        self.worker = ConnectorWorker(store, layout=layout)
+        self.worker = ConnectorWorker(store, layout=layout, writer=writer)
 
     # scheduler half
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:

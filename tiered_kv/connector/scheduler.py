@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from tiered_kv.connector.group_rows import GroupRows
 from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec
 from tiered_kv.keys import KeyChain, Namespace, tenant_label
 
@@ -46,7 +47,8 @@ class BlockIndex(Protocol):
 class _Request:
     chain: KeyChain
     tokens: list[int]
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # with groups: one id per block (GroupRows.ref)
+    groups: GroupRows | None = None  # namespaces with groups: every group's block ids
     external: int = 0  # tokens matched externally at allocation
     saved: int = 1 << 62  # leading blocks already stored (or being stored)
     planned: int = 0  # blocks planned for saving so far (withdrawn when a block before failed)
@@ -66,6 +68,7 @@ class ConnectorScheduler:
         self.block_size = namespace.block_size
         self.load_async = load_async
         self.save_enabled = save
+        self.grouped = bool(namespace.groups)
         self._requests: dict[str, _Request] = {}
         self._matched_from: dict[str, int] = {}  # request -> first block of the last match
         self._loads: list[LoadSpec] = []
@@ -108,14 +111,40 @@ class ConnectorScheduler:
         n = self.index.lookup(state.chain.keys[first:last])
         if self._suspect:
             n = next((i for i, k in enumerate(state.chain.keys[first : first + n]) if k in self._suspect), n)
+        if n and self.namespace.has_state:
+            n = self._last_state(state.chain.keys[first : first + n])
         self._matched_from[request.request_id] = first
         if n == 0:
             return 0, False
         return n * bs, self.load_async
 
+    def _last_state(self, keys: Sequence[bytes]) -> int:
+        """The longest run of ``keys`` whose last block has a state entry (a hybrid model resumes
+        only where the recurrent layers' state is held)."""
+        state_keys = [self.namespace.state_key(k) for k in keys]
+        present = _present(self.index, state_keys)
+        return next((i + 1 for i in reversed(range(len(keys)))
+                     if present[i] and state_keys[i] not in self._suspect), 0)
+
+    def _set_blocks(self, state: _Request, block_ids) -> None:
+        if self.grouped:
+            state.groups = GroupRows(self.namespace.groups, block_ids)
+            state.block_ids = state.groups.refs()
+        else:
+            state.block_ids = list(block_ids)
+
+    def _add_blocks(self, state: _Request, block_ids) -> None:
+        if self.grouped:
+            if state.groups is None:
+                state.groups = GroupRows(self.namespace.groups, [[] for _ in self.namespace.groups])
+            state.groups.extend(block_ids)
+            state.block_ids = state.groups.refs()
+        else:
+            state.block_ids.extend(block_ids)
+
     def update_state_after_alloc(self, request, block_ids: Sequence[int], num_external_tokens: int) -> None:
         state = self._state(request.request_id, request.prompt_token_ids, _extra(request), _tenant(request))
-        state.block_ids = list(block_ids)
+        self._set_blocks(state, block_ids)
         if num_external_tokens <= 0:
             state.promised = False  # (engines call again with 0 once an async load completed)
             return
@@ -125,10 +154,21 @@ class ConnectorScheduler:
         keys = state.chain.keys[first : first + n]
         state.external = num_external_tokens
         state.promised = self.load_async
-        self.index.lease(request.request_id, keys, state.tenant)
-        self._loads.append(LoadSpec(request.request_id, tuple(keys),
-                                    tuple(state.block_ids[first : first + n]), self.load_async,
-                                    tenant=state.tenant))
+        extra: dict = {}
+        if state.groups is not None:  # blocks the engine keeps in no group are not loaded
+            wanted = [i for i in range(first, first + n) if state.groups.row(i) is not None]
+            keys = [state.chain.keys[i] for i in wanted]
+            extra["rows"] = tuple(state.groups.row(i) for i in wanted)
+            block_ids = tuple(state.block_ids[i] for i in wanted)
+            if self.namespace.has_state:
+                extra["state_key"] = self.namespace.state_key(state.chain.keys[first + n - 1])
+                extra["state_ids"] = state.groups.state_ids()
+        else:
+            block_ids = tuple(state.block_ids[first : first + n])
+        leased = list(keys) + ([extra["state_key"]] if "state_key" in extra else [])
+        self.index.lease(request.request_id, leased, state.tenant)
+        self._loads.append(LoadSpec(request.request_id, tuple(keys), block_ids, self.load_async,
+                                    tenant=state.tenant, **extra))
 
     def blocks_failed(self, block_ids) -> None:
         """The engine reports device blocks whose load failed: withdraw, on every rank, the keys
@@ -141,6 +181,8 @@ class ConnectorScheduler:
             first = next((i for i, b in enumerate(state.block_ids) if b in failed), None)
             if first is not None and first + 1 < state.planned:
                 keys.extend(state.chain.keys[first + 1 : state.planned])
+            if first is not None and self.namespace.has_state:  # states at or after the failed block
+                keys.extend(self.namespace.state_key(k) for k in state.chain.keys[first : state.planned])
         if keys:
             log.info("%d saved blocks were computed over %d failed blocks: withdrawing them",
                      len(keys), len(failed))
@@ -154,7 +196,8 @@ class ConnectorScheduler:
             self._suspect = {k: n - 1 for k, n in self._suspect.items() if n > 1}
         for rd in scheduler_output.new_requests:
             state = self._state(rd.request_id, rd.new_tokens)
-            state.block_ids = list(rd.new_block_ids) or state.block_ids
+            if _any_ids(rd.new_block_ids):
+                self._set_blocks(state, rd.new_block_ids)
             self._plan_saves(meta, state, rd.request_id, rd.computed_position + state.external,
                              rd.num_scheduled_tokens)
         for rd in scheduler_output.cached_requests:
@@ -162,7 +205,7 @@ class ConnectorScheduler:
             if state is None:
                 continue
             state.tokens.extend(rd.new_tokens)
-            state.block_ids.extend(rd.new_block_ids)
+            self._add_blocks(state, rd.new_block_ids)
             state.chain.update(state.tokens)
             self._plan_saves(meta, state, rd.request_id, rd.computed_position, rd.num_scheduled_tokens)
         return meta
@@ -174,15 +217,32 @@ class ConnectorScheduler:
         bs = self.block_size
         state.saved = min(state.saved, computed_before // bs)
         full = min((computed_before + scheduled) // bs, len(state.chain.keys), len(state.block_ids))
-        if not self.save_enabled or full <= state.saved:
+        if state.groups is not None:  # a block some token group no longer keeps cannot be stored
+            full = state.saved + next((i for i, r in enumerate(state.groups.full_rows(state.saved, full))
+                                       if r is None), full - state.saved)
+        extra = self._state_save(state, computed_before + scheduled) if self.save_enabled else {}
+        if not self.save_enabled or (full <= state.saved and not extra):
             return
-        first = state.saved
+        first = min(state.saved, full)
+        if state.groups is not None:
+            extra["rows"] = tuple(state.groups.full_rows(first, full))
         meta.saves.append(SaveSpec(request_id, tuple(state.chain.keys[first:full]),
                                    tuple(state.block_ids[first:full]), first,
-                                   context_block_ids=tuple(state.block_ids[:first]), tenant=state.tenant))
-        state.saved = full
+                                   context_block_ids=tuple(state.block_ids[:first]), tenant=state.tenant,
+                                   **extra))
+        state.saved = max(state.saved, full)
         state.planned = max(state.planned, full)
         state.had_saves = True
+
+    def _state_save(self, state: _Request, end: int) -> dict:
+        """The state entry a step ending at token ``end`` leaves, when ``end`` is a block boundary."""
+        if not self.namespace.has_state or end % self.block_size or state.groups is None:
+            return {}
+        block = end // self.block_size - 1
+        if not 0 <= block < len(state.chain.keys) or not state.groups.state_ids():
+            return {}
+        return {"state_key": self.namespace.state_key(state.chain.keys[block]),
+                "state_ids": state.groups.state_ids()}
 
     def request_preempted(self, request_id: str) -> None:
         """The engine freed the request's device blocks and will schedule it again later (it is
@@ -207,6 +267,18 @@ class ConnectorScheduler:
         self._matched_from.pop(request.request_id, None)
         self._drop_loads(request.request_id)
         return bool(state and state.had_saves)
+
+
+def _any_ids(block_ids) -> bool:
+    """Whether a step names any block (a flat list, or one list per group)."""
+    return any(_any_ids(b) if isinstance(b, (list, tuple)) else True for b in block_ids or ())
+
+
+def _present(index, keys: Sequence[bytes]) -> list[bool]:
+    """Which ``keys`` the index holds (one batched query where the index has one)."""
+    if hasattr(index, "present"):
+        return list(index.present(keys))
+    return [index.lookup([k]) == 1 for k in keys]
 
 
 def _tenant(request) -> bytes | None:

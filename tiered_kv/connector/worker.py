@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiered_kv.connector.group_layout import GroupLayout
 from tiered_kv.connector.layout import KVLayout, make_layout
 from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec
 from tiered_kv.store import LoadPlan, SaveBatch, TieredStore
@@ -61,10 +62,11 @@ class _PendingLoad:
 class ConnectorWorker:
     """Engine-neutral worker half over a :class:`TieredStore`."""
 
-    def __init__(self, store: TieredStore, layout: str | None = None) -> None:
+    def __init__(self, store: TieredStore, layout: str | None = None, *, writer: bool = True) -> None:
         self.store = store
         self.declared_layout = layout
-        self.layout: KVLayout | None = None
+        self.writer = writer  # False: another rank stores the same bytes (MLA); saves are only reported
+        self.layout: KVLayout | GroupLayout | None = None
         self.meta = ConnectorMeta()
         self._async_loads: dict[str, _PendingLoad] = {}
         self._saves: list[_PendingSave] = []
@@ -80,7 +82,11 @@ class ConnectorWorker:
 
     # -- set-up ----------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches) -> None:
-        self.layout = make_layout(self.store.namespace, kv_caches, self.declared_layout)
+        ns = self.store.namespace
+        if ns.groups:
+            self.layout = GroupLayout(ns, kv_caches, self.declared_layout)
+        else:
+            self.layout = make_layout(ns, kv_caches, self.declared_layout)
         if self.layout.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.layout.device)  # saves
             self._load_stream = torch.cuda.Stream(device=self.layout.device)
@@ -99,7 +105,8 @@ class ConnectorWorker:
             self.store.invalidate(self.meta.invalidate)
         sync: list[_PendingLoad] = []
         for spec in self.meta.loads:
-            plan = self.store.load(self.store.take_lease(spec.request_id, spec.keys, spec.tenant))
+            keys = spec.keys + ((spec.state_key,) if spec.state_key else ())
+            plan = self.store.load(self.store.take_lease(spec.request_id, keys, spec.tenant))
             pending = _PendingLoad(spec, plan)
             if spec.is_async:
                 self._async_loads[spec.request_id] = pending
@@ -116,12 +123,22 @@ class ConnectorWorker:
         """Sync loads were scattered in start_load_kv (all layers at once); nothing to wait for."""
 
     def _finish_load(self, pending: _PendingLoad) -> None:
+        """Scatter what loaded; a block that did not is an error the engine recomputes. With
+        recurrent state, anything missing fails the whole load: resuming at an earlier block
+        would need the state there, so the engine recomputes from the first token."""
         plan, spec = pending.plan, pending.spec
-        good = [(b, s) for b, s in zip(spec.block_ids, plan.slots) if s is not None]
-        bad = [b for b, s in zip(spec.block_ids, plan.slots) if s is None]
+        n = len(spec.keys)
+        slots, rows = plan.slots[:n], spec.block_rows()
+        good = [(b, s) for b, s in zip(rows, slots) if s is not None]
+        bad = [b for b, s in zip(spec.block_ids, slots) if s is None]
+        state_slot = plan.slots[n] if spec.state_key else None
+        if spec.state_key and (bad or state_slot is None):
+            good, bad = [], list(spec.block_ids)
         try:
             if good:
                 self._scatter([b for b, _ in good], [s for _, s in good])
+            if spec.state_key and good:
+                self._scatter([spec.state_ids], [state_slot], state=True)
         except Exception:  # a copy that failed leaves nothing trustworthy in those blocks
             log.exception("request %s: scattering loaded blocks failed", spec.request_id)
             bad = list(spec.block_ids)
@@ -138,7 +155,7 @@ class ConnectorWorker:
             log.info("request %s: %d of %d blocks failed to load and will be recomputed",
                      spec.request_id, len(bad), len(spec.block_ids))
 
-    def _scatter(self, block_ids: list[int], slots: list[int]) -> None:
+    def _scatter(self, block_ids: list, slots: list[int], state: bool = False) -> None:
         """Write the loaded host ``slots`` into the device blocks ``block_ids``. On CUDA the
         blocks go straight from the pinned slab to the device (one copy per run of consecutive
         slots) on a load stream, so they run while the engine's queued work does; the scatter
@@ -146,8 +163,9 @@ class ConnectorWorker:
         this waits for the copies alone: the caller releases the slots next."""
         assert self.layout is not None, "register_kv_caches was not called"
         device = self.layout.device
+        scatter = self.layout.scatter_state if state else self.layout.scatter
         if device.type != "cuda":
-            self.layout.scatter(torch.tensor(block_ids), self.store.slots.gather(slots))
+            scatter(torch.tensor(block_ids), self.store.slots.gather(slots))
             return
         current = torch.cuda.current_stream(device)
         with torch.cuda.stream(self._load_stream):  # not behind the engine's queued work
@@ -156,7 +174,7 @@ class ConnectorWorker:
             copied.record(self._load_stream)
         current.wait_event(copied)
         src.record_stream(current)  # the scatter reads it on the engine's stream
-        self.layout.scatter(device_ids(block_ids, device), src)
+        scatter(device_ids(block_ids, device), src)
         copied.synchronize()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -168,18 +186,21 @@ class ConnectorWorker:
         """Blocks are gathered for all layers at once in wait_for_save (one batched copy)."""
 
     def wait_for_save(self, *args, **kwargs) -> None:
-        specs = [s for s in self.meta.saves if s.keys]
+        specs = [s for s in self.meta.saves if s.keys or s.state_key]
         if not specs:
             return
-        for tenant, (items, owners) in self._save_items(specs).items():
+        for (tenant, state), (items, owners) in self._save_items(specs).items():
+            if not self.writer:  # the writer rank stores these bytes; report them saved
+                continue
             batch = self.store.prepare_save([k for k, _ in items], tenant)
             if batch.keys:
                 index = dict(items)
-                self._gather([index[k] for k in batch.keys], batch.slots, batch, owners)
+                self._gather([index[k] for k in batch.keys], batch.slots, batch, owners, state)
         self._commit_ready()
 
-    def _save_items(self, specs: list[SaveSpec]) -> dict[bytes | None, tuple[list[tuple[bytes, int]], set[str]]]:
-        """Per tenant: (key, block id) of the saves to make, and the requests they belong to."""
+    def _save_items(self, specs: list[SaveSpec]) -> dict[tuple, tuple[list[tuple[bytes, object]], set[str]]]:
+        """Per (tenant, state entries or not): (key, block id or row) of the saves to make, and
+        the requests they belong to."""
         kept, dropped = [], []
         for spec in specs:
             self._save_requests.add(spec.request_id)
@@ -194,18 +215,25 @@ class ConnectorWorker:
             self.store.metrics.event("saves_dropped_failed_load", n)
             log.info("%d blocks of %d requests were computed over a failed load and are not saved",
                      n, len({spec.request_id for spec in dropped}))
-        groups: dict[bytes | None, tuple[list[tuple[bytes, int]], set[str]]] = {}
+        groups: dict[tuple, tuple[list[tuple[bytes, object]], set[str]]] = {}
         for spec in kept:  # one batch per tenant (quotas, usage)
-            items, owners = groups.setdefault(spec.tenant, ([], set()))
-            items.extend(zip(spec.keys, spec.block_ids))
-            owners.add(spec.request_id)
+            if spec.keys:
+                items, owners = groups.setdefault((spec.tenant, False), ([], set()))
+                items.extend(zip(spec.keys, spec.block_rows()))
+                owners.add(spec.request_id)
+            if spec.state_key:
+                items, owners = groups.setdefault((spec.tenant, True), ([], set()))
+                items.append((spec.state_key, spec.state_ids))
+                owners.add(spec.request_id)
         return groups
 
-    def _gather(self, block_ids: list[int], slots: list[int], batch: SaveBatch, owners: set[str]) -> None:
+    def _gather(self, block_ids: list, slots: list[int], batch: SaveBatch, owners: set[str],
+                state: bool = False) -> None:
         assert self.layout is not None, "register_kv_caches was not called"
+        gather = self.layout.gather_state if state else self.layout.gather
         if self._stream is None:
             ids = torch.tensor(block_ids, device=self.layout.device)
-            data = self.layout.gather(ids).view(len(block_ids), -1).view(torch.uint8)
+            data = gather(ids).view(len(block_ids), -1).view(torch.uint8)
             self.store.slots.fill(slots, data)
             self._saves.append(_PendingSave(batch, owners))
             return
@@ -216,7 +244,7 @@ class ConnectorWorker:
         self._stream.wait_stream(torch.cuda.current_stream(self.layout.device))
         with torch.cuda.stream(self._stream):
             ids = device_ids(block_ids, self.layout.device)
-            data = self.layout.gather(ids).view(len(block_ids), -1).view(torch.uint8)
+            data = gather(ids).view(len(block_ids), -1).view(torch.uint8)
             self.store.slots.fill(slots, data, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)

@@ -51,6 +51,12 @@ class LowerTierIndex:
             return 0
         return self.presence.lookup(keys)
 
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether every rank can load each of ``keys`` from a lower tier (not a leading run)."""
+        if not keys:
+            return []
+        return self.presence.locate(keys)[1]
+
     def lease(self, lease_id: str, keys: Sequence[bytes], tenant: bytes | None = None) -> None:
         """Nothing to pin from here: the worker leases the blocks when it loads them."""
 

@@ -165,6 +165,13 @@ class TieredStore:
         each lower tier answers within ``lookup_timeout`` or counts as a miss."""
         return self.presence.locate(keys, self.host.contains_many(keys))[0]
 
+    def present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether every tensor-parallel rank can load each of ``keys`` (not a leading run: the
+        state entries of a hybrid model are looked up one by one). Same rules as :meth:`lookup`."""
+        withdrawn = self.invalidations.suppressed(keys)
+        held = self.presence.locate(keys, self.host.contains_many(keys))[1]
+        return [h and not w for h, w in zip(held, withdrawn)]
+
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` every tensor-parallel rank can load (this rank from any
         tier, the others from the shared lower tiers). Side-effect free, bounded in time; keys
