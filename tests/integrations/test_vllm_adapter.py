@@ -13,6 +13,7 @@ import torch
 
 from tests.integrations.vllm_engine import (
     BS,
+    LAYERS,
     Engine,
     FullAttentionSpec,
     Request,
@@ -235,11 +236,26 @@ def test_config_file_plus_overrides(tmp_path):
     assert settings.config.disk.capacity == 32 << 20 and settings.load_async
 
 
-@pytest.mark.parametrize("spec, match", [
-    (FullAttentionSpec(sliding_window=128), "unsupported KV cache spec"),
-    (type("MLAAttentionSpec", (FullAttentionSpec,), {})(), "MLAAttentionSpec"),
+@pytest.mark.parametrize("spec, kind", [
+    (FullAttentionSpec(sliding_window=128), "sliding"),
+    (type("MLAAttentionSpec", (FullAttentionSpec,), {})(num_kv_heads=1, head_size=576), "mla"),
 ])
-def test_unsupported_kv_specs_are_refused(spec, match, tmp_path):
+def test_sliding_window_and_mla_specs_get_a_namespace_naming_their_group(spec, kind, tmp_path):
+    worker = TieredKVConnector(vllm_config(extra(tmp_path)), KVConnectorRole.WORKER, kv_cache_config(spec))
+    try:
+        (group,) = worker.namespace.groups
+        assert group.kind == kind and group.num_layers == LAYERS
+        assert worker.namespace.tp_size == 1  # MLA latents are the same on every rank; sliding: TP 1 here
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.parametrize("spec, match", [
+    (type("CrossAttentionSpec", (FullAttentionSpec,), {})(), "unsupported KV cache spec CrossAttentionSpec"),
+    (type("MambaSpec", (), {"block_size": 1024, "mamba_cache_mode": "align", "shapes": ((4, 3),),
+                            "dtypes": (torch.float32,), "page_size_bytes": 48})(), "mamba_cache_mode='align'"),
+])
+def test_specs_one_stored_block_cannot_follow_are_refused_naming_the_reason(spec, match, tmp_path):
     with pytest.raises(ConfigError, match=match):
         TieredKVConnector(vllm_config(extra(tmp_path)), KVConnectorRole.WORKER, kv_cache_config(spec))
 

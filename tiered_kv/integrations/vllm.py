@@ -35,6 +35,7 @@ from tiered_kv.integrations.common import (
     parse_settings,
     release_store,
 )
+from tiered_kv.integrations.vllm_groups import group_ids, is_replicated, kv_groups
 from tiered_kv.integrations.vllm_scheduler import SchedulerSide, group0
 from tiered_kv.keys import Namespace
 
@@ -47,6 +48,7 @@ try:
         KVConnectorBase_V1,
         KVConnectorMetadata,
         KVConnectorRole,
+        SupportsHMA,
     )
 except ImportError:  # vllm not installed: duck-typed stand-ins, so the adapter can be unit-tested
 
@@ -70,6 +72,9 @@ except ImportError:  # vllm not installed: duck-typed stand-ins, so the adapter 
 
         def clear_connector_metadata(self) -> None:
             self._connector_metadata = None
+
+    class SupportsHMA:  # type: ignore[no-redef]
+        pass
 
 try:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -102,10 +107,16 @@ UNSUPPORTED_PARALLELISM = (
 
 def vllm_namespace(vllm_config: Any, kv_cache_config: Any, settings_config: Any, *,
                    tp_rank: int = 0) -> Namespace:
-    """The namespace of this engine's KV blocks, from the KV cache spec vLLM allocates by."""
+    """The namespace of this engine's KV blocks, from the KV cache specs vLLM allocates by: one
+    full-attention group keeps the plain namespace; anything else names its KV groups
+    (:mod:`tiered_kv.integrations.vllm_groups`)."""
     pc = vllm_config.parallel_config
     _refuse_parallelism(pc)
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if not groups:
+        raise ConfigError(f"{SOURCE}: vLLM passed no KV cache groups (a model without KV cache?)")
+    if not _plain(groups):
+        return _grouped_namespace(vllm_config, groups, settings_config, tp_rank)
     spec = _full_attention_spec(groups)
     _refuse_other_block_size(vllm_config, spec)
     mc = vllm_config.model_config
@@ -115,6 +126,27 @@ def vllm_namespace(vllm_config: Any, kv_cache_config: Any, settings_config: Any,
         revision=_revision(vllm_config, settings_config), tp_rank=tp_rank,
         tp_size=int(getattr(pc, "tensor_parallel_size", 1) or 1),
         cache_salt=settings_config.cache_salt, hash_algo=settings_config.hash_algo)
+
+
+def _plain(groups: list) -> bool:
+    spec = groups[0].kv_cache_spec
+    return (len(groups) == 1 and type(spec).__name__ == "FullAttentionSpec"
+            and not getattr(spec, "sliding_window", None) and not getattr(spec, "attention_chunk_size", None))
+
+
+def _grouped_namespace(vllm_config: Any, groups: list, settings_config: Any, tp_rank: int) -> Namespace:
+    ours, _ = kv_groups(groups, lambda spec: _kv_dtype(vllm_config, spec), SOURCE)
+    token = [g for g in ours if not g.is_state]
+    tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    if is_replicated(ours):  # MLA: every rank holds the same latents; stored once for all
+        tp_rank, tp_size = 0, 1
+    first = token[0]
+    return Namespace(
+        model_id=str(vllm_config.model_config.model), dtype=first.dtype,
+        num_layers=sum(g.num_layers for g in ours), num_kv_heads=first.shape[-2] if len(first.shape) == 3 else 1,
+        head_dim=first.shape[-1], block_size=first.block_size, revision=_revision(vllm_config, settings_config),
+        tp_rank=tp_rank, tp_size=tp_size, cache_salt=settings_config.cache_salt,
+        hash_algo=settings_config.hash_algo, groups=ours)
 
 
 def _refuse_parallelism(pc: Any) -> None:
@@ -182,8 +214,9 @@ def _revision(vllm_config: Any, settings_config: Any) -> str:
     return revision
 
 
-class TieredKVConnector(KVConnectorBase_V1):
-    """tiered-kv as a vLLM KV connector (``kv_role`` ``kv_both``)."""
+class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
+    """tiered-kv as a vLLM KV connector (``kv_role`` ``kv_both``), with vLLM's hybrid allocator
+    on (``SupportsHMA``): every KV cache group's blocks are stored and loaded."""
 
     _cache_hit_source = _DISK
 
@@ -201,7 +234,10 @@ class TieredKVConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if is_worker:
-            self._worker = _WorkerSide(self.settings, self.namespace)
+            layer_names = (kv_groups(list(kv_cache_config.kv_cache_groups), lambda spec: self.namespace.dtype,
+                                     SOURCE)[1] if self.namespace.groups else None)
+            writer = not (self.namespace.groups and is_replicated(self.namespace.groups)) or _tp_rank(vllm_config) == 0
+            self._worker = _WorkerSide(self.settings, self.namespace, layer_names, writer)
         else:
             self._sched = SchedulerSide(self.settings, self.namespace)
 
@@ -216,12 +252,17 @@ class TieredKVConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         ids = blocks.get_block_ids() if hasattr(blocks, "get_block_ids") else blocks
-        self._sched.update_state_after_alloc(request, group0(ids), num_external_tokens)
+        ids = group_ids(ids, len(self.namespace.groups)) if self.namespace.groups else group0(ids)
+        self._sched.update_state_after_alloc(request, ids, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> TieredKVMetadata:
         return TieredKVMetadata(*self._sched.build_connector_meta(scheduler_output))
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        return self._sched.request_finished(request, block_ids), None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        """vLLM's hybrid allocator finishes a request once for all its KV cache groups."""
         return self._sched.request_finished(request, block_ids), None
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -234,7 +275,7 @@ class TieredKVConnector(KVConnectorBase_V1):
     # -- worker side ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict) -> None:
         try:
-            self._worker.core.register_kv_caches(kv_caches)
+            self._worker.register(kv_caches)
         except ConfigError as exc:
             log.error("tiered-kv: %s: %s", SOURCE, exc)
             raise
@@ -294,13 +335,24 @@ def _tp_rank(vllm_config: Any) -> int:
 
 
 class _WorkerSide:
-    def __init__(self, settings, namespace: Namespace) -> None:
+    def __init__(self, settings, namespace: Namespace, layer_names: list[list[str]] | None = None,
+                 writer: bool = True) -> None:
         from tiered_kv.connector.worker import ConnectorWorker
 
         self.store = acquire_store(settings.config, namespace)
-        self.core = ConnectorWorker(self.store, layout=settings.kv_layout)
+        self.core = ConnectorWorker(self.store, layout=settings.kv_layout, writer=writer)
+        self.layer_names = layer_names  # per KV group (namespaces with groups)
         self.async_loads: tuple[str, ...] = ()
         self.closed = False
+
+    def register(self, kv_caches: dict) -> None:
+        if self.layer_names is None:
+            self.core.register_kv_caches(kv_caches)
+            return
+        missing = [n for names in self.layer_names for n in names if n not in kv_caches]
+        if missing:
+            raise ConfigError(f"vLLM registered no KV cache for layers {missing[:4]}")
+        self.core.register_kv_caches([[kv_caches[n] for n in names] for names in self.layer_names])
 
     def bind(self, metadata: Any) -> None:
         meta = getattr(metadata, "meta", None)

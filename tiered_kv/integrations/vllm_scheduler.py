@@ -15,6 +15,7 @@ from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.connector.scheduler import ConnectorScheduler
 from tiered_kv.fingerprint import LORA_FINGERPRINTS
 from tiered_kv.integrations.common import RequestStep, RequestView, StepOutput, release_index, scheduler_index
+from tiered_kv.integrations.vllm_groups import group_ids
 from tiered_kv.keys import Namespace
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,11 @@ class SchedulerSide:
         self.reported: dict[str, int] = {}  # tokens handed to the core per request
         self.matched_tokens = 0  # external tokens promised so far (for reports)
         self.matched_requests = 0
+        self.n_groups = len(namespace.groups)
+
+    def _ids(self, block_ids: Any):
+        """A step's block ids as the core takes them: group 0's, or every group's (KV groups)."""
+        return group_ids(block_ids, self.n_groups) if self.n_groups else group0(block_ids)
 
     def _core(self) -> ConnectorScheduler:
         if self.core is None:
@@ -107,7 +113,7 @@ class SchedulerSide:
             if request is None:
                 continue  # never matched: prompt embeddings
             tokens = list(request.all_token_ids)
-            new.append(RequestStep(nr.req_id, tokens, group0(nr.block_ids),
+            new.append(RequestStep(nr.req_id, tokens, self._ids(nr.block_ids),
                              nr.num_computed_tokens - core.external_tokens(nr.req_id),
                              so.num_scheduled_tokens.get(nr.req_id, 0)))
             self.reported[nr.req_id] = len(tokens)
@@ -120,7 +126,7 @@ class SchedulerSide:
                 continue
             tokens = list(request.all_token_ids)
             scheduled = so.num_scheduled_tokens.get(rid, 0)
-            blocks = group0(cr.new_block_ids[i])
+            blocks = self._ids(cr.new_block_ids[i])
             if rid in resumed or (legacy is not None and legacy[i]):  # all its blocks are new
                 new.append(RequestStep(rid, tokens, blocks, cr.num_computed_tokens[i] - core.external_tokens(rid),
                                  scheduled))
