@@ -197,3 +197,17 @@ def test_registering_the_wrong_tensors_for_a_group_is_one_config_error(tmp_path)
     with pytest.raises(ConfigError, match="one entry per group"):
         conn.worker.register_kv_caches({f"layers.{i}": t for i, t in enumerate(tensors(FULL, 1))})
     conn.close()
+
+
+def test_the_cli_shows_groups_and_explains_a_hybrid_hit_cut_where_no_state_is_held(tmp_path):
+    from tests.cli.conftest import cli
+
+
+    hybrid_store(tmp_path, [2 * BS, 2 * BS, len(PROMPT) - 4 * BS])
+    url = f"lmdb://{tmp_path}/db"
+    (ns_report,) = cli("inspect", url, "--json").json()["tiers"][0]["namespaces"].values()
+    assert [g["kind"] for g in ns_report["groups"]] == ["full", "state"]
+    report = cli("explain", url, "--token-ids", ",".join(map(str, PROMPT)), "--json").json()
+    assert report["matched_blocks"] == 4 and report["first_miss"]["reason"] == "no_state"
+    assert [b["state"] for b in report["blocks"][:4]] == [None, "disk", None, "disk"]
+    assert cli("verify", url).code == 0  # block and state entries alike pass their checks

@@ -77,6 +77,14 @@ def explain(tiers: list[Tier], tokens: list[int], namespace: str | None = None,
                                               for t, r in st.items())}
     run = first_miss["index"] if first_miss else len(keys)
     matched = min(run, claimable)
+    if ns.has_state and matched:  # a hybrid model resumes only where the recurrent state is held
+        held = _states(tiers, ns, digest, keys[:matched], blocks)
+        with_state = next((i + 1 for i in reversed(range(matched)) if held[i]), 0)
+        if with_state < matched:
+            first_miss = {"index": with_state, "tokens": [with_state * bs, (with_state + 1) * bs],
+                          "reason": "no_state", "detail": f"no valid recurrent-state entry at the end of block "
+                          f"{matched - 1} or any block before it back to {with_state}"}
+            matched = with_state
     if first_miss is None and len(tokens) % bs:
         first_miss = {"index": len(keys), "tokens": [len(keys) * bs, len(tokens)],
                       "reason": "partial_block", "detail": "only full blocks are stored"}
@@ -93,6 +101,20 @@ def explain(tiers: list[Tier], tokens: list[int], namespace: str | None = None,
         "tier_blocks": tiers_used, "tiers": [t.name for t in tiers], "first_miss": first_miss,
         "blocks": blocks,
     }
+
+
+def _states(tiers: list[Tier], ns: Namespace, digest: bytes, keys: list[bytes], blocks: list[dict]) -> list[bool]:
+    """Whether some tier holds a valid state entry at the end of each block (recorded per block)."""
+    state_keys = [ns.state_key(k) for k in keys]
+    status: list[dict[str, str]] = [{} for _ in keys]
+    details: list[dict[str, str]] = [{} for _ in keys]
+    for tier in tiers:
+        _probe(tier, ns, digest, state_keys, status, details)
+    held = []
+    for b, st in zip(blocks, status):
+        b["state"] = next((t for t in st if st[t] == "ok"), None)
+        held.append(b["state"] is not None)
+    return held
 
 
 def _probe(tier: Tier, ns: Namespace, digest: bytes, keys: list[bytes], status: list[dict],

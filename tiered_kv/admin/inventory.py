@@ -77,7 +77,9 @@ def _namespace_summary(tier: Tier, digest: bytes, blocks: list[Entry], found: Na
         out.update(dtype=ns.dtype, block_size=ns.block_size, block_shape=list(ns.block_shape),
                    revision=ns.revision, tp=f"{ns.tp_rank}/{ns.tp_size}", cache_salt=bool(ns.cache_salt),
                    hash_algo=ns.hash_algo, layout=ns.layout)
-        raw_each, block_size = block_layout(ns).raw_len, ns.block_size
+        if ns.groups:  # entries hold every group's part; with state groups, state entries count too
+            out["groups"] = [g.describe() for g in ns.groups]
+        raw_each, block_size = block_layout(ns).raw_len, (None if ns.has_state else ns.block_size)
     else:  # no record: dtype and shape from a block's header; tokens unknown
         header = sample_header(tier.backend, digest, keys)
         raw_each = header.raw_len if header else None
@@ -188,6 +190,12 @@ def show_entry(tier: Tier, key: bytes, *, stats: bool = True) -> dict:
     digest = split_key(key)[0]
     out["namespace"] = digest.hex()
     out["model_id"] = found.known[digest].model_id if digest in found.known else None
+    if digest in found.known and found.known[digest].groups:
+        ns = found.known[digest]
+        plan = ns.entry_plan
+        out["groups"] = [{**g.describe(), "entry": "state" if g.is_state else "block",
+                          "bytes": [plan.offsets[i], plan.offsets[i] + plan.sizes[i]]}
+                         for i, g in enumerate(ns.groups)]
     h = entry.header
     if h is not None:
         out["header"] = {

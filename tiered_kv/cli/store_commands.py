@@ -71,6 +71,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             model = n["model_id"] or "?"
             if n.get("layout") not in (None, CANONICAL_LAYOUT):  # an engine's own page layout (SGLang's)
                 model += f" ({':'.join(n['layout'].split(':')[:3])})"
+            if n.get("groups"):  # MLA, sliding-window, hybrid: the KV groups a block carries
+                model += " (" + ", ".join(_group_label(g) for g in n["groups"]) + ")"
             rows.append([digest[:12], model, n.get("dtype"), n.get("block_shape"), n["blocks"],
                          n["tokens"], render.size(n["raw_bytes"]), render.size(n["stored_bytes"]),
                          n["compression_ratio"], n["oldest"], n["newest"], ages or None])
@@ -80,6 +82,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if _has_tenants(r["tenants"]):
             out.print(_tenant_table(r["tenants"]))
     return EXIT_OK
+
+
+def _group_label(g: dict) -> str:
+    label = g["kind"] + (f"/{g['window']}" if g.get("window") else "")
+    return f"{label} x{g['layers']}"
 
 
 def _has_tenants(tenants: dict[str, dict] | None) -> bool:
@@ -137,8 +144,13 @@ def cmd_show(args: argparse.Namespace) -> int:
                                soft_wrap=True, markup=False)
     else:
         out = render.console()
-        fields = {k: v for k, v in report.items() if k not in ("header", "layers")}
+        fields = {k: v for k, v in report.items() if k not in ("header", "layers", "groups")}
         out.print(render.table(None, ["field", "value"], list(fields.items())))
+        if report.get("groups"):
+            rows = [[i, _group_label(g), g["shape"], g["dtype"], g["entry"], f"{g['bytes'][0]}-{g['bytes'][1]}"]
+                    for i, g in enumerate(report["groups"])]
+            out.print(render.table("KV groups (a block entry holds the token groups, a state entry the state "
+                                   "groups)", ["group", "kind", "shape", "dtype", "entry", "bytes"], rows))
         if "header" in report:
             out.print(render.table("header", ["field", "value"], list(report["header"].items())))
         if report.get("layers"):
