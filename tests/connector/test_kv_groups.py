@@ -209,5 +209,5 @@ def test_the_cli_shows_groups_and_explains_a_hybrid_hit_cut_where_no_state_is_he
     assert [g["kind"] for g in ns_report["groups"]] == ["full", "state"]
     report = cli("explain", url, "--token-ids", ",".join(map(str, PROMPT)), "--json").json()
     assert report["matched_blocks"] == 4 and report["first_miss"]["reason"] == "no_state"
-    assert [b["state"] for b in report["blocks"][:4]] == [None, "disk", None, "disk"]
+    assert [b["state"] for b in report["blocks"][:4]] == [None, "store", None, "store"]  # the tier named by URL
     assert cli("verify", url).code == 0  # block and state entries alike pass their checks
