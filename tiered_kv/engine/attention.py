@@ -7,12 +7,13 @@ cached tokens (prefix blocks + this chunk, causal within the chunk) gathered fro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tiered_kv.engine.cache_resources import PagedKVHandler, ResourceHandler
 from tiered_kv.engine.kv_kernel import StoreFn, store_kvcache_torch
 from tiered_kv.engine.rotary import apply_rotary
 
@@ -26,13 +27,15 @@ class AttentionMetadata:
     context_lens: list[int]  # tokens in request i's cache after this step's write
     block_tables: list[torch.Tensor]  # request i's device block ids (long, on the device)
     hooks: object | None = None  # connector worker half: wait_for_layer_load / save_kv_layer
+    state_slots: list[int] = field(default_factory=list)  # request i's state slot (models with state)
 
 
 class Attention(nn.Module):
     def __init__(self, layer_idx: int, hidden_size: int, num_heads: int, num_kv_heads: int,
-                 head_dim: int) -> None:
+                 head_dim: int, dtype: str = "float32") -> None:
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer_idx = layer_idx  # index among the model's attention layers (its KV buffer row)
+        self.dtype_name = dtype
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -45,9 +48,15 @@ class Attention(nn.Module):
         self.v_cache: torch.Tensor | None = None
         self.store_kvcache: StoreFn = store_kvcache_torch
 
+    def cache_resources(self) -> dict[str, ResourceHandler]:
+        return {"kv_cache": PagedKVHandler(self.dtype_name, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)}
+
+    def bind_cache(self, name: str, view: torch.Tensor) -> None:
+        """``view``: this layer's ``[2, num_blocks, block_size, H, D]`` view of the buffer."""
+        self.k_cache, self.v_cache = view[0], view[1]
+
     def bind_kv_cache(self, layer_kv: torch.Tensor, store_fn: StoreFn) -> None:
-        """``layer_kv``: this layer's ``[2, num_blocks, block_size, H, D]`` view of the buffer."""
-        self.k_cache, self.v_cache = layer_kv[0], layer_kv[1]
+        self.bind_cache("kv_cache", layer_kv)
         self.store_kvcache = store_fn
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

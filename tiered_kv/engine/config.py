@@ -9,6 +9,8 @@ from typing import Any
 from tiered_kv.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16")
+MODEL_KINDS = ("llama", "hybrid", "mla")
+LAYER_CHARS = {"M": "mamba2", "*": "attention"}  # hybrid layer_pattern characters
 DEVICES = ("auto", "cpu", "cuda")
 KV_KERNELS = ("auto", "triton", "torch")
 
@@ -32,9 +34,17 @@ def _choice(owner: str, name: str, value: Any, choices: tuple[str, ...]) -> None
         raise ConfigError(f"{owner}.{name} must be one of {list(choices)}, got {value!r}")
 
 
+# fields only one kind of model reads; to_dict() leaves out those another kind ignores, so a
+# Llama's dict (and the seeded-weights revision made from it) is what it was before kinds existed
+HYBRID_FIELDS = ("layer_pattern", "mamba_num_heads", "mamba_head_dim", "ssm_state_size",
+                 "mamba_n_groups", "conv_kernel")
+MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-style decoder (RMSNorm, RoPE, GQA, SwiGLU)."""
+    """Shape of a decoder: Llama-style (RMSNorm, RoPE, GQA, SwiGLU), a hybrid of Mamba2 and such
+    attention layers, or DeepSeek-style multi-head latent attention (MLA)."""
 
     vocab_size: int = 4096  # number of token ids
     hidden_size: int = 512  # width of the residual stream
@@ -47,6 +57,17 @@ class ModelConfig:
     rms_eps: float = 1e-5  # RMSNorm epsilon
     dtype: str = "float32"  # weights, activations and KV dtype: float32 | bfloat16 | float16
     max_position: int = 8192  # longest sequence (prompt + generated) the model accepts
+    kind: str = "llama"  # llama | hybrid (Mamba2 + attention layers) | mla (latent attention)
+    layer_pattern: str = ""  # hybrid: one character per layer, "M" Mamba2, "*" attention (e.g. "M*M*")
+    mamba_num_heads: int = 8  # hybrid: Mamba2 heads (each with its own decay A and skip D)
+    mamba_head_dim: int = 16  # hybrid: channels per Mamba2 head (d_inner = heads * head_dim)
+    ssm_state_size: int = 16  # hybrid: d_state, the SSM state width per channel
+    mamba_n_groups: int = 1  # hybrid: groups sharing B and C; divides mamba_num_heads
+    conv_kernel: int = 4  # hybrid: causal depthwise conv kernel width K (conv state keeps K-1 inputs)
+    kv_lora_rank: int = 64  # mla: width of the compressed latent c_kv kept per token
+    qk_rope_head_dim: int = 16  # mla: RoPE'd key part kept per token (shared by all heads); even
+    qk_nope_head_dim: int = 32  # mla: per-head query/key part without RoPE (rebuilt from c_kv)
+    v_head_dim: int = 32  # mla: per-head value width (rebuilt from c_kv)
 
     def __post_init__(self) -> None:
         _positive("model", self, "vocab_size", "hidden_size", "num_layers", "num_heads",
@@ -58,6 +79,52 @@ class ModelConfig:
                               f"model.num_heads ({self.num_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim must be even for RoPE, got {self.head_dim}")
+        _choice("model", "kind", self.kind, MODEL_KINDS)
+        _positive("model", self, "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "mamba_n_groups",
+                  "conv_kernel", "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+        if self.kind == "hybrid":
+            self._check_hybrid()
+        elif self.layer_pattern:
+            raise ConfigError(f"model.layer_pattern is for kind 'hybrid', not {self.kind!r}")
+        if self.kind == "mla" and self.qk_rope_head_dim % 2:
+            raise ConfigError(f"model.qk_rope_head_dim must be even for RoPE, got {self.qk_rope_head_dim}")
+
+    def _check_hybrid(self) -> None:
+        pattern = self.layer_pattern
+        if len(pattern) != self.num_layers or set(pattern) - set(LAYER_CHARS):
+            raise ConfigError(f"model.layer_pattern must have one of {sorted(LAYER_CHARS)} per layer "
+                              f"({self.num_layers}), got {pattern!r}")
+        if "M" not in pattern or "*" not in pattern:
+            raise ConfigError(f"model.layer_pattern of a hybrid needs Mamba2 ('M') and attention ('*') "
+                              f"layers, got {pattern!r}")
+        if self.mamba_num_heads % self.mamba_n_groups:
+            raise ConfigError(f"model.mamba_n_groups ({self.mamba_n_groups}) must divide "
+                              f"model.mamba_num_heads ({self.mamba_num_heads})")
+        if self.conv_kernel < 2:
+            raise ConfigError(f"model.conv_kernel must be at least 2 (a conv state of K-1 inputs), "
+                              f"got {self.conv_kernel}")
+
+    # ---- derived shapes --------------------------------------------------------------------------
+    @property
+    def attention_layer_ids(self) -> list[int]:
+        """Layers with attention (a hybrid's "*" layers; every layer otherwise)."""
+        if self.kind != "hybrid":
+            return list(range(self.num_layers))
+        return [i for i, c in enumerate(self.layer_pattern) if c == "*"]
+
+    @property
+    def mamba_layer_ids(self) -> list[int]:
+        return [i for i, c in enumerate(self.layer_pattern) if c == "M"] if self.kind == "hybrid" else []
+
+    @property
+    def mamba_conv_dim(self) -> int:
+        """Channels of the causal conv: x, B and C (``head_dim*num_heads + 2*n_groups*d_state``)."""
+        return self.mamba_head_dim * self.mamba_num_heads + 2 * self.mamba_n_groups * self.ssm_state_size
+
+    @property
+    def mla_latent_dim(self) -> int:
+        """What an MLA layer caches per token: the latent c_kv and the RoPE'd key part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
     @classmethod
     def demo(cls, **overrides: Any) -> ModelConfig:
@@ -72,11 +139,50 @@ class ModelConfig:
         base.update(overrides)
         return cls(**base)
 
+    @classmethod
+    def tiny_hybrid(cls, **overrides: Any) -> ModelConfig:
+        """A very small Mamba2 + attention hybrid for tests."""
+        base = dict(kind="hybrid", num_layers=4, layer_pattern="M*M*", mamba_num_heads=4,
+                    mamba_head_dim=16, ssm_state_size=8, mamba_n_groups=2)
+        base.update(overrides)
+        return cls.tiny(**base)
+
+    @classmethod
+    def tiny_mla(cls, **overrides: Any) -> ModelConfig:
+        """A very small MLA model for tests."""
+        base = dict(kind="mla", kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+        base.update(overrides)
+        return cls.tiny(**base)
+
+    @classmethod
+    def demo_kind(cls, kind: str, **overrides: Any) -> ModelConfig:
+        """The demo size of ``kind``: the Llama demo, an 8-layer "M*M*M*M*" hybrid or an MLA model."""
+        if kind == "hybrid":
+            base: dict[str, Any] = dict(kind="hybrid", layer_pattern="M*M*M*M*", mamba_num_heads=8,
+                                        mamba_head_dim=32, ssm_state_size=16, mamba_n_groups=2)
+        elif kind == "mla":
+            base = dict(kind="mla", kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=64, v_head_dim=64)
+        else:
+            base = dict(kind=kind)
+        base.update(overrides)
+        return cls(**base)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.kind == "llama":
+            del out["kind"]
+        if self.kind != "hybrid":
+            for name in HYBRID_FIELDS:
+                del out[name]
+        if self.kind != "mla":
+            for name in MLA_FIELDS:
+                del out[name]
+        return out
 
     def to_hf_config(self) -> dict[str, Any]:
-        """A Hugging Face ``LlamaForCausalLM`` config.json of this shape."""
+        """A Hugging Face ``LlamaForCausalLM`` config.json of this shape (Llama models only)."""
+        if self.kind != "llama":
+            raise ConfigError(f"only llama models are written as Hugging Face config.json, not {self.kind!r}")
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",

@@ -1,6 +1,8 @@
 """The paged KV pool: one buffer, its blocks, and per-request reservations to completion.
 
-The buffer is ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V).
+The buffer is ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = K, 1 = V)
+for full attention, ``[num_layers, num_blocks, block_size, latent_dim]`` for MLA latents
+(:func:`paged_pool_shape`; ``num_layers`` counts the layers that page, not a hybrid's others).
 Admission is preemption-free: a request is admitted only when the pool can hold it to its last
 token, so its not-yet-allocated blocks are *reserved* and every later append succeeds. Method names
 follow TensorRT-LLM's ``KVCacheManager``.
@@ -16,27 +18,43 @@ import torch
 from tiered_kv.dtypes import torch_dtype
 from tiered_kv.engine.batch import ScheduledBatch
 from tiered_kv.engine.block_manager import BlockManager
+from tiered_kv.engine.cache_resources import PagedKVHandler, ResourceHandler
 from tiered_kv.engine.config import EngineConfig, ModelConfig
 from tiered_kv.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
 
+def paged_pool_shape(page: ResourceHandler, num_layers: int, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """The buffer of ``num_layers`` layers paging ``page``: K/V first for full attention."""
+    if isinstance(page, PagedKVHandler):
+        return (2, num_layers, num_blocks, block_size, *page.shape[1:])
+    return (num_layers, num_blocks, block_size, *page.shape)
+
+
+def paged_layer_view(page: ResourceHandler, pool: torch.Tensor, layer: int) -> torch.Tensor:
+    """Layer ``layer``'s blocks: ``[2, num_blocks, block_size, H, D]`` or ``[num_blocks, block_size, D]``."""
+    return pool[:, layer] if isinstance(page, PagedKVHandler) else pool[layer]
+
+
 class KVCacheManager:
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig,
-                 device: torch.device) -> None:
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, device: torch.device, *,
+                 page: ResourceHandler | None = None, num_layers: int | None = None,
+                 prefix_caching: bool | None = None) -> None:
         self.block_size = engine_config.block_size
         self.num_blocks = engine_config.num_blocks
-        shape = (2, model_config.num_layers, self.num_blocks, self.block_size,
-                 model_config.num_kv_heads, model_config.head_dim)
-        dtype = torch_dtype(model_config.dtype)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
-        block_bytes = self.kv_cache[:, :, 0].numel() * self.kv_cache.element_size()
+        self.page = page or PagedKVHandler(model_config.dtype, num_kv_heads=model_config.num_kv_heads,
+                                           head_dim=model_config.head_dim)
+        num_layers = model_config.num_layers if num_layers is None else num_layers
+        shape = paged_pool_shape(self.page, num_layers, self.num_blocks, self.block_size)
+        self.kv_cache = torch.zeros(shape, dtype=torch_dtype(self.page.dtype), device=device)
+        total = self.kv_cache.numel() * self.kv_cache.element_size()
         logger.info("KV buffer %s %s on %s: %d blocks x %d tokens, %.1f KiB per block, %.1f MiB total",
-                    list(shape), model_config.dtype, device, self.num_blocks, self.block_size,
-                    block_bytes / 1024, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
-        self.block_manager = BlockManager(self.num_blocks, self.block_size,
-                                          engine_config.enable_prefix_caching)
+                    list(shape), self.page.dtype, device, self.num_blocks, self.block_size,
+                    total / self.num_blocks / 1024, total / 2**20)
+        if prefix_caching is None:
+            prefix_caching = engine_config.enable_prefix_caching
+        self.block_manager = BlockManager(self.num_blocks, self.block_size, prefix_caching)
         self._requests: dict[str, Sequence] = {}  # requests holding blocks
         self._reserved: dict[str, int] = {}  # blocks each request may still allocate
 
@@ -115,5 +133,13 @@ class KVCacheManager:
         return [list(self._requests[rid].block_ids) for rid in request_ids]
 
     def get_buffers(self, layer_idx: int) -> torch.Tensor:
-        """Layer ``layer_idx``'s ``[2, num_blocks, block_size, H, D]`` view of the buffer."""
-        return self.kv_cache[:, layer_idx]
+        """Layer ``layer_idx``'s ``[2, num_blocks, block_size, H, D]`` (MLA: ``[num_blocks,
+        block_size, D]``) view of the buffer."""
+        return paged_layer_view(self.page, self.kv_cache, layer_idx)
+
+    # ---- state (none here; see HybridCacheManager) ---------------------------------------------
+    has_state = False
+
+    def get_num_free_slots(self) -> int | None:
+        """State slots free for new requests; None: the pool keeps no per-sequence state."""
+        return None

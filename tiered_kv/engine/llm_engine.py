@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from tiered_kv.engine.batch import ScheduledBatch
+from tiered_kv.engine.cached_sequence import CachedSequenceInterface
 from tiered_kv.engine.config import EngineConfig, ModelConfig
 from tiered_kv.engine.connector_api import ConnectorScheduler, ConnectorWorker
-from tiered_kv.engine.kv_cache_manager import KVCacheManager
 from tiered_kv.engine.model_runner import ModelRunner, resolve_device
 from tiered_kv.engine.namespace import engine_namespace, weights_revision
 from tiered_kv.engine.output import Output
@@ -62,10 +62,17 @@ class LLMEngine:
         self.max_model_len = engine_config.resolved_max_model_len(model_config)
         revision = weights_revision(model_config, seed=seed, model_dir=model_dir)
         self.namespace = engine_namespace(model_config, engine_config, revision)
-        self.kv_cache_manager = KVCacheManager(model_config, engine_config, self.device)
-        self.runner = ModelRunner(self.model, self.kv_cache_manager, engine_config.kv_kernel)
+        self.cache = CachedSequenceInterface.from_model(self.model, model_config, engine_config, self.device)
+        if self.cache.kv_groups() != self.namespace.groups:
+            raise RuntimeError(f"the model caches {self.cache.kv_groups()}, its namespace names {self.namespace.groups}")
+        self.kv_cache_manager = self.cache.manager
+        self.runner = ModelRunner(self.model, self.cache, engine_config.kv_kernel)
         self.connector_scheduler, self.connector_worker = _split_connector(connector)
-        self.scheduler = Scheduler(engine_config, self.kv_cache_manager, self.connector_scheduler)
+        if connector is not None:
+            self._check_connector(connector)
+        self.scheduler = Scheduler(engine_config, self.kv_cache_manager, self.connector_scheduler,
+                                   groups=self.namespace.groups,
+                                   align=self.cache.has_state and connector is not None)
         self.sampler = Sampler()
         self._seed = seed
         self._counter = itertools.count()
@@ -74,10 +81,24 @@ class LLMEngine:
         self._load_errors: set[int] = set()
         self._last_step_idle = False
         if self.connector_worker is not None:
-            self.connector_worker.register_kv_caches(self.kv_cache_manager.kv_cache)
+            self.connector_worker.register_kv_caches(self.cache.connector_caches())
         n_params = sum(p.numel() for p in self.model.parameters())
         logger.info("engine ready: %.1fM parameters (%s) on %s, namespace revision %s",
                     n_params / 1e6, model_config.dtype, self.device, revision)
+
+    def _check_connector(self, connector: object) -> None:
+        """Refuse (one line) a connector that could not store or restore this model's cache."""
+        self.cache.check_storable()
+        if self.cache.has_state and self.engine_config.max_num_batched_tokens < self.engine_config.block_size:
+            raise ConfigError(f"engine.max_num_batched_tokens ({self.engine_config.max_num_batched_tokens}) must "
+                              f"hold a block ({self.engine_config.block_size}) to store recurrent state: prefill "
+                              f"chunks end on block boundaries")
+        ns = getattr(connector, "namespace", None) or getattr(getattr(connector, "store", None), "namespace", None)
+        if ns is not None and getattr(ns, "groups", ()) != self.namespace.groups:
+            have = [g.kind for g in ns.groups] or "none"
+            raise ConfigError(f"the connector's namespace has KV groups {have}, this {self.model_config.kind} "
+                              f"model needs {[g.kind for g in self.namespace.groups] or 'none'} "
+                              f"(build it with engine_namespace())")
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None = None,
@@ -207,7 +228,8 @@ class LLMEngine:
             del self._requests[request.request_id]
             hold = False
             if self.connector_scheduler is not None:
-                hold = bool(self.connector_scheduler.request_finished(request.view(), list(request.block_ids)))
+                hold = bool(self.connector_scheduler.request_finished(self.scheduler.view(request),
+                                                                      self.scheduler.block_ids(request)))
             if hold:
                 self._held[request.request_id] = request
             else:
@@ -249,6 +271,9 @@ class LLMEngine:
             return False
         first_block = request.num_cached_tokens // self.engine_config.block_size + bad[0]
         position = first_block * self.engine_config.block_size
+        if self.cache.has_state:  # the state exists at the loaded prefix's end only: start over
+            position = request.num_cached_tokens
+            self.kv_cache_manager.reset_state(request)
         logger.warning("%s: %d of %d loaded blocks failed; recomputing from token %d", request.request_id,
                        len(bad), len(pending), position)
         request.num_external_tokens = position - request.num_cached_tokens

@@ -47,7 +47,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(layer_idx, config.hidden_size, config.num_heads,
-                                   config.num_kv_heads, config.head_dim)
+                                   config.num_kv_heads, config.head_dim, config.dtype)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
@@ -59,6 +59,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """The decoder stack without the LM head; backbones of other kinds follow its interface."""
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -74,14 +76,24 @@ class LlamaModel(nn.Module):
             hidden = layer(hidden, cos, sin, meta)
         return self.norm(hidden)
 
+    @property
+    def attention_layers(self) -> list[nn.Module]:
+        return [layer.self_attn for layer in self.layers]
+
 
 class LlamaForCausalLM(nn.Module):
-    """The whole model. ``forward`` runs one paged step; ``forward_dense`` is the cache-free reference."""
+    """The whole model. ``forward`` runs one paged step; ``forward_dense`` is the cache-free reference.
+
+    Other kinds of model (:mod:`.hybrid_model`, :mod:`.mla_model`) subclass it with another
+    ``backbone`` (the stack under ``model.``); embeddings, LM head and references are shared.
+    """
+
+    backbone: type[nn.Module] = LlamaModel
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = self.backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @property
@@ -89,8 +101,9 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.weight.device
 
     @property
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn for layer in self.model.layers]
+    def attention_layers(self) -> list[nn.Module]:
+        """The layers that page per-token KV, in their KV buffer order."""
+        return self.model.attention_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata | None = None) -> torch.Tensor:

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tiered_kv.engine.attention import AttentionMetadata
+from tiered_kv.engine.attention import Attention, AttentionMetadata
 from tiered_kv.engine.batch import ScheduledBatch
-from tiered_kv.engine.kv_cache_manager import KVCacheManager
+from tiered_kv.engine.cached_sequence import CachedSequenceInterface
 from tiered_kv.engine.kv_kernel import select_store_kvcache
 from tiered_kv.engine.model import LlamaForCausalLM
 from tiered_kv.engine.sequence import Sequence
@@ -37,15 +37,17 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache_manager: KVCacheManager, kv_kernel: str) -> None:
+    def __init__(self, model: LlamaForCausalLM, cache: CachedSequenceInterface, kv_kernel: str) -> None:
         self.model = model
-        self.kv = kv_cache_manager
+        self.kv = cache.manager
         self.device = model.device
-        self.block_size = kv_cache_manager.block_size
+        self.block_size = self.kv.block_size
+        cache.bind()  # every layer's views into the managers' buffers (or its own)
         store_fn = select_store_kvcache(kv_kernel, self.device)
         logger.info("store_kvcache: %s", store_fn.__name__)
-        for layer_idx, attention in enumerate(model.attention_layers):
-            attention.bind_kv_cache(kv_cache_manager.get_buffers(layer_idx), store_fn)
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.store_kvcache = store_fn
 
     def prepare(self, batch: ScheduledBatch, hooks: object | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
@@ -75,6 +77,7 @@ class ModelRunner:
             context_lens=context_lens,
             block_tables=tables,
             hooks=hooks,
+            state_slots=[self.kv.state_slot(r.request_id) for r in batch.requests] if self.kv.has_state else [],
         )
         return input_ids, torch.cat(positions).to(device, non_blocking=True), meta, last_rows, sampling
 

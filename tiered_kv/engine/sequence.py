@@ -92,13 +92,14 @@ class Sequence:
         elif self.num_output_tokens >= params.max_tokens:
             self.finish_reason = "length"
 
-    def view(self) -> RequestView:
+    def view(self, block_ids: tuple | None = None) -> RequestView:
+        """``block_ids``: the scheduler's per-group ids when the namespace has KV groups."""
         return RequestView(
             request_id=self.request_id,
             prompt_token_ids=tuple(self.prompt_token_ids),
             all_token_ids=tuple(self.token_ids),
             num_prompt_tokens=self.num_prompt_tokens,
-            block_ids=tuple(self.block_ids),
+            block_ids=tuple(self.block_ids) if block_ids is None else block_ids,
             num_computed_tokens=self.num_computed_tokens,
         )
 

@@ -40,19 +40,41 @@ def init_weights(model: LlamaForCausalLM, seed: int) -> None:
     """
     generator = torch.Generator(device="cpu").manual_seed(seed)
     for name, param in sorted(model.named_parameters()):
-        if name.endswith("norm.weight"):
+        if name.endswith("norm.weight") or name.endswith(".D"):
             values = torch.ones(param.shape)
         elif name.endswith("embed_tokens.weight"):
             values = torch.randn(param.shape, generator=generator)
+        elif name.endswith(".A_log"):  # Mamba2 decay rates A = -exp(A_log) in [-16, -1]
+            values = torch.log(1 + 15 * torch.rand(param.shape, generator=generator))
+        elif name.endswith(".dt_bias"):  # softplus(dt_bias) log-uniform in [1e-3, 1e-1]
+            dt = torch.exp(math.log(1e-3) + math.log(100) * torch.rand(param.shape, generator=generator))
+            values = dt + torch.log(-torch.expm1(-dt))
+        elif name.endswith("conv1d.weight"):  # depthwise [channels, 1, K]
+            values = torch.randn(param.shape, generator=generator) / math.sqrt(param.shape[-1])
+        elif name.endswith("conv1d.bias"):
+            values = 0.1 * torch.randn(param.shape, generator=generator)
         else:
             fan_in = param.shape[1]
             values = torch.randn(param.shape, generator=generator) / math.sqrt(fan_in)
         param.copy_(values)
 
 
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The model class of ``config.kind``."""
+    if config.kind == "hybrid":
+        from tiered_kv.engine.hybrid_model import HybridForCausalLM
+
+        return HybridForCausalLM
+    if config.kind == "mla":
+        from tiered_kv.engine.mla_model import MLAForCausalLM
+
+        return MLAForCausalLM
+    return LlamaForCausalLM
+
+
 def seeded_model(config: ModelConfig, seed: int = 0, device: str | torch.device = "cpu") -> LlamaForCausalLM:
     """The model with :func:`init_weights` parameters, in ``config.dtype`` on ``device``, in eval mode."""
-    model = LlamaForCausalLM(config)
+    model = model_class(config)(config)
     init_weights(model, seed)
     return model.to(device=device, dtype=torch_dtype(config.dtype)).eval()
 
