@@ -49,10 +49,11 @@ class _RowsPart:
         for t in layers:
             if t.dtype.itemsize != dtype.itemsize or t.dtype.is_floating_point != dtype.is_floating_point:
                 raise ConfigError(f"{what}: tensors are {t.dtype}, the group says {group.dtype}")
-            if t.dim() < 2 or prod(t.shape[1:]) != per_row or not t.is_contiguous():
-                raise ConfigError(f"{what}: tensor {tuple(t.shape)} is not contiguous rows of {per_row} "
+            if t.dim() < 2 or prod(t.shape[1:]) != per_row or not t[0].is_contiguous():
+                raise ConfigError(f"{what}: tensor {tuple(t.shape)} is not rows of {per_row} contiguous "
                                   f"{group.dtype} values")
-        self.rows = [t.view(t.shape[0], per_row).view(dtype) for t in layers]
+        # rows may be strided (vLLM's Mamba rows view the start of each padded page)
+        self.rows = [t.as_strided((t.shape[0], per_row), (t.stride(0), 1)).view(dtype) for t in layers]
         self.device = layers[0].device
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,7 @@ class ConnectorWorker:
         self._started_loading: set[str] = set()
         self._load_errors: set[int] = set()  # failed block ids not yet reported to the engine
         self._tainted: set[int] = set()  # failed block ids no step has computed again since
+        self._failed_requests: set[str] = set()  # async loads that failed (some engines take requests)
         self._stream = None
         self._load_stream = None
         # request -> blocks per serving tier, for reports; the oldest entries are dropped
@@ -150,7 +151,9 @@ class ConnectorWorker:
         for tier in plan.served:
             stats[tier or "failed"] = stats.get(tier or "failed", 0) + 1
         if bad:
-            self._load_errors.update(bad)
+            if spec.is_async:
+                self._failed_requests.add(spec.request_id)
+            self._load_errors.update(b for b in bad if b >= 0)
             self._tainted.update(bad)
             log.info("request %s: %d of %d blocks failed to load and will be recomputed",
                      spec.request_id, len(bad), len(spec.block_ids))
@@ -176,6 +179,12 @@ class ConnectorWorker:
         src.record_stream(current)  # the scatter reads it on the engine's stream
         scatter(device_ids(block_ids, device), src)
         copied.synchronize()
+
+    def take_failed_requests(self) -> set[str]:
+        """Requests whose async load failed since the last call (engines that cannot map block
+        ids back to requests, such as vLLM with several KV cache groups, recompute them whole)."""
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -248,6 +257,8 @@ class ConnectorWorker:
             self.store.slots.fill(slots, data, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
+        if self.store.namespace.groups:  # sliding-window blocks and running state change next step
+            torch.cuda.current_stream(self.layout.device).wait_event(event)
         self._saves.append(_PendingSave(batch, owners, event))
 
     def _commit_ready(self) -> None:

@@ -8,16 +8,20 @@ refused with one line naming the spec.
 
 Facts this relies on (vLLM 0.32): token groups share one block size (the hybrid allocator raises
 attention blocks to fit Mamba pages, e.g. 32 -> 64); a Mamba group with ``mamba_cache_mode``
-``none`` keeps a request's running state in its one block, as a raw page of
-``page_size_bytes`` (conv and SSM state as vLLM lays them out); block ``0`` is vLLM's null
-block (a sliding window's blocks behind the window).
+``none`` keeps a request's running state in its one block, overwritten every step; a Mamba
+layer registers ``int8`` rows ``[blocks, 1, 1, state bytes]`` viewing the start of each padded
+page (conv and SSM state as vLLM lays them out); block ``0`` is vLLM's null block (a sliding
+window's blocks behind the window, freed right after the step that wrote them). vLLM cannot
+take block-level load errors from a model with several groups: loads are asynchronous there and
+a failure fails the request's whole load (``failed_recving``; it recomputes from token 0).
 """
 
 from __future__ import annotations
 
+from math import prod
 from typing import Any
 
-from tiered_kv.dtypes import dtype_name
+from tiered_kv.dtypes import ITEMSIZE, dtype_name
 from tiered_kv.errors import ConfigError
 from tiered_kv.kv_groups import KVGroup
 
@@ -56,7 +60,9 @@ def _group(spec: Any, n_layers: int, dtype_of, source: str) -> KVGroup:
         shapes = [list(s) for s in spec.shapes]
         dtypes = [dtype_name(d) for d in spec.dtypes]
         layout = f"vllm-mamba:{getattr(spec.mamba_type, 'value', spec.mamba_type)}:{shapes}:{dtypes}"
-        return KVGroup("state", n_layers, (int(spec.page_size_bytes),), "int8", bs, layout=layout)
+        # the registered tensor of a Mamba layer is the state part of each (padded) page
+        content = sum(prod(shape) * ITEMSIZE[dtype_name(d)] for shape, d in zip(spec.shapes, spec.dtypes))
+        return KVGroup("state", n_layers, (int(content),), "int8", bs, layout=layout)
     if kind not in ("FullAttentionSpec", "SlidingWindowSpec", "ChunkedLocalAttentionSpec", "MLAAttentionSpec"):
         raise ConfigError(f"{source}: unsupported KV cache spec {kind}; tiered-kv stores full, sliding-window, "
                           "chunked-local and MLA attention and Mamba state")

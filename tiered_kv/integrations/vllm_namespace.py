@@ -1,0 +1,138 @@
+"""The namespace of a vLLM engine's KV blocks, from the KV cache specs vLLM allocates by (no
+torch here): one full-attention group keeps the plain namespace; MLA, sliding-window, chunked and
+hybrid models name their KV groups (:mod:`tiered_kv.integrations.vllm_groups`). What one stored
+block cannot follow (pipeline or context parallelism, runtime fp8 scales, int8 KV) is refused
+with one ConfigError line."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tiered_kv.dtypes import dtype_name
+from tiered_kv.errors import ConfigError
+from tiered_kv.fingerprint import fold_weights
+from tiered_kv.integrations.vllm_groups import is_replicated, kv_groups
+from tiered_kv.keys import Namespace
+
+SOURCE = "kv_connector_extra_config"
+
+
+# (attribute, what it is): each splits a block's KV over ranks in a way one stored block
+# cannot follow. Context parallelism interleaves a block's tokens over ranks (vLLM 0.32:
+# ``decode_context_parallel_size``, ``prefill_context_parallel_size``; ``context_parallel_size``
+# in some releases); pipeline parallelism gives each rank a share of the layers.
+UNSUPPORTED_PARALLELISM = (
+    ("pipeline_parallel_size", "pipeline parallelism"),
+    ("decode_context_parallel_size", "decode context parallelism"),
+    ("prefill_context_parallel_size", "prefill context parallelism"),
+    ("context_parallel_size", "context parallelism"),
+)
+
+
+def vllm_namespace(vllm_config: Any, kv_cache_config: Any, settings_config: Any, *,
+                   tp_rank: int = 0) -> Namespace:
+    """The namespace of this engine's KV blocks, from the KV cache specs vLLM allocates by: one
+    full-attention group keeps the plain namespace; anything else names its KV groups
+    (:mod:`tiered_kv.integrations.vllm_groups`)."""
+    pc = vllm_config.parallel_config
+    _refuse_parallelism(pc)
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if not groups:
+        raise ConfigError(f"{SOURCE}: vLLM passed no KV cache groups (a model without KV cache?)")
+    if not _plain(groups):
+        return _grouped_namespace(vllm_config, groups, settings_config, tp_rank)
+    spec = _full_attention_spec(groups)
+    _refuse_other_block_size(vllm_config, spec)
+    mc = vllm_config.model_config
+    return Namespace(
+        model_id=str(mc.model), dtype=_kv_dtype(vllm_config, spec), num_layers=len(groups[0].layer_names),
+        num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size), block_size=int(spec.block_size),
+        revision=_revision(vllm_config, settings_config), tp_rank=tp_rank,
+        tp_size=int(getattr(pc, "tensor_parallel_size", 1) or 1),
+        cache_salt=settings_config.cache_salt, hash_algo=settings_config.hash_algo)
+
+
+def _plain(groups: list) -> bool:
+    spec = groups[0].kv_cache_spec
+    return (len(groups) == 1 and type(spec).__name__ == "FullAttentionSpec"
+            and not getattr(spec, "sliding_window", None) and not getattr(spec, "attention_chunk_size", None))
+
+
+def _grouped_namespace(vllm_config: Any, groups: list, settings_config: Any, tp_rank: int) -> Namespace:
+    ours, _ = kv_groups(groups, lambda spec: _kv_dtype(vllm_config, spec), SOURCE)
+    token = [g for g in ours if not g.is_state]
+    tp_size = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+    if is_replicated(ours):  # MLA: every rank holds the same latents; stored once for all
+        tp_rank, tp_size = 0, 1
+    first = token[0]
+    return Namespace(
+        model_id=str(vllm_config.model_config.model), dtype=first.dtype,
+        num_layers=sum(g.num_layers for g in ours), num_kv_heads=first.shape[-2] if len(first.shape) == 3 else 1,
+        head_dim=first.shape[-1], block_size=first.block_size, revision=_revision(vllm_config, settings_config),
+        tp_rank=tp_rank, tp_size=tp_size, cache_salt=settings_config.cache_salt,
+        hash_algo=settings_config.hash_algo, groups=ours)
+
+
+def _refuse_parallelism(pc: Any) -> None:
+    for attr, what in UNSUPPORTED_PARALLELISM:
+        size = int(getattr(pc, attr, 1) or 1)
+        if size != 1:
+            raise ConfigError(f"{SOURCE}: {what} is not supported by tiered-kv ({attr}={size}): "
+                              "a stored block must hold every token and layer of its block on one rank")
+
+
+def _full_attention_spec(groups: list) -> Any:
+    if len(groups) != 1:
+        raise ConfigError(f"{SOURCE}: the model has {len(groups)} KV cache groups (hybrid or "
+                          "multi-spec); tiered-kv supports one full-attention group")
+    spec = groups[0].kv_cache_spec
+    kind = type(spec).__name__
+    head_v = getattr(spec, "head_size_v", None)
+    if (kind != "FullAttentionSpec" or getattr(spec, "sliding_window", None)
+            or getattr(spec, "attention_chunk_size", None) or head_v not in (None, spec.head_size)):
+        raise ConfigError(f"{SOURCE}: unsupported KV cache spec {kind} (MLA, sliding-window, "
+                          "chunked or uneven K/V heads); tiered-kv stores full-attention K/V")
+    return spec
+
+
+def _refuse_other_block_size(vllm_config: Any, spec: Any) -> None:
+    """Keys cover ``spec.block_size`` tokens; vLLM pages by the group's spec, which it may raise
+    above ``cache_config.block_size`` (hybrid models): then the two disagree and we stop."""
+    configured = getattr(getattr(vllm_config, "cache_config", None), "block_size", None)
+    if configured and int(configured) != int(spec.block_size):
+        raise ConfigError(f"{SOURCE}: the KV cache group has {spec.block_size} tokens per block but "
+                          f"cache_config.block_size is {configured}; tiered-kv needs one block size")
+
+
+def _kv_dtype(vllm_config: Any, spec: Any) -> str:
+    """The dtype of the KV bytes. vLLM keeps fp8 KV in uint8 tensors (``spec.dtype`` uint8 for
+    both fp8 formats): the format comes from ``cache_config.cache_dtype`` then."""
+    cc = getattr(vllm_config, "cache_config", None)
+    cache_dtype = str(getattr(cc, "cache_dtype", None) or "auto")
+    name = dtype_name(spec.dtype)
+    if cache_dtype.startswith("fp8"):
+        if getattr(cc, "calculate_kv_scales", False):
+            raise ConfigError(f"{SOURCE}: cache_dtype={cache_dtype} with calculate_kv_scales=True is not "
+                              "supported: the fp8 scales are computed at run time, so stored KV would be "
+                              "read with other scales; use the checkpoint's static scales or cache_dtype=auto")
+        # static scales come from the checkpoint (k_scale / v_scale next to the weights): the
+        # weights fingerprint in the revision covers them, as it covers the weights
+        return name if name.startswith("float8") else dtype_name(cache_dtype)
+    if name in ("uint8", "int8"):
+        raise ConfigError(f"{SOURCE}: a {name} KV cache (cache_dtype={cache_dtype}) holds quantized values "
+                          "tiered-kv cannot name; use cache_dtype auto, fp8_e4m3 or fp8_e5m2")
+    return name
+
+
+def _revision(vllm_config: Any, settings_config: Any) -> str:
+    """What names the weights: ``model_revision`` when set (the operator names them: needed to
+    share a store between machines whose copies of a local model differ in mtimes), else the
+    model's revision plus a fingerprint of its weight files when the model is a local directory
+    (files replaced in place change the namespace)."""
+    mc = vllm_config.model_config
+    revision = settings_config.model_revision
+    if not revision:
+        revision = fold_weights(str(getattr(mc, "revision", None) or ""), mc.model)
+    if str(getattr(getattr(vllm_config, "load_config", None), "load_format", "")).endswith("dummy"):
+        revision += "+dummy-weights"
+    return revision
