@@ -165,7 +165,8 @@ class CachedSequenceInterface:
             r.layer.bind_cache(r.key, manager.get_buffers(index))
         rows = {id(r.layer): i for i, r in enumerate(self.ssm)}
         for r in self.ssm + self.conv:
-            r.layer.bind_cache(r.key, manager.get_state_buffers(rows[id(r.layer)])[r.key])  # type: ignore[attr-defined]
+            views = manager.get_state_buffers(rows[id(r.layer)])  # type: ignore[attr-defined]
+            r.layer.bind_cache(r.key, views["ssm_state" if isinstance(r.handler, SSMStateHandler) else "conv_state"])
         for r in self.resources:
             if r.name in self.local:
                 r.layer.bind_cache(r.key, self.local[r.name])
