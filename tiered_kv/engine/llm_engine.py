@@ -268,6 +268,7 @@ class LLMEngine:
         bad = [i for i, block_id in enumerate(pending) if block_id in self._load_errors]
         self._load_errors.difference_update(pending)
         if not bad:
+            request.state_loaded = self.cache.has_state and bool(pending)
             return False
         first_block = request.num_cached_tokens // self.engine_config.block_size + bad[0]
         position = first_block * self.engine_config.block_size
@@ -293,6 +294,7 @@ class LLMEngine:
             num_external_tokens=request.num_external_tokens,
             num_prefilled_tokens=request.num_prefilled_tokens,
             logits=request.logits,
+            state_loaded=request.state_loaded,
         )
 
     def get_request(self, request_id: str) -> Sequence | None:

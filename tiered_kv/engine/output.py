@@ -21,3 +21,4 @@ class Output:
     num_external_tokens: int  # prompt tokens loaded by the connector (after any failed blocks)
     num_prefilled_tokens: int  # prompt tokens computed (recomputation included)
     logits: list[torch.Tensor] | None = None  # fp32 logits of each generated token (return_logits)
+    state_loaded: bool = False  # recurrent state resumed from a connector-loaded state entry (hybrid)
