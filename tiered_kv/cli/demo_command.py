@@ -23,6 +23,9 @@ def add_parser(sub) -> None:
                          help="flip bytes in N stored blocks between the runs")
     restart.add_argument("--model-size", choices=("demo", "tiny"), default="demo",
                          help="seeded model size without --model-dir (tiny: for quick checks)")
+    restart.add_argument("--model", dest="model_kind", choices=("llama", "hybrid", "mla"), default="llama",
+                         help="seeded model kind: llama, hybrid (Mamba2 + attention: recurrent state "
+                              "stored at block boundaries) or mla (one latent per token) (default: %(default)s)")
     restart.add_argument("--json", action="store_true", help="print one JSON object")
     restart.set_defaults(handler=_cmd_demo_restart)
 
@@ -32,8 +35,10 @@ def _cmd_demo_restart(args: argparse.Namespace) -> int:
 
     if args.prompt_tokens < 700:
         raise SystemExit("tiered-kv: error: --prompt-tokens must be at least 700")
+    if args.model_dir and args.model_kind != "llama":
+        raise SystemExit("tiered-kv: error: --model-dir loads Llama models; --model hybrid|mla are seeded")
     opts = DemoOptions(args.dir, args.store_url, args.model_dir, args.prompt_tokens, args.corrupt,
-                       model_size=args.model_size)
+                       model_size=args.model_size, model_kind=args.model_kind)
     report = run_demo(opts)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -47,7 +52,7 @@ def _print_demo(report: dict) -> None:
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 120)
-    table = Table(title=f"restart-and-resume demo — store {report['store']}")
+    table = Table(title=f"restart-and-resume demo ({report['model']} model) — store {report['store']}")
     for col in ("prompt", "tokens", "TTFT run 1 s", "TTFT run 2 s", "run 2 from store (blocks)",
                 "run 2 device", "run 2 prefilled", "same output"):
         table.add_column(col, justify="right" if col != "prompt" else "left")
@@ -63,6 +68,9 @@ def _print_demo(report: dict) -> None:
     console.print(f"TTFT of the {report['main_prompt_tokens']}-token prompt, run 2 / run 1: "
                   f"[bold]{report['ttft_ratio_main_prompt']:.3f}[/bold]; repeated prompts matched "
                   f"{report['repeated_prompt_match_fraction']:.1%} of their full-block tokens")
+    if report["model"] == "hybrid":
+        console.print(f"run 2 resumed {report['run2']['state_entries_loaded']} prompts from a loaded recurrent "
+                      f"state entry (SSM + conv state at the hit's last block)")
     if report["corrupted_blocks"]:
         console.print(f"corrupted {len(report['corrupted_blocks'])} stored blocks between the runs; "
                       f"run 2 misses: {report['run2']['misses']}")

@@ -38,6 +38,7 @@ class DemoOptions:
     corrupt: int = 0  # stored blocks to corrupt between the runs
     seed: int = 0  # weights seed and prompt seed
     model_size: str = "demo"  # seeded model size when no model_dir: "demo" or "tiny" (tests)
+    model_kind: str = "llama"  # seeded model kind: llama | hybrid (Mamba2 + attention) | mla
 
     @property
     def disk_url(self) -> str:
@@ -66,7 +67,9 @@ def _model_config(opts: DemoOptions):
 
     if opts.model_dir:
         return read_config(opts.model_dir)
-    return ModelConfig.tiny() if opts.model_size == "tiny" else ModelConfig.demo()
+    if opts.model_size == "tiny":
+        return {"hybrid": ModelConfig.tiny_hybrid, "mla": ModelConfig.tiny_mla}.get(opts.model_kind, ModelConfig.tiny)()
+    return ModelConfig.demo_kind(opts.model_kind)
 
 
 def _build_engine(opts: DemoOptions, with_connector: bool):
@@ -114,7 +117,8 @@ def serve(opts: DemoOptions, prompts: dict[str, list[int]], with_connector: bool
                 "device_cached_tokens": out.num_cached_tokens,
                 "matched_tokens": out.num_external_tokens,
                 "prefilled_tokens": out.num_prefilled_tokens,
-                "tier_blocks": tiers,
+                "tier_blocks": tiers,  # entries served per tier (a hybrid's state entry included)
+                "state_loaded": out.state_loaded,
                 "ttft_s": round(out.ttft_s, 4),
                 "output": out.output_token_ids,
             }
@@ -141,6 +145,7 @@ def _summary(run: dict) -> dict:
         "device_cached_tokens": sum(p["device_cached_tokens"] for p in prompts),
         "prefilled_tokens": sum(p["prefilled_tokens"] for p in prompts),
         "tier_hits_blocks": hits,
+        "state_entries_loaded": sum(1 for p in prompts if p.get("state_loaded")),
         "misses": {r: n for t in run["store"].get("tiers", {}).values() for r, n in t["misses"].items()},
         "prompts": run["prompts"],
     }
@@ -174,7 +179,7 @@ def _child(opts: DemoOptions, phase: str, out_file: Path) -> dict:
     cmd = [sys.executable, "-m", "tiered_kv.cli.demo_run", phase, str(opts.workdir), str(out_file)]
     options = json.dumps({"store_url": opts.store_url, "model_dir": opts.model_dir,
                           "prompt_tokens": opts.prompt_tokens, "seed": opts.seed,
-                          "model_size": opts.model_size})
+                          "model_size": opts.model_size, "model_kind": opts.model_kind})
     started = time.perf_counter()
     proc = subprocess.run(cmd, input=options, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -203,6 +208,7 @@ def run_demo(opts: DemoOptions) -> dict:
     matchable = sum(r2["prompts"][n]["full_block_tokens"] for n in repeated)
     matched = sum(r2["prompts"][n]["matched_tokens"] + r2["prompts"][n]["device_cached_tokens"] for n in repeated)
     return {
+        "model": opts.model_kind,
         "store": redact_url(opts.store_url or opts.disk_url),
         "run1": r1,
         "run2": r2,

@@ -83,6 +83,8 @@ class MLAttention(nn.Module):
         kv = self.kv_b_proj(c_kv).view(context, self.num_heads, self.nope + self.v_dim)
         k = torch.cat([kv[..., :self.nope], k_rope[:, None, :].expand(context, self.num_heads, self.rope)], -1)
         v = kv[..., self.nope:]
+        if self.v_dim < q.shape[-1]:  # values as wide as the keys: SDPA's fused kernels need that on CPU
+            v = F.pad(v, (0, q.shape[-1] - self.v_dim))
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
         if past == 0 and n > 1:
             o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=self.scale)
@@ -92,4 +94,4 @@ class MLAttention(nn.Module):
             rows = torch.arange(past, past + n, device=q.device)[:, None]
             mask = torch.arange(context, device=q.device)[None, :] <= rows
             o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale)
-        return o[0].transpose(0, 1)
+        return o[0].transpose(0, 1)[..., :self.v_dim]
