@@ -134,10 +134,6 @@ def test_a_corrupt_state_entry_is_a_counted_miss_and_the_hybrid_recomputes_from_
     assert (again.num_external_tokens, again.num_prefilled_tokens, again.state_loaded) == (0, 4 + 100, False)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "core: in the step that admits an async load (num_scheduled_tokens 0, computed_position + external "
-    "on a block boundary) ConnectorScheduler._plan_saves plans a state save from the request's slot, "
-    "which the load has not filled yet; that zero state goes to the host tier and then serves the load"))
 def test_hybrid_async_loads_resume_from_the_loaded_state(tmp_path):
     [first], _, _ = serve(tmp_path, HYBRID, [PROMPT])
     [again], misses, _ = serve(tmp_path, HYBRID, [PROMPT], load_async=True)

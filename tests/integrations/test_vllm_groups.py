@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tests.integrations.vllm_engine import (
@@ -38,7 +39,10 @@ class SlidingWindowSpec:
     sliding_window: int = 2 * BS
 
 
-def kv_cache_config():
+def kv_cache_config(sliding_only=False):
+    if sliding_only:  # Mistral-style: one sliding-window group
+        return SimpleNamespace(kv_cache_groups=[
+            SimpleNamespace(kv_cache_spec=SlidingWindowSpec(), layer_names=["l0", "l1", "l2", "l3"])])
     return SimpleNamespace(kv_cache_groups=[
         SimpleNamespace(kv_cache_spec=SlidingWindowSpec(), layer_names=["l0", "l2"]),
         SimpleNamespace(kv_cache_spec=FullAttentionSpec(), layer_names=["l1", "l3"])])
@@ -52,11 +56,11 @@ class Blocks:
         return tuple(list(g) for g in self.ids)
 
 
-def engine(tmp_path, seed=None):
+def engine(tmp_path, seed=None, sliding_only=False):
     extra = {"disk": {"url": f"lmdb://{tmp_path}/db", "capacity": "64MiB"}, "host": {"capacity": "4MiB"}}
     config = vllm_config(extra)
-    sched = TieredKVConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config())
-    worker = TieredKVConnector(config, KVConnectorRole.WORKER, kv_cache_config())
+    sched = TieredKVConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(sliding_only))
+    worker = TieredKVConnector(config, KVConnectorRole.WORKER, kv_cache_config(sliding_only))
     gen = torch.Generator().manual_seed(seed or 0)
     kv = {name: (torch.randn(NB, 2, BS, HEADS, DIM, generator=gen) if seed else torch.zeros(NB, 2, BS, HEADS, DIM))
           for name in ("l0", "l1", "l2", "l3")}
@@ -74,11 +78,11 @@ def step(sched, worker, new=(), scheduled=None, finished=()):
     return results
 
 
-def fill(tmp_path):
-    sched, worker, kv = engine(tmp_path, seed=7)
+def fill(tmp_path, sliding_only=False):
+    sched, worker, kv = engine(tmp_path, seed=7, sliding_only=sliding_only)
     req = Request("a", PROMPT, 1)
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
-    ids = ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14])
+    ids = ([1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14])[: 1 if sliding_only else 2]
     sched.update_state_after_alloc(req, Blocks(ids), 0)
     step(sched, worker, [NewRequestData("a", PROMPT, ids, 0)], {"a": len(PROMPT)})
     assert sched.request_finished_all_groups(req, ids) == (True, None)  # held until saved
@@ -88,12 +92,12 @@ def fill(tmp_path):
     return kv, ids
 
 
-def load(tmp_path):
-    sched, worker, kv = engine(tmp_path)
+def load(tmp_path, sliding_only=False):
+    sched, worker, kv = engine(tmp_path, sliding_only=sliding_only)
     req = Request("b", PROMPT, 1)
     n, is_async = sched.get_num_new_matched_tokens(req, 0)
-    assert (n, is_async) == (6 * BS, True)  # several groups: loads are asynchronous
-    ids = ([0, 0, 0, 0, 20, 21, 22], [15, 16, 17, 18, 19, 23, 24])  # 0: vLLM's null block
+    assert (n, is_async) == (6 * BS, True)  # several groups, or a sliding window: loads are asynchronous
+    ids = ([0, 0, 0, 0, 20, 21, 22], [15, 16, 17, 18, 19, 23, 24])[: 1 if sliding_only else 2]  # 0: null
     sched.update_state_after_alloc(req, Blocks(ids), n)
     results = step(sched, worker)
     deadline = time.monotonic() + 10
@@ -119,13 +123,15 @@ def test_interleaved_groups_load_every_kept_block_and_leave_the_null_block_alone
         assert not b[name][0].any()  # the null block is never written
 
 
-def test_a_corrupt_block_fails_the_whole_request_through_failed_recving_not_block_ids(tmp_path):
-    fill(tmp_path)
+@pytest.mark.parametrize("sliding_only", [False, True], ids=["sliding+full", "sliding only"])
+def test_a_corrupt_block_fails_the_whole_request_through_failed_recving_not_block_ids(tmp_path, sliding_only):
+    # one sliding group too: rolled back to a failed block, vLLM would recompute over null blocks
+    fill(tmp_path, sliding_only)
 
     def flip(key, value):  # every stored block: whichever one the load reads first fails
         return value[:-3] + bytes([value[-3] ^ 0x10]) + value[-2:]
 
     assert rewrite_stored_blocks(tmp_path / "db", flip) == 6
-    b, ids_b, results, errors = load(tmp_path)
+    b, ids_b, results, errors = load(tmp_path, sliding_only)
     assert results.failed_recving == {"b"} and "b" in results.finished_recving
     assert errors == set()  # vLLM raises on block ids from a model with several groups

@@ -7,7 +7,7 @@ Each group has its own part layout (:mod:`tiered_kv.kv_groups` gives the part sh
 - ``mla``: one latent per token, per-layer ``[blocks, block_size, D]`` tensors or one
   ``[L, blocks, block_size, D]`` buffer;
 - ``state``: a recurrent layer's state per sequence slot, per-layer ``[slots, ...]`` tensors
-  (vLLM: raw ``int8`` pages ``[blocks, 1, 1, page_bytes]``) or one ``[L, slots, ...]`` buffer.
+  (vLLM: ``int8`` rows ``[blocks, 1, 1, state bytes]``, strided over padded pages) or one ``[L, slots, ...]`` buffer.
 
 A block entry is gathered from a row of block ids (one per token group); an id of ``-1`` means
 the engine keeps no block of that group there (vLLM's null block for a sliding window's old
@@ -47,7 +47,9 @@ class _RowsPart:
         self.group = group
         dtype = torch_dtype(group.dtype)
         for t in layers:
-            if t.dtype.itemsize != dtype.itemsize or t.dtype.is_floating_point != dtype.is_floating_point:
+            byte_fp8 = group.dtype.startswith("float8") and t.dtype in (torch.uint8, torch.int8)
+            if t.dtype.itemsize != dtype.itemsize or (t.dtype.is_floating_point != dtype.is_floating_point
+                                                       and not byte_fp8):
                 raise ConfigError(f"{what}: tensors are {t.dtype}, the group says {group.dtype}")
             if t.dim() < 2 or prod(t.shape[1:]) != per_row or not t[0].is_contiguous():
                 raise ConfigError(f"{what}: tensor {tuple(t.shape)} is not rows of {per_row} contiguous "

@@ -22,6 +22,7 @@ class GroupRows:
             raise ValueError(f"expected block ids for {len(groups)} KV groups, got {len(block_ids)} lists")
         self.ids = [list(ids) for ids in block_ids]
         self.token = token_groups(tuple(groups))
+        self.kinds = [g.kind for g in groups]
         self.state = state_groups(tuple(groups))
 
     def extend(self, block_ids: Sequence[Sequence[int]]) -> None:
@@ -48,8 +49,13 @@ class GroupRows:
         return [r if all(b >= 0 for b in r) else None for r in rows]
 
     def refs(self) -> list[int]:
-        """One block id per token block, for what tracks blocks by one id (failed loads)."""
+        """One block id per token block, for what tracks blocks by one id (failed loads): a group
+        that keeps every block (full attention, MLA) when there is one; sliding-window ids are
+        freed and reused while the request runs."""
+        keeps = [j for j, g in enumerate(self.token) if self.kinds[g] in ("full", "mla")]
         rows = (self._row(i) for i in range(len(self)))
+        if keeps:
+            return [r[keeps[0]] for r in rows]
         return [next((b for b in r if b >= 0), NO_BLOCK) for r in rows]
 
     def state_ids(self) -> tuple[int, ...]:

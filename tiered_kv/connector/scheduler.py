@@ -220,7 +220,9 @@ class ConnectorScheduler:
         if state.groups is not None:  # a block some token group no longer keeps cannot be stored
             full = state.saved + next((i for i, r in enumerate(state.groups.full_rows(state.saved, full))
                                        if r is None), full - state.saved)
-        extra = self._state_save(state, computed_before + scheduled) if self.save_enabled else {}
+        # only a step that computed tokens leaves a state (a step admitting an async load has not
+        # filled the state slot yet)
+        extra = self._state_save(state, computed_before + scheduled) if self.save_enabled and scheduled else {}
         if not self.save_enabled or (full <= state.saved and not extra):
             return
         first = min(state.saved, full)

@@ -76,6 +76,10 @@ class ConnectorWorker:
         self._load_errors: set[int] = set()  # failed block ids not yet reported to the engine
         self._tainted: set[int] = set()  # failed block ids no step has computed again since
         self._failed_requests: set[str] = set()  # async loads that failed (some engines take requests)
+        # the engine fails a failed load's whole request and recomputes it from token 0 (set by the
+        # adapter): no block is tainted then (its id is freed and reused, never recomputed in place)
+        self.request_failures = False
+        self._reused_next_step = any(g.kind in ("sliding", "chunked", "state") for g in store.namespace.groups)
         self._stream = None
         self._load_stream = None
         # request -> blocks per serving tier, for reports; the oldest entries are dropped
@@ -150,7 +154,13 @@ class ConnectorWorker:
             self.load_stats.popitem(last=False)
         for tier in plan.served:
             stats[tier or "failed"] = stats.get(tier or "failed", 0) + 1
-        if bad:
+        # loaded and checked: trustworthy again
+        self._tainted.difference_update({b for b, s in zip(spec.block_ids, slots) if s is not None} - set(bad))
+        if bad and self.request_failures:
+            self._failed_requests.add(spec.request_id)
+            log.info("request %s: %d of %d blocks failed to load; the request is recomputed",
+                     spec.request_id, len(bad), len(spec.block_ids))
+        elif bad:
             if spec.is_async:
                 self._failed_requests.add(spec.request_id)
             self._load_errors.update(b for b in bad if b >= 0)
@@ -257,7 +267,7 @@ class ConnectorWorker:
             self.store.slots.fill(slots, data, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
-        if self.store.namespace.groups:  # sliding-window blocks and running state change next step
+        if self._reused_next_step:  # sliding-window blocks and running state change next step
             torch.cuda.current_stream(self.layout.device).wait_event(event)
         self._saves.append(_PendingSave(batch, owners, event))
 

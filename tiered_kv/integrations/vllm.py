@@ -33,7 +33,7 @@ from tiered_kv.integrations.common import (
     parse_settings,
     release_store,
 )
-from tiered_kv.integrations.vllm_groups import group_ids, is_replicated, kv_groups
+from tiered_kv.integrations.vllm_groups import group_ids, is_replicated, kv_groups, request_level_failures
 from tiered_kv.integrations.vllm_namespace import SOURCE, vllm_namespace
 from tiered_kv.integrations.vllm_scheduler import SchedulerSide, group0
 from tiered_kv.keys import Namespace
@@ -111,11 +111,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.settings = parse_settings(extra, source=SOURCE)
             self.namespace = vllm_namespace(vllm_config, kv_cache_config, self.settings.config,
                                             tp_rank=_tp_rank(vllm_config) if is_worker else 0)
-            self._several_groups = len(getattr(kv_cache_config, "kv_cache_groups", None) or ()) > 1
-            if self._several_groups and not self.settings.load_async:
-                # vLLM takes load failures of such models only for async loads (failed_recving)
-                log.info("tiered-kv: %d KV cache groups: loads are asynchronous",
-                         len(kv_cache_config.kv_cache_groups))
+            self._request_failures = request_level_failures(
+                self.namespace.groups, len(getattr(kv_cache_config, "kv_cache_groups", None) or ()))
+            if self._request_failures and not self.settings.load_async:
+                log.info("tiered-kv: KV groups %s: loads are asynchronous (a failed load fails the request)",
+                         [g.kind for g in self.namespace.groups])
                 self.settings = replace(self.settings, load_async=True)
         except ConfigError as exc:
             log.error("tiered-kv: %s", exc)  # the one line to read in the start-up log
@@ -127,6 +127,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                                      SOURCE)[1] if self.namespace.groups else None)
             writer = not (self.namespace.groups and is_replicated(self.namespace.groups)) or _tp_rank(vllm_config) == 0
             self._worker = _WorkerSide(self.settings, self.namespace, layer_names, writer)
+            self._worker.core.request_failures = self._request_failures
         else:
             self._sched = SchedulerSide(self.settings, self.namespace)
 
@@ -206,10 +207,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                                           finished_recving=set(loaded or ()) | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Failed block ids; none with several KV cache groups (vLLM cannot map them back to
-        requests there: those loads are asynchronous and fail as whole requests instead)."""
+        """Failed block ids; none where loads fail as whole requests (several KV cache groups,
+        which vLLM cannot map block ids back from; sliding windows and state, where resuming
+        at a failed block would need blocks or state that were never loaded)."""
         errors = self._worker.core.get_block_ids_with_load_errors()
-        return set() if self._several_groups else errors
+        return set() if self._request_failures else errors
 
     def shutdown(self) -> None:
         if self._worker is not None:

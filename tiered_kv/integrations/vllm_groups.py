@@ -13,11 +13,13 @@ layer registers ``int8`` rows ``[blocks, 1, 1, state bytes]`` viewing the start 
 page (conv and SSM state as vLLM lays them out); block ``0`` is vLLM's null block (a sliding
 window's blocks behind the window, freed right after the step that wrote them). vLLM cannot
 take block-level load errors from a model with several groups: loads are asynchronous there and
-a failure fails the request's whole load (``failed_recving``; it recomputes from token 0).
+a failure fails the request's whole load (``failed_recving``; it recomputes from token 0); so do
+a single sliding-window group's (resuming at a failed block would read null blocks behind it).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from math import prod
 from typing import Any
 
@@ -40,6 +42,8 @@ def kv_groups(groups: list, dtype_of, source: str) -> tuple[tuple[KVGroup, ...],
     if len(sizes) > 1:
         raise ConfigError(f"{source}: the attention KV cache groups page different block sizes {sorted(sizes)}; "
                           "tiered-kv keys one block size")
+    if sizes:  # a state group's allocation unit (vLLM: max_model_len) does not change its bytes
+        out = [replace(g, block_size=min(sizes)) if g.is_state else g for g in out]
     if not sizes:
         raise ConfigError(f"{source}: the model has no attention KV cache group (state only); tiered-kv "
                           "keys token blocks of an attention group")
@@ -82,6 +86,14 @@ def _group(spec: Any, n_layers: int, dtype_of, source: str) -> KVGroup:
     if chunk:
         return KVGroup("chunked", n_layers, (2, heads, head), dtype, bs, window=chunk)
     return KVGroup("full", n_layers, (2, heads, head), dtype, bs)
+
+
+def request_level_failures(groups: tuple[KVGroup, ...], n_engine_groups: int) -> bool:
+    """Whether a failed load must fail its whole request (vLLM then recomputes it from token 0)
+    rather than roll back to the failed block: vLLM cannot map block ids of a model with several
+    groups back to requests, and resuming at a failed block needs the sliding window's earlier
+    blocks (null, never loaded) or the recurrent state there (never stored)."""
+    return n_engine_groups > 1 or any(g.kind in ("sliding", "chunked", "state") for g in groups)
 
 
 def is_replicated(groups: tuple[KVGroup, ...]) -> bool:
