@@ -23,6 +23,17 @@ the engine only applies them to blocks it has not yet validated.
 ``[2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = K, 1 = V); block
 ``b`` of layer ``l`` is ``kv[:, l, b]``. One object may implement both halves (:class:`KVConnector`),
 or the engine is given a ``(scheduler_half, worker_half)`` pair.
+
+Models with KV cache groups (the namespace's ``groups``: MLA, the Mamba2 + attention hybrid) get
+one entry per group instead, in group order: ``register_kv_caches`` a list of buffers (an ``mla``
+group: ``[L, num_blocks, block_size, latent_dim]``; a ``full`` group: the K/V buffer above over
+the attention layers; a ``state`` group: ``[L, slots, state_elems]``, a layer's conv state then
+its SSM state per slot), and every block-id argument or field (``update_state_after_alloc``'s and
+``request_finished``'s ``block_ids``, ``RequestData.new_block_ids``, ``RequestView.block_ids``) a
+tuple of one list per group: a token group's blocks, a state group's ``[slot]`` (``[]`` in a cached
+request's delta, where nothing new is allocated). Such a model with state prefills in chunks that
+end on block boundaries (see :mod:`.scheduler`); a failed load of it is recomputed from its first
+token (the state exists only at the end of the loaded prefix).
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ class RequestView:
     prompt_token_ids: tuple[int, ...]  # the prompt
     all_token_ids: tuple[int, ...]  # prompt + generated tokens so far
     num_prompt_tokens: int  # len(prompt_token_ids)
-    block_ids: tuple[int, ...]  # device blocks of the request, in token order
+    block_ids: tuple  # device blocks of the request, in token order (with KV groups: one list per group)
     num_computed_tokens: int = 0  # tokens with KV on device; in update_state_after_alloc: the
     #                               device prefix hit, the external tokens to load excluded
 
@@ -52,7 +63,7 @@ class RequestData:
 
     request_id: str  # the request
     new_tokens: tuple[int, ...]  # tokens not reported before (the whole prompt for a new request)
-    new_block_ids: tuple[int, ...]  # device blocks not reported before
+    new_block_ids: tuple  # device blocks not reported before (with KV groups: one list per group)
     computed_position: int  # tokens whose KV was on device before this step (new: device prefix
     #                         hit only, connector-matched tokens excluded)
     num_scheduled_tokens: int  # tokens the engine computes in this step (0 while loading)
