@@ -165,3 +165,23 @@ def test_mla_async_loads_give_the_same_outputs(tmp_path):
     [first], _, _ = serve(tmp_path, MLA, [PROMPT])
     [again], _, [tiers] = serve(tmp_path, MLA, [PROMPT], load_async=True)
     assert same(again, first) and again.num_external_tokens == 96 and tiers == {"disk": 6}
+
+
+def test_a_loaded_state_is_the_state_a_full_prefill_leaves_at_that_boundary(tmp_path):
+    prompt = PROMPT[:97]  # six full blocks and one token: run 2 loads 96 tokens, computes token 96
+    serve(tmp_path, HYBRID, [prompt])
+    plain = make_engine(HYBRID, block_size=BS, max_num_batched_tokens=96)  # no connector: 96, then 1
+    rid = plain.add_request(prompt, PARAMS)
+    plain.step()
+    plain.step()
+    expected = plain.kv_cache_manager.state[:, plain.kv_cache_manager.state_slot(rid)].clone()
+    conn = connector(tmp_path, HYBRID)
+    try:
+        engine = make_engine(HYBRID, connector=conn, block_size=BS)
+        rid = engine.add_request(prompt, PARAMS)
+        engine.step()  # load 96 tokens and their state, compute token 96
+        request = engine.get_request(rid)
+        assert request.state_loaded and request.num_computed_tokens == 97
+        assert torch.equal(engine.kv_cache_manager.state[:, engine.kv_cache_manager.state_slot(rid)], expected)
+    finally:
+        conn.close()

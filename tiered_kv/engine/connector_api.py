@@ -33,7 +33,9 @@ its SSM state per slot), and every block-id argument or field (``update_state_af
 tuple of one list per group: a token group's blocks, a state group's ``[slot]`` (``[]`` in a cached
 request's delta, where nothing new is allocated). Such a model with state prefills in chunks that
 end on block boundaries (see :mod:`.scheduler`); a failed load of it is recomputed from its first
-token (the state exists only at the end of the loaded prefix).
+token (the state exists only at the end of the loaded prefix). The per-layer hooks run around
+the layers that page KV (a hybrid's attention layers, numbered among themselves); the recurrent
+layers read their slot after ``start_load_kv``, which must have written a sync load's state.
 """
 
 from __future__ import annotations
