@@ -78,7 +78,8 @@ def _build_engine(opts: DemoOptions, with_connector: bool):
     from tiered_kv.engine import EngineConfig, LLMEngine, engine_namespace, weights_revision
 
     model_config = _model_config(opts)
-    engine_config = EngineConfig(num_blocks=1024, max_num_batched_tokens=8192)
+    named = {} if model_config.kind == "llama" else {"model_id": f"tiered-kv/reference-{model_config.kind}"}
+    engine_config = EngineConfig(num_blocks=1024, max_num_batched_tokens=8192, **named)
     connector = None
     if with_connector:
         ns = engine_namespace(model_config, engine_config,
