@@ -80,16 +80,6 @@ class KVGroup:
             return (self.num_layers, block_size, self.shape[0])
         return (self.num_layers, 2, block_size, self.shape[1], self.shape[2])
 
-    def needed_blocks(self, n: int, block_size: int) -> range:
-        """The blocks (of the first ``n``) this group reads when the engine resumes at block ``n``."""
-        if self.kind == "sliding":  # the token at n*bs attends to the window - 1 tokens before it
-            return range(max(0, n - -(-(self.window - 1) // block_size)), n)
-        if self.kind == "chunked":  # attention within the chunk that holds position n*bs
-            return range(min(n, (n * block_size // self.window) * self.window // block_size), n)
-        if self.is_state:
-            return range(0)
-        return range(n)
-
     @classmethod
     def from_dict(cls, data: dict) -> KVGroup:
         """The inverse of :meth:`describe` (namespace records, namespace files)."""
