@@ -50,8 +50,15 @@ def recomputed(config: ModelConfig, prompt, params=PARAMS):
     return make_engine(config, block_size=BS).generate([prompt], params)[0]
 
 
-def same(a, b) -> bool:
-    return a.output_token_ids == b.output_token_ids and all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+def same(a, b, config: ModelConfig) -> bool:
+    """Same tokens; logits bit-identical for the hybrid (both runs compute the tail in the same
+    chunk from the same bytes), within float noise for MLA (a resumed chunk attends with
+    kv_b_proj absorbed, a prefill from token 0 rebuilds K/V: the same math, summed otherwise)."""
+    if a.output_token_ids != b.output_token_ids:
+        return False
+    if config is MLA:
+        return all(torch.allclose(x, y, rtol=1e-4, atol=1e-4) for x, y in zip(a.logits, b.logits))
+    return all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
 
 
 def flip_entries(tmp_path, keys: set[bytes]) -> int:
@@ -67,7 +74,7 @@ def test_a_restarted_engine_loads_the_prefix_and_gives_the_same_outputs(tmp_path
     [first], _, _ = serve(tmp_path, config, [PROMPT])
     assert (first.num_external_tokens, first.num_prefilled_tokens, first.state_loaded) == (0, 100, False)
     [again], misses, [tiers] = serve(tmp_path, config, [PROMPT])
-    assert same(again, first)  # logits bit-identical: the loaded KV (and state) is what was computed
+    assert same(again, first, config)  # the loaded KV (and state) is what was computed
     assert (again.num_external_tokens, again.num_prefilled_tokens) == (96, 4)
     assert again.state_loaded == (config is HYBRID)
     assert tiers == {"disk": 6 + (config is HYBRID)}  # six block entries (+ one state entry)
@@ -116,7 +123,7 @@ def test_a_corrupt_block_entry_is_a_counted_miss_with_the_same_outputs(tmp_path,
     assert flip_entries(tmp_path, {ns.digest() + block_keys(ns, PROMPT)[3]}) == 1
     [again], misses, _ = serve(tmp_path, config, [PROMPT])
     assert misses.get("corrupt") == 1
-    assert same(again, first)
+    assert same(again, first, config)
     # prefilled counts the 4 tokens computed over the failed load in its step, then the recompute
     if config is HYBRID:  # no state at block 2: the whole load fails, recomputed from token 0
         assert (again.num_external_tokens, again.num_prefilled_tokens, again.state_loaded) == (0, 4 + 100, False)
@@ -130,14 +137,14 @@ def test_a_corrupt_state_entry_is_a_counted_miss_and_the_hybrid_recomputes_from_
     assert flip_entries(tmp_path, {ns.digest() + ns.state_key(block_keys(ns, PROMPT)[5])}) == 1
     [again], misses, _ = serve(tmp_path, HYBRID, [PROMPT])
     assert misses.get("corrupt") == 1
-    assert same(again, first)
+    assert same(again, first, HYBRID)
     assert (again.num_external_tokens, again.num_prefilled_tokens, again.state_loaded) == (0, 4 + 100, False)
 
 
 def test_hybrid_async_loads_resume_from_the_loaded_state(tmp_path):
     [first], _, _ = serve(tmp_path, HYBRID, [PROMPT])
     [again], misses, _ = serve(tmp_path, HYBRID, [PROMPT], load_async=True)
-    assert same(again, first) and again.state_loaded and again.num_external_tokens == 96
+    assert same(again, first, HYBRID) and again.state_loaded and again.num_external_tokens == 96
 
 
 def test_a_chat_turn_resumes_from_a_state_saved_while_decoding(tmp_path):
@@ -164,7 +171,7 @@ def test_an_mla_prefix_is_stored_once_as_latents(tmp_path):
 def test_mla_async_loads_give_the_same_outputs(tmp_path):
     [first], _, _ = serve(tmp_path, MLA, [PROMPT])
     [again], _, [tiers] = serve(tmp_path, MLA, [PROMPT], load_async=True)
-    assert same(again, first) and again.num_external_tokens == 96 and tiers == {"disk": 6}
+    assert same(again, first, MLA) and again.num_external_tokens == 96 and tiers == {"disk": 6}
 
 
 def test_a_loaded_state_is_the_state_a_full_prefill_leaves_at_that_boundary(tmp_path):

@@ -71,10 +71,30 @@ class MLAttention(nn.Module):
                 first, last = starts[i], starts[i + 1]
                 context = meta.context_lens[i]
                 cached = self.latent_cache[block_table].flatten(0, 1)[:context]
-                out[first:last] = self._attend(q[first:last], cached, past=context - (last - first))
+                past = context - (last - first)
+                attend = self._attend_absorbed if past else self._attend
+                out[first:last] = attend(q[first:last], cached, past=past)
             if hooks is not None:
                 hooks.save_kv_layer(self.layer_idx)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim))
+
+    def _attend_absorbed(self, q: torch.Tensor, latent: torch.Tensor, past: int) -> torch.Tensor:
+        """The same attention with ``kv_b_proj`` absorbed into the query and the output: the
+        queries attend over the cached vectors themselves (one shared "head"), so a few new tokens
+        over a long cached context never rebuild K and V for all of it (decode, resumed prefill)."""
+        n, context = q.shape[0], latent.shape[0]
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        q_latent = torch.einsum("nhd,hdr->nhr", q[..., :self.nope], w[:, :self.nope])
+        qh = torch.cat([q_latent, q[..., self.nope:]], dim=-1).transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        kh = latent[None, None]  # [1, 1, context, D]
+        vh = F.pad(latent[..., :self.rank], (0, self.rope))[None, None]  # c_kv, as wide as the keys
+        if n == 1:
+            o = F.scaled_dot_product_attention(qh, kh, vh, scale=self.scale, enable_gqa=True)
+        else:
+            rows = torch.arange(past, past + n, device=q.device)[:, None]
+            mask = torch.arange(context, device=q.device)[None, :] <= rows
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return torch.einsum("nhr,hvr->nhv", o[0, :, :, :self.rank].transpose(0, 1), w[:, self.nope:])
 
     def _attend(self, q: torch.Tensor, latent: torch.Tensor, past: int) -> torch.Tensor:
         """``q`` [n, H, nope+rope] at positions past..past+n-1 over the cached ``latent`` [past+n, D]."""
