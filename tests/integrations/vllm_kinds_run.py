@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-seqs", type=int, default=0, help="max_num_seqs (1: one request at a time)")
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--sequential", action="store_true", help="one prompt per generate() call")
+    ap.add_argument("--logprobs", type=int, default=0, help="also report the top logprobs per token")
     args = ap.parse_args(argv)
     for name, value in ENV.items():
         os.environ.setdefault(name, value)
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     llm = LLM(model=args.ckpt, skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               max_model_len=1024, seed=0, **kw)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
-                            detokenize=False)
+                            detokenize=False, logprobs=args.logprobs or None)
     ps = prompts()
     batches = [[p] for p in ps] if args.sequential else [ps]
     outs = [o for batch in batches
@@ -90,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"outputs": [list(o.outputs[0].token_ids) for o in outs],
               "cached_tokens": [o.num_cached_tokens for o in outs],
               "prompt_tokens": [len(p) for p in ps]}
+    if args.logprobs:  # per prompt, per token: the top candidates {token: logprob}
+        result["logprobs"] = [[{t: round(lp.logprob, 5) for t, lp in step.items()}
+                               for step in o.outputs[0].logprobs] for o in outs]
     print("RESULT " + json.dumps(result), flush=True)
     del llm
     return 0

@@ -8,11 +8,15 @@ tests.integrations.vllm_probe``); ``kv_connector_extra_config``:
   ``claim_align``, capped one token short of the prompt); nothing is loaded, so the KV of claimed
   tokens is whatever the blocks held: only for seeing what vLLM does with a claim;
 - ``invalid``: ``[group, index]``: on the first step that loads, report the request's block at
-  that index of that group as a load error (to see where vLLM rolls back to).
+  that index of that group as a load error (to see where vLLM rolls back to);
+- ``persist``: a directory: a bare-bones store of its own (one ``torch.save`` file per full prompt
+  block and group, keyed by the prompt prefix; attention groups only, null blocks skipped), claims
+  the longest stored prefix and copies it back synchronously: a second implementation to tell
+  vLLM's behaviour from tiered-kv's.
 
-Per step the worker records, for each scheduled request and each KV cache group, a digest of every
-block of the group's first layer, so a reader can see which block ids a step wrote (the Mamba
-state's block among them).
+Per step the worker records, for each scheduled request and each KV cache group, the blocks whose
+digest (over the group's layers) changed: ``[index, block id, digest]``, so a reader can see which
+block ids a step wrote (the Mamba state's block among them) and compare requests' contents.
 """
 
 from __future__ import annotations
@@ -34,6 +38,12 @@ class ProbeMeta(KVConnectorMetadata):
     step: int
     tables: dict[str, list[list[int]]] = field(default_factory=dict)  # req -> per group ids
     loads: dict[str, int] = field(default_factory=dict)  # req -> external tokens this step
+    tokens: dict[str, list[int]] = field(default_factory=dict)  # req -> prompt (persist mode)
+    done: dict[str, int] = field(default_factory=dict)  # req -> tokens computed after this step
+
+
+def _key(tokens: list[int], group: int) -> str:
+    return hashlib.blake2b(json.dumps(tokens).encode(), digest_size=12).hexdigest() + f"-g{group}.pt"
 
 
 def _spec(group) -> dict:
@@ -60,6 +70,9 @@ class ProbeConnector(KVConnectorBase_V1, SupportsHMA):
         self.claim = int(extra.get("claim", 0))
         self.claim_align = int(extra.get("claim_align", 1))
         self.invalid = extra.get("invalid")
+        self.persist = extra.get("persist")
+        self.prompts: dict[str, list[int]] = {}
+        self.block = vllm_config.cache_config.block_size
         self.step = 0
         self.loads: dict[str, int] = {}
         self.kv: dict[str, object] = {}
@@ -88,6 +101,11 @@ class ProbeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         n = len(request.prompt_token_ids)
         claim = min(self.claim, n - 1) // self.claim_align * self.claim_align
+        if self.persist:
+            ends = range(self.block, n, self.block)
+            stored = [e for e in ends if os.path.exists(os.path.join(
+                self.persist, _key(list(request.prompt_token_ids[:e]), 0)))]
+            claim = stored[-1] if stored and stored == list(ends)[:len(stored)] else 0
         claim = max(0, claim - num_computed_tokens)
         self.log("match", req=request.request_id, num_computed_tokens=num_computed_tokens,
                  prompt=n, num_tokens=request.num_tokens, claim=claim)
@@ -99,6 +117,7 @@ class ProbeConnector(KVConnectorBase_V1, SupportsHMA):
                  block_ids=ids, num_computed_tokens=request.num_computed_tokens)
         if num_external_tokens:
             self.loads[request.request_id] = num_external_tokens
+        self.prompts[request.request_id] = list(request.prompt_token_ids)
 
     def build_connector_meta(self, scheduler_output):
         self.step += 1
@@ -106,7 +125,12 @@ class ProbeConnector(KVConnectorBase_V1, SupportsHMA):
         cached = so.scheduled_cached_reqs
         meta = ProbeMeta(self.step, loads=self.loads)
         self.loads = {}
-        for rid in so.num_scheduled_tokens:
+        starts = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        for rid, n in so.num_scheduled_tokens.items():
+            meta.done[rid] = starts.get(rid, 0) + n
+            if self.persist:
+                meta.tokens[rid] = self.prompts.get(rid, [])
             if self._kv_cache_manager is not None:
                 meta.tables[rid] = [list(g) for g in self._kv_cache_manager.get_blocks(rid).get_block_ids()]
         self.log("step", step=self.step,
@@ -153,6 +177,35 @@ class ProbeConnector(KVConnectorBase_V1, SupportsHMA):
             self.reported = True
             self.log("report_invalid", ids=sorted(self.errors), step=meta.step)
 
+        if self.persist:
+            self._load(meta)
+
+    def _blocks(self, meta, rid, upto):
+        """(group, index, block id, file) of the request's full prompt blocks below ``upto``."""
+        tokens = meta.tokens[rid]
+        for g, ids in enumerate(meta.tables[rid]):
+            for i, bid in enumerate(ids[: upto // self.block]):
+                if bid:
+                    yield g, i, bid, os.path.join(self.persist, _key(tokens[: (i + 1) * self.block], g))
+
+    def _load(self, meta):
+        import torch
+
+        for rid, n in meta.loads.items():
+            for g, _i, bid, path in self._blocks(meta, rid, n):
+                for layer, value in zip(self.groups[g], torch.load(path)):
+                    self.kv[layer][bid].copy_(value)
+
+    def _save(self, meta):
+        import torch
+
+        os.makedirs(self.persist, exist_ok=True)
+        for rid, done in meta.done.items():
+            upto = min(done, len(meta.tokens.get(rid, [])) - 1)
+            for g, _i, bid, path in self._blocks(meta, rid, max(upto, 0)):
+                if not os.path.exists(path):
+                    torch.save([self.kv[layer][bid].clone() for layer in self.groups[g]], path)
+
     def wait_for_layer_load(self, layer_name):
         return
 
@@ -161,19 +214,23 @@ class ProbeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self):
         meta = self._get_connector_metadata()
+        if self.persist:
+            self._save(meta)
         changed = {}
         for rid, table in meta.tables.items():
             per_group = []
             for g, ids in enumerate(table):
-                layer = self.kv[self.groups[g][0]]
+                layers = [self.kv[name] for name in self.groups[g]]
                 hits = []
                 for pos, bid in enumerate(ids):
                     if bid == 0:
                         continue
-                    digest = hashlib.blake2b(layer[bid].contiguous().view(-1).numpy().tobytes(),
-                                             digest_size=6).hexdigest()
+                    digest = hashlib.blake2b(digest_size=6)
+                    for layer in layers:
+                        digest.update(layer[bid].contiguous().view(-1).numpy().tobytes())
+                    digest = digest.hexdigest()
                     if self.last.get((rid, g, pos)) != digest:
-                        hits.append([pos, bid])
+                        hits.append([pos, bid, digest])
                     self.last[(rid, g, pos)] = digest
                 per_group.append(hits)
             changed[rid] = per_group
