@@ -5,7 +5,9 @@ part ``k_rope`` (``qk_rope_head_dim``) shared by every head. The cache keeps
 ``[rmsnorm(c_kv), rope(k_rope)]`` (:class:`~.cache_resources.LatentHandler`), in the engine's
 blocks like K/V (``[num_blocks, block_size, latent_dim]``). Attention rebuilds each head's key
 (``k_nope`` from ``kv_b_proj(c_kv)``, then ``k_rope``) and value (from ``kv_b_proj(c_kv)``) from
-the cached vectors, so every cached value reaches the output. The vector is the same on every
+the cached vectors, so every cached value reaches the output; a chunk that continues a cached
+context (decode, a resumed prefill) absorbs ``kv_b_proj`` into its queries and output instead
+and attends over the cached vectors directly (the same math). The vector is the same on every
 tensor-parallel rank (heads split ``kv_b_proj``, not the latent): stored once.
 """
 
