@@ -12,7 +12,11 @@ What it copies from TensorRT-LLM (``pyexecutor/kv_cache_connector.py``, ``resour
   ``computed_position = len(tokens) - 1`` and one scheduled token);
 - per step: ``build_connector_meta`` -> ``bind_connector_meta`` -> ``start_load_kv`` -> per layer
   ``wait_for_layer_load`` / ``save_kv_layer`` -> ``wait_for_save`` -> sample ->
-  ``request_finished`` -> ``get_finished(new saving ids, new loading ids)``.
+  ``request_finished`` -> ``get_finished(new saving ids, new loading ids)``;
+- ``v2=True`` (``KVCacheManagerV2``): ``register_kv_cache_layout(KvCacheLayout)`` in place of
+  ``register_kv_caches``, and the per-layer-group forms ``update_state_after_alloc_by_layer_group``
+  / ``request_finished_by_layer_group`` with one group's list, ``new_block_ids_by_layer_group``
+  beside ``new_block_ids`` in the scheduler output.
 
 The "model" writes a KV value per (position, layer, K/V, head, dim) that depends on every token up
 to that position, and samples a token from the KV of the whole sequence read back from the pool:
@@ -39,12 +43,14 @@ class LlmArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     dtype: str = "float32"
+    max_seq_len: int | None = None
 
 
 @dataclass
 class KvCacheConfig:
     tokens_per_block: int = BS
     dtype: str = "auto"
+    max_attention_window: list[int] | None = None  # one window per layer (repeated over layers)
 
 
 @dataclass
@@ -54,6 +60,29 @@ class RequestData:
     new_block_ids: list[int]
     computed_position: int
     num_scheduled_tokens: int
+    new_block_ids_by_layer_group: list[list[int]] | None = None  # KVCacheManagerV2
+
+
+@dataclass
+class LayerGroupLayout:
+    """The fields of ``KvCacheLayerGroupLayout`` the adapter reads."""
+
+    layer_group_id: int
+    window_size: int | None
+    layer_ids: tuple[int, ...]
+
+
+class KvCacheLayout:
+    """The parts of ``KvCacheLayout`` (``KVCacheManagerV2``) the adapter reads: its layer groups
+    and the single-pool view (None when the pages are not one pool)."""
+
+    def __init__(self, pool, groups: list[LayerGroupLayout] | None = None, single_pool: bool = True) -> None:
+        self.pool = pool
+        self.groups = groups or [LayerGroupLayout(0, None, tuple(range(LAYERS)))]
+        self.single_pool = single_pool
+
+    def as_single_pool_tensor(self):
+        return self.pool if self.single_pool and len(self.groups) == 1 else None
 
 
 @dataclass
@@ -98,8 +127,10 @@ def kv_of(tokens: list[int], pos: int) -> torch.Tensor:
 class Executor:
     """Continuous batching with chunked prefill over a pool ``[blocks, layers, 2, bs*heads*dim]``."""
 
-    def __init__(self, scheduler, worker, *, num_blocks: int = 64, max_tokens_per_step: int = 64) -> None:
+    def __init__(self, scheduler, worker, *, num_blocks: int = 64, max_tokens_per_step: int = 64,
+                 v2: bool = False) -> None:
         self.scheduler, self.worker = scheduler, worker
+        self.v2 = v2  # KVCacheManagerV2: a layout at registration, block ids per layer group
         self.pool = torch.zeros(num_blocks, LAYERS, 2, BS * HEADS * DIM)
         self.free = list(range(num_blocks))
         self.budget = max_tokens_per_step
@@ -111,7 +142,10 @@ class Executor:
         self.log: list[tuple] = []  # (step, event, request id, detail)
         self.step_no = 0
         self.computed_tokens = 0
-        worker.register_kv_caches(self.pool)
+        if v2:
+            worker.register_kv_cache_layout(KvCacheLayout(self.pool))
+        else:
+            worker.register_kv_caches(self.pool)
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, request_id: int, prompt: list[int], max_new_tokens: int = 3) -> LlmRequest:
@@ -130,7 +164,10 @@ class Executor:
         req.state = "loading" if is_async else "context"
         if is_async:
             self.new_loading.add(req.request_id)
-        self.scheduler.update_state_after_alloc(req, list(req.block_ids))
+        if self.v2:
+            self.scheduler.update_state_after_alloc_by_layer_group(req, [list(req.block_ids)])
+        else:
+            self.scheduler.update_state_after_alloc(req, list(req.block_ids))
 
     # -- one step --------------------------------------------------------------------------------
     def step(self) -> None:
@@ -159,7 +196,8 @@ class Executor:
                 position = req.context_current_position - external_loads.get(req.request_id, 0)
             else:
                 position = len(req.tokens) - 1
-            data = RequestData(req.request_id, req.tokens[tokens:], req.block_ids[blocks:], position, chunk)
+            data = RequestData(req.request_id, req.tokens[tokens:], req.block_ids[blocks:], position, chunk,
+                               [req.block_ids[blocks:]] if self.v2 else None)
             self.reported[req.request_id] = (len(req.tokens), len(req.block_ids))
             (out.new_requests if is_new else out.cached_requests).append(data)
         self.worker.bind_connector_meta(self.scheduler.build_connector_meta(out))
@@ -168,7 +206,10 @@ class Executor:
         self.worker.wait_for_save(None)
         finished = self._sample(batch)
         for req in finished:
-            hold = self.scheduler.request_finished(req, list(req.block_ids))
+            if self.v2:
+                hold = self.scheduler.request_finished_by_layer_group(req, [list(req.block_ids)])
+            else:
+                hold = self.scheduler.request_finished(req, list(req.block_ids))
             self.log.append((self.step_no, "finished", req.request_id, hold))
             if hold:
                 req.state = "saving"

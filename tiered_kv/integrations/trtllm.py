@@ -23,24 +23,30 @@ The executor's order per step: schedule -> ``get_num_new_matched_tokens`` / allo
 ``update_state_after_alloc`` -> ``build_connector_meta`` -> ``start_load_kv`` -> forward
 (``wait_for_layer_load`` / ``save_kv_layer`` per layer) -> ``wait_for_save`` -> sample ->
 ``request_finished`` -> ``get_finished``.
+
+Layer groups: TensorRT-LLM keeps one KV layer group per attention window size and, with
+``KVCacheManagerV2``, registers a ``KvCacheLayout`` (``register_kv_cache_layout``) and may pass
+block ids per group (``update_state_after_alloc_by_layer_group``,
+``request_finished_by_layer_group``: entry ``[g][i]`` is block ``i``'s page in group ``g``). One
+full-attention group is followed (its list is the flat call's; its single pool the tensor
+``register_kv_caches`` takes). Several groups or a window are refused: at construction when
+``llm_args`` or config.json show a window (:mod:`tiered_kv.integrations.trtllm_model`), else when a
+windowed layout is registered, a call carries several groups, or a block has no page (``-1``,
+which would otherwise index the pool's last page).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
-from pathlib import Path
 from typing import Any
 
-from tiered_kv.config import TieredKVConfig
 from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.connector.scheduler import ConnectorScheduler
-from tiered_kv.dtypes import dtype_name
 from tiered_kv.errors import ConfigError
-from tiered_kv.fingerprint import LORA_FINGERPRINTS, fold_weights
+from tiered_kv.fingerprint import LORA_FINGERPRINTS
 from tiered_kv.integrations.common import (
     RequestStep,
     RequestView,
@@ -49,12 +55,13 @@ from tiered_kv.integrations.common import (
     parse_settings,
     release_store,
 )
-from tiered_kv.keys import Namespace, tenant_label
+from tiered_kv.integrations.trtllm_model import SOURCE, WINDOWED, trtllm_namespace
+from tiered_kv.keys import tenant_label
 from tiered_kv.store.futures import gather
 
 log = logging.getLogger(__name__)
 
-SOURCE = "TensorRT-LLM tiered-kv settings (TIERED_KV_*)"
+__all__ = ["TieredKVScheduler", "TieredKVWorker", "trtllm_namespace"]
 
 try:  # the documented interface; its module moved between releases
     from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (  # type: ignore
@@ -90,61 +97,6 @@ except ImportError:
 
             def _clear_connector_meta(self) -> None:
                 self._metadata = None
-
-
-def _model_config(llm_args: Any) -> dict:
-    for candidate in (getattr(llm_args, "model", None), getattr(llm_args, "_hf_model_dir", None)):
-        if candidate is None:
-            continue
-        path = Path(str(candidate)) / "config.json"
-        if path.is_file():
-            try:
-                return json.loads(path.read_text())
-            except (OSError, ValueError) as exc:
-                raise ConfigError(f"{SOURCE}: cannot read {path}: {exc}") from None
-    raise ConfigError(f"{SOURCE}: llm_args.model {getattr(llm_args, 'model', None)!r} is not a local "
-                      "directory with a config.json (the namespace needs layers, heads and head size)")
-
-
-def trtllm_namespace(llm_args: Any, config: TieredKVConfig) -> Namespace:
-    """The namespace of this engine's KV blocks, from ``llm_args`` and the model's config.json."""
-    tp = int(getattr(llm_args, "tensor_parallel_size", 1) or 1)
-    pp = int(getattr(llm_args, "pipeline_parallel_size", 1) or 1)
-    if tp != 1 or pp != 1:
-        raise ConfigError(f"{SOURCE}: tensor_parallel_size={tp}, pipeline_parallel_size={pp}: the "
-                          "TensorRT-LLM adapter supports one rank (load failures on other ranks "
-                          "cannot be reported to the engine)")
-    hf = _model_config(llm_args)
-    hf = hf.get("text_config", hf) if "num_hidden_layers" not in hf else hf
-    try:
-        heads = int(hf["num_attention_heads"])
-        kv_heads = int(hf.get("num_key_value_heads") or heads)
-        head_dim = int(hf.get("head_dim") or int(hf["hidden_size"]) // heads)
-        layers = int(hf["num_hidden_layers"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{SOURCE}: the model's config.json lacks {exc}") from None
-    kv_cache_config = getattr(llm_args, "kv_cache_config", None)
-    block_size = getattr(kv_cache_config, "tokens_per_block", None) or 32
-    dtype = getattr(kv_cache_config, "dtype", None)
-    if dtype in (None, "auto"):
-        dtype = getattr(llm_args, "dtype", None)
-    if dtype in (None, "auto"):
-        dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
-    # model_revision, when set, names the weights (see vllm._revision); else a local model
-    # directory's weight files (checkpoint or built engine) are fingerprinted into the revision
-    revision = config.model_revision or fold_weights(str(getattr(llm_args, "revision", None) or ""),
-                                                      _model_dir(llm_args))
-    return Namespace(model_id=str(llm_args.model), dtype=dtype_name(dtype), num_layers=layers,
-                     num_kv_heads=kv_heads, head_dim=head_dim, block_size=int(block_size),
-                     revision=revision, cache_salt=config.cache_salt, hash_algo=config.hash_algo)
-
-
-def _model_dir(llm_args: Any) -> str | None:
-    """The local directory ``_model_config`` reads config.json from."""
-    for candidate in (getattr(llm_args, "model", None), getattr(llm_args, "_hf_model_dir", None)):
-        if candidate is not None and (Path(str(candidate)) / "config.json").is_file():
-            return str(candidate)
-    return None
 
 
 _lora_files: dict[Any, str] = {}  # lora_task_id -> fingerprint of the files it was loaded from
@@ -230,6 +182,7 @@ class TieredKVScheduler(_SchedulerBase):
         return good * bs, bool(good) and self.settings.load_async
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int]) -> None:
+        _pages(block_ids, request.request_id, "update_state_after_alloc")
         view = _view(request)
         device, external, plan = self._verified.pop(view.request_id, (0, 0, None))
         self._device_prefix[view.request_id] = device
@@ -239,6 +192,11 @@ class TieredKVScheduler(_SchedulerBase):
             self._release(plan)
 
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
+        for rd in (*scheduler_output.new_requests, *scheduler_output.cached_requests):
+            groups = getattr(rd, "new_block_ids_by_layer_group", None)
+            if groups is not None and len(groups) > 1:
+                _one_group(groups, rd.request_id, "build_connector_meta")
+            _pages(rd.new_block_ids, rd.request_id, "build_connector_meta")
         new = [RequestStep(rd.request_id, rd.new_tokens, rd.new_block_ids,
                      self._device_prefix.pop(rd.request_id, rd.computed_position),
                      rd.num_scheduled_tokens) for rd in scheduler_output.new_requests]
@@ -247,7 +205,18 @@ class TieredKVScheduler(_SchedulerBase):
     def request_finished(self, request: Any, cache_block_ids: Sequence[int]) -> bool:
         self._drop_verified(request.request_id)
         self._device_prefix.pop(request.request_id, None)
+        _pages(cache_block_ids, request.request_id, "request_finished")
         return self.core.request_finished(request, list(cache_block_ids))
+
+    # -- per-layer-group forms: entry [g][i] is block i's page in layer group g -----------------
+    def update_state_after_alloc_by_layer_group(self, request: Any, block_ids_by_layer_group: Sequence) -> None:
+        """One layer group is the flat call; several (a window per group) are refused."""
+        ids = _one_group(block_ids_by_layer_group, request.request_id, "update_state_after_alloc_by_layer_group")
+        self.update_state_after_alloc(request, ids)
+
+    def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: Sequence) -> bool:
+        ids = _one_group(cache_block_ids_by_layer_group, request.request_id, "request_finished_by_layer_group")
+        return self.request_finished(request, ids)
 
     def _drop_verified(self, request_id: Any) -> None:
         entry = self._verified.pop(request_id, None)
@@ -284,6 +253,21 @@ class TieredKVWorker(_WorkerBase):
         """One pool tensor, block id on dim 0: ``[blocks, layers, 2, block elements]``."""
         self.core.register_kv_caches(kv_cache_tensor)
 
+    def register_kv_cache_layout(self, layout) -> None:
+        """``KVCacheManagerV2`` describes its pools (``KvCacheLayout``) instead of handing over one
+        tensor: one full-attention layer group whose pages form one pool is registered as that
+        pool; several groups, a window or pages in several regions are refused."""
+        groups = list(layout.groups)
+        windows = [getattr(g, "window_size", None) for g in groups]
+        if len(groups) != 1 or windows[0] is not None:
+            raise ConfigError(f"{SOURCE}: the KV cache has {len(groups)} layer group(s) with attention "
+                              f"windows {windows}: {WINDOWED}")
+        pool = layout.as_single_pool_tensor()
+        if pool is None:
+            raise ConfigError(f"{SOURCE}: the KV cache's pages are not one pool [blocks, layers, 2, "
+                              "block] (block scales, or layers of differing size): unsupported KV layout")
+        self.core.register_kv_caches(pool)
+
     def bind_connector_meta(self, metadata: object) -> None:
         super().bind_connector_meta(metadata)
         self.core.bind_connector_meta(metadata if isinstance(metadata, ConnectorMeta) else ConnectorMeta())
@@ -312,6 +296,22 @@ class TieredKVWorker(_WorkerBase):
     def close(self) -> None:
         self.core.close()
         release_store(self.store)
+
+
+def _one_group(groups: Sequence, request_id: Any, call: str) -> list[int]:
+    """The block ids of the one layer group the adapter follows."""
+    if len(groups) != 1:
+        raise ConfigError(f"{SOURCE}: TensorRT-LLM called {call} for request {request_id} with "
+                          f"{len(groups)} KV layer groups (one per attention window): {WINDOWED}")
+    return list(groups[0])
+
+
+def _pages(block_ids: Sequence[int], request_id: Any, call: str) -> None:
+    """A block without a page (``-1``, behind a window) would index the pool's last page."""
+    missing = [i for i, b in enumerate(block_ids) if b < 0]
+    if missing:
+        raise ConfigError(f"{SOURCE}: {call} for request {request_id}: blocks {missing} have no page "
+                          f"(-1), so the KV cache runs an attention window: {WINDOWED}")
 
 
 class _on:
