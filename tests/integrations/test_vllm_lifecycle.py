@@ -50,13 +50,14 @@ def core(connector):
 
 def sleep(connector, eng: Engine) -> None:
     """What vLLM's worker does at sleep(level=1): unregister, then the KV pages are released."""
-    lifecycle.unregister_kv_caches(core(connector))
+    connector.unregister_kv_caches()
     for cache in eng.kv.values():
         cache.fill_(float("nan"))  # the contents are discarded with the pages
 
 
 def wake(connector) -> None:
-    lifecycle.restore_kv_caches(core(connector))
+    """wake_up(): the pages are mapped again at the same addresses, then restore."""
+    connector.restore_kv_caches()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -156,6 +157,11 @@ def test_saves_of_the_last_step_are_in_the_store_when_unregister_returns(halves,
     wake(halves.worker)
 
 
-def test_sleep_mode_is_supported_whatever_the_settings():
+def test_sleep_mode_is_supported_whatever_the_settings_and_the_scheduler_role_has_nothing_to_do(halves):
+    from tiered_kv.integrations.vllm import TieredKVConnector
+
+    read_only = type("KT", (), {"kv_connector_extra_config": {"save": False}})()
+    assert TieredKVConnector.supports_sleep_mode(read_only) is True  # a classmethod: read at start-up
     assert lifecycle.supports_sleep_mode(None) is True
-    assert lifecycle.supports_sleep_mode(type("KT", (), {"kv_connector_extra_config": {"save": False}})())
+    halves.sched.unregister_kv_caches()  # vLLM calls these on workers only; harmless elsewhere
+    halves.sched.restore_kv_caches()

@@ -28,6 +28,7 @@ from typing import Any
 
 from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.errors import ConfigError
+from tiered_kv.integrations import vllm_lifecycle
 from tiered_kv.integrations.common import (
     acquire_store,
     parse_settings,
@@ -212,6 +213,17 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         at a failed block would need blocks or state that were never loaded)."""
         errors = self._worker.core.get_block_ids_with_load_errors()
         return set() if self._request_failures else errors
+
+    # -- sleep mode (vLLM 0.33; :mod:`tiered_kv.integrations.vllm_lifecycle`) --------------------
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        return vllm_lifecycle.supports_sleep_mode(kv_transfer_config)
+
+    def unregister_kv_caches(self) -> None:
+        vllm_lifecycle.unregister_kv_caches(self._worker.core if self._worker is not None else None)
+
+    def restore_kv_caches(self) -> None:
+        vllm_lifecycle.restore_kv_caches(self._worker.core if self._worker is not None else None)
 
     def shutdown(self) -> None:
         if self._worker is not None:
