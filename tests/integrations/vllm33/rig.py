@@ -57,13 +57,23 @@ def vllm_config(model: Path, extra: dict | None, *, budget: int = 256, sleep_mod
     return cfg
 
 
-def kv_cache_config(groups=None):
-    """A full-attention group over every layer (or the given ``(layer names, spec)`` groups)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+def kv_cache_config(sliding_window: int | None = None):
+    """A full-attention group over every layer, or with ``sliding_window`` two groups: layer 0
+    full attention, layer 1 a sliding window (vLLM's hybrid allocator, one block pool)."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+        SlidingWindowSpec,
+    )
 
-    if groups is None:
-        spec = FullAttentionSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=DIM, dtype=torch.float32)
-        groups = [([layer_name(i) for i in range(LAYERS)], spec)]
+    geometry = {"block_size": BS, "num_kv_heads": KV_HEADS, "head_size": DIM, "dtype": torch.float32}
+    if sliding_window is None:
+        groups = [([layer_name(i) for i in range(LAYERS)], FullAttentionSpec(**geometry))]
+    else:
+        groups = [([layer_name(0)], FullAttentionSpec(**geometry)),
+                  ([layer_name(1)], SlidingWindowSpec(**geometry, sliding_window=sliding_window))]
     specs = [KVCacheGroupSpec(names, spec) for names, spec in groups]
     page = specs[0].kv_cache_spec.page_size_bytes
     tensors = [KVCacheTensor(size=page * NUM_BLOCKS, layers=[name], layer_stride=page * NUM_BLOCKS, block_stride=page)
@@ -134,7 +144,7 @@ class Engine:
         """Request -> vLLM block ids our connector loaded into (every step's metadata)."""
         out: dict[str, list[int]] = {}
         for meta in self.metas:
-            for spec in meta.meta.loads:
+            for spec in (meta.meta.loads if meta is not None else ()):
                 out.setdefault(spec.request_id, []).extend(spec.block_ids)
         return out
 
@@ -185,26 +195,33 @@ class Engine:
                     self.finished_ids.add(o.request_id)
 
     def _forward(self, so) -> dict[str, list[int]]:
-        """Write the scheduled tokens' KV; sample a token where the prompt is complete."""
+        """Write the scheduled tokens' KV into each group's blocks; sample a token where the
+        prompt is complete."""
         sampled = {}
         for rid, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[rid]
-            blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[0]
+            tables = self.scheduler.kv_cache_manager.get_block_ids(rid)
             tokens = req.all_token_ids
             end = req.num_computed_tokens  # already advanced by this step's tokens
-            for pos in range(end - n, end):
-                for cache in self.kv.values():
-                    cache[blocks[pos // BS], :, pos % BS] = kv_of(tokens, pos)
+            for group, blocks in zip(self.kvc.kv_cache_groups, tables):
+                for pos in range(end - n, end):
+                    for name in group.layer_names:
+                        self.kv[name][blocks[pos // BS], :, pos % BS] = kv_of(tokens, pos)
             if end >= req.num_tokens:
-                sampled[rid] = [self._next_token(tokens, blocks)]
+                sampled[rid] = [self._next_token(tokens, tables)]
         return sampled
 
-    def _next_token(self, tokens: list[int], blocks: list[int]) -> int:
+    def _next_token(self, tokens: list[int], tables) -> int:
+        """A token from the KV the last position attends to: every position in a full-attention
+        group, the last ``sliding_window`` ones in a sliding-window group."""
         acc = 0
-        for pos in range(len(tokens)):
-            b, o = blocks[pos // BS], pos % BS
-            total = sum(cache[b, :, o].sum().item() for cache in self.kv.values())
-            acc = (acc * 131 + int(total * 100)) % 1_000_000_007
+        for group, blocks in zip(self.kvc.kv_cache_groups, tables):
+            window = getattr(group.kv_cache_spec, "sliding_window", None) or len(tokens)
+            for pos in range(max(0, len(tokens) - window), len(tokens)):
+                b, o = blocks[pos // BS], pos % BS
+                assert b != 0, "read vLLM's null block"
+                total = sum(self.kv[name][b, :, o].sum().item() for name in group.layer_names)
+                acc = (acc * 131 + int(total * 100)) % 1_000_000_007
         return 1 + acc % (VOCAB - 1)
 
     def run(self, timeout: float = 60.0) -> dict[str, list[int]]:
