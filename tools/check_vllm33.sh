@@ -11,7 +11,8 @@
 # connector built by vLLM's KVConnectorFactory from kv_transfer_config, both roles, with
 # requests pushed through Scheduler.schedule() / update_from_output() and fabricated model
 # outputs; external hits, loads and saves in the connector metadata, async loads, held
-# requests, load failures recomputed, sleep mode. Takes about a minute once set up.
+# requests, load failures recomputed, sleep mode, sliding + full KV cache groups under the hybrid
+# allocator. About a minute once set up.
 #
 #   tools/check_vllm33.sh              # set up if needed, then run the tests
 #   tools/check_vllm33.sh -k async     # extra arguments go to pytest
