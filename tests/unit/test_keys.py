@@ -17,6 +17,7 @@ import xxhash
 
 from tiered_kv.errors import ConfigError, TokenError
 from tiered_kv.keys import HASHES, KEY_BYTES, KeyChain, Namespace, block_keys
+from tiered_kv.kv_groups import KVGroup
 
 REPO = Path(__file__).resolve().parents[2]
 BS = 16
@@ -94,6 +95,7 @@ _OTHER_VALUE = {
     "hash_algo": "blake2b_128",
     "token_bytes": 8,
     "format_version": 2,
+    "groups": (KVGroup("full", 32, (2, 8, 128), "bfloat16", 16), KVGroup("state", 4, (64,), "bfloat16", 16)),
 }
 
 
@@ -307,8 +309,12 @@ def test_namespace_is_frozen():
         NS.block_size = 32  # type: ignore[misc]
 
 
-def test_describe_lists_every_field():
-    assert NS.describe() == {f.name: getattr(NS, f.name) for f in dataclasses.fields(Namespace)}
+def test_describe_lists_every_field_and_groups_only_when_there_are_some():
+    assert NS.describe() == {f.name: getattr(NS, f.name) for f in dataclasses.fields(Namespace) if f.name != "groups"}
+    grouped = dataclasses.replace(NS, groups=_OTHER_VALUE["groups"])
+    assert grouped.describe()["groups"][1] == {"kind": "state", "layers": 4, "shape": [64], "dtype": "bfloat16",
+                                               "block_size": 16}
+    assert Namespace.from_dict(grouped.describe()) == grouped
 
 
 # -- speed -----------------------------------------------------------------------------------
