@@ -44,10 +44,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    """Attention (GQA unless another is handed in, e.g. MLA) and a SwiGLU MLP, pre-norm."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, attention: nn.Module | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(layer_idx, config.hidden_size, config.num_heads,
-                                   config.num_kv_heads, config.head_dim, config.dtype)
+        self.self_attn = attention if attention is not None else Attention(
+            layer_idx, config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim, config.dtype)
         self.mlp = MLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_eps)
@@ -64,9 +66,17 @@ class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_eps)
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position, config.rope_theta)
+        self.rotary = RotaryEmbedding(self.rope_dim(config), config.max_position, config.rope_theta)
+
+    @staticmethod
+    def make_layer(config: ModelConfig, layer_idx: int) -> nn.Module:
+        return DecoderLayer(config, layer_idx)
+
+    @staticmethod
+    def rope_dim(config: ModelConfig) -> int:
+        return config.head_dim
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata | None) -> torch.Tensor:
