@@ -211,3 +211,29 @@ def test_the_cli_shows_groups_and_explains_a_hybrid_hit_cut_where_no_state_is_he
     assert report["matched_blocks"] == 4 and report["first_miss"]["reason"] == "no_state"
     assert [b["state"] for b in report["blocks"][:4]] == [None, "store", None, "store"]  # the tier named by URL
     assert cli("verify", url).code == 0  # block and state entries alike pass their checks
+
+
+def test_mla_latents_are_stored_once_for_every_tensor_parallel_rank(tmp_path):
+    from types import SimpleNamespace
+
+    from tests.integrations.vllm_engine import FullAttentionSpec, vllm_config
+    from tiered_kv.integrations.vllm import KVConnectorRole, TieredKVConnector
+
+    config = vllm_config({"disk": {"url": f"lmdb://{tmp_path}/db"}})
+    config.parallel_config.tensor_parallel_size = 2
+    mla = type("MLAAttentionSpec", (FullAttentionSpec,), {})(num_kv_heads=1, head_size=576)
+    groups = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=mla, layer_names=["l0", "l1"])])
+    sched = TieredKVConnector(config, KVConnectorRole.SCHEDULER, groups)
+    assert (sched.namespace.tp_rank, sched.namespace.tp_size) == (0, 1)  # one copy, whichever rank
+    sched.shutdown()
+    # a rank that is not the writer reports its saves done without storing the same bytes again
+    conn = connector(tmp_path / "r1", namespace(MLA))
+    conn.worker.writer = False
+    conn.worker.register_kv_caches([tensors(MLA, 3)])
+    conn.update_state_after_alloc(request("a"), [list(range(1, 8))], 0)
+    run_step(conn, "a", [list(range(1, 8))], 0, len(PROMPT))
+    keys = list(conn.scheduler.keys_of("a"))
+    assert conn.request_finished(request("a"), [list(range(1, 8))])
+    assert conn.worker.get_finished({"a"}) == (["a"], [])
+    assert len(keys) == 6 and conn.store.lookup(keys) == 0
+    conn.close()
