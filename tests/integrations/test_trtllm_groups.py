@@ -76,6 +76,10 @@ def _with_model(tmp_path, **hf) -> str:
     (None, None, {"sliding_window_pattern": 6, "sliding_window": 512}, "sliding_window_pattern=6"),
     (None, None, {"attention_chunk_size": 8192}, "attention_chunk_size=8192"),
     (None, None, {"use_sliding_window": True, "sliding_window": 16}, "use_sliding_window"),
+    ([8], None, {"max_position_embeddings": 64}, "below max_seq_len=64"),  # max_seq_len unset: the model's
+    (None, None, {"model_type": "gemma2", "sliding_window": 4096, "cache_implementation": "hybrid"}, "gemma2"),
+    (None, None, {"hybrid_override_pattern": "M-*-M*"}, "recurrent Mamba/SSM layers"),
+    (None, None, {"layers_block_type": ["mamba", "attention"]}, "recurrent Mamba/SSM layers"),
 ])
 def test_a_model_with_an_attention_window_is_refused_when_either_half_is_built(
         llm_args, tmp_path, windows, max_seq_len, hf, where):

@@ -214,7 +214,12 @@ class ConnectorWorker:
             batch = self.store.prepare_save([k for k, _ in items], tenant)
             if batch.keys:
                 index = dict(items)
-                self._gather([index[k] for k in batch.keys], batch.slots, batch, owners, state)
+                try:
+                    self._gather([index[k] for k in batch.keys], batch.slots, batch, owners, state)
+                except Exception:  # (caches unregistered, a device error): a lost save, never a crash
+                    log.exception("saving %d blocks failed; they are not stored", len(batch.keys))
+                    self.store.commit_save(batch, ok=False)
+                    self.store.metrics.event("saves_failed", len(batch.keys))
         self._commit_ready()
 
     def _save_items(self, specs: list[SaveSpec]) -> dict[tuple, tuple[list[tuple[bytes, object]], set[str]]]:

@@ -97,7 +97,9 @@ def attention_windows(llm_args: Any, hf: dict) -> str | None:
     """Where a window shows, or None for full attention in every layer.
 
     ``kv_cache_config.max_attention_window`` (one window per layer, repeated over the layers)
-    with several sizes, or one size below ``max_seq_len``; config.json's ``layer_types`` with
+    with several sizes, or one size below ``max_seq_len`` (config.json's ``max_position_embeddings``
+    when it is not set); recurrent layers (``hybrid_override_pattern``, ``layers_block_type``, SSM
+    sizes); Gemma 2/3 (``model_type``, ``cache_implementation: hybrid``); ``layer_types`` with
     other than full attention, ``sliding_window_pattern`` (Gemma 2/3), ``attention_chunk_size``
     (chunked local attention) or ``use_sliding_window: true``. A bare ``sliding_window`` without
     those is left alone (many configs carry one TensorRT-LLM does not apply); should a window be
@@ -106,11 +108,17 @@ def attention_windows(llm_args: Any, hf: dict) -> str | None:
     windows = getattr(getattr(llm_args, "kv_cache_config", None), "max_attention_window", None)
     if windows:
         sizes = sorted({int(w) for w in windows})
-        max_seq_len = getattr(llm_args, "max_seq_len", None)
+        max_seq_len = getattr(llm_args, "max_seq_len", None) or hf.get("max_position_embeddings")
         if len(sizes) > 1:
             return f"kv_cache_config.max_attention_window={list(windows)} has {len(sizes)} window sizes (VSWA)"
         if max_seq_len and sizes[0] < int(max_seq_len):
             return f"kv_cache_config.max_attention_window={list(windows)} is below max_seq_len={max_seq_len}"
+    for key in ("hybrid_override_pattern", "layers_block_type", "mamba_num_heads", "ssm_state_size"):
+        if hf.get(key):  # recurrent layers: their state is not stored on this engine
+            return f"config.json has {key} (recurrent Mamba/SSM layers)"
+    if hf.get("cache_implementation") == "hybrid" or str(hf.get("model_type", "")) in ("gemma2", "gemma3",
+                                                                                      "gemma3_text"):
+        return f"config.json describes {hf.get('model_type')} (interleaved sliding-window layers)"
     kinds = Counter(str(t) for t in hf.get("layer_types") or ())
     if any(kind != "full_attention" for kind in kinds):
         return "config.json layer_types has " + ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))

@@ -112,6 +112,10 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.settings = parse_settings(extra, source=SOURCE)
             self.namespace = vllm_namespace(vllm_config, kv_cache_config, self.settings.config,
                                             tp_rank=_tp_rank(vllm_config) if is_worker else 0)
+            policy = str(getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy", "recompute"))
+            if policy != "recompute":
+                log.warning("tiered-kv: kv_load_failure_policy=%s: a block that fails its checks aborts its "
+                            "request; set kv_load_failure_policy='recompute' to recompute it instead", policy)
             self._request_failures = request_level_failures(
                 self.namespace.groups, len(getattr(kv_cache_config, "kv_cache_groups", None) or ()))
             if self._request_failures and not self.settings.load_async:
