@@ -9,19 +9,21 @@ import random
 import lmdb
 import pytest
 
-from tests.integrations.trtllm_executor import BS, Executor, KvCacheConfig, LlmArgs, write_model_config
+from tests.integrations.trtllm_executor import (
+    BS,
+    Executor,
+    KvCacheConfig,
+    LlmArgs,
+    store_llm_args,
+    write_model_config,
+)
 from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.trtllm import TieredKVScheduler, TieredKVWorker
 
 
 @pytest.fixture
 def llm_args(tmp_path, monkeypatch):
-    for name in [n for n in __import__("os").environ if n.startswith("TIERED_KV_")]:
-        monkeypatch.delenv(name)
-    monkeypatch.setenv("TIERED_KV_DISK_URL", f"lmdb://{tmp_path}/db")
-    monkeypatch.setenv("TIERED_KV_HOST_CAPACITY", "256KiB")
-    write_model_config(tmp_path / "model")
-    return LlmArgs(model=str(tmp_path / "model"), kv_cache_config=KvCacheConfig())
+    return store_llm_args(tmp_path, monkeypatch)
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -20,6 +20,7 @@ from tests.integrations.vllm_engine import (
     kv_cache_config,
     vllm_config,
 )
+from tests.store.helpers import rewrite_stored_blocks
 from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.vllm import KVConnectorRole, TieredKVConnector
 
@@ -155,23 +156,14 @@ def test_preempted_request_is_resumed_with_its_saved_blocks(tmp_path, reference)
         halves.close()
 
 
-def _flip_all(path) -> int:
-    import lmdb
-
-    env = lmdb.open(str(path), max_dbs=16)
-    db = env.open_db(b"blocks")
-    with env.begin(db=db, write=True) as txn:
-        items = [(bytes(k), bytes(v)) for k, v in txn.cursor()]
-        for k, v in items:
-            txn.put(k, v[:-5] + bytes([v[-5] ^ 0xFF]) + v[-4:], db=db)
-    env.close()
-    return len(items)
+def _flip_byte(key: bytes, value: bytes) -> bytes:
+    return value[:-5] + bytes([value[-5] ^ 0xFF]) + value[-4:]
 
 
 @pytest.mark.parametrize("load_async", [False, True])
 def test_load_errors_are_reported_and_recomputed(tmp_path, reference, load_async):
     run(extra(tmp_path), PROMPTS)
-    assert _flip_all(tmp_path / "db") > 0
+    assert rewrite_stored_blocks(tmp_path / "db", _flip_byte) > 0
     outs, eng = run(extra(tmp_path, load_async=load_async), PROMPTS)
     assert outs == reference  # every failed block was reported and recomputed
     outs, eng = run(extra(tmp_path), PROMPTS)  # and saved again

@@ -26,6 +26,7 @@ a wrong or missing loaded block changes the output.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -275,3 +276,14 @@ class Executor:
             self.step()
             assert self.step_no < max_steps, "executor made no progress"
         return {rid: r.tokens[r.prompt_len:] for rid, r in self.requests.items()}
+
+
+def store_llm_args(tmp_path, monkeypatch) -> LlmArgs:
+    """LlmArgs of a model directory under ``tmp_path`` whose store is an LMDB there (configured
+    the way a TensorRT-LLM deployment does: ``TIERED_KV_*`` variables, others cleared)."""
+    for name in [n for n in os.environ if n.startswith("TIERED_KV_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TIERED_KV_DISK_URL", f"lmdb://{tmp_path}/db")
+    monkeypatch.setenv("TIERED_KV_HOST_CAPACITY", "256KiB")
+    write_model_config(tmp_path / "model")
+    return LlmArgs(model=str(tmp_path / "model"), kv_cache_config=KvCacheConfig())

@@ -34,7 +34,7 @@ from tiered_kv.integrations.common import (
     parse_settings,
     release_store,
 )
-from tiered_kv.integrations.vllm_groups import group_ids, is_replicated, kv_groups, request_level_failures
+from tiered_kv.integrations.vllm_groups import group_ids, is_replicated, request_level_failures
 from tiered_kv.integrations.vllm_namespace import SOURCE, vllm_namespace
 from tiered_kv.integrations.vllm_scheduler import SchedulerSide, group0
 from tiered_kv.keys import Namespace
@@ -128,8 +128,9 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         if is_worker:
-            layer_names = (kv_groups(list(kv_cache_config.kv_cache_groups), lambda spec: self.namespace.dtype,
-                                     SOURCE)[1] if self.namespace.groups else None)
+            # the namespace's groups are vLLM's, in vLLM's order
+            layer_names = ([list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+                           if self.namespace.groups else None)
             writer = not (self.namespace.groups and is_replicated(self.namespace.groups)) or _tp_rank(vllm_config) == 0
             self._worker = _WorkerSide(self.settings, self.namespace, layer_names, writer)
             self._worker.core.request_failures = self._request_failures

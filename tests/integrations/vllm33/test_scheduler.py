@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import random
 
-import lmdb
 import pytest
 import torch
 
 from tests.integrations.vllm33.rig import BS, LAYERS, Engine, kv_cache_config, kv_of, vllm_config, write_model
+from tests.store.helpers import rewrite_stored_blocks
 
 pytestmark = pytest.mark.vllm33
 
@@ -178,21 +178,14 @@ def test_a_finished_request_is_held_until_its_id_came_back_in_finished_sending(m
         eng.close()
 
 
-def _corrupt_all(path) -> int:
-    env = lmdb.open(str(path), max_dbs=16)
-    db = env.open_db(b"blocks")
-    with env.begin(db=db, write=True) as txn:
-        items = [(bytes(k), bytes(v)) for k, v in txn.cursor()]
-        for k, v in items:
-            txn.put(k, v[:-5] + bytes([v[-5] ^ 0xFF]) + v[-4:], db=db)
-    env.close()
-    return len(items)
+def _flip_byte(key: bytes, value: bytes) -> bytes:
+    return value[:-5] + bytes([value[-5] ^ 0xFF]) + value[-4:]
 
 
 @pytest.mark.parametrize("load_async", [False, True])
 def test_corrupt_blocks_come_back_as_invalid_block_ids_and_vllm_recomputes(model, tmp_path, reference, load_async):
     run(model, extra(tmp_path), PROMPTS)
-    assert _corrupt_all(tmp_path / "db") > 0
+    assert rewrite_stored_blocks(tmp_path / "db", _flip_byte) > 0
     outs, eng = run(model, extra(tmp_path, load_async=load_async), PROMPTS)
     assert outs == reference
     outs, eng = run(model, extra(tmp_path), PROMPTS)  # recomputed blocks were saved again
