@@ -40,6 +40,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.units import parse_duration, parse_size
 
 POLICIES = ("write_through", "on_evict", "off")
+RESTORE_POLICIES = ("cost", "always")
 
 
 
@@ -181,10 +182,19 @@ class TieredKVConfig:
     model_revision: str = ""  # weights fingerprint folded into the namespace
     metrics_port: int | None = None  # serve Prometheus metrics on this port; None = off
     metrics_log_interval: float | None = _duration(None)  # log a one-line traffic summary this often; None = off
+    layer_groups: int = 8  # stored blocks are framed in up to this many layer groups, each read and checked alone; 1 = one frame
+    layerwise_loads: bool = True  # sync loads arrive layer group by layer group (wait_for_layer_load waits for one); False = all before the forward
+    restore_policy: str = "cost"  # "cost": load the stored prefix that minimizes predicted TTFT; "always": every stored block
+    restore_min_samples: int = 3  # restores per tier and engine steps observed before "cost" may skip a load (the floor)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ConfigError(f"workers must be at least 1, got {self.workers}")
+        if isinstance(self.layer_groups, bool) or not isinstance(self.layer_groups, int) or self.layer_groups < 1:
+            raise ConfigError(f"layer_groups must be a positive integer, got {self.layer_groups!r}")
+        _check_choice("restore_policy", self.restore_policy, RESTORE_POLICIES)
+        if self.restore_min_samples < 1:
+            raise ConfigError(f"restore_min_samples must be at least 1, got {self.restore_min_samples}")
         from tiered_kv.keys import HASHES
 
         _check_choice("hash_algo", self.hash_algo, tuple(HASHES))
