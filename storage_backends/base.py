@@ -124,6 +124,14 @@ class Backend(ABC):
             found.append(value is not None)
         return found
 
+    def visit_all(self, keys: Sequence[bytes], visitor: Callable[[list[memoryview | None]], None]) -> list[bool]:
+        """Call ``visitor(values)`` once with every key's value (None where absent), all valid
+        during the call: a reader that works through many values in several passes (layer group
+        by layer group) keeps zero-copy buffers alive that long. Returns presence per key."""
+        values = [None if v is None else memoryview(v) for v in self.get_many(keys)]
+        visitor(values)
+        return [v is not None for v in values]
+
     # -- tenants: media that keep no figures per tenant answer None ------------------------------
     def tenant_totals(self) -> dict[bytes, TenantTotal] | None:
         """Bytes and entries per tenant label now (tenants holding nothing are left out)."""

@@ -185,6 +185,18 @@ class LmdbBackend(Backend):
         self._count(gets=len(keys), hits=len(hits), bytes_out=nbytes)
         return found
 
+    def visit_all(self, keys: Sequence[bytes], visitor) -> list[bool]:
+        """Zero-copy: ``visitor`` sees LMDB's own pages of every key, inside one read transaction."""
+        keys = [as_key(k) for k in keys]
+        with self._db.guard("read"), self._db.txn() as txn:
+            values = [txn.get(k, db=self.blocks) if fits(k) else None for k in keys]
+            visitor(values)
+        hits = [k for k, v in zip(keys, values) if v is not None]
+        if hits:
+            self._db.touch(hits, time.time_ns())
+        self._count(gets=len(keys), hits=len(hits), bytes_out=sum(len(v) for v in values if v is not None))
+        return [v is not None for v in values]
+
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Asks the meta table (small, dense pages: the block table would fault in the first
         page of every large value on a cold restart). No side effects."""

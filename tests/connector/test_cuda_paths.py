@@ -75,6 +75,8 @@ def _worker(store, pool: torch.Tensor) -> ConnectorWorker:
 def _step(worker: ConnectorWorker, *, loads=(), saves=()) -> None:
     worker.bind_connector_meta(ConnectorMeta(loads=list(loads), saves=list(saves)))
     worker.start_load_kv()
+    for layer in range(worker.store.namespace.num_layers):  # the forward asks for each layer's KV
+        worker.wait_for_layer_load(layer)
     worker.wait_for_save()
     worker.clear_connector_metadata()
 

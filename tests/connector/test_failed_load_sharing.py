@@ -48,6 +48,8 @@ def _step(conn, new=(), cached=()):
     meta = conn.scheduler.build_connector_meta(StepOutput(list(new), list(cached)))
     conn.worker.bind_connector_meta(meta)
     conn.worker.start_load_kv()
+    for layer in range(conn.store.namespace.num_layers):  # the forward asks for each layer's KV
+        conn.worker.wait_for_layer_load(layer)
     return meta
 
 

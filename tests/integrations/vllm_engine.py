@@ -11,7 +11,8 @@ What it copies (``v1/core/sched/scheduler.py``, ``v1/worker/kv_connector_model_r
   new block ids, ``resumed_req_ids`` with all block ids), ``num_scheduled_tokens``,
   ``finished_req_ids``, ``preempted_req_ids``; token ids are not sent (no pipeline parallel);
 - worker: ``bind_connector_metadata`` -> ``start_load_kv`` (before the forward when a sync load
-  is in the step, else after) -> ``wait_for_save`` -> ``get_finished(finished_req_ids)`` ->
+  is in the step, else after) -> ``wait_for_layer_load(layer_name)`` before each layer of a
+  forward (``maybe_transfer_kv_layer``) -> ``wait_for_save`` -> ``get_finished(finished_req_ids)`` ->
   ``get_block_ids_with_load_errors`` -> ``clear_connector_metadata``;
 - invalid blocks roll ``num_computed_tokens`` back to the first bad block (``recompute``
   policy); ``finished_sending`` frees a held request (asserting vLLM's ``req_id in requests``).
@@ -246,6 +247,8 @@ class Engine:
 
     def _forward(self, so: SchedulerOutput) -> None:
         for name, cache in self.kv.items():
+            if so.num_scheduled_tokens:  # vLLM's attention wrapper, before each layer of a forward
+                self.worker.wait_for_layer_load(name)
             layer = int(name.split(".")[2])
             for rid, n in so.num_scheduled_tokens.items():
                 req = self.requests[rid]

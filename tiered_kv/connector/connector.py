@@ -44,8 +44,8 @@ class TieredKVConnector:
     def start_load_kv(self, *args, **kwargs) -> None:
         self.worker.start_load_kv()
 
-    def wait_for_layer_load(self, *args, **kwargs) -> None:
-        self.worker.wait_for_layer_load()
+    def wait_for_layer_load(self, layer_idx: int | None = None, *args, **kwargs) -> None:
+        self.worker.wait_for_layer_load(layer_idx)
 
     def save_kv_layer(self, *args, **kwargs) -> None:
         self.worker.save_kv_layer()

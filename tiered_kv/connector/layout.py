@@ -49,6 +49,11 @@ class KVLayout:
         """Write ``src`` ``[n, L, 2, bs, H, D]`` into the device blocks ``block_ids``."""
         raise NotImplementedError
 
+    def scatter_layers(self, block_ids: torch.Tensor, src: torch.Tensor, first: int) -> None:
+        """Write ``src`` ``[n, k, 2, bs, H, D]`` into layers ``first .. first + k - 1`` of the
+        device blocks ``block_ids`` (a layer-wise load)."""
+        raise NotImplementedError
+
 
 class EngineLayout(KVLayout):
     name = "engine"
@@ -69,6 +74,9 @@ class EngineLayout(KVLayout):
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
         self._scatter(self.kv, block_ids, src)
 
+    def scatter_layers(self, block_ids: torch.Tensor, src: torch.Tensor, first: int) -> None:
+        block_copy.scatter_torch(self.kv[:, first : first + src.shape[1]], block_ids, src)
+
 
 class BlockMajorLayout(KVLayout):
     name = "block_major"
@@ -86,6 +94,9 @@ class BlockMajorLayout(KVLayout):
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
         self.view.index_copy_(0, block_ids, as_engine_dtype(src, self.pool.dtype))
+
+    def scatter_layers(self, block_ids: torch.Tensor, src: torch.Tensor, first: int) -> None:
+        self.view[:, first : first + src.shape[1]].index_copy_(0, block_ids, as_engine_dtype(src, self.pool.dtype))
 
 
 class LayerListLayout(KVLayout):
@@ -106,8 +117,12 @@ class LayerListLayout(KVLayout):
         return stacked if self.block_dim == 0 else stacked.permute(2, 1, 0, 3, 4, 5).contiguous()
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
-        for layer, t in enumerate(self.layers):
-            part = as_engine_dtype(src[:, layer], t.dtype)
+        self.scatter_layers(block_ids, src, 0)
+
+    def scatter_layers(self, block_ids: torch.Tensor, src: torch.Tensor, first: int) -> None:
+        for j in range(src.shape[1]):
+            t = self.layers[first + j]
+            part = as_engine_dtype(src[:, j], t.dtype)
             t.index_copy_(self.block_dim, block_ids, part if self.block_dim == 0 else part.transpose(0, 1))
 
 
@@ -131,8 +146,23 @@ class HeadMajorLayout(KVLayout):
         return torch.stack(parts, dim=1)  # [n, L, 2, bs, H, D]
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
-        for layer, v in enumerate(self.views):
-            v.index_copy_(0, block_ids, as_engine_dtype(src[:, layer], v.dtype).permute(0, 3, 1, 2, 4))
+        self.scatter_layers(block_ids, src, 0)
+
+    def scatter_layers(self, block_ids: torch.Tensor, src: torch.Tensor, first: int) -> None:
+        for j in range(src.shape[1]):
+            v = self.views[first + j]
+            v.index_copy_(0, block_ids, as_engine_dtype(src[:, j], v.dtype).permute(0, 3, 1, 2, 4))
+
+
+def device_ids(block_ids: list[int], device: torch.device) -> torch.Tensor:
+    """``block_ids`` as a long tensor on ``device``, without making the host wait: on CUDA it is
+    copied from pinned memory, queued on the current stream (torch's host allocator keeps the
+    pinned buffer until the copy ran). ``torch.tensor(ids, device=cuda)`` waits for the stream,
+    and on the side stream that means for everything the engine queued before the save."""
+    ids = torch.tensor(block_ids, dtype=torch.long)
+    if device.type != "cuda":
+        return ids.to(device)
+    return ids.pin_memory().to(device, non_blocking=True)
 
 
 BYTE_CONTAINERS = (torch.uint8, torch.int8)  # what engines keep fp8 KV in (vLLM: uint8)

@@ -1,8 +1,9 @@
 """Worker half of the connector: moves KV between the engine's device blocks and host slots.
 
 Loads: ``start_load_kv`` starts every load of the step in the store's pool (leased blocks are
-decoded into host slots there); sync loads are scattered into the device blocks before the
-forward, async ones when ``get_finished`` finds them complete. Saves: ``wait_for_save`` gathers
+decoded into host slots there); sync loads are scattered into the device blocks layer group by
+layer group as ``wait_for_layer_load`` asks for them (:mod:`.layer_loads`; whole before the
+forward where the engine or model cannot), async ones when ``get_finished`` finds them complete. Saves: ``wait_for_save`` gathers
 the step's completed blocks into reserved host slots in one batched copy and commits them (on
 CUDA: a copy on a side stream, committed once its event completed, so the forward never waits);
 write-behind to the lower tiers runs in the pool.
@@ -19,30 +20,22 @@ before the step's loads and saves (:mod:`tiered_kv.store.invalidation`).
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
+from tiered_kv.connector.cost_observer import CostObserver
 from tiered_kv.connector.group_layout import GroupLayout
-from tiered_kv.connector.layout import KVLayout, make_layout
+from tiered_kv.connector.layer_loads import LayerLoads
+from tiered_kv.connector.layout import KVLayout, device_ids, make_layout
 from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec
 from tiered_kv.store import LoadPlan, SaveBatch, TieredStore
 
 log = logging.getLogger(__name__)
 
 LOAD_STATS_KEPT = 4096
-
-
-def device_ids(block_ids: list[int], device: torch.device) -> torch.Tensor:
-    """``block_ids`` as a long tensor on ``device``, without making the host wait: on CUDA it is
-    copied from pinned memory, queued on the current stream (torch's host allocator keeps the
-    pinned buffer until the copy ran). ``torch.tensor(ids, device=cuda)`` waits for the stream,
-    and on the side stream that means for everything the engine queued before the save."""
-    ids = torch.tensor(block_ids, dtype=torch.long)
-    if device.type != "cuda":
-        return ids.to(device)
-    return ids.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass
@@ -62,8 +55,13 @@ class _PendingLoad:
 class ConnectorWorker:
     """Engine-neutral worker half over a :class:`TieredStore`."""
 
-    def __init__(self, store: TieredStore, layout: str | None = None, *, writer: bool = True) -> None:
+    def __init__(self, store: TieredStore, layout: str | None = None, *, writer: bool = True,
+                 layerwise: bool | None = None) -> None:
         self.store = store
+        # sync loads arrive layer group by layer group (wait_for_layer_load); None: as configured
+        self.layerwise = store.config.layerwise_loads if layerwise is None else layerwise
+        self._layer_loads: LayerLoads | None = None  # this step's sync loads, copied in layer by layer
+        self.costs = CostObserver(store)  # teaches the store's restore and prefill estimates
         self.declared_layout = layout
         self.writer = writer  # False: another rank stores the same bytes (MLA); saves are only reported
         self.layout: KVLayout | GroupLayout | None = None
@@ -105,29 +103,54 @@ class ConnectorWorker:
 
     # -- loads -----------------------------------------------------------------------------------
     def start_load_kv(self, *args, **kwargs) -> None:
+        self._finish_layer_loads()  # (the engine skipped wait_for_save: never left running)
         if self.meta.invalidate:
             self.flush_copies()  # a save of those keys still copying must not be committed later
             self.store.invalidate(self.meta.invalidate)
+        start = time.perf_counter()
+        # layer by layer: asked for, and blocks that are one stack of layers (not KV groups' entries)
+        layered = self.layerwise and isinstance(self.layout, KVLayout) and self.store.namespace.num_layers > 1
         sync: list[_PendingLoad] = []
         for spec in self.meta.loads:
             keys = spec.keys + ((spec.state_key,) if spec.state_key else ())
-            plan = self.store.load(self.store.take_lease(spec.request_id, keys, spec.tenant))
+            plan = self.store.take_lease(spec.request_id, keys, spec.tenant)
+            self.store.loader.load(plan, layered=layered and not spec.is_async)
             pending = _PendingLoad(spec, plan)
             if spec.is_async:
                 self._async_loads[spec.request_id] = pending
             else:
                 sync.append(pending)
+        self.costs.step_started(bool(self.meta.loads))
+        if layered and sync:  # copied layer by layer as the forward asks for them
+            self._layer_loads = LayerLoads(sync, self.layout, self.store.slots,
+                                           self.store.namespace.num_layers, self._load_stream)
+            return
         for pending in sync:
             try:
                 pending.plan.wait()
             except Exception:  # a load job that failed as a whole: all its blocks are errors
                 log.exception("request %s: load job failed", pending.spec.request_id)
             self._finish_load(pending)
+        if sync:
+            self.costs.restored([p.plan for p in sync], time.perf_counter() - start)
 
-    def wait_for_layer_load(self, *args, **kwargs) -> None:
-        """Sync loads were scattered in start_load_kv (all layers at once); nothing to wait for."""
+    def wait_for_layer_load(self, layer: int | None = None, *args, **kwargs) -> None:
+        """Before layer ``layer`` (index among the layers that page KV) reads KV: copy its part in."""
+        if self._layer_loads is not None and isinstance(layer, int):
+            self._layer_loads.wait(layer)
 
-    def _finish_load(self, pending: _PendingLoad) -> None:
+    def _finish_layer_loads(self) -> None:
+        """End the step's layer-wise loads and report what failed (:meth:`LayerLoads.finish`)."""
+        loads, self._layer_loads = self._layer_loads, None
+        if loads is None:
+            return
+        if not loads.finish():
+            self.layerwise = False  # this engine does not wait for every layer: whole loads from now on
+        for pending in loads.pendings:
+            self._finish_load(pending, layered=loads)
+        self.costs.restored([p.plan for p in loads.pendings], loads.seconds)
+
+    def _finish_load(self, pending: _PendingLoad, layered: LayerLoads | None = None) -> None:
         """Scatter what loaded; a block that did not is an error the engine recomputes. With
         recurrent state, anything missing fails the whole load: resuming at an earlier block
         would need the state there, so the engine recomputes from the first token."""
@@ -137,10 +160,10 @@ class ConnectorWorker:
         good = [(b, s) for b, s in zip(rows, slots) if s is not None]
         bad = [b for b, s in zip(spec.block_ids, slots) if s is None]
         state_slot = plan.slots[n] if spec.state_key else None
-        if spec.state_key and (bad or state_slot is None):
-            good, bad = [], list(spec.block_ids)
+        if (spec.state_key and (bad or state_slot is None)) or (layered is not None and not layered.complete):
+            good, bad = [], list(spec.block_ids)  # (layer-wise: layers the forward read before they came)
         try:
-            if good:
+            if good and layered is None:
                 self._scatter([b for b, _ in good], [s for _, s in good])
             if spec.state_key and good:
                 self._scatter([spec.state_ids], [state_slot], state=True)
@@ -197,6 +220,7 @@ class ConnectorWorker:
         return failed
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_layer_loads()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
@@ -205,6 +229,8 @@ class ConnectorWorker:
         """Blocks are gathered for all layers at once in wait_for_save (one batched copy)."""
 
     def wait_for_save(self, *args, **kwargs) -> None:
+        self._finish_layer_loads()
+        self.costs.step_ended(self.meta, busy=bool(self._async_loads))
         specs = [s for s in self.meta.saves if s.keys or s.state_key]
         if not specs:
             return
@@ -316,6 +342,7 @@ class ConnectorWorker:
         self._commit_ready()
 
     def close(self) -> None:
+        self._finish_layer_loads()
         for pending in self._async_loads.values():
             self.store.release(pending.plan)
         self._async_loads.clear()

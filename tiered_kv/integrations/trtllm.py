@@ -277,7 +277,9 @@ class TieredKVWorker(_WorkerBase):
             self.core.start_load_kv()
 
     def wait_for_layer_load(self, layer_idx: int, stream=None) -> None:
-        """Loads are scattered for all layers in start_load_kv."""
+        """Before layer ``layer_idx``: its part of the step's loads is copied in (layer-wise)."""
+        with _on(stream):
+            self.core.wait_for_layer_load(layer_idx)
 
     def save_kv_layer(self, layer_idx: int, stream=None) -> None:
         """Blocks are gathered for all layers in wait_for_save."""

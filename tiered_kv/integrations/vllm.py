@@ -192,7 +192,17 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker.core.start_load_kv()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are scattered into every layer in start_load_kv."""
+        """vLLM's attention calls this before each layer: that layer's part of the step's sync
+        loads is copied in (layer-wise loads; models with KV groups load whole in start_load_kv)."""
+        self._worker.core.wait_for_layer_load(self._worker.layer_index.get(layer_name))
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads wait between layers: a CUDA graph replay would skip the waits."""
+        try:
+            return parse_settings(extra_config, source=SOURCE).config.layerwise_loads
+        except ConfigError:
+            return False
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any = None, attn_metadata: Any = None,
                       **kwargs: Any) -> None:
@@ -261,12 +271,14 @@ class _WorkerSide:
         self.store = acquire_store(settings.config, namespace)
         self.core = ConnectorWorker(self.store, layout=settings.kv_layout, writer=writer)
         self.layer_names = layer_names  # per KV group (namespaces with groups)
+        self.layer_index: dict[str, int] = {}  # layer name -> its layer in the store's blocks
         self.async_loads: tuple[str, ...] = ()
         self.closed = False
 
     def register(self, kv_caches: dict) -> None:
         if self.layer_names is None:
             self.core.register_kv_caches(kv_caches)
+            self.layer_index = {name: i for i, name in enumerate(kv_caches)}  # make_layout's order
             return
         missing = [n for names in self.layer_names for n in names if n not in kv_caches]
         if missing:

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from storage_backends.base import Backend
 from tiered_kv.config import TierConfig
 from tiered_kv.errors import BackendUnavailable, CorruptBlock
 from tiered_kv.keys import Namespace
 from tiered_kv.store import codec_choice
-from tiered_kv.store.codec import HEADER_BYTES, BlockCodec, BlockLayout
+from tiered_kv.store.codec import BlockCodec, BlockLayout, max_stored_len
 from tiered_kv.store.metrics import StoreMetrics
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ class EncodedTier:
     and read as ``config`` says (codec, policy, admission)."""
 
     def __init__(self, config: TierConfig, backend: Backend, namespace: Namespace,
-                 metrics: StoreMetrics, codec: str | None = None) -> None:
+                 metrics: StoreMetrics, codec: str | None = None, layer_groups: int = 1) -> None:
         self.config = config
         self.name = config.name
         self.policy = config.policy
@@ -40,7 +40,10 @@ class EncodedTier:
         self.ns = namespace.digest()
         self.shape = namespace.block_shape
         self.layout = BlockLayout(namespace.dtype, self.shape)  # what every block here must be
-        self.stored_max = HEADER_BYTES + self.layout.raw_len  # the largest stored block (raw)
+        # raw byte length of each layer group a block is framed in (None: one frame)
+        self.segments = layer_segments(namespace, self.layout.raw_len, layer_groups)
+        # the largest stored block (every frame raw)
+        self.stored_max = max_stored_len(self.layout.raw_len, len(self.segments or (0,)))
         self.metrics = metrics
         self.unavailable = f"{config.name}_unavailable"
 
@@ -60,7 +63,7 @@ class EncodedTier:
         """The stored block of ``payload``: new bytes, or written into ``into`` (at least
         ``stored_max`` bytes) and returned as a view of it."""
         return self.codec.encode(payload, dtype=self.namespace.dtype, shape=self.shape,
-                                 namespace=self.ns, key=key, into=into)
+                                 namespace=self.ns, key=key, into=into, segments=self.segments)
 
     def put_blobs(self, items: Sequence[tuple[bytes, bytes]], raw_bytes: int,
                   start: float | None = None, tenant: bytes = b"") -> list[bool]:
@@ -91,50 +94,58 @@ class EncodedTier:
         per key None (ok) or a miss reason. With ``keep_blobs`` the validated stored bytes come
         back too (to copy them down). A block that fails to decode, for whatever reason, is a
         ``corrupt`` (or ``namespace_mismatch``) miss and is removed from this tier; never raised."""
-        want = self.layout.raw_len
-        for out in outs:  # the caller's own buffers: a wrong one is its bug, not the block's
-            if memoryview(out).nbytes != want:
-                raise ValueError(f"{self.name} tier: output buffer of {memoryview(out).nbytes} bytes "
-                                 f"for blocks of {want}")
-        reasons: list[str | None] = ["absent"] * len(keys)
-        blobs: list[bytes | None] = [None] * len(keys)
-        corrupt: list[bytes] = []
-        start = time.perf_counter()
+        read = _Read(self, keys, outs, keep_blobs)
 
         def decode(i: int, blob: memoryview) -> None:
             try:
                 self.codec.decode(blob, namespace=self.ns, key=keys[i], out=outs[i], expect=self.layout)
             except Exception as exc:  # whatever a stored block makes decoding do is its fault
-                reason, detail = ((exc.reason, exc.detail) if isinstance(exc, CorruptBlock)
-                                  else ("corrupt", f"{type(exc).__name__}: {exc}"))
-                reasons[i] = reason
-                corrupt.append(keys[i])
-                log.warning("%s tier: block %s is unusable (%s): %s", self.name, keys[i].hex(), reason,
-                            " ".join(str(detail).split())[:200])
+                read.fail(i, exc)
                 return
-            reasons[i] = None
-            if keep_blobs:
-                blobs[i] = bytes(blob)
+            read.done(i, blob)
 
-        try:
-            self.backend.visit_many([self.ns + k for k in keys], decode)
-        except BackendUnavailable:
-            reasons = [self.unavailable if r == "absent" else r for r in reasons]
-        except Exception as exc:  # the medium failed in a way it does not name: unavailable too
-            log.warning("%s tier: read failed (%s: %s)", self.name, type(exc).__name__,
-                        " ".join(str(exc).split())[:200])
-            reasons = [self.unavailable if r == "absent" else r for r in reasons]
-        seconds = time.perf_counter() - start
-        hits = [i for i, r in enumerate(reasons) if r is None]
-        if hits:
-            nbytes = sum(memoryview(outs[i]).nbytes for i in hits)
-            self.metrics.hit(self.name, len(hits), nbytes, seconds)
-        for r in reasons:
-            if r is not None:
-                self.metrics.miss(self.name, r)
-        if corrupt:
-            self._discard(corrupt)
-        return reasons, blobs
+        return read.run(lambda: self.backend.visit_many([self.ns + k for k in keys], decode))
+
+    def read_layered(self, keys: Sequence[bytes], outs: Sequence[object],
+                     on_ready: Callable[[list[int], int], None],
+                     keep_blobs: bool = False) -> tuple[list[str | None], list[bytes | None]]:
+        """:meth:`read_into` frame by frame: every block's first layer group, then every block's
+        second, ... Each frame is checked before a byte of it lands in ``outs``; after each pass
+        ``on_ready(indices, raw_end)`` names the blocks whose first ``raw_end`` bytes are in
+        their buffer, checked (a block failing later is still a miss, its reason as in
+        :meth:`read_into`). Blocks framed in fewer groups (or one: older blocks) are ready at
+        their own frames' ends."""
+        read = _Read(self, keys, outs, keep_blobs)
+
+        def decode_all(blobs: list[memoryview | None]) -> None:
+            opened = {}
+            for i, blob in enumerate(blobs):
+                if blob is None:
+                    continue
+                try:
+                    opened[i] = self.codec.segments(blob, namespace=self.ns, key=keys[i], expect=self.layout)
+                except Exception as exc:
+                    read.fail(i, exc)
+            views = {i: memoryview(outs[i]).cast("B") for i in opened}
+            position = dict.fromkeys(opened, 0)  # next frame per block
+            for cut in sorted({end for block in opened.values() for _, end in block.bounds}):
+                ready = []
+                for i, block in list(opened.items()):
+                    try:
+                        while position[i] < len(block.bounds) and block.bounds[position[i]][1] <= cut:
+                            start, end = block.bounds[position[i]]
+                            block.decode(position[i], views[i][start:end])
+                            position[i] += 1
+                    except Exception as exc:
+                        read.fail(i, exc)
+                        del opened[i]
+                        continue
+                    ready.append(i)
+                on_ready(ready, cut)
+            for i in opened:
+                read.done(i, blobs[i])
+
+        return read.run(lambda: self.backend.visit_all([self.ns + k for k in keys], decode_all))
 
     def _discard(self, keys: list[bytes]) -> None:
         """Remove blocks that failed validation so they stop costing misses."""
@@ -149,3 +160,67 @@ class EncodedTier:
 
     def unpin(self, keys: Sequence[bytes]) -> None:
         self.backend.unpin_many([self.ns + k for k in keys])
+
+
+class _Read:
+    """One read of a tier: per key a reason (``absent`` until seen), the validated stored bytes
+    when they are kept, and the counting and clean-up every read ends with."""
+
+    def __init__(self, tier: EncodedTier, keys: Sequence[bytes], outs: Sequence[object], keep_blobs: bool) -> None:
+        want = tier.layout.raw_len
+        for out in outs:  # the caller's own buffers: a wrong one is its bug, not the block's
+            if memoryview(out).nbytes != want:
+                raise ValueError(f"{tier.name} tier: output buffer of {memoryview(out).nbytes} bytes "
+                                 f"for blocks of {want}")
+        self.tier, self.keys, self.outs, self.keep_blobs = tier, keys, outs, keep_blobs
+        self.reasons: list[str | None] = ["absent"] * len(keys)
+        self.blobs: list[bytes | None] = [None] * len(keys)
+        self.corrupt: list[bytes] = []
+
+    def fail(self, i: int, exc: BaseException) -> None:
+        reason, detail = ((exc.reason, exc.detail) if isinstance(exc, CorruptBlock)
+                          else ("corrupt", f"{type(exc).__name__}: {exc}"))
+        self.reasons[i] = reason
+        self.corrupt.append(self.keys[i])
+        log.warning("%s tier: block %s is unusable (%s): %s", self.tier.name, self.keys[i].hex(), reason,
+                    " ".join(str(detail).split())[:200])
+
+    def done(self, i: int, blob: memoryview) -> None:
+        self.reasons[i] = None
+        if self.keep_blobs:
+            self.blobs[i] = bytes(blob)
+
+    def run(self, visit: Callable[[], object]) -> tuple[list[str | None], list[bytes | None]]:
+        tier, reasons = self.tier, self.reasons
+        start = time.perf_counter()
+        try:
+            visit()
+        except BackendUnavailable:
+            reasons[:] = [tier.unavailable if r == "absent" else r for r in reasons]
+        except Exception as exc:  # the medium failed in a way it does not name: unavailable too
+            log.warning("%s tier: read failed (%s: %s)", tier.name, type(exc).__name__,
+                        " ".join(str(exc).split())[:200])
+            reasons[:] = [tier.unavailable if r == "absent" else r for r in reasons]
+        seconds = time.perf_counter() - start
+        hits = [i for i, r in enumerate(reasons) if r is None]
+        if hits:
+            tier.metrics.hit(tier.name, len(hits), sum(memoryview(self.outs[i]).nbytes for i in hits), seconds)
+        for r in reasons:
+            if r is not None:
+                tier.metrics.miss(tier.name, r)
+        if self.corrupt:
+            tier._discard(self.corrupt)
+        return reasons, self.blobs
+
+
+def layer_segments(namespace: Namespace, raw_len: int, groups: int) -> list[int] | None:
+    """Raw byte length of each of up to ``groups`` layer groups of a block (its leading dimension
+    is the layers: ``[layers, 2, block_size, heads, dim]``), as even as layers allow; None for one
+    frame (a single group or layer, or a namespace with KV groups, whose entry is each group's part
+    one after another)."""
+    layers = namespace.num_layers
+    if groups <= 1 or layers <= 1 or namespace.groups or raw_len % layers:
+        return None
+    groups = min(groups, layers)
+    per_layer = raw_len // layers
+    return [per_layer * (layers * (g + 1) // groups - layers * g // groups) for g in range(groups)]

@@ -100,6 +100,18 @@ class HostSlots:
         rows = self._blocks.index_select(0, torch.tensor(list(slots), dtype=torch.long))
         return rows.view(self.dtype).view(len(slots), *self.shape)
 
+    def gather_range(self, slots: Sequence[int], start: int, end: int, device: torch.device | None = None) -> torch.Tensor:
+        """Bytes ``start:end`` of the blocks of ``slots`` as one new ``[n, end - start]`` uint8
+        tensor (a layer group of each block: its leading dimension is the layers). On a CUDA
+        ``device`` the ranges are copied straight from the (pinned) slab, queued on the current
+        stream; the caller waits for that stream before the slots are released."""
+        if device is None or device.type != "cuda":
+            return self._blocks[:, start:end].index_select(0, torch.tensor(list(slots), dtype=torch.long))
+        out = torch.empty((len(slots), end - start), dtype=torch.uint8, device=device)
+        for pos, slot in enumerate(slots):  # a strided host source would be staged by torch
+            out[pos].copy_(self._blocks[slot, start:end], non_blocking=True)
+        return out
+
     def fill(self, slots: Sequence[int], data: torch.Tensor, *, non_blocking: bool = False) -> None:
         """Write ``data`` (``[n, block bytes]`` uint8, on any device) into ``slots``. With
         ``non_blocking`` the copies (one per run of consecutive slots) are queued on the current

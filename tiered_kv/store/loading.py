@@ -18,16 +18,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiered_kv.store.direct_loads import LOAD_ERROR, DirectLoads
 from tiered_kv.store.encoded_tier import EncodedTier
-from tiered_kv.store.host_slots import HostSlots, bytes_of
+from tiered_kv.store.host_slots import HostSlots
 from tiered_kv.store.invalidation import Invalidations
+from tiered_kv.store.load_progress import LoadProgress
 from tiered_kv.store.lower_reads import LowerReader
 from tiered_kv.store.metrics import StoreMetrics
 from tiered_kv.store.saving import Saver
 from tiered_kv.store.transfer import TransferPool
 
 PROMOTION_WAIT_S = 5.0  # how long a load waits for another load promoting the same block
-LOAD_ERROR = "load_error"  # miss reason of blocks whose load job failed in an unexpected way
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,15 @@ class LoadPlan:
     counts: list[int] = field(default_factory=list)  # request count of each key (admission)
     tenant: bytes = b""  # whose blocks these are (copies into other tiers are theirs)
     released: bool = False
+    progress: LoadProgress | None = None  # layer-wise loads: how far each block has arrived
+    deferred: list[bytes] = field(default_factory=list)  # failed reservations kept until release
+    started: float = 0.0  # perf_counter when the load started
+    finished: float = 0.0  # perf_counter when its last job ended (0: no job)
+
+    @property
+    def read_seconds(self) -> float:
+        """Wall time of the load's reads from the lower tiers (0 when all blocks were in host memory)."""
+        return max(0.0, self.finished - self.started) if self.finished else 0.0
 
     def done(self) -> bool:
         return all(f.done() for f in self.futures)
@@ -137,8 +147,16 @@ class Loader:
         for plan in leases:
             self.release(plan)
 
-    def load(self, plan: LoadPlan) -> LoadPlan:
-        """Start fetching the non-host blocks of ``plan`` into host slots (async)."""
+    def load(self, plan: LoadPlan, layered: bool = False) -> LoadPlan:
+        """Start fetching the non-host blocks of ``plan`` into host slots (async). ``layered``:
+        read layer group by layer group and report it in ``plan.progress`` (the caller copies
+        each group out as it arrives); a failed block's slot stays reserved until release."""
+        plan.started = time.perf_counter()
+        if layered:
+            plan.progress = LoadProgress(len(plan.keys), self.block_nbytes)
+            for i, slot in enumerate(plan.slots):
+                if slot is not None:
+                    plan.progress.hold(i, slot, self.block_nbytes)
         host_hits = sum(1 for s in plan.sources if s == "host")
         if host_hits:
             self.metrics.hit("host", host_hits, host_hits * self.block_nbytes)
@@ -148,20 +166,27 @@ class Loader:
             for i in [i for i, w in zip(todo, withdrawn) if w]:
                 plan.reasons[i] = "invalidated"
                 self.metrics.miss("host", "invalidated")
+                if plan.progress is not None:
+                    plan.progress.end([i])
             todo = [i for i, w in zip(todo, withdrawn) if not w]
         if not todo:
             return plan
         per_job = -(-len(todo) // self.workers)
         for start in range(0, len(todo), per_job):
             idx = todo[start : start + per_job]
-            plan.futures.append(self.pool.submit_load(len(idx) * self.block_nbytes,
-                                                      lambda idx=idx: self._load_job(plan, idx)))
+            future = self.pool.submit_load(len(idx) * self.block_nbytes, lambda idx=idx: self._load_job(plan, idx))
+            if plan.progress is not None:  # however the job ends (or never runs), its blocks are over
+                future.add_done_callback(lambda _f, idx=idx, p=plan.progress: p.end(idx))
+            plan.futures.append(future)
         return plan
 
     def _load_job(self, plan: LoadPlan, idx: list[int]) -> None:
         keys = [plan.keys[i] for i in idx]
         slots = self.host.reserve_many(keys, tenant=plan.tenant)
         want = [(i, s) for i, s in zip(idx, slots) if s is not None]
+        if plan.progress is not None:
+            for i, slot in want:
+                plan.progress.hold(i, slot)
         # keys this job could not reserve are leased once another load promoted them, after
         # this job committed its own (a job never waits while holding reservations)
         others = [i for i, slot in zip(idx, slots) if slot is None]
@@ -189,13 +214,20 @@ class Loader:
                 if pinned is None:  # no room is a counted miss
                     plan.reasons[i] = "no_room"
                     self.metrics.miss("host", "no_room")
+                elif plan.progress is not None:
+                    plan.progress.hold(i, pinned, self.block_nbytes)
+            plan.finished = max(plan.finished, time.perf_counter())
 
     def _read_reserved(self, plan: LoadPlan, want: list[tuple[int, int]]) -> dict[int, str | None]:
         """Read the blocks of ``want`` (plan index, reserved slot) from the lower tiers into
         their slots; the miss reason per plan index (None: loaded)."""
         idx = [i for i, _ in want]
+        on_ready = None
+        if plan.progress is not None:
+            progress = plan.progress
+            on_ready = lambda ready, end: progress.advance([idx[j] for j in ready], end)  # noqa: E731
         reasons, served = self.reader.read([plan.keys[i] for i in idx], [self.slots.row(s) for _, s in want],
-                                           [plan.counts[i] for i in idx], plan.tenant)
+                                           [plan.counts[i] for i in idx], plan.tenant, on_ready)
         for i, tier in zip(idx, served):
             if tier is not None:
                 plan.served[i] = tier
@@ -225,84 +257,16 @@ class Loader:
                     f.exception()  # wait: a job may still write into its slots
         finally:
             self.host.unpin_many([k for k, s in zip(plan.keys, plan.slots) if s is not None])
+            if plan.deferred:
+                self.host.abort_many(plan.deferred)
             if plan.lower_pinned:
                 for tier in self.tiers:
                     tier.unpin(plan.lower_pinned)
 
     def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[bool]:
-        """Synchronous convenience: load ``keys`` and copy them into ``outs``; success per key.
-        Host hits are copied out of their slots. When every destination is a plain CPU block,
-        lower-tier blocks are decoded straight into it by the pool's workers (the destination is
-        host memory already: staging it in a host slot would only add a copy, and the block
-        stays warm in the page cache or wherever its tier keeps it); other destinations (a GPU)
-        are staged through host slots. Runs in chunks of half the host tier."""
-        ok: list[bool] = []
-        chunk = max(1, self.host.num_slots // 2)
-        for start in range(0, len(keys), chunk):
-            plan = self.prepare_load(keys[start : start + chunk])
-            part = outs[start : start + chunk]
-            try:
-                if all(self.slots.plain(o) for o, s in zip(part, plan.slots) if s is None):
-                    ok.extend(self._load_direct(plan, part))
-                    continue
-                self.load(plan).wait()
-                found = [(s, o) for s, o in zip(plan.slots, part) if s is not None]
-                self.slots.copy_blocks([s for s, _ in found], [o for _, o in found], into_slots=False)
-                ok.extend(plan.ok)
-            finally:
-                self.release(plan)
-        return ok
-
-    def _load_direct(self, plan: LoadPlan, outs: Sequence[torch.Tensor]) -> list[bool]:
-        """Host hits copied out of their slots, the other blocks read from the lower tiers
-        straight into ``outs`` (plain CPU blocks) in the pool; success per key."""
-        hits = [(s, o) for s, o in zip(plan.slots, outs) if s is not None]
-        if hits:
-            self.metrics.hit("host", len(hits), len(hits) * self.block_nbytes)
-        todo = [i for i, s in enumerate(plan.slots) if s is None]
-        jobs = []
-        if todo:
-            per_job = -(-len(todo) // self.workers)
-            for start in range(0, len(todo), per_job):
-                idx = todo[start : start + per_job]
-                jobs.append(self.pool.submit_load(len(idx) * self.block_nbytes,
-                                                  lambda idx=idx: self._direct_job(plan, idx, outs)))
-                plan.futures.append(jobs[-1])  # release() waits for them, whatever happens here
-        self.slots.copy_blocks([s for s, _ in hits], [o for _, o in hits], into_slots=False)
-        loaded = [s is not None for s in plan.slots]
-        for job in jobs:
-            for i in job.result():
-                loaded[i] = True
-        return loaded
-
-    def _direct_job(self, plan: LoadPlan, idx: list[int], outs: Sequence[torch.Tensor]) -> list[int]:
-        """Read the blocks ``idx`` of ``plan`` into their destinations; the indices loaded.
-        Tracked as a write for invalidation (its copies up are writes); never raises."""
-        keys = [plan.keys[i] for i in idx]
-        reading: Future = Future()
-        self.invalidations.track_write(keys, reading)
-        try:
-            try:
-                reasons, served = self.reader.read(keys, [bytes_of(outs[i]) for i in idx],
-                                                   [plan.counts[i] for i in idx], plan.tenant)
-            except Exception:  # a bug, not a bad block (those are per-block reasons)
-                log.exception("load of %d blocks failed; they are counted as %s misses", len(idx), LOAD_ERROR)
-                self.metrics.miss("host", LOAD_ERROR, len(idx))
-                reasons, served = [LOAD_ERROR] * len(idx), [None] * len(idx)
-            loaded = [i for i, r in zip(idx, reasons) if r is None]
-            try:  # the tiers below may have been earned (queued while the read is a tracked write)
-                self.saver.write_earned_copies([(plan.keys[i], plan.counts[i], bytes_of(outs[i]))
-                                                for i in loaded], plan.tenant)
-            except Exception:  # the blocks were loaded; only their copies below are lost
-                log.exception("queueing copies of %d loaded blocks failed", len(loaded))
-        finally:
-            reading.set_result(None)
-        for i, reason, tier in zip(idx, reasons, served):
-            plan.reasons[i], plan.served[i] = reason, tier
-        failed = sum(r not in (None, "invalidated") for r in reasons)
-        if failed:
-            self.metrics.event("loads_failed", failed)
-        return loaded
+        """Synchronous convenience: load ``keys`` and copy them into ``outs``; success per key
+        (see :class:`~tiered_kv.store.direct_loads.DirectLoads`)."""
+        return DirectLoads(self).load_into(keys, outs)
 
     def _settle(self, plan: LoadPlan, want: list[tuple[int, int]], reasons: dict[int, str | None]) -> None:
         """End the reservations of ``want``: loaded blocks are committed and leased to ``plan``,
@@ -312,7 +276,10 @@ class Loader:
         try:
             self.host.commit_many(good, pin=True)
         finally:
-            self.host.abort_many(bad)
+            if plan.progress is None:
+                self.host.abort_many(bad)
+            else:  # the worker may still copy their checked frames out: freed at release
+                plan.deferred.extend(bad)
         for i, slot in want:
             plan.slots[i] = slot if reasons[i] is None else None
             plan.reasons[i] = reasons[i]

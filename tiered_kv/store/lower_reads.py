@@ -7,7 +7,7 @@ caller's own host memory."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.invalidation import Invalidations
@@ -30,12 +30,16 @@ class LowerReader:
         self.block_nbytes = block_nbytes
 
     def read(self, keys: Sequence[bytes], outs: Sequence[object], counts: Sequence[int],
-             tenant: bytes) -> tuple[list[str | None], list[str | None]]:
+             tenant: bytes, on_ready: Callable[[list[int], int], None] | None = None,
+             ) -> tuple[list[str | None], list[str | None]]:
         """Read ``keys`` into ``outs`` (writable buffers of one block each) from the first tier
         holding a good copy; per key (miss reason or None, tier that served it or None). Keys
         withdrawn meanwhile are not read (``invalidated``). The caller tracks the read as a
         write for invalidation (copies up are writes: a withdrawal deletes after them). A miss
-        may leave its buffer partly written: the caller must not use it."""
+        may leave its buffer partly written: the caller must not use it. With ``on_ready`` the
+        tiers are read layer group by layer group (:meth:`EncodedTier.read_layered`) and
+        ``on_ready(indices, raw_end)`` names the keys whose first ``raw_end`` bytes are checked
+        and in place."""
         reasons: list[str | None] = ["absent"] * len(keys)
         served: list[str | None] = [None] * len(keys)
         for i, gone in enumerate(self.invalidations.suppressed(keys)):
@@ -47,8 +51,13 @@ class LowerReader:
             if not pending:
                 break
             above = [t for t in self.tiers[:depth] if t.policy != "off"]
-            got, blobs = tier.read_into([keys[i] for i in pending], [outs[i] for i in pending],
-                                        keep_blobs=bool(above))
+            sub_keys, sub_outs = [keys[i] for i in pending], [outs[i] for i in pending]
+            if on_ready is None:
+                got, blobs = tier.read_into(sub_keys, sub_outs, keep_blobs=bool(above))
+            else:
+                got, blobs = tier.read_layered(
+                    sub_keys, sub_outs, lambda ready, end, p=pending: on_ready([p[j] for j in ready], end),
+                    keep_blobs=bool(above))
             for i, reason in zip(pending, got):
                 if reason is None:
                     served[i] = tier.name

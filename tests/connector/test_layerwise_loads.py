@@ -1,0 +1,165 @@
+"""Layer-wise loads: a step's sync loads arrive layer group by layer group, each frame checked
+before the engine's blocks get a byte of it; a frame that fails makes its block a load error
+(the layers before it were checked, the ones after never written); an engine that does not wait
+for every layer gets its blocks recomputed, never read before they arrived."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiered_kv.config import TieredKVConfig
+from tiered_kv.connector.meta import ConnectorMeta, LoadSpec
+from tiered_kv.connector.worker import ConnectorWorker
+from tiered_kv.keys import Namespace, block_keys
+from tiered_kv.store import TieredStore
+from tiered_kv.store.codec import BlockCodec
+from tests.connector.engine_helpers import GREEDY, connector, engine, prompt, reference
+from tests.store.helpers import rewrite_stored_blocks
+
+NS = Namespace(model_id="layerwise", dtype="bfloat16", num_layers=8, num_kv_heads=2, head_dim=16,
+               block_size=16)
+BLOCKS = 6
+
+
+def _config(path, **over) -> TieredKVConfig:
+    return TieredKVConfig.from_dict({"host": {"capacity": "4MiB"}, "workers": 2,
+                                     "disk": {"url": f"lmdb://{path}", "capacity": "64MiB"}, **over})
+
+
+def _payloads(n: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randn(NS.block_shape, generator=g).to(torch.bfloat16) for _ in range(n)]
+
+
+def _stored(tmp_path, **over) -> tuple[list[bytes], list[torch.Tensor]]:
+    keys = block_keys(NS, list(range(BLOCKS * NS.block_size)))
+    payloads = _payloads(BLOCKS)
+    with TieredStore(_config(tmp_path / "db", **over), NS) as store:
+        store.save(keys, payloads)
+        store.flush()
+    return keys, payloads
+
+
+def _worker(tmp_path, **over) -> tuple[ConnectorWorker, torch.Tensor]:
+    store = TieredStore(_config(tmp_path / "db", **over), NS)  # empty host tier: every block from disk
+    worker = ConnectorWorker(store)
+    kv = torch.zeros((2, NS.num_layers, 16, NS.block_size, NS.num_kv_heads, NS.head_dim), dtype=torch.bfloat16)
+    worker.register_kv_caches(kv)
+    return worker, kv
+
+
+def _engine_block(kv: torch.Tensor, block: int) -> torch.Tensor:
+    """Block ``block`` of the engine buffer in the canonical [L, 2, bs, H, D] order."""
+    return kv[:, :, block].transpose(0, 1)
+
+
+def _start(worker: ConnectorWorker, keys, block_ids) -> None:
+    worker.bind_connector_meta(ConnectorMeta(loads=[LoadSpec("r", tuple(keys), tuple(block_ids), False)]))
+    worker.start_load_kv()
+
+
+def test_each_layer_is_in_the_engine_blocks_when_its_wait_returns(tmp_path):
+    keys, payloads = _stored(tmp_path)
+    worker, kv = _worker(tmp_path)
+    block_ids = [3, 9, 4, 11, 0, 7]
+    _start(worker, keys, block_ids)
+    for layer in range(NS.num_layers):
+        worker.wait_for_layer_load(layer)
+        for b, p in zip(block_ids, payloads):
+            assert torch.equal(_engine_block(kv, b)[: layer + 1], p[: layer + 1])
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert worker.load_stats["r"] == {"disk": BLOCKS}
+    worker.close()
+    worker.store.close()
+
+
+def test_a_corrupt_later_frame_fails_its_block_after_the_checked_layers_only(tmp_path):
+    keys, payloads = _stored(tmp_path)
+    victim = keys[2]
+
+    def flip_last_frame(storage_key: bytes, value: bytes):
+        if not storage_key.endswith(victim):
+            return None
+        block = BlockCodec.segments(value)
+        assert len(block.bounds) == 8  # layer_groups 8 over 8 layers: a frame per layer
+        return value[:-1] + bytes([value[-1] ^ 0x40])  # the last byte lies in the last frame
+
+    assert rewrite_stored_blocks(tmp_path / "db", flip_last_frame) == 1
+    worker, kv = _worker(tmp_path)
+    block_ids = [1, 2, 3, 4, 5, 6]
+    _start(worker, keys, block_ids)
+    for layer in range(NS.num_layers):
+        worker.wait_for_layer_load(layer)
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == {3}
+    got = _engine_block(kv, 3)
+    # a layer of it is the checked frame, or untouched (when the failure was known before it was
+    # copied); the failed frame never reached the engine
+    assert all(torch.equal(got[layer], payloads[2][layer]) or not got[layer].any() for layer in range(7))
+    assert not got[7].any()
+    for b, p in zip(block_ids, payloads):
+        if b != 3:
+            assert torch.equal(_engine_block(kv, b), p)
+    assert worker.store.metrics.misses("corrupt") == 1
+    worker.close()
+    worker.store.close()
+
+
+def test_an_engine_that_skips_layer_waits_gets_every_block_recomputed_then_whole_loads(tmp_path):
+    keys, payloads = _stored(tmp_path)
+    worker, kv = _worker(tmp_path)
+    _start(worker, keys[:3], [1, 2, 3])
+    worker.wait_for_save()  # a forward that never called wait_for_layer_load
+    assert worker.get_block_ids_with_load_errors() == {1, 2, 3}
+    assert worker.layerwise is False
+    _start(worker, keys[:3], [1, 2, 3])  # whole loads from now on: complete before the forward
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert all(torch.equal(_engine_block(kv, b), p) for b, p in zip([1, 2, 3], payloads))
+    worker.close()
+    worker.store.close()
+
+
+def test_blocks_stored_in_one_frame_and_host_hits_load_layer_by_layer_too(tmp_path):
+    keys, payloads = _stored(tmp_path, layer_groups=1)  # an older store: one frame per block
+    worker, kv = _worker(tmp_path)
+    worker.store.save(keys[:2], payloads[:2])  # these two are host hits
+    _start(worker, keys, range(6))
+    for layer in range(NS.num_layers):
+        worker.wait_for_layer_load(layer)
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert all(torch.equal(_engine_block(kv, b), p) for b, p in zip(range(6), payloads))
+    assert worker.load_stats["r"] == {"host": 2, "disk": 4}
+    worker.close()
+    worker.store.close()
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_reference_engine_outputs_are_identical_with_layerwise_and_whole_loads(tmp_path, layerwise):
+    prompts = [prompt(300, seed=5), prompt(170, seed=6)]
+    conn = connector(tmp_path / "db", layerwise_loads=layerwise)
+    engine(conn).generate(prompts, GREEDY)
+    conn.close()
+    conn = connector(tmp_path / "db", layerwise_loads=layerwise)
+    out = engine(conn).generate(prompts, GREEDY)
+    assert [o.num_external_tokens for o in out] == [288, 160]
+    assert [o.output_token_ids for o in out] == reference(prompts)
+    assert conn.worker.layerwise is layerwise  # the engine waited for every layer
+    conn.close()
+
+
+def test_reference_engine_recomputes_a_block_whose_second_frame_is_corrupt(tmp_path):
+    prompts = [prompt(200, seed=7)]
+    conn = connector(tmp_path / "db")
+    engine(conn).generate(prompts, GREEDY)
+    conn.close()
+    flipped = rewrite_stored_blocks(tmp_path / "db", lambda k, v: v[:-1] + bytes([v[-1] ^ 1]))
+    assert flipped == 200 // 16
+    conn = connector(tmp_path / "db")
+    [out] = engine(conn).generate(prompts, GREEDY)
+    assert out.output_token_ids == reference(prompts)[0]
+    assert conn.store.metrics.misses("corrupt") == 200 // 16
+    conn.close()

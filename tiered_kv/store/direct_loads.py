@@ -1,0 +1,104 @@
+"""Synchronous loads into callers' own blocks (``TieredStore.load_into``): host hits are copied
+out of their slots; when every destination is a plain CPU block, lower-tier blocks are decoded
+straight into it by the pool's workers (no host slot taken: the destination is host memory
+already); other destinations (a GPU) are staged through host slots."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
+
+import torch
+
+from tiered_kv.store.host_slots import bytes_of
+
+if TYPE_CHECKING:
+    from tiered_kv.store.loading import Loader, LoadPlan
+
+LOAD_ERROR = "load_error"  # miss reason of blocks whose load job failed in an unexpected way
+
+log = logging.getLogger(__name__)
+
+
+class DirectLoads:
+    """Handed the :class:`~tiered_kv.store.loading.Loader` whose leases, pool and readers it uses."""
+
+    def __init__(self, loader: Loader) -> None:
+        self.loader = loader
+
+    def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Synchronous convenience: load ``keys`` and copy them into ``outs``; success per key.
+        Host hits are copied out of their slots. When every destination is a plain CPU block,
+        lower-tier blocks are decoded straight into it by the pool's workers (the destination is
+        host memory already: staging it in a host slot would only add a copy, and the block
+        stays warm in the page cache or wherever its tier keeps it); other destinations (a GPU)
+        are staged through host slots. Runs in chunks of half the host tier."""
+        ok: list[bool] = []
+        chunk = max(1, self.loader.host.num_slots // 2)
+        for start in range(0, len(keys), chunk):
+            plan = self.loader.prepare_load(keys[start : start + chunk])
+            part = outs[start : start + chunk]
+            try:
+                if all(self.loader.slots.plain(o) for o, s in zip(part, plan.slots) if s is None):
+                    ok.extend(self._load_direct(plan, part))
+                    continue
+                self.loader.load(plan).wait()
+                found = [(s, o) for s, o in zip(plan.slots, part) if s is not None]
+                self.loader.slots.copy_blocks([s for s, _ in found], [o for _, o in found], into_slots=False)
+                ok.extend(plan.ok)
+            finally:
+                self.loader.release(plan)
+        return ok
+
+    def _load_direct(self, plan: LoadPlan, outs: Sequence[torch.Tensor]) -> list[bool]:
+        """Host hits copied out of their slots, the other blocks read from the lower tiers
+        straight into ``outs`` (plain CPU blocks) in the pool; success per key."""
+        hits = [(s, o) for s, o in zip(plan.slots, outs) if s is not None]
+        if hits:
+            self.loader.metrics.hit("host", len(hits), len(hits) * self.loader.block_nbytes)
+        todo = [i for i, s in enumerate(plan.slots) if s is None]
+        jobs = []
+        if todo:
+            per_job = -(-len(todo) // self.loader.workers)
+            for start in range(0, len(todo), per_job):
+                idx = todo[start : start + per_job]
+                jobs.append(self.loader.pool.submit_load(len(idx) * self.loader.block_nbytes,
+                                                  lambda idx=idx: self._direct_job(plan, idx, outs)))
+                plan.futures.append(jobs[-1])  # release() waits for them, whatever happens here
+        self.loader.slots.copy_blocks([s for s, _ in hits], [o for _, o in hits], into_slots=False)
+        loaded = [s is not None for s in plan.slots]
+        for job in jobs:
+            for i in job.result():
+                loaded[i] = True
+        return loaded
+
+    def _direct_job(self, plan: LoadPlan, idx: list[int], outs: Sequence[torch.Tensor]) -> list[int]:
+        """Read the blocks ``idx`` of ``plan`` into their destinations; the indices loaded.
+        Tracked as a write for invalidation (its copies up are writes); never raises."""
+        keys = [plan.keys[i] for i in idx]
+        reading: Future = Future()
+        self.loader.invalidations.track_write(keys, reading)
+        try:
+            try:
+                reasons, served = self.loader.reader.read(keys, [bytes_of(outs[i]) for i in idx],
+                                                   [plan.counts[i] for i in idx], plan.tenant)
+            except Exception:  # a bug, not a bad block (those are per-block reasons)
+                log.exception("load of %d blocks failed; they are counted as %s misses", len(idx), LOAD_ERROR)
+                self.loader.metrics.miss("host", LOAD_ERROR, len(idx))
+                reasons, served = [LOAD_ERROR] * len(idx), [None] * len(idx)
+            loaded = [i for i, r in zip(idx, reasons) if r is None]
+            try:  # the tiers below may have been earned (queued while the read is a tracked write)
+                self.loader.saver.write_earned_copies([(plan.keys[i], plan.counts[i], bytes_of(outs[i]))
+                                                for i in loaded], plan.tenant)
+            except Exception:  # the blocks were loaded; only their copies below are lost
+                log.exception("queueing copies of %d loaded blocks failed", len(loaded))
+        finally:
+            reading.set_result(None)
+        for i, reason, tier in zip(idx, reasons, served):
+            plan.reasons[i], plan.served[i] = reason, tier
+        failed = sum(r not in (None, "invalidated") for r in reasons)
+        if failed:
+            self.loader.metrics.event("loads_failed", failed)
+        return loaded
