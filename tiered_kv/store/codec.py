@@ -1,25 +1,35 @@
 """The stored-block format: a fixed little-endian header followed by the body.
 
-Header (``HEADER.size`` bytes): magic, format version, codec, dtype, zstd level, ndim, shape,
-namespace digest, key, raw length, stored length, xxh3-64 checksum of the raw payload, xxh32 of
-the stored body (so a flip in a zstd frame is caught before decompressing, even one the
-decompressor would ignore), created time, and an xxh32 of all preceding header bytes (so a
-flipped header byte is caught even where the payload checksum would not see it). Bodies
-(``raw``, ``zstd``, ``zstd+shuffle``) are made and read by :mod:`tiered_kv.store.codec_body`.
+Header (``HEADER.size`` bytes): magic, format version, codec, dtype, zstd level, ndim, flags,
+shape, namespace digest, key, raw length, stored length, checksum, body check, created time, and
+an xxh32 of all preceding header bytes (so a flipped header byte is caught even where the other
+checks would not see it). Readers refuse unknown flag bits.
+
+Unsegmented block (flags 0): the body is one ``raw`` / ``zstd`` / ``zstd+shuffle`` body (made and
+read by :mod:`tiered_kv.store.codec_body`); ``checksum`` is the xxh3-64 of the raw payload and
+``body_check`` an xxh3-derived 32-bit check of the stored body (so a flip in a zstd frame is
+caught before decompressing, even one the decompressor would ignore).
+
+Segmented block (flag SEGMENTED; same VERSION): the payload is cut into consecutive segments
+(e.g. layer groups) and the body is a segment table followed by each segment's own body, so a
+loader can check and decode one segment of every block at a time; ``checksum`` and
+``body_check`` are two hashes of the table, which carries each segment's checks
+(:mod:`tiered_kv.store.codec_segments`). ``encode(..., segments=None)`` or one segment writes the
+unsegmented block, byte for byte; :meth:`BlockCodec.segments` opens either form segment-wise.
 
 The codec knows bytes, dtypes by name and shapes; it never imports torch and never unpickles.
-Every decode validates every header field and the checksum and raises :class:`CorruptBlock`
+Every decode validates every header field and the checksums and raises :class:`CorruptBlock`
 (``reason`` = ``corrupt`` or ``namespace_mismatch``) instead of returning doubtful bytes.
 
 A header with a valid checksum can still lie (anyone who can write to a shared Redis or disk can
 store a block made for another shape under our key, or declare a 1 TiB payload). So a decode is
 given the block it expects (:class:`BlockLayout`: the namespace's dtype and shape) and checks the
-header against it, and the zstd frames' declared sizes against the raw length, before allocating
-or decompressing anything: memory per decode is bounded by the namespace's block size. Without a
-layout (a tool reading a block whose namespace it does not know) the declared raw length must fit
-what the body can hold (``raw``: its length; ``zstd+shuffle``: item size x its length; ``zstd``:
-ZSTD_MAX_RATIO x its length) and ``max_raw`` (MAX_RAW_BYTES by default). Any failure while
-decoding, of any type, is a :class:`CorruptBlock`.
+header against it, a segment table against the header, and the zstd frames' declared sizes
+against the raw lengths, before allocating or decompressing anything: memory per decode is bounded
+by the namespace's block size. Without a layout (a tool reading a block whose namespace it does not
+know) the declared raw length must fit what the body can hold (``raw``: its length;
+``zstd+shuffle``: item size x its length; ``zstd``: ZSTD_MAX_RATIO x its length) and ``max_raw``
+(MAX_RAW_BYTES by default). Any failure while decoding, of any type, is a :class:`CorruptBlock`.
 """
 
 from __future__ import annotations
@@ -30,20 +40,31 @@ import time
 from dataclasses import dataclass
 from math import prod
 
-import numpy as np
 import xxhash
-import zstandard
 
 from tiered_kv.dtypes import ITEMSIZE, itemsize
 from tiered_kv.errors import ConfigError, CorruptBlock, NamespaceMismatch
 from tiered_kv.store.codec_body import (
+    CODEC_NAMES,
+    CODECS,
+    ZSTD_MAX_RATIO,
     body_check,
-    body_parts,
     compress_body,
     copy_bytes,
-    decompress_body,
-    short,
+    room,
+    undecodable,
 )
+from tiered_kv.store.codec_segments import (
+    BlockSegments,
+    encode_segments,
+    open_segments,
+    segment_lengths,
+    table_len,
+)
+
+__all__ = ["CODECS", "CODEC_NAMES", "DTYPE_CODES", "DTYPE_NAMES", "HEADER", "HEADER_BYTES", "MAGIC",
+           "MAX_NDIM", "MAX_RAW_BYTES", "SEGMENTED", "VERSION", "ZSTD_MAX_RATIO", "BlockCodec",
+           "BlockHeader", "BlockLayout", "BlockSegments", "max_stored_len"]
 
 MAGIC = b"TKVB"
 VERSION = 1
@@ -53,8 +74,7 @@ MAX_NDIM = 6
 HEADER = struct.Struct("<4sHBBbBH6I16s16sQQQIdI")
 HEADER_BYTES = HEADER.size
 
-CODECS = {"raw": 0, "zstd": 1, "zstd+shuffle": 2}
-CODEC_NAMES = {v: k for k, v in CODECS.items()}
+SEGMENTED = 1  # flags bit: the body is a segment table and segments (tiered_kv.store.codec_segments)
 
 # dtype name (tiered_kv.dtypes) -> its code in the header
 DTYPE_CODES: dict[str, int] = {
@@ -62,9 +82,6 @@ DTYPE_CODES: dict[str, int] = {
     "float32": 7, "int32": 8, "float64": 9,
 }
 DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
-# the most a zstd frame can expand: a block regenerates at most 128 KiB from at least 4 bytes
-# (3 of block header, 1 of RLE byte), and a frame has a header of its own besides
-ZSTD_MAX_RATIO = (128 << 10) // 4
 # the largest payload decoded for a block whose namespace (so whose size) the reader does not know
 MAX_RAW_BYTES = 1 << 30
 
@@ -104,6 +121,11 @@ class BlockHeader:
     body_check: int
     created: float
     version: int = VERSION
+    flags: int = 0
+
+    @property
+    def segmented(self) -> bool:
+        return bool(self.flags & SEGMENTED)
 
     @property
     def ratio(self) -> float:
@@ -127,11 +149,17 @@ class BlockCodec:
 
     # -- encode -----------------------------------------------------------------------------
     def encode(self, payload, *, dtype: str, shape: tuple[int, ...], namespace: bytes,
-               key: bytes, created: float | None = None, into=None):
+               key: bytes, created: float | None = None, into=None, segments=None):
         """One stored block (header + body) for ``payload`` (any C-contiguous buffer): new
-        bytes, or with ``into`` (a writable buffer of at least ``HEADER_BYTES`` + the payload's
-        length) written there and returned as a view of it. A reused ``into`` is memory already
-        touched: a fresh 2 MiB object costs its page faults (~1.4 GB/s here against ~9 GB/s)."""
+        bytes, or with ``into`` (a writable buffer of at least ``max_stored_len(len(payload),
+        len(segments))`` bytes) written there and returned as a view of it. A reused ``into`` is
+        memory already touched: a fresh 2 MiB object costs its page faults (~1.4 GB/s here
+        against ~9 GB/s into warm memory).
+
+        ``segments``: raw byte lengths of consecutive segments (positive multiples of the item
+        size summing to the payload's length; ValueError otherwise), each then stored, checked
+        and decodable on its own (:meth:`segments`). None or one segment writes the unsegmented
+        block, byte for byte what this codec always wrote."""
         raw = memoryview(payload).cast("B")
         size = itemsize(dtype)
         try:
@@ -144,31 +172,44 @@ class BlockCodec:
             raise ValueError(f"shape {shape} x {dtype} does not describe {len(raw)} bytes")
         if len(namespace) != 16 or len(key) != 16:
             raise ValueError("namespace digest and key must be 16 bytes")
+        lengths = segment_lengths(segments, len(raw), size)
         codec = self.codec
         if codec == "zstd+shuffle" and size == 1:
             codec = "zstd"
+        created = time.time() if created is None else created
+        out = None if into is None else memoryview(into).cast("B")
+        if out is not None and len(out) < max_stored_len(len(raw), len(lengths or ())):
+            raise ValueError(f"into has {len(out)} bytes, a block of {len(raw)} raw bytes may need "
+                             f"{max_stored_len(len(raw), len(lengths or ()))}")
+        if lengths is not None:
+            codec, parts, stored_len, checksum, check = encode_segments(
+                codec, raw, size, self.level, lengths, None if out is None else out[HEADER_BYTES:])
+            header = self._header(codec, dtype, shape, namespace, key, len(raw), stored_len, checksum,
+                                  check, created, SEGMENTED)
+            if out is None:
+                return b"".join((header, *parts))
+            out[:HEADER_BYTES] = header
+            return out[: HEADER_BYTES + stored_len]
         body = compress_body(codec, raw, size, self.level)
         if codec != "raw" and len(body) >= len(raw):
             codec, body = "raw", raw  # incompressible: do not pay to decompress later
-        created = time.time() if created is None else created
-        if into is None:
+        if out is None:
             stored, checksum = body, xxhash.xxh3_64_intdigest(raw)
         else:
-            out = memoryview(into).cast("B")
             stored = out[HEADER_BYTES : HEADER_BYTES + len(body)]
             copy_bytes(stored, body)
             checksum = xxhash.xxh3_64_intdigest(stored if codec == "raw" else raw)  # raw: the copy, in cache
         check = checksum & 0xFFFFFFFF if codec == "raw" else body_check(stored)  # raw: the same hash
         header = self._header(codec, dtype, shape, namespace, key, len(raw), len(body), checksum, check, created)
-        if into is None:
+        if out is None:
             return b"".join((header, body))
         out[:HEADER_BYTES] = header
         return out[: HEADER_BYTES + len(body)]
 
-    def _header(self, codec: str, dtype: str, shape, namespace: bytes, key: bytes,
-                raw_len: int, stored_len: int, checksum: int, body_check: int, created: float) -> bytes:
+    def _header(self, codec: str, dtype: str, shape, namespace: bytes, key: bytes, raw_len: int,
+                stored_len: int, checksum: int, body_check: int, created: float, flags: int = 0) -> bytes:
         dims = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
-        fields = (MAGIC, VERSION, CODECS[codec], DTYPE_CODES[dtype], self.level, len(shape), 0,
+        fields = (MAGIC, VERSION, CODECS[codec], DTYPE_CODES[dtype], self.level, len(shape), flags,
                   *dims, namespace, key, raw_len, stored_len, checksum, body_check, created, 0)
         head = HEADER.pack(*fields)
         check = xxhash.xxh32_intdigest(head[:-4])
@@ -178,7 +219,8 @@ class BlockCodec:
     @staticmethod
     def read_header(blob, *, namespace: bytes | None = None, key: bytes | None = None,
                     expect: BlockLayout | None = None, max_raw: int | None = None) -> BlockHeader:
-        """Parse and validate the header of ``blob``; does not touch the body's content. With
+        """Parse and validate the header of ``blob``; does not touch the body's content (a
+        segmented block's table is checked by :meth:`segments` and :meth:`decode`). With
         ``expect`` the header must describe exactly that block; without it, ``max_raw`` bounds
         the raw length it may declare."""
         view = memoryview(blob).cast("B")
@@ -194,7 +236,7 @@ class BlockCodec:
             raise CorruptBlock("header checksum mismatch")
         if version != VERSION:
             raise CorruptBlock(f"unsupported format version {version}")
-        if codec not in CODEC_NAMES or dtype not in DTYPE_NAMES or flags != 0:
+        if codec not in CODEC_NAMES or dtype not in DTYPE_NAMES or flags & ~SEGMENTED:
             raise CorruptBlock(f"unknown codec {codec} / dtype {dtype} / flags {flags}")
         if not 1 <= ndim <= MAX_NDIM or any(d == 0 for d in dims[:ndim]) or any(dims[ndim:]):
             raise CorruptBlock(f"bad shape {dims} with ndim {ndim}")
@@ -204,29 +246,54 @@ class BlockCodec:
             raise CorruptBlock(f"raw length {raw_len} does not match shape {shape} x {dtype_name}")
         if len(view) != HEADER_BYTES + stored_len:
             raise CorruptBlock(f"stored length {stored_len} but body has {len(view) - HEADER_BYTES} bytes")
-        if CODEC_NAMES[codec] == "raw" and stored_len != raw_len:
+        codec_name = CODEC_NAMES[codec]
+        if flags & SEGMENTED:  # a table of at least two segments, each at least an item
+            if stored_len < table_len(2) or raw_len < 2 * ITEMSIZE[dtype_name]:
+                raise CorruptBlock(f"segmented block of {stored_len} stored / {raw_len} raw bytes")
+        elif codec_name == "raw" and stored_len != raw_len:
             raise CorruptBlock("raw body length differs from raw length")
         if namespace is not None and ns != namespace:
             raise NamespaceMismatch(f"block of namespace {ns.hex()} read under {namespace.hex()}")
         if key is not None and k != key:
             raise CorruptBlock(f"block carries key {k.hex()} but was stored under {key.hex()}")
-        codec_name = CODEC_NAMES[codec]
         if expect is not None and (dtype_name != expect.dtype or shape != expect.shape):
             raise CorruptBlock(f"block declares {dtype_name} {list(shape)} ({raw_len} bytes), "
                                f"the namespace's block is {expect.describe()}")
         size = ITEMSIZE[dtype_name]
         if codec_name == "zstd+shuffle" and size == 1:
             raise CorruptBlock("zstd+shuffle declared for a 1-byte dtype (never written)")
-        room = {"raw": stored_len, "zstd": ZSTD_MAX_RATIO * stored_len,
-                "zstd+shuffle": size * stored_len}[codec_name]
-        if raw_len > room:
+        # a segmented body holds at most this much too: its segments are raw or of this codec
+        if raw_len > room(codec_name, size, stored_len):
             raise CorruptBlock(f"block declares {raw_len} raw bytes, more than a {codec_name} body "
                                f"of {stored_len} bytes can hold")
         if expect is None and max_raw is not None and raw_len > max_raw:
             raise CorruptBlock(f"block declares {raw_len} raw bytes, over the {max_raw}-byte limit "
                                "for a block of unknown namespace")
         return BlockHeader(codec_name, dtype_name, level, shape, ns, k, raw_len,
-                           stored_len, checksum, body_check, created, version)
+                           stored_len, checksum, body_check, created, version, flags)
+
+    @classmethod
+    def segments(cls, blob, *, namespace: bytes | None = None, key: bytes | None = None,
+                 expect: BlockLayout | None = None, max_raw: int | None = None) -> BlockSegments:
+        """``blob`` opened for decoding one segment at a time (:class:`BlockSegments`: ``header``,
+        ``bounds``, ``raw_len``, ``decode(j, out)``; an unsegmented block is one segment). Its
+        header and segment table are validated completely, no segment body is touched: a lying
+        header or table raises CorruptBlock before anything is allocated. Without ``expect``
+        the raw length may not exceed ``max_raw`` (default MAX_RAW_BYTES)."""
+        if expect is None and max_raw is None:
+            max_raw = MAX_RAW_BYTES
+        return cls._open(blob, namespace, key, expect, max_raw)
+
+    @classmethod
+    def _open(cls, blob, namespace, key, expect, max_raw) -> BlockSegments:
+        try:
+            header = cls.read_header(blob, namespace=namespace, key=key, expect=expect, max_raw=max_raw)
+            body = memoryview(blob).cast("B")[HEADER_BYTES:]
+            return open_segments(header, body, ITEMSIZE[header.dtype], header.segmented)
+        except CorruptBlock:
+            raise
+        except Exception as exc:  # struct, ...: the stored bytes caused it
+            raise undecodable(exc) from None
 
     def decode(self, blob, *, namespace: bytes | None = None, key: bytes | None = None,
                out=None, expect: BlockLayout | None = None,
@@ -234,9 +301,10 @@ class BlockCodec:
         """Validate ``blob`` and return (header, payload). With ``out`` (a writable buffer of
         exactly the raw length) the payload is written there and a view of ``out`` is returned.
         A raw body is checked before it is copied into ``out``; a compressed one is checked
-        before it is decompressed (its body check) and after (the payload checksum): when that
-        last check fails (or decompressing does), ``out`` is cleared: no decoded byte of a bad
-        block stays in it. A block refused before that leaves ``out`` untouched.
+        before it is decompressed (its body check) and after (the payload checksum), segment by
+        segment for a segmented block: when a check fails (or decompressing does) after a byte
+        was written, ``out`` is cleared: no decoded byte of a bad block stays in it. A block
+        refused before that leaves ``out`` untouched.
 
         ``expect``: the block the caller's namespace stores; a header describing any other is
         corrupt, found before anything is allocated or decompressed. Without ``expect`` and
@@ -252,38 +320,14 @@ class BlockCodec:
         limit = None
         if expect is None and dst is None:
             limit = MAX_RAW_BYTES if max_raw is None else max_raw
-        try:
-            header = self.read_header(blob, namespace=namespace, key=key, expect=expect, max_raw=limit)
-        except CorruptBlock:
-            raise
-        except Exception as exc:
-            raise _undecodable(exc) from None
-        if dst is not None and len(dst) != header.raw_len:
-            raise ValueError(f"output buffer has {len(dst)} bytes, block needs {header.raw_len}")
-        try:
-            body = memoryview(blob).cast("B")[HEADER_BYTES:]
-            if header.codec != "raw" and body_check(body) != header.body_check:
-                raise CorruptBlock("stored body checksum mismatch")
-            parts = body_parts(header.codec, ITEMSIZE[header.dtype], header.raw_len, body)  # framing checked before allocating anything
-            if header.codec == "raw" and xxhash.xxh3_64_intdigest(body) != header.checksum:
-                raise CorruptBlock("payload checksum mismatch")  # before a byte is copied out
-            if dst is None:
-                dst = memoryview(bytearray(header.raw_len))
-            try:
-                decompress_body(header.codec, ITEMSIZE[header.dtype], header.raw_len, parts, dst)
-                if header.codec != "raw" and xxhash.xxh3_64_intdigest(dst) != header.checksum:
-                    raise CorruptBlock("payload checksum mismatch")
-            except BaseException:
-                np.frombuffer(dst, dtype=np.uint8).fill(0)  # nothing decoded from it stays in out
-                raise
-        except CorruptBlock:
-            raise
-        except zstandard.ZstdError as exc:
-            raise CorruptBlock(f"zstd: {short(exc)}") from None
-        except Exception as exc:  # struct, numpy, MemoryError, ...: the stored bytes caused it
-            raise _undecodable(exc) from None
-        return header, dst
+        block = self._open(blob, namespace, key, expect, limit)
+        if dst is not None and len(dst) != block.raw_len:
+            raise ValueError(f"output buffer has {len(dst)} bytes, block needs {block.raw_len}")
+        return block.header, block.decode_all(dst)
 
 
-def _undecodable(exc: BaseException) -> CorruptBlock:
-    return CorruptBlock(f"undecodable block: {type(exc).__name__}: {short(exc)}".rstrip(": "))
+def max_stored_len(raw_len: int, n_segments: int = 1) -> int:
+    """The most bytes a block of ``raw_len`` payload bytes in ``n_segments`` segments can take
+    (a body never outgrows its payload: what compressing would grow is stored raw): what an
+    ``into`` buffer for :meth:`BlockCodec.encode` needs."""
+    return HEADER_BYTES + raw_len + (table_len(n_segments) if n_segments > 1 else 0)

@@ -5,7 +5,8 @@ and back, with the body's framing checked against the raw length before anything
 compressible) are one zstd frame, the lowest plane (mantissa noise) is stored raw:
 ``u64 compressed_len | compressed high planes | raw low plane``. Every zstd frame must declare
 exactly the content size the header promises, so a frame claiming 1 TiB is refused before a byte
-is decompressed. Failures raise :class:`CorruptBlock`. No torch here.
+is decompressed. A segmented block's segments are each such a body
+(:mod:`tiered_kv.store.codec_segments`). Failures raise :class:`CorruptBlock`. No torch here.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from tiered_kv.errors import CorruptBlock
 
 SHUFFLE_SEP = struct.Struct("<Q")
 DETAIL_CHARS = 160  # of an exception's message quoted in a CorruptBlock
+
+CODECS = {"raw": 0, "zstd": 1, "zstd+shuffle": 2}  # codec name -> its code in headers and tables
+CODEC_NAMES = {v: k for k, v in CODECS.items()}
+# the most a zstd frame can expand: a block regenerates at most 128 KiB from at least 4 bytes
+# (3 of block header, 1 of RLE byte), and a frame has a header of its own besides
+ZSTD_MAX_RATIO = (128 << 10) // 4
 
 
 class _Contexts(threading.local):
@@ -99,6 +106,14 @@ def check_frame(src: memoryview, expected: int) -> None:
         raise CorruptBlock(f"zstd frame declares {frame.content_size} bytes, expected {expected}")
 
 
+def room(codec: str, size: int, stored_len: int) -> int:
+    """The most raw bytes a ``codec`` body of ``stored_len`` bytes (items of ``size``) can hold:
+    a declared raw length above it is a lie, refused before anything is allocated."""
+    if codec == "raw":
+        return stored_len
+    return size * stored_len if codec == "zstd+shuffle" else ZSTD_MAX_RATIO * stored_len
+
+
 def short(exc: BaseException) -> str:
     """An exception's message on one line, at most DETAIL_CHARS long."""
     text = " ".join(str(exc).split())
@@ -123,6 +138,18 @@ def copy_bytes(dst: memoryview, src) -> None:
     """``dst[:] = src`` for buffers of equal length, without holding the GIL (NumPy releases
     it while copying; a memoryview slice assignment does not: two threads would take turns)."""
     np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+
+def clear(dst: memoryview) -> None:
+    """Zero ``dst`` (no decoded byte of a block that failed stays in a caller's buffer)."""
+    np.frombuffer(dst, dtype=np.uint8).fill(0)
+
+
+def undecodable(exc: BaseException) -> CorruptBlock:
+    """A failure of any other type while reading stored bytes, as the CorruptBlock it is."""
+    if isinstance(exc, zstandard.ZstdError):
+        return CorruptBlock(f"zstd: {short(exc)}")
+    return CorruptBlock(f"undecodable block: {type(exc).__name__}: {short(exc)}".rstrip(": "))
 
 
 def body_check(body) -> int:
