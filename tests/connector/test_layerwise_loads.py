@@ -8,22 +8,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.connector.engine_helpers import GREEDY, connector, engine, prompt, reference
+from tests.store.helpers import rewrite_stored_blocks
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.connector.meta import ConnectorMeta, LoadSpec
 from tiered_kv.connector.worker import ConnectorWorker
 from tiered_kv.keys import Namespace, block_keys
 from tiered_kv.store import TieredStore
 from tiered_kv.store.codec import BlockCodec
-from tests.connector.engine_helpers import GREEDY, connector, engine, prompt, reference
-from tests.store.helpers import rewrite_stored_blocks
 
-NS = Namespace(model_id="layerwise", dtype="bfloat16", num_layers=8, num_kv_heads=2, head_dim=16,
-               block_size=16)
+NS = Namespace(model_id="layerwise", dtype="bfloat16", num_layers=8, num_kv_heads=8, head_dim=128,
+               block_size=16)  # 64 KiB a layer: a frame per layer (frames are at least 64 KiB)
 BLOCKS = 6
 
 
 def _config(path, **over) -> TieredKVConfig:
-    return TieredKVConfig.from_dict({"host": {"capacity": "4MiB"}, "workers": 2,
+    return TieredKVConfig.from_dict({"host": {"capacity": "16MiB"}, "workers": 2,
                                      "disk": {"url": f"lmdb://{path}", "capacity": "64MiB"}, **over})
 
 
@@ -151,7 +151,7 @@ def test_reference_engine_outputs_are_identical_with_layerwise_and_whole_loads(t
     conn.close()
 
 
-def test_reference_engine_recomputes_a_block_whose_second_frame_is_corrupt(tmp_path):
+def test_reference_engine_recomputes_blocks_whose_last_frame_is_corrupt(tmp_path):
     prompts = [prompt(200, seed=7)]
     conn = connector(tmp_path / "db")
     engine(conn).generate(prompts, GREEDY)
@@ -163,3 +163,15 @@ def test_reference_engine_recomputes_a_block_whose_second_frame_is_corrupt(tmp_p
     assert out.output_token_ids == reference(prompts)[0]
     assert conn.store.metrics.misses("corrupt") == 200 // 16
     conn.close()
+
+
+def test_frames_are_layer_groups_of_at_least_64_kib():
+    from tiered_kv.store.encoded_tier import layer_segments
+
+    llama8b = Namespace(model_id="8b", dtype="bfloat16", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
+    raw = 2 << 20
+    assert layer_segments(llama8b, raw, 8) == [256 << 10] * 8
+    assert layer_segments(llama8b, raw, 1) is None
+    small = Namespace(model_id="s", dtype="bfloat16", num_layers=8, num_kv_heads=2, head_dim=16, block_size=16)
+    assert layer_segments(small, 16 << 10, 8) is None  # 2 KiB a layer: one frame
+    assert layer_segments(NS, 8 * (64 << 10), 3) == [2 * (64 << 10), 3 * (64 << 10), 3 * (64 << 10)]

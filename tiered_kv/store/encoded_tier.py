@@ -23,6 +23,10 @@ from tiered_kv.store.metrics import StoreMetrics
 
 log = logging.getLogger(__name__)
 
+# a frame costs a fixed few microseconds to open, hash and decode on its own: frames below this
+# would make layer-wise loads slower than whole ones (a 2 MiB Llama-8B block still gets 8 groups)
+MIN_FRAME_BYTES = 64 << 10
+
 
 class EncodedTier:
     """One lower tier: ``backend`` holds stored blocks under ``namespace digest ‖ key``, written
@@ -215,12 +219,12 @@ class _Read:
 
 def layer_segments(namespace: Namespace, raw_len: int, groups: int) -> list[int] | None:
     """Raw byte length of each of up to ``groups`` layer groups of a block (its leading dimension
-    is the layers: ``[layers, 2, block_size, heads, dim]``), as even as layers allow; None for one
-    frame (a single group or layer, or a namespace with KV groups, whose entry is each group's part
-    one after another)."""
+    is the layers: ``[layers, 2, block_size, heads, dim]``), as even as layers allow, none smaller
+    than MIN_FRAME_BYTES; None for one frame (a single group or layer, a small block, or a
+    namespace with KV groups, whose entry is each group's part one after another)."""
     layers = namespace.num_layers
-    if groups <= 1 or layers <= 1 or namespace.groups or raw_len % layers:
+    groups = min(groups, layers, raw_len // MIN_FRAME_BYTES)
+    if groups <= 1 or namespace.groups or raw_len % layers:
         return None
-    groups = min(groups, layers)
     per_layer = raw_len // layers
     return [per_layer * (layers * (g + 1) // groups - layers * g // groups) for g in range(groups)]

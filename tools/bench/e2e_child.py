@@ -21,7 +21,8 @@ def _serve_once(spec: dict, store_dir: str, probe: Probe | None) -> dict:
     from tiered_kv.engine import SamplingParams
 
     length = spec["length"]
-    engine, connector = build(spec["max_position"], length + spec["gen_tokens"], store_dir)
+    engine, connector = build(spec["max_position"], length + spec["gen_tokens"], store_dir,
+                              layerwise=spec.get("layerwise", True))
     try:
         warm_up(engine)
         params = SamplingParams(max_tokens=spec["gen_tokens"], temperature=0.0, return_logits=True)

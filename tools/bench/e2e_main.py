@@ -33,6 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dir", default=None,
                         help="where temporary stores go (default: the system temp dir)")
     parser.add_argument("--no-drop", action="store_true", help="skip the page-cache-dropped restarts")
+    parser.add_argument("--load-modes", default="whole,layerwise",
+                        help="warm restarts with whole-block and/or layer-wise loads (default: %(default)s)")
     parser.add_argument("--skip-ttft", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--skip-decode", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true",
@@ -42,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.lengths, args.repeats, args.decode_steps, args.cold_repeats = "512,2048", 1, 32, 1
     args.lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
+    args.load_modes = [m for m in str(args.load_modes).split(",") if m.strip()]
+    if not args.load_modes or set(args.load_modes) - {"whole", "layerwise"}:
+        parser.error("--load-modes: whole and/or layerwise")
     if args.repeats < 1 or args.decode_steps < 1 or not args.lengths:
         parser.error("--repeats and --decode-steps must be positive and --lengths not empty")
     return args

@@ -70,12 +70,17 @@ def ttft_section(args, max_position: int, scratch: str) -> tuple[list[dict], dic
                     cold_runs.append(run_child("serve", {**base, "variant": "cold",
                                                          "dir": str(Path(other) / "store")}))
             log(f"{length} tokens: cold {[r['ttft_s'] for r in cold_runs]} s", "bench_e2e")
-            runs: dict[str, list[dict]] = {v: [] for v in variants}
-            for rep in range(args.repeats):  # alternate which variant goes first
-                for variant in (variants if rep % 2 == 0 else variants[::-1]):
-                    runs[variant].append(run_child("serve", {**base, "variant": variant, "dir": store}))
-            log(f"{length} tokens: "
-                + ", ".join(f"{v} {[r['ttft_s'] for r in rs]} s" for v, rs in runs.items()), "bench_e2e")
+            # every (page cache variant, load mode) pair; the order alternates per repeat
+            pairs = [(v, m) for v in variants for m in args.load_modes]
+            by_mode: dict[tuple[str, str], list[dict]] = {p: [] for p in pairs}
+            for rep in range(args.repeats):
+                for variant, mode in (pairs if rep % 2 == 0 else pairs[::-1]):
+                    by_mode[variant, mode].append(run_child("serve", {
+                        **base, "variant": variant, "dir": store, "layerwise": mode == "layerwise"}))
+            main_mode = args.load_modes[-1]  # the default configuration's (layerwise) when measured
+            runs = {v: by_mode[v, main_mode] for v in variants}
+            log(f"{length} tokens: " + ", ".join(f"{v}/{m} {[r['ttft_s'] for r in rs]} s"
+                                                 for (v, m), rs in by_mode.items()), "bench_e2e")
         reference = cold_runs[0]
         row: dict[str, Any] = {"prompt_tokens": length, "full_blocks": length // BLOCK_SIZE,
                                "claimable_blocks": (length - 1) // BLOCK_SIZE,
@@ -84,7 +89,13 @@ def ttft_section(args, max_position: int, scratch: str) -> tuple[list[dict], dic
             round(reference["disk_stored_bytes"] / reference["disk_blocks_written"])
             if reference["disk_blocks_written"] else None)
         row["ratio_warm_over_cold"] = round(row["warm_restart"]["ttft_s"] / row["cold"]["ttft_s"], 4)
-        others = cold_runs + runs["warm"]
+        row["warm_restart_mode"] = main_mode
+        row["load_modes"] = {f"{v}/{m}": _summ(rs) for (v, m), rs in by_mode.items()}
+        if {"whole", "layerwise"} <= set(args.load_modes):
+            row["layerwise_over_whole"] = {v: round(row["load_modes"][f"{v}/layerwise"]["ttft_s"]
+                                                    / row["load_modes"][f"{v}/whole"]["ttft_s"], 4)
+                                           for v in variants}
+        others = cold_runs + [r for rs in by_mode.values() for r in rs]
         if runs.get("dropped"):
             row["warm_restart_page_cache_dropped"] = _summ(runs["dropped"])
             row["ratio_dropped_over_cold"] = round(

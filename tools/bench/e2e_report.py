@@ -26,7 +26,8 @@ def collect(args, max_position: int, scratch: str, started: float) -> dict:
                        "max_position": max_position, "device": "auto"},
             "store": {"host": "2x the KV pool, >= 64 MiB", "disk": "lmdb, codec auto (as resolved in each process), "
                       "write_through, capacity 4 GiB, sync off (flushed before the next process)"},
-            "connector": {"load_async": False},
+            "connector": {"load_async": False, "restore_policy": "always",
+                          "load_modes": args.load_modes},
             "ttft_generated_tokens": GEN_TOKENS, "lengths": args.lengths, "repeats": args.repeats,
         },
     }
@@ -74,6 +75,14 @@ def print_table(report: dict) -> None:
                           ",".join(f"{k}:{v}" for k, v in warm["tier_blocks"].items()),
                           "yes" if row["outputs_identical"] else "NO")
         console.print(table)
+        modes = Table(title="warm restart: whole-block vs layer-wise loads (median TTFT s)")
+        for col in ("tokens", *report["ttft"][0]["load_modes"], "layerwise/whole"):
+            modes.add_column(col, justify="right")
+        for row in report["ttft"]:
+            ratio = row.get("layerwise_over_whole", {})
+            modes.add_row(str(row["prompt_tokens"]), *(f"{r['ttft_s']:.3f}" for r in row["load_modes"].values()),
+                          " ".join(f"{v} {x:.3f}" for v, x in ratio.items()))
+        console.print(modes)
     if "decode" in report:
         d = report["decode"]
         console.print(f"decode step ({d['batch']} x {d['prompt_tokens']}-token prompts, {d['decode_steps']} "

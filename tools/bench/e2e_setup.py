@@ -37,12 +37,15 @@ def block_bytes(model) -> int:
     return model.num_layers * 2 * BLOCK_SIZE * model.num_kv_heads * model.head_dim * itemsize
 
 
-def store_config(store_dir: str, host_bytes: int) -> dict:
-    return {"host": {"capacity": host_bytes},
+def store_config(store_dir: str, host_bytes: int, layerwise: bool = True) -> dict:
+    # restore_policy "always": every stored block is loaded, so the runs compare load paths
+    # (tools/bench_restore.py measures the cost policy)
+    return {"host": {"capacity": host_bytes}, "layerwise_loads": layerwise, "restore_policy": "always",
             "disk": {"url": f"lmdb://{store_dir}", "capacity": "4GiB", "policy": "write_through"}}
 
 
-def build(max_position: int, max_tokens_per_request: int, store_dir: str | None, batch: int = 1):
+def build(max_position: int, max_tokens_per_request: int, store_dir: str | None, batch: int = 1,
+          layerwise: bool = True):
     """(engine, connector or None): the benchmark's one engine configuration."""
     from tiered_kv.config import TieredKVConfig
     from tiered_kv.connector import build_connector
@@ -55,8 +58,25 @@ def build(max_position: int, max_tokens_per_request: int, store_dir: str | None,
         ns = engine_namespace(model, engine_cfg, weights_revision(model, seed=0))
         # room for twice the blocks of one run (loads promote into it, saves stage through it)
         host = max(64 << 20, 2 * engine_cfg.num_blocks * block_bytes(model))
-        connector = build_connector(TieredKVConfig.from_dict(store_config(store_dir, host)), ns,
+        connector = build_connector(TieredKVConfig.from_dict(store_config(store_dir, host, layerwise)), ns,
                                     load_async=False)
+    return LLMEngine(model, engine_cfg, connector, seed=0), connector
+
+
+def build_engine(max_position: int, max_tokens_per_request: int, config):
+    """(engine, connector) of the benchmark's engine configuration on the store ``config`` (a
+    TieredKVConfig; a host tier of at least twice the KV pool)."""
+    from dataclasses import replace
+
+    from tiered_kv.connector import build_connector
+    from tiered_kv.engine import LLMEngine, engine_namespace, weights_revision
+
+    model = model_config(max_position)
+    engine_cfg = engine_config(max_tokens_per_request)
+    ns = engine_namespace(model, engine_cfg, weights_revision(model, seed=0))
+    host = max(64 << 20, 2 * engine_cfg.num_blocks * block_bytes(model))
+    config = replace(config, host=replace(config.host, capacity=max(config.host.capacity, host)))
+    connector = build_connector(config, ns, load_async=False)
     return LLMEngine(model, engine_cfg, connector, seed=0), connector
 
 
