@@ -1,20 +1,47 @@
 """``explain``: for one prompt, which of its blocks each tier holds and why the reuse stops where
 it stops (the first block no tier can serve, with its reason) — the same chained keys, order of
-tiers and validation the store uses, without loading anything into an engine."""
+tiers and validation the store uses, without loading anything into an engine — and what the
+restore policy would load of them (``restore``: :mod:`tiered_kv.connector.restore_policy`
+deciding from the estimates the store persisted in its namespace record, offline; blocks are taken
+to come from the lower tier holding them, as after a restart: the host tier is a process's)."""
 
 from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass, replace
+from math import prod
 from pathlib import Path
 
 from tiered_kv.admin.block_checks import check_block
 from tiered_kv.admin.catalog import Namespaces, block_digests, namespaces, resolve_namespace
 from tiered_kv.admin.opening import Tier
+from tiered_kv.connector.restore_policy import Decision, RestorePolicy
+from tiered_kv.dtypes import itemsize
 from tiered_kv.errors import BackendUnavailable, ConfigError, CorruptBlock, TokenError
 from tiered_kv.keys import Namespace, block_keys
+from tiered_kv.store.records import read_costs
+from tiered_kv.store.restore_costs import RestoreCosts
 
 _SEPARATORS = re.compile(r"[\s,]+")
+
+
+@dataclass(frozen=True)
+class RestoreOptions:
+    """The restore settings an engine would run with (a config's, or the command line's)."""
+
+    policy: str = "cost"  # cost | always
+    min_samples: int = 3
+    layerwise: bool = True
+    layer_groups: int = 8
+    load_async: bool = False
+
+    @classmethod
+    def of(cls, config, **overrides) -> RestoreOptions:
+        """A config's settings (None: the defaults), with the ``overrides`` that are not None."""
+        base = cls() if config is None else cls(config.restore_policy, config.restore_min_samples,
+                                                config.layerwise_loads, config.layer_groups)
+        return replace(base, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def parse_token_ids(text: str, source: str = "--token-ids") -> list[int]:
@@ -51,7 +78,7 @@ def _merged(tiers: list[Tier]) -> tuple[Namespaces, list[bytes]]:
 
 
 def explain(tiers: list[Tier], tokens: list[int], namespace: str | None = None,
-            lora: str | None = None) -> dict:
+            lora: str | None = None, restore: RestoreOptions | None = None) -> dict:
     found, digests = _merged(tiers)
     digest = resolve_namespace(namespace, found, digests)
     ns = found.known.get(digest)
@@ -76,9 +103,10 @@ def explain(tiers: list[Tier], tokens: list[int], namespace: str | None = None,
                           "detail": "; ".join(f"{t}: {r}" + (f" ({details[i][t]})" if t in details[i] else "")
                                               for t, r in st.items())}
     run = first_miss["index"] if first_miss else len(keys)
-    matched = min(run, claimable)
+    matched, cuts = min(run, claimable), None
     if ns.has_state and matched:  # a hybrid model resumes only where the recurrent state is held
         held = _states(tiers, ns, digest, keys[:matched], blocks)
+        cuts = [i + 1 for i in range(matched) if held[i]]
         with_state = next((i + 1 for i in reversed(range(matched)) if held[i]), 0)
         if with_state < matched:
             first_miss = {"index": with_state, "tokens": [with_state * bs, (with_state + 1) * bs],
@@ -99,8 +127,54 @@ def explain(tiers: list[Tier], tokens: list[int], namespace: str | None = None,
         "full_blocks": len(keys), "claimable_blocks": claimable, "matched_blocks": matched,
         "matched_tokens": matched * bs, "stored_blocks": sum(b["tier"] is not None for b in blocks),
         "tier_blocks": tiers_used, "tiers": [t.name for t in tiers], "first_miss": first_miss,
+        "restore": _restore(tiers, ns, digest, [b["tier"] for b in blocks[:matched]], len(tokens), cuts,
+                            restore or RestoreOptions()),
         "blocks": blocks,
     }
+
+
+def _restore(tiers: list[Tier], ns: Namespace, digest: bytes, where: list[str], prompt: int,
+             cuts: list[int] | None, options: RestoreOptions) -> dict:
+    """The restore policy's decision for the ``where`` (tier per matched block) of a prompt of
+    ``prompt`` tokens, from the estimates in the namespace record of the first tier holding some."""
+    costs = RestoreCosts(options.min_samples)
+    record, names = None, {}
+    for tier in tiers:  # each record names the tier it is in as its store called it
+        doc = read_costs([(tier.name, tier.backend)], digest)
+        if doc is not None:
+            record = record or doc
+            names[tier.name] = str(doc.get("tier") or tier.name)
+    if record is not None:
+        costs.restore_snapshot(record)
+    policy = RestorePolicy(costs, itemsize(ns.dtype) * prod(ns.block_shape), ns.block_size,
+                           layerwise=options.layerwise and not ns.groups,
+                           layer_groups=min(options.layer_groups, ns.num_layers),
+                           load_async=options.load_async, probe_every=0)
+    if not where:
+        decision = Decision(0, 0, "nothing_stored", ns.block_size)
+    else:
+        decision = policy.evaluate(len(where), lambda: [names.get(t, t) for t in where], 0, prompt, cuts,
+                                   load_all=options.policy == "always")
+        if options.policy == "always" and decision.reason == "below_floor":
+            decision = replace(decision, reason="always")
+    if record is None and decision.reason == "below_floor":
+        decision = replace(decision, detail="no estimates: no engine has written its restore costs here")
+    out = {"policy": options.policy, **decision.as_dict(), "overlap": policy.overlap,
+           "layer_groups": policy.groups, "min_samples": options.min_samples,
+           "record_written": record.get("written") if record else None, "estimates": _estimates(costs)}
+    return out
+
+
+def _estimates(costs: RestoreCosts) -> dict:
+    restore = {}
+    for tier, n in costs.restores_observed().items():
+        est = costs.restore_estimate(tier)
+        if est is not None:
+            restore[tier] = {"latency_s": est.latency_s, "bytes_per_s": est.bytes_per_s, "observed": n}
+    prefill = costs.prefill_estimate()
+    return {"restore": restore, "prefill": None if prefill is None else {
+        "per_step_s": prefill.per_step_s, "per_token_s": prefill.per_token_s,
+        "per_pair_s": prefill.per_pair_s, "observed": prefill.observed}}
 
 
 def _states(tiers: list[Tier], ns: Namespace, digest: bytes, keys: list[bytes], blocks: list[dict]) -> list[bool]:

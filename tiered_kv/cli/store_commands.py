@@ -40,7 +40,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--no-stats", action="store_true", help="skip decoding the payload for statistics")
     p.set_defaults(handler=cmd_show)
 
-    p = sub.add_parser("explain", help="for a prompt: which blocks each tier holds, and the first miss")
+    p = sub.add_parser("explain", help="for a prompt: which blocks each tier holds, the first miss, and "
+                       "what the restore policy would load")
     add_store_args(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--tokens", metavar="FILE", help="token ids: a JSON list or whitespace/comma separated")
@@ -48,7 +49,21 @@ def add_parsers(sub) -> None:
     p.add_argument("--namespace", metavar="NS", help="digest prefix, model id or namespace JSON file "
                    "(default: the only namespace stored)")
     p.add_argument("--lora", help="LoRA id folded into the keys")
+    add_restore_args(p)
     p.set_defaults(handler=cmd_explain)
+
+
+def add_restore_args(p) -> None:
+    """The restore settings explain decides with (default: --config's, else the defaults)."""
+    g = p.add_argument_group("restore policy (default: as --config sets it)")
+    g.add_argument("--restore-policy", choices=("cost", "always"), help="cost: the prefix that minimizes "
+                   "predicted TTFT; always: every stored block")
+    g.add_argument("--min-samples", type=int, metavar="N", help="observations an estimate needs (the floor)")
+    g.add_argument("--layerwise-loads", action=argparse.BooleanOptionalAction, default=None,
+                   help="sync loads overlap the prefill layer group by layer group")
+    g.add_argument("--layer-groups", type=int, metavar="N", help="layer groups a layer-wise load streams")
+    g.add_argument("--load-async", action="store_true", default=None, help="loads complete between steps "
+                   "(no overlap with the prefill)")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -166,11 +181,16 @@ def _num(x) -> str | None:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from tiered_kv.admin.explain import explain, parse_token_ids, read_tokens
+    from tiered_kv.admin.explain import RestoreOptions, explain, parse_token_ids, read_tokens
+    from tiered_kv.config import TieredKVConfig
 
     tokens = read_tokens(args.tokens) if args.tokens else parse_token_ids(args.token_ids)
+    config = TieredKVConfig.from_toml(args.config) if args.config else None
+    options = RestoreOptions.of(config, policy=args.restore_policy, min_samples=args.min_samples,
+                                layerwise=args.layerwise_loads, layer_groups=args.layer_groups,
+                                load_async=args.load_async)
     with opened(args) as tiers:
-        report = explain(tiers, tokens, args.namespace, args.lora)
+        report = explain(tiers, tokens, args.namespace, args.lora, options)
     if args.json:
         render.emit_json(report)
         return EXIT_OK
@@ -190,7 +210,25 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if miss:
         out.print(f"first miss: block {miss['index']} (tokens {miss['tokens'][0]}-{miss['tokens'][1]}): "
                   f"[bold]{miss['reason']}[/bold] — {escape(miss['detail'])}", soft_wrap=True)
+    out.print(_restore_line(report["restore"]), soft_wrap=True)
     return EXIT_OK
+
+
+def _restore_line(r: dict) -> str:
+    """What the restore policy would load, the predictions it weighed and why."""
+    line = (f"restore ({r['policy']}): would load [bold]{r['load_blocks']}[/bold] of {r['stored_blocks']} "
+            f"stored blocks ({r['load_tokens']} tokens): [bold]{r['reason']}[/bold]")
+    if r["ttft_s"] is not None:
+        line += (f" — predicted TTFT {_s(r['ttft_s'])} (restore {_s(r['restore_s'])}, prefill "
+                 f"{_s(r['recompute_s'])}); loading all {_s(r['load_all_s'])}, recomputing all "
+                 f"{_s(r['recompute_all_s'])}")
+    if r["skipped"]:
+        line += "; not loaded: " + ", ".join(f"{t} {n}" for t, n in r["skipped"].items())
+    return line + (f" ({escape(r['detail'])})" if r["detail"] else "")
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.3f}s"
 
 
 def _runs(blocks: list[dict]) -> list[list[dict]]:

@@ -49,6 +49,12 @@ class ConnectorMeta:
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     invalidate: tuple[bytes, ...] = ()  # keys computed over a failed load: every rank withdraws them
+    # what the engine computes in this step, for the prefill estimate the worker keeps
+    # (tiered_kv.store.restore_costs): new tokens, and attention work (query-key pairs:
+    # sum over requests of new * context before + new * (new + 1) / 2)
+    step_tokens: int = 0
+    step_attention: int = 0
 
     def is_empty(self) -> bool:
+        """No transfers to run (the step's work figures are no transfer)."""
         return not self.loads and not self.saves and not self.invalidate

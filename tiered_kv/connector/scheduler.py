@@ -3,10 +3,13 @@
 It keeps, per request, the chained keys of its full blocks and how many of them are stored.
 ``get_num_new_matched_tokens`` asks the store how many leading blocks after the device prefix
 hit some tier holds (side-effect free), capped so the engine always computes the last prompt
-token. ``update_state_after_alloc`` leases the matched blocks and records their loads;
-``build_connector_meta`` turns the step's scheduled tokens into saves of every newly completed
-full block (prompt and generated tokens alike), each with the request's block table before it
-(the worker drops a save whose prefix holds a block that failed to load).
+token, then claims the part of them whose load is predicted to reach the first token soonest
+(:mod:`.restore_policy`: possibly fewer, possibly none). ``update_state_after_alloc`` counts what
+that left out, leases the matched blocks and records their loads; ``build_connector_meta`` turns
+the step's scheduled tokens into saves of every newly completed full block (prompt and generated
+tokens alike), each with the request's block table before it (the worker drops a save whose
+prefix holds a block that failed to load), and tells the worker the step's new tokens and
+attention work (for the prefill estimate it keeps).
 
 When the engine reports blocks that failed to load (:meth:`ConnectorScheduler.blocks_failed`:
 vLLM's ``invalid_block_ids``, aggregated over ranks), the keys of every block planned for saving
@@ -26,7 +29,9 @@ from typing import Any, Protocol
 
 from tiered_kv.connector.group_rows import GroupRows
 from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec
+from tiered_kv.connector.restore_policy import Decision, RestorePolicy
 from tiered_kv.keys import KeyChain, Namespace, tenant_label
+from tiered_kv.store.restore_costs import attention_work
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +64,14 @@ class _Request:
 
 
 class ConnectorScheduler:
-    """Engine-neutral scheduler half over a :class:`BlockIndex` (a TieredStore)."""
+    """Engine-neutral scheduler half over a :class:`BlockIndex` (a TieredStore). ``restore``: the
+    restore policy (default: the one ``index`` is configured for, :meth:`RestorePolicy.for_index`)."""
 
     def __init__(self, index: BlockIndex, namespace: Namespace, *, load_async: bool = False,
-                 save: bool = True) -> None:
+                 save: bool = True, restore: RestorePolicy | None = None) -> None:
         self.index = index
+        self.restore = restore or RestorePolicy.for_index(index, namespace, load_async=load_async)
+        self._decisions: dict[str, Decision] = {}  # request -> its last claim's decision
         self.namespace = namespace
         self.block_size = namespace.block_size
         self.load_async = load_async
@@ -99,6 +107,7 @@ class ConnectorScheduler:
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         """External tokens beyond ``num_computed_tokens``; never the last prompt token."""
         state = self._state(request.request_id, request.prompt_token_ids, _extra(request), _tenant(request))
+        self._decisions.pop(request.request_id, None)
         if state.promised:  # matched again after a promise: its load failed (see module doc)
             state.promised, state.no_loads = False, True
             log.warning("request %s: its promised load failed; it is recomputed, not matched again",
@@ -111,20 +120,24 @@ class ConnectorScheduler:
         n = self.index.lookup(state.chain.keys[first:last])
         if self._suspect:
             n = next((i for i, k in enumerate(state.chain.keys[first : first + n]) if k in self._suspect), n)
+        keys, cuts = state.chain.keys[first : first + n], None
         if n and self.namespace.has_state:
-            n = self._last_state(state.chain.keys[first : first + n])
+            cuts = self._state_cuts(keys)
+            n = cuts[-1] if cuts else 0
         self._matched_from[request.request_id] = first
-        if n == 0:
+        decision = self.restore.decide(n, lambda: _locate(self.index, keys[:n]), first * bs,
+                                       request.num_prompt_tokens, cuts)
+        self._decisions[request.request_id] = decision
+        if decision.load_blocks == 0:
             return 0, False
-        return n * bs, self.load_async
+        return decision.load_blocks * bs, self.load_async
 
-    def _last_state(self, keys: Sequence[bytes]) -> int:
-        """The longest run of ``keys`` whose last block has a state entry (a hybrid model resumes
-        only where the recurrent layers' state is held)."""
+    def _state_cuts(self, keys: Sequence[bytes]) -> list[int]:
+        """The prefixes of ``keys`` whose last block has a state entry, by length (a hybrid model
+        resumes only where the recurrent layers' state is held)."""
         state_keys = [self.namespace.state_key(k) for k in keys]
         present = _present(self.index, state_keys)
-        return next((i + 1 for i in reversed(range(len(keys)))
-                     if present[i] and state_keys[i] not in self._suspect), 0)
+        return [i + 1 for i in range(len(keys)) if present[i] and state_keys[i] not in self._suspect]
 
     def _set_blocks(self, state: _Request, block_ids) -> None:
         if self.grouped:
@@ -145,6 +158,9 @@ class ConnectorScheduler:
     def update_state_after_alloc(self, request, block_ids: Sequence[int], num_external_tokens: int) -> None:
         state = self._state(request.request_id, request.prompt_token_ids, _extra(request), _tenant(request))
         self._set_blocks(state, block_ids)
+        decision = self._decisions.pop(request.request_id, None)
+        if decision is not None:  # once per allocation (the engine may have asked several times)
+            self.restore.settle(decision, request.request_id)
         if num_external_tokens <= 0:
             state.promised = False  # (engines call again with 0 once an async load completed)
             return
@@ -198,10 +214,12 @@ class ConnectorScheduler:
             state = self._state(rd.request_id, rd.new_tokens)
             if _any_ids(rd.new_block_ids):
                 self._set_blocks(state, rd.new_block_ids)
+            _count_work(meta, rd.computed_position + state.external, rd.num_scheduled_tokens)
             self._plan_saves(meta, state, rd.request_id, rd.computed_position + state.external,
                              rd.num_scheduled_tokens)
         for rd in scheduler_output.cached_requests:
             state = self._requests.get(rd.request_id)
+            _count_work(meta, rd.computed_position, rd.num_scheduled_tokens)
             if state is None:
                 continue
             state.tokens.extend(rd.new_tokens)
@@ -256,6 +274,7 @@ class ConnectorScheduler:
             state.external = 0
             state.promised = state.no_loads = False
         self._matched_from.pop(request_id, None)
+        self._decisions.pop(request_id, None)
         self._drop_loads(request_id)
 
     def _drop_loads(self, request_id: str) -> None:
@@ -267,6 +286,7 @@ class ConnectorScheduler:
         """True when saves were planned: the worker reports the id once its copies are done."""
         state = self._requests.pop(request.request_id, None)
         self._matched_from.pop(request.request_id, None)
+        self._decisions.pop(request.request_id, None)
         self._drop_loads(request.request_id)
         return bool(state and state.had_saves)
 
@@ -274,6 +294,19 @@ class ConnectorScheduler:
 def _any_ids(block_ids) -> bool:
     """Whether a step names any block (a flat list, or one list per group)."""
     return any(_any_ids(b) if isinstance(b, (list, tuple)) else True for b in block_ids or ())
+
+
+def _count_work(meta: ConnectorMeta, context: int, scheduled: int) -> None:
+    """Add one request's part of the step to the work the worker times (:mod:`.restore_policy`)."""
+    if scheduled > 0:
+        meta.step_tokens += scheduled
+        meta.step_attention += attention_work(max(context, 0), scheduled)
+
+
+def _locate(index, keys: Sequence[bytes]) -> list[str | None]:
+    """The tier holding each of ``keys`` (None everywhere where the index cannot say)."""
+    locate = getattr(index, "locate", None)
+    return list(locate(keys)) if locate is not None and keys else [None] * len(keys)
 
 
 def _present(index, keys: Sequence[bytes]) -> list[bool]:

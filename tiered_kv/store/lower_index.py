@@ -6,6 +6,11 @@ that scheduler what it needs of the store — :meth:`lookup` — over the tiers 
 see (LMDB on a shared disk, Redis), without a host slab and without torch. Leases are not taken
 here: the worker's :meth:`TieredStore.take_lease` falls back to a fresh ``prepare_load``, and a
 block evicted in between is a counted load failure that the engine recomputes.
+
+The restore policy needs cost estimates, which only the workers can observe: ``costs`` is read
+from the namespace record, where the workers' stores write them, when the index opens and every
+``COSTS_REFRESH_S`` seconds after (:class:`~tiered_kv.store.records.CostsKeeper`); what the policy
+left unloaded is counted in ``skipped`` (blocks per tier) and ``skipped_tokens``.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from tiered_kv.config import TieredKVConfig
 from tiered_kv.keys import Namespace
 from tiered_kv.store.lower_tiers import open_media
 from tiered_kv.store.presence import RankedPresence
+from tiered_kv.store.records import COSTS_REFRESH_S, CostsKeeper
+from tiered_kv.store.restore_costs import RestoreCosts
 
 log = logging.getLogger(__name__)
 
@@ -29,10 +36,17 @@ class LowerTierIndex:
     tier answers within ``config.lookup_timeout`` or counts as a miss (:mod:`tiered_kv.store.presence`)."""
 
     def __init__(self, config: TieredKVConfig, namespace: Namespace) -> None:
+        self.config = config
         self.namespace = namespace
         self.misses: Counter[str] = Counter()  # reason -> blocks the lookups counted as missing
+        self.skipped: Counter[str] = Counter()  # tier -> blocks the restore policy did not load
+        self.skipped_tokens = 0  # tokens it did not load
+        self.probes = 0  # loads it made although predicted slower (to refresh the estimates)
         self.tiers = [(tier.name, backend) for tier, backend in open_media(config)]
         self.presence = RankedPresence(namespace, self.tiers, config.lookup_timeout, self._count)
+        self.costs = RestoreCosts(config.restore_min_samples)
+        self.cost_record = CostsKeeper(self.costs, namespace, self.tiers, writes=False,
+                                       every=COSTS_REFRESH_S)
         if not self.tiers:
             log.warning("tiered-kv: the scheduler runs apart from the workers and no lower tier "
                         "is configured: it sees no stored block, so nothing will be loaded")
@@ -57,6 +71,18 @@ class LowerTierIndex:
             return []
         return self.presence.locate(keys)[1]
 
+    def locate(self, keys: Sequence[bytes]) -> list[str | None]:
+        """The first lower tier holding this rank's copy of each key (None: nowhere)."""
+        if not keys:
+            return []
+        return self.presence.locate(keys)[0]
+
+    def count_restore_skips(self, blocks: dict[str, int], tokens: int, probe: bool = False) -> None:
+        """The restore policy left ``blocks`` (per tier) and ``tokens`` unloaded, or probed."""
+        self.skipped.update(blocks)
+        self.skipped_tokens += tokens
+        self.probes += int(probe)
+
     def lease(self, lease_id: str, keys: Sequence[bytes], tenant: bytes | None = None) -> None:
         """Nothing to pin from here: the worker leases the blocks when it loads them."""
 
@@ -64,6 +90,7 @@ class LowerTierIndex:
         """See :meth:`lease`."""
 
     def close(self) -> None:
+        self.cost_record.close()
         self.presence.close()
         for _, backend in self.tiers:
             backend.close()

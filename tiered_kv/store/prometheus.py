@@ -21,7 +21,14 @@ Metric families (labels ``namespace``, ``model`` on all of them):
   from memory, no network);
 - ``tiered_kv_quota_evictions_total{tier}``, ``tiered_kv_tenant_used_bytes{tier,tenant}`` (the
   tenant's 8-byte label in hex, ``-`` for none); admission's skipped writes are the event
-  ``admission_skipped``.
+  ``admission_skipped``;
+- cost-aware restore: ``tiered_kv_restore_skipped_tokens_total`` (stored tokens the restore policy
+  left to recompute; their blocks are ``tiered_kv_misses_total{reason="slower_than_recompute"}``
+  in the tier that held them, its probes the event ``restore_probes``), and the estimates it
+  weighs: ``tiered_kv_restore_latency_seconds{tier}``, ``tiered_kv_restore_throughput_bytes{tier}``
+  (per second; absent while unbounded), ``tiered_kv_prefill_seconds{term}`` (``step``: per step,
+  ``token``: per new token, ``pair``: per attention pair), ``tiered_kv_cost_observations{source}``
+  (restores per tier, ``steps``).
 """
 
 from __future__ import annotations
@@ -51,6 +58,7 @@ class MetricSource(Protocol):
     host: Backend  # the host tier's figures
     tiers: list  # lower tiers: ``name`` and ``backend`` each
     _metrics_ports: list[int]  # the ports serving it (kept by export / unexport)
+    # optional: ``costs`` (a RestoreCosts): the restore and prefill estimates
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +116,19 @@ class StoreCollector(Collector):
             "tenant_used": GaugeMetricFamily("tiered_kv_tenant_used_bytes",
                                              "Bytes a tier holds per tenant (cache_salt label, hex)",
                                              labels=base + ["tier", "tenant"]),
+            "skipped_tokens": CounterMetricFamily("tiered_kv_restore_skipped_tokens",
+                                                  "Stored tokens recomputed: predicted slower to restore",
+                                                  labels=base),
+            "latency": GaugeMetricFamily("tiered_kv_restore_latency_seconds",
+                                         "Estimated latency of a restore from a tier", labels=base + ["tier"]),
+            "throughput": GaugeMetricFamily("tiered_kv_restore_throughput_bytes",
+                                            "Estimated bytes per second of a restore from a tier",
+                                            labels=base + ["tier"]),
+            "prefill": GaugeMetricFamily("tiered_kv_prefill_seconds", "Estimated prefill seconds per step, "
+                                         "per new token and per attention pair", labels=base + ["term"]),
+            "observations": GaugeMetricFamily("tiered_kv_cost_observations",
+                                              "Restores (per tier) and engine steps the estimates rest on",
+                                              labels=base + ["source"]),
         }
         for store in stores:
             try:
@@ -134,6 +155,8 @@ def _collect_store(store: MetricSource, fam: dict) -> None:
     for name, n in snap["events"].items():
         fam["events"].add_metric(ids + [name], n)
     fam["dropped"].add_metric(ids, snap["events"].get("saves_dropped", 0))
+    fam["skipped_tokens"].add_metric(ids, snap["events"].get("restore_skipped_tokens", 0))
+    _collect_costs(getattr(store, "costs", None), ids, fam)
     for direction, n in store.pool.queued_bytes().items():
         fam["queued"].add_metric(ids + [direction], n)
     media = [("host", store.host)] + [(t.name, t.backend) for t in store.tiers]
@@ -155,6 +178,25 @@ def _collect_store(store: MetricSource, fam: dict) -> None:
             fam["tenant_used"].add_metric(ids + [tier, tenant.hex() or "-"], used)
     for tier, n in evictions.items():
         fam["evictions"].add_metric(ids + [tier], n)
+
+
+def _collect_costs(costs, ids: list[str], fam: dict) -> None:
+    """The restore and prefill estimates (whatever their observations: the floor is the policy's)."""
+    if costs is None:
+        return
+    fam["observations"].add_metric(ids + ["steps"], costs.steps_observed())
+    for source, n in costs.restores_observed().items():
+        fam["observations"].add_metric(ids + [source], n)
+        est = costs.restore_estimate(source)
+        if est is not None:
+            fam["latency"].add_metric(ids + [source], est.latency_s)
+            if est.bytes_per_s is not None:
+                fam["throughput"].add_metric(ids + [source], est.bytes_per_s)
+    prefill = costs.prefill_estimate()
+    if prefill is not None:
+        for term, value in (("step", prefill.per_step_s), ("token", prefill.per_token_s),
+                            ("pair", prefill.per_pair_s)):
+            fam["prefill"].add_metric(ids + [term], value)
 
 
 def export(store: MetricSource, port: int, addr: str = "0.0.0.0") -> int | None:

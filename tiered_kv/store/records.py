@@ -1,4 +1,5 @@
-"""Reserved entries stored next to the blocks: one namespace record per namespace.
+"""Reserved entries stored next to the blocks: one namespace record per namespace (with the
+restore estimates).
 
 A tier holds stored blocks under ``namespace digest (16 bytes) || block key (16 bytes)``. The
 digest cannot be turned back into a model id, so the store also writes, once per process and
@@ -6,13 +7,35 @@ tier, the namespace's :meth:`~tiered_kv.keys.Namespace.describe` JSON under
 ``b"tkv-ns:" + digest``. Tools (the CLI) read it to report model id, dtype and shape per
 namespace. Reserved keys never have the length of a block key, so code that scans a tier tells
 them apart with :func:`is_block_key` / :func:`is_reserved`.
+
+The namespace record also carries the store's **restore and prefill estimates**
+(:class:`~tiered_kv.store.restore_costs.RestoreCosts`), as its member ``restore_costs``::
+
+    {...the namespace's fields..., "restore_costs": {"format": 1, "tier": "disk", "written": 1764000000.0,
+     "restore": {"disk": {"observed": 12, "samples": [[nbytes, seconds], ...], "fit": [latency_s, per_byte_s]},
+                 "host": {...}},
+     "prefill": {"observed": 40, "samples": [[new_tokens, attention_work, seconds], ...],
+                 "fit": [per_step_s, per_token_s, per_pair_s]}}}
+
+(``tier``: the name the writing store gave the tier holding it, so a tool that opened that tier
+by URL knows which estimates are its; ``pinned`` beside ``samples``: an injected estimate;
+``fit`` is for readers, recomputed from the samples on load). Inside the namespace record rather
+than under a key of its own, because tools take any other entry for an orphan (``verify --fix``
+removes it, ``inspect`` counts it as foreign) and ``copy`` carries namespace records only; a
+namespace's readers ignore members that are not namespace fields. :class:`CostsKeeper` writes it
+into the record of every lower tier holding one, at most every ``COSTS_SAVE_S`` seconds when the
+estimates moved and at flush / close, reads it back from the first tier holding one when a store or the scheduler's index
+opens (a restarted engine starts with the last run's figures), and, for the index (which cannot
+observe), every ``COSTS_REFRESH_S`` seconds after.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
+from collections.abc import Mapping, Sequence
 
 from tiered_kv.errors import BackendError, CorruptBlock
 from tiered_kv.keys import KEY_BYTES, Namespace
@@ -23,6 +46,10 @@ DIGEST_BYTES = 16
 STORAGE_KEY_BYTES = DIGEST_BYTES + KEY_BYTES  # what a tier stores a block under
 RESERVED_PREFIX = b"tkv-"
 NAMESPACE_PREFIX = b"tkv-ns:"
+COSTS_MEMBER = "restore_costs"  # the namespace record's member holding the estimates
+COSTS_FORMAT = 1
+COSTS_SAVE_S = 60.0  # a store writes its estimates at most this often (and at flush / close)
+COSTS_REFRESH_S = 60.0  # the scheduler's lookup index reads them back this often
 RECORD_CHECK_S = 60.0  # how often the write path re-checks a tier's namespace record
 
 
@@ -92,3 +119,113 @@ class RecordKeeper:
         except BackendError as exc:  # the blocks' own put reports the outage
             self._due[tier.name] = now
             log.debug("%s tier: namespace record not written: %s", tier.name, exc)
+
+
+# -- the estimates in the namespace record ---------------------------------------------------------
+def encode_costs(namespace: Namespace, snapshot: Mapping, tier: str) -> bytes:
+    """The namespace record carrying :meth:`RestoreCosts.snapshot` (with format, tier and time)."""
+    doc = namespace.describe()
+    doc[COSTS_MEMBER] = {"format": COSTS_FORMAT, "tier": tier, "written": round(time.time(), 3), **snapshot}
+    return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+
+
+def decode_costs(value: bytes) -> dict | None:
+    """The estimates a namespace record carries (None: none); CorruptBlock when unreadable."""
+    try:
+        doc = json.loads(bytes(value).decode())
+    except (ValueError, TypeError) as exc:
+        raise CorruptBlock(f"unreadable namespace record: {exc}") from None
+    costs = doc.get(COSTS_MEMBER) if isinstance(doc, dict) else None
+    if costs is None:
+        return None
+    if not isinstance(costs, dict) or costs.get("format") != COSTS_FORMAT:
+        raise CorruptBlock("restore costs of another format")
+    return costs
+
+
+def read_costs(tiers: Sequence[tuple[str, object]], digest: bytes) -> dict | None:
+    """The estimates in the namespace record of the first of ``tiers`` (name, medium) holding some."""
+    key = namespace_key(digest)
+    for name, backend in tiers:
+        try:
+            value = backend.get_many([key])[0]
+            costs = decode_costs(value) if value is not None else None
+            if costs is not None:
+                return costs
+        except (BackendError, CorruptBlock) as exc:
+            log.debug("%s tier: restore costs not read: %s", name, exc)
+    return None
+
+
+class CostsKeeper:
+    """Keeps ``costs`` (a RestoreCosts) and ``namespace``'s record in the lower ``tiers`` (name,
+    medium) in step. ``writes``: a store, which reads the estimates when created (its worker's
+    start-up), observes and writes (every ``every`` seconds when they moved, and on :meth:`save`);
+    else the scheduler's index, which reads them on its thread at once and every ``every`` seconds
+    after (never on the scheduler's path: a remote tier may be slow to answer; ``loaded`` is set
+    once the first read is done)."""
+
+    def __init__(self, costs, namespace: Namespace, tiers: Sequence[tuple[str, object]], *, writes: bool,
+                 every: float) -> None:
+        self.costs, self.namespace, self.tiers, self.writes = costs, namespace, list(tiers), writes
+        self.digest = namespace.digest()
+        self._written = -1  # costs.changes when last written or read
+        self._seen: float | None = None  # "written" of the record last read
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.loaded = threading.Event()
+        background = bool(self.tiers) and every > 0
+        if writes or not background:
+            self.load()
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._run, args=(every,), daemon=True,
+                                            name="tiered-kv-costs")
+            self._thread.start()
+
+    def load(self) -> bool:
+        """Replace the estimates by the record's (when there is one, newer than the last read)."""
+        try:
+            doc = read_costs(self.tiers, self.digest)
+            if doc is None or doc.get("written") == self._seen:
+                return False
+            self.costs.restore_snapshot(doc)
+            self._seen, self._written = doc.get("written"), self.costs.changes
+            return True
+        except Exception as exc:  # estimates are an optimisation: never a reason not to start
+            log.warning("restore costs not read: %r", exc)
+            return False
+        finally:
+            self.loaded.set()
+
+    def save(self) -> bool:
+        """Write the estimates when they moved since the last write (or read), into the namespace
+        record of every tier holding one (a tier holding nothing of the namespace gets none)."""
+        with self._lock:
+            changes = self.costs.changes
+            if not self.writes or changes == self._written or self.costs.empty():
+                return False
+            snapshot, key = self.costs.snapshot(), namespace_key(self.digest)
+            for name, backend in self.tiers:
+                try:
+                    if backend.contains_many([key])[0]:
+                        backend.put_many([(key, encode_costs(self.namespace, snapshot, name))])
+                except Exception as exc:  # (a down tier: the blocks' own writes report it)
+                    log.debug("%s tier: restore costs not written: %r", name, exc)
+            self._written = changes
+            return True
+
+    def _run(self, every: float) -> None:
+        wait = every if self.loaded.is_set() else 0.0  # the index's first read: at once
+        while not self._stop.wait(wait):
+            wait = every
+            try:
+                self.save() if self.writes else self.load()
+            except Exception as exc:  # a closing medium: the next round (or close) tries again
+                log.debug("restore costs: %r", exc)
+
+    def close(self) -> None:
+        """Stop the thread (the owner saves once more while its media are open)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)

@@ -15,6 +15,13 @@ Lifecycle of a block:
   ``load_into(keys, outs)`` (the synchronous form) decodes lower-tier blocks straight into
   ``outs`` when they are plain CPU blocks: host memory already, so no host slot is taken.
 
+**Restore costs**: ``costs`` (:class:`~tiered_kv.store.restore_costs.RestoreCosts`) learns what
+restores from each tier and the engine's prefill steps take (the connector's worker observes,
+its scheduler's restore policy reads); it starts from the estimates in the namespace record of
+the first lower tier holding some, and is written back at most every ``COSTS_SAVE_S`` seconds
+and at flush / close (:class:`~tiered_kv.store.records.CostsKeeper`). Blocks the policy left
+unloaded are counted by :meth:`TieredStore.count_restore_skips`.
+
 The store is assembled from parts handed what they use: :class:`~tiered_kv.store.host_slots.HostSlots`
 (the host tier's slots as blocks), the lower tiers (:class:`~tiered_kv.store.encoded_tier.EncodedTier`,
 opened from ``config.lower_tiers``), a :class:`~tiered_kv.store.saving.Saver` and a
@@ -46,7 +53,8 @@ from tiered_kv.store.lower_reads import LowerReader
 from tiered_kv.store.lower_tiers import open_media
 from tiered_kv.store.metrics import StoreMetrics
 from tiered_kv.store.presence import RankedPresence
-from tiered_kv.store.records import RecordKeeper
+from tiered_kv.store.records import COSTS_SAVE_S, CostsKeeper, RecordKeeper
+from tiered_kv.store.restore_costs import RestoreCosts
 from tiered_kv.store.saving import SaveBatch, Saver
 from tiered_kv.store.stats_log import StatsLogger
 from tiered_kv.store.transfer import TransferPool
@@ -78,7 +86,7 @@ class TieredStore:
         self.slots = HostSlots(self.host, namespace, self.copier)
         try:
             self.tiers = [EncodedTier(tier, backend, namespace, self.metrics,
-                                      codec_choice.choose(tier.codec, config.workers))
+                                      codec_choice.choose(tier.codec, config.workers), config.layer_groups)
                           for tier, backend in open_media(config)]
         except BaseException:
             self.close_parts()
@@ -92,6 +100,9 @@ class TieredStore:
         reader = LowerReader(self.tiers, self.invalidations, self.saver, self.metrics, block_nbytes)
         self.loader = Loader(self.slots, self.tiers, self.pool, self.metrics, self.invalidations,
                              self.saver, reader, config.workers)
+        self.costs = RestoreCosts(config.restore_min_samples)
+        self.cost_record = CostsKeeper(self.costs, namespace, [(t.name, t.backend) for t in self.tiers],
+                                       writes=True, every=COSTS_SAVE_S)
         self._closed = False
         self._close_lock = threading.Lock()
         self._metrics_ports: list[int] = []  # Prometheus exporter ports serving this store
@@ -179,6 +190,17 @@ class TieredStore:
         keys = keys[: leading_present([not w for w in self.invalidations.suppressed(keys)])]
         return self.presence.lookup(keys, self.host.contains_many(keys))
 
+    def count_restore_skips(self, blocks: dict[str, int], tokens: int, probe: bool = False) -> None:
+        """The restore policy left ``blocks`` (per tier) unloaded, ``tokens`` tokens, as slower
+        than recomputing (misses ``slower_than_recompute``, event ``restore_skipped_tokens``);
+        ``probe``: it loaded blocks predicted slower, to refresh the estimates (``restore_probes``)."""
+        for tier, n in blocks.items():
+            self.metrics.miss(tier, "slower_than_recompute", n)
+        if tokens:
+            self.metrics.event("restore_skipped_tokens", tokens)
+        if probe:
+            self.metrics.event("restore_probes")
+
     def invalidate(self, keys: Sequence[bytes]):
         """Withdraw every copy of ``keys`` from every tier (their KV may be wrong); see
         :mod:`tiered_kv.store.invalidation`. Returns a future done when the lower tiers are clean."""
@@ -186,8 +208,10 @@ class TieredStore:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for queued write-behind and make the lower tiers durable (those that can be)."""
+        """Wait for queued write-behind, write the cost estimates when they moved and make the
+        lower tiers durable (those that can be)."""
         done = self.pool.drain(timeout)
+        self.cost_record.save()
         for tier in self.tiers:
             tier.backend.flush()
         return done
@@ -211,6 +235,7 @@ class TieredStore:
             self._closed = True
         if self._stats_log is not None:
             self._stats_log.close()
+        self.cost_record.close()  # (flush writes the record once more)
         self.loader.release_leases()
         try:
             self.flush()
