@@ -125,6 +125,7 @@ def serve(opts: DemoOptions, prompts: dict[str, list[int]], with_connector: bool
             }
     finally:
         if connector is not None:
+            connector.store.flush()  # (close writes nothing more: its figures are final here)
             store_stats = connector.store.stats()
             connector.close()
         else:

@@ -8,14 +8,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
 import torch
 
 from tiered_kv.store.host_slots import bytes_of
-
-if TYPE_CHECKING:
-    from tiered_kv.store.loading import Loader, LoadPlan
 
 LOAD_ERROR = "load_error"  # miss reason of blocks whose load job failed in an unexpected way
 
@@ -25,7 +21,7 @@ log = logging.getLogger(__name__)
 class DirectLoads:
     """Handed the :class:`~tiered_kv.store.loading.Loader` whose leases, pool and readers it uses."""
 
-    def __init__(self, loader: Loader) -> None:
+    def __init__(self, loader) -> None:
         self.loader = loader
 
     def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[bool]:
@@ -52,7 +48,7 @@ class DirectLoads:
                 self.loader.release(plan)
         return ok
 
-    def _load_direct(self, plan: LoadPlan, outs: Sequence[torch.Tensor]) -> list[bool]:
+    def _load_direct(self, plan, outs: Sequence[torch.Tensor]) -> list[bool]:
         """Host hits copied out of their slots, the other blocks read from the lower tiers
         straight into ``outs`` (plain CPU blocks) in the pool; success per key."""
         hits = [(s, o) for s, o in zip(plan.slots, outs) if s is not None]
@@ -74,7 +70,7 @@ class DirectLoads:
                 loaded[i] = True
         return loaded
 
-    def _direct_job(self, plan: LoadPlan, idx: list[int], outs: Sequence[torch.Tensor]) -> list[int]:
+    def _direct_job(self, plan, idx: list[int], outs: Sequence[torch.Tensor]) -> list[int]:
         """Read the blocks ``idx`` of ``plan`` into their destinations; the indices loaded.
         Tracked as a write for invalidation (its copies up are writes); never raises."""
         keys = [plan.keys[i] for i in idx]
