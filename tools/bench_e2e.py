@@ -1,7 +1,7 @@
 """End-to-end benchmark on the reference engine: cold vs warm-restart TTFT, and decode overhead.
 
     python tools/bench_e2e.py [--json] [--lengths 512,2048,8192] [--repeats R] [--decode-steps N]
-                              [--dir DIR] [--quick]
+                              [--load-modes whole,layerwise] [--dir DIR] [--quick]
 
 Everything runs on the demo model (``ModelConfig.demo()``, fp32) with one engine configuration:
 block 16, ``max_num_batched_tokens`` 8192 (a prompt of up to 8192 tokens is prefilled in one
@@ -15,7 +15,11 @@ tier (codec ``auto``, the default, ``write_through``).
    tier is empty and every block comes from LMDB) serves the same prompt twice with a fresh engine
    and connector each time: once with the LMDB data file in the page cache, once after
    ``fsync`` + ``posix_fadvise(DONTNEED)`` dropped its pages (residency checked with mincore).
-   The two variants alternate which goes first. Reported: TTFT medians and every run, matched /
+   Each warm restart runs with whole-block loads (every layer of every block before the forward)
+   and with layer-wise loads (``wait_for_layer_load`` waits for one layer group), ``--load-modes``;
+   every (variant, mode) pair alternates its order per repeat; ``layerwise_over_whole`` is the
+   ratio of their medians. The connector's ``restore_policy`` is ``always`` (every stored block
+   loaded: tools/bench_restore.py measures the cost policy). Reported: TTFT medians and every run, matched /
    prefilled tokens, blocks per serving tier, where the time went (lookup, lease, LMDB read +
    decode in the transfer pool, scatter, forward, save gather), the warm/cold ratio (target
    <= 0.2 from 4096 tokens on) and whether the greedy outputs equal the cold run's.

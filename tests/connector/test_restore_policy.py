@@ -5,6 +5,8 @@ never timed). A prompt of eight stored blocks and one token; recomputing it all 
 
 from __future__ import annotations
 
+import pytest
+
 from tests.store.helpers import NS, keys_for, load_staged, make_store, payloads
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.connector.restore_policy import RestorePolicy
@@ -13,6 +15,8 @@ from tiered_kv.integrations.common import RequestStep, RequestView, StepOutput
 from tiered_kv.keys import Namespace, block_keys
 from tiered_kv.kv_groups import KVGroup
 from tiered_kv.store.restore_costs import RestoreCosts, attention_work
+
+pytestmark = pytest.mark.restore_cost  # these scenarios inject the estimates the policy decides from
 
 BS = 16
 PROMPT = list(range(1000, 1000 + 8 * BS + 1))  # eight full blocks and one token
