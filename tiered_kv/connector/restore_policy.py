@@ -85,11 +85,15 @@ class RestorePolicy:
 
     def __init__(self, costs, block_bytes: int, block_size: int, *, policy: str = "cost",
                  layerwise: bool = True, layer_groups: int = 8, load_async: bool = False,
-                 margin: float = MARGIN, probe_every: int = PROBE_EVERY, count: SkipCounter | None = None) -> None:
+                 margin: float = MARGIN, probe_every: int = PROBE_EVERY, count: SkipCounter | None = None,
+                 streamed: Sequence[str] = ("host", "disk")) -> None:
         self.costs = costs
         self.block_bytes, self.block_size = block_bytes, block_size
         self.policy = policy if costs is not None else "always"
         self.overlap = layerwise and not load_async  # restore runs beside the step's compute
+        # tiers whose reads arrive frame by frame (host memory, LMDB's mapped pages); a Redis GET
+        # brings whole blocks: its restore ends before the first layer can start
+        self.streamed = set(streamed)
         self.groups = max(1, layer_groups)
         self.margin, self.probe_every = margin, probe_every
         self.count = count
@@ -105,7 +109,9 @@ class RestorePolicy:
                    namespace.block_size, policy=getattr(config, "restore_policy", "cost"),
                    layerwise=getattr(config, "layerwise_loads", True) and not namespace.groups,
                    layer_groups=min(getattr(config, "layer_groups", 8), namespace.num_layers),
-                   load_async=load_async, count=getattr(index, "count_restore_skips", None))
+                   load_async=load_async, count=getattr(index, "count_restore_skips", None),
+                   streamed=("host", *(t.name for t in getattr(config, "lower_tiers", ())
+                                       if str(t.url).startswith("lmdb:"))))
 
     def decide(self, stored: int, tiers_of: Callable[[], Sequence[str | None]], first_token: int,
                prompt_tokens: int, cuts: Sequence[int] | None = None) -> Decision:
@@ -157,7 +163,7 @@ class RestorePolicy:
         if not tiers:
             return 0.0, compute, compute
         restore = self.costs.restore_seconds({t: n * self.block_bytes for t, n in Counter(tiers).items()})
-        if self.overlap:
+        if self.overlap and self.streamed.issuperset(tiers):
             return restore, compute, max(restore, compute) + min(restore, compute) / self.groups
         return restore, compute, restore + compute
 
