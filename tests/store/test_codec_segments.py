@@ -7,7 +7,6 @@ anything is allocated, and no byte of a failed segment left in the caller's buff
 from __future__ import annotations
 
 import struct
-import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 from math import prod
 
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from tests.unit.test_lying_blocks import peak_of
 from tiered_kv.admin.block_checks import check_block
 from tiered_kv.dtypes import ITEMSIZE
 from tiered_kv.errors import CorruptBlock, NamespaceMismatch
@@ -83,20 +83,6 @@ def table_of(blob) -> list[tuple]:
     return list(ENTRY.iter_unpack(blob[HEADER_BYTES + TABLE_HEAD.size : HEADER_BYTES + table_len(n)]))
 
 
-def peak_of(fn) -> tuple[BaseException | None, int]:
-    """(what ``fn()`` raised, the peak of Python-tracked memory it allocated)."""
-    tracemalloc.start()
-    try:
-        tracemalloc.reset_peak()
-        base = tracemalloc.get_traced_memory()[0]
-        try:
-            fn()
-            raised = None
-        except BaseException as exc:  # noqa: BLE001 - the test inspects it
-            raised = exc
-        return raised, tracemalloc.get_traced_memory()[1] - base
-    finally:
-        tracemalloc.stop()
 
 
 # -- round trips -------------------------------------------------------------------------------
