@@ -20,13 +20,15 @@ def _serve_once(spec: dict, store_dir: str, probe: Probe | None) -> dict:
     """New engine + new connector on ``store_dir``; serve the prompt once; close the store."""
     from tiered_kv.engine import SamplingParams
 
-    length = spec["length"]
-    engine, connector = build(spec["max_position"], length + spec["gen_tokens"], store_dir,
-                              layerwise=spec.get("layerwise", True))
+    length, extra = spec["length"], spec.get("extra_tokens", 0)
+    # a continuation saves nothing: the next run finds the same store, and its new tokens computed
+    engine, connector = build(spec["max_position"], length + extra + spec["gen_tokens"], store_dir,
+                              layerwise=spec.get("layerwise", True), save=not extra)
     try:
         warm_up(engine)
         params = SamplingParams(max_tokens=spec["gen_tokens"], temperature=0.0, return_logits=True)
-        request_id = engine.add_request(prompt_tokens(length, seed=length), params)
+        prompt = prompt_tokens(length, seed=length) + prompt_tokens(extra, seed=length + 1)
+        request_id = engine.add_request(prompt, params)
         request = engine.get_request(request_id)
         if probe is not None:
             probe.start()
@@ -68,7 +70,8 @@ def _serve_once(spec: dict, store_dir: str, probe: Probe | None) -> dict:
 def child_serve(spec: dict) -> dict:
     """One measurement in this fresh process: ``cold`` on an empty store, ``warm`` on the store
     a cold run left (host tier empty, page cache as it is), ``dropped`` the same after dropping
-    the data file's pages from the page cache."""
+    the data file's pages from the page cache; ``extra_tokens``: the stored prompt followed by
+    that many new tokens (a continuation: the restore of the prefix beside their compute)."""
     probe = Probe().install()
     drop = drop_page_cache(spec["dir"]) if spec["variant"] == "dropped" else None
     run = _serve_once(spec, spec["dir"], probe)

@@ -35,6 +35,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-drop", action="store_true", help="skip the page-cache-dropped restarts")
     parser.add_argument("--load-modes", default="whole,layerwise",
                         help="warm restarts with whole-block and/or layer-wise loads (default: %(default)s)")
+    parser.add_argument("--continue-tokens", type=int, default=256,
+                        help="warm restarts also serve the stored prompt followed by this many new tokens "
+                             "(a continuation: restore beside compute); 0 = off (default: %(default)s)")
     parser.add_argument("--skip-ttft", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--skip-decode", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true",
@@ -47,8 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.load_modes = [m for m in str(args.load_modes).split(",") if m.strip()]
     if not args.load_modes or set(args.load_modes) - {"whole", "layerwise"}:
         parser.error("--load-modes: whole and/or layerwise")
-    if args.repeats < 1 or args.decode_steps < 1 or not args.lengths:
-        parser.error("--repeats and --decode-steps must be positive and --lengths not empty")
+    if args.repeats < 1 or args.decode_steps < 1 or not args.lengths or args.continue_tokens < 0:
+        parser.error("--repeats and --decode-steps must be positive, --continue-tokens not negative "
+                     "and --lengths not empty")
     return args
 
 
@@ -65,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result))
         return
     started = time.perf_counter()
-    max_position = max(args.lengths + [args.prompt_len + args.decode_steps]) + 256
+    max_position = max([n + args.continue_tokens for n in args.lengths] + [args.prompt_len + args.decode_steps]) + 256
     if args.dir:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
     scratch = tempfile.mkdtemp(prefix="bench-e2e-", dir=args.dir)

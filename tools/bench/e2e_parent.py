@@ -57,7 +57,10 @@ def ttft_section(args, max_position: int, scratch: str) -> tuple[list[dict], dic
     """Every measurement in its own fresh process (a restart's first request pays first-call
     costs -- fresh buffers fault their pages in -- and that is part of what is measured)."""
     rows, env = [], {}
-    variants = ["warm"] + ([] if args.no_drop else ["dropped"])
+    caches = ["warm"] + ([] if args.no_drop else ["dropped"])
+    extra = args.continue_tokens
+    # a continuation ("warm+256"): the stored prompt and that many new tokens, nothing saved
+    variants = caches + [f"{c}+{extra}" for c in caches if extra]
     for length in args.lengths:
         cold_repeats = args.cold_repeats or (args.repeats if length < TARGET_FROM else 1)
         base = {"length": length, "max_position": max_position, "gen_tokens": GEN_TOKENS}
@@ -75,8 +78,10 @@ def ttft_section(args, max_position: int, scratch: str) -> tuple[list[dict], dic
             by_mode: dict[tuple[str, str], list[dict]] = {p: [] for p in pairs}
             for rep in range(args.repeats):
                 for variant, mode in (pairs if rep % 2 == 0 else pairs[::-1]):
+                    cache, _, more = variant.partition("+")
                     by_mode[variant, mode].append(run_child("serve", {
-                        **base, "variant": variant, "dir": store, "layerwise": mode == "layerwise"}))
+                        **base, "variant": cache, "extra_tokens": int(more or 0), "dir": store,
+                        "layerwise": mode == "layerwise"}))
             main_mode = args.load_modes[-1]  # the default configuration's (layerwise) when measured
             runs = {v: by_mode[v, main_mode] for v in variants}
             log(f"{length} tokens: " + ", ".join(f"{v}/{m} {[r['ttft_s'] for r in rs]} s"
@@ -95,12 +100,15 @@ def ttft_section(args, max_position: int, scratch: str) -> tuple[list[dict], dic
             row["layerwise_over_whole"] = {v: round(row["load_modes"][f"{v}/layerwise"]["ttft_s"]
                                                     / row["load_modes"][f"{v}/whole"]["ttft_s"], 4)
                                            for v in variants}
-        others = cold_runs + [r for rs in by_mode.values() for r in rs]
+        others = cold_runs + [r for (v, _), rs in by_mode.items() if "+" not in v for r in rs]
+        if extra:  # continuations: every mode and page cache state answers alike
+            more = [r for (v, _), rs in by_mode.items() if "+" in v for r in rs]
+            row["continuation"] = {"new_tokens": extra, "computed_tokens": more[0]["prefilled_tokens"],
+                                   "outputs_identical": all(r["output"] == more[0]["output"] for r in more)}
         if runs.get("dropped"):
             row["warm_restart_page_cache_dropped"] = _summ(runs["dropped"])
             row["ratio_dropped_over_cold"] = round(
                 row["warm_restart_page_cache_dropped"]["ttft_s"] / row["cold"]["ttft_s"], 4)
-            others += runs["dropped"]
         row["outputs_identical"] = all(r["output"] == reference["output"] for r in others)
         row["first_token_logits_max_abs_diff"] = max(
             (_max_abs_diff(reference["first_logits"], r["first_logits"]) or 0.0) for r in others)

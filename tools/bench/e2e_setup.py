@@ -45,8 +45,9 @@ def store_config(store_dir: str, host_bytes: int, layerwise: bool = True) -> dic
 
 
 def build(max_position: int, max_tokens_per_request: int, store_dir: str | None, batch: int = 1,
-          layerwise: bool = True):
-    """(engine, connector or None): the benchmark's one engine configuration."""
+          layerwise: bool = True, save: bool = True):
+    """(engine, connector or None): the benchmark's one engine configuration (``save`` False: the
+    disk tier is read, never written)."""
     from tiered_kv.config import TieredKVConfig
     from tiered_kv.connector import build_connector
     from tiered_kv.engine import LLMEngine, engine_namespace, weights_revision
@@ -58,8 +59,10 @@ def build(max_position: int, max_tokens_per_request: int, store_dir: str | None,
         ns = engine_namespace(model, engine_cfg, weights_revision(model, seed=0))
         # room for twice the blocks of one run (loads promote into it, saves stage through it)
         host = max(64 << 20, 2 * engine_cfg.num_blocks * block_bytes(model))
-        connector = build_connector(TieredKVConfig.from_dict(store_config(store_dir, host, layerwise)), ns,
-                                    load_async=False)
+        config = store_config(store_dir, host, layerwise)
+        if not save:
+            config["disk"]["policy"] = "off"
+        connector = build_connector(TieredKVConfig.from_dict(config), ns, load_async=False)
     return LLMEngine(model, engine_cfg, connector, seed=0), connector
 
 
