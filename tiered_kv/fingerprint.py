@@ -72,6 +72,17 @@ def local_directory(name: object) -> Path | None:
         return None
 
 
+def model_name(model: object) -> str:
+    """What a namespace calls ``model``: a local directory by its own name (replicas keep their
+    copies at other paths, ``/mnt/a/llama-3-8b`` and ``/models/llama-3-8b``, and share one store;
+    the weights are named by the revision: :func:`fold_weights` or ``model_revision``), anything
+    else (a hub id) as given."""
+    directory = local_directory(model)
+    if directory is None:
+        return str(model)
+    return directory.resolve().name or str(model)
+
+
 def fold_weights(revision: str, model: object) -> str:
     """``revision`` with the fingerprint of ``model``'s weight files when it is a local directory
     (unchanged for a hub id: its revision names the weights)."""

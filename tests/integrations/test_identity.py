@@ -97,6 +97,19 @@ def test_an_explicit_model_revision_names_the_weights_itself(tmp_path):
     assert vllm_ns(model, revision="v7") == before and before.revision == "v7"
 
 
+def test_replicas_with_copies_of_one_model_at_other_paths_share_a_namespace(tmp_path):
+    # two replicas of vLLM sharing a Redis found nothing of each other: the namespace named the
+    # model by its local path (/tmp/.../a/model against /tmp/.../b/model)
+    import shutil
+
+    model = local_model(tmp_path / "a")
+    copy = tmp_path / "b" / "model"
+    shutil.copytree(model, copy)  # copy2: names, sizes and mtimes kept
+    assert vllm_ns(copy) == vllm_ns(model) and vllm_ns(model).model_id == "model"
+    rewrite_same_size(copy / "model-00001-of-00002.safetensors")  # other weights, same directory name
+    assert vllm_ns(copy).digest() != vllm_ns(model).digest()
+
+
 def test_a_second_engine_on_replaced_weights_gets_no_blocks_of_the_old_ones(tmp_path):
     model = local_model(tmp_path)
     extra = {"disk": {"url": f"lmdb://{tmp_path}/db"}, "host": {"capacity": "256KiB"}}

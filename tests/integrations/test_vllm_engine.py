@@ -35,8 +35,8 @@ def engine(tmp_path: Path, *extra_args: str, extra: dict | None = None) -> tuple
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def result(tmp_path: Path, *args: str) -> dict:
-    rc, out = engine(tmp_path, *args)
+def result(tmp_path: Path, *args: str, extra: dict | None = None) -> dict:
+    rc, out = engine(tmp_path, *args, extra=extra)
     assert rc == 0, out[-4000:]
     line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT "):])

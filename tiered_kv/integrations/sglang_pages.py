@@ -25,6 +25,7 @@ from typing import Any
 
 from tiered_kv.dtypes import dtype_name, itemsize
 from tiered_kv.errors import ConfigError
+from tiered_kv.fingerprint import model_name
 from tiered_kv.keys import Namespace
 
 
@@ -97,7 +98,7 @@ def page_namespace(geometry: PageGeometry, storage_config: Any, *, model_id: str
                      f"tp_size={storage_config.tp_size},logical_page={storage_config.logical_page_size}")
     layout = (f"sglang:{g.kind}:{g.layout}:layers={g.layer_num},page={g.page_size},{g.detail}:"
               + ":".join(shard))
-    return Namespace(model_id=str(model), dtype=g.dtype, num_layers=g.layer_num, num_kv_heads=1,
+    return Namespace(model_id=model_name(model), dtype=g.dtype, num_layers=g.layer_num, num_kv_heads=1,
                      head_dim=g.page_elements // per_part, block_size=g.page_size, revision=revision,
                      layout=layout, tp_rank=0 if mla else _int(storage_config, "tp_rank", 0),
                      tp_size=1 if mla else _int(storage_config, "tp_size", 1), hash_algo=hash_algo)

@@ -21,7 +21,7 @@ from typing import Any
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.dtypes import dtype_name
 from tiered_kv.errors import ConfigError
-from tiered_kv.fingerprint import fold_weights
+from tiered_kv.fingerprint import fold_weights, model_name
 from tiered_kv.keys import Namespace
 
 SOURCE = "TensorRT-LLM tiered-kv settings (TIERED_KV_*)"
@@ -81,7 +81,7 @@ def trtllm_namespace(llm_args: Any, config: TieredKVConfig) -> Namespace:
     # directory's weight files (checkpoint or built engine) are fingerprinted into the revision
     revision = config.model_revision or fold_weights(str(getattr(llm_args, "revision", None) or ""),
                                                       model_dir(llm_args))
-    return Namespace(model_id=str(llm_args.model), dtype=dtype_name(dtype), num_layers=layers,
+    return Namespace(model_id=model_name(llm_args.model), dtype=dtype_name(dtype), num_layers=layers,
                      num_kv_heads=kv_heads, head_dim=head_dim, block_size=int(block_size),
                      revision=revision, cache_salt=config.cache_salt, hash_algo=config.hash_algo)
 

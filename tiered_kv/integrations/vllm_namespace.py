@@ -10,7 +10,7 @@ from typing import Any
 
 from tiered_kv.dtypes import dtype_name
 from tiered_kv.errors import ConfigError
-from tiered_kv.fingerprint import fold_weights
+from tiered_kv.fingerprint import fold_weights, model_name
 from tiered_kv.integrations.vllm_groups import is_replicated, kv_groups
 from tiered_kv.keys import Namespace
 
@@ -45,7 +45,7 @@ def vllm_namespace(vllm_config: Any, kv_cache_config: Any, settings_config: Any,
     _refuse_other_block_size(vllm_config, spec)
     mc = vllm_config.model_config
     return Namespace(
-        model_id=str(mc.model), dtype=_kv_dtype(vllm_config, spec), num_layers=len(groups[0].layer_names),
+        model_id=model_name(mc.model), dtype=_kv_dtype(vllm_config, spec), num_layers=len(groups[0].layer_names),
         num_kv_heads=int(spec.num_kv_heads), head_dim=int(spec.head_size), block_size=int(spec.block_size),
         revision=_revision(vllm_config, settings_config), tp_rank=tp_rank,
         tp_size=int(getattr(pc, "tensor_parallel_size", 1) or 1),
@@ -66,7 +66,7 @@ def _grouped_namespace(vllm_config: Any, groups: list, settings_config: Any, tp_
         tp_rank, tp_size = 0, 1
     first = token[0]
     return Namespace(
-        model_id=str(vllm_config.model_config.model), dtype=first.dtype,
+        model_id=model_name(vllm_config.model_config.model), dtype=first.dtype,
         num_layers=sum(g.num_layers for g in ours), num_kv_heads=first.shape[-2] if len(first.shape) == 3 else 1,
         head_dim=first.shape[-1], block_size=first.block_size, revision=_revision(vllm_config, settings_config),
         tp_rank=tp_rank, tp_size=tp_size, cache_salt=settings_config.cache_salt,
