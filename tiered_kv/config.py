@@ -21,6 +21,10 @@ Sections mirror the tiers::
 The lower tiers are looked up, loaded and written in that order (``lower_tiers``); a new medium
 needs a backend in ``storage_backends`` and a ``[[tiers]]`` entry, nothing else.
 
+``encryption_secret`` (best from ``TIERED_KV_ENCRYPTION_SECRET`` or a ``file:`` reference, not
+the TOML itself) turns on encryption at rest of the lower tiers' blocks
+(:mod:`tiered_kv.store.tenant_cipher`); it is a :class:`Secret`, shown as ``<redacted>`` anywhere.
+
 Environment: ``TIERED_KV_<FIELD>`` for top-level fields and ``TIERED_KV_<SECTION>_<FIELD>`` for
 section fields (``TIERED_KV_DISK_URL``, ``TIERED_KV_HOST_CAPACITY``). Unknown keys, wrong types,
 negative sizes and URLs with no registered backend raise :class:`ConfigError` naming the key.
@@ -28,6 +32,8 @@ negative sizes and URLs with no registered backend raise :class:`ConfigError` na
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 from collections.abc import Mapping
@@ -41,6 +47,64 @@ from tiered_kv.units import parse_duration, parse_size
 
 POLICIES = ("write_through", "on_evict", "off")
 RESTORE_POLICIES = ("cost", "always")
+MIN_SECRET_BYTES = 16
+
+
+class Secret:
+    """A secret kept out of every repr, str, format and log line; ``reveal()`` gives its bytes."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: bytes) -> None:
+        self._value = bytes(value)
+
+    def reveal(self) -> bytes:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "Secret('<redacted>')"
+
+    __str__ = __repr__
+
+    def __format__(self, spec: str) -> str:
+        return repr(self)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and hmac.compare_digest(self._value, other._value)
+
+    def __hash__(self) -> int:
+        return hash(hashlib.sha256(b"tiered-kv secret" + self._value).digest())
+
+    def __copy__(self) -> Secret:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Secret:
+        return self
+
+    def __reduce__(self):
+        return (Secret, (self._value,))
+
+
+def _secret(key: str, value: Any) -> Secret:
+    """``value`` as a Secret: the secret itself, ``env:NAME`` (that variable) or ``file:PATH``
+    (that file, a trailing newline dropped); never quoted in an error."""
+    if isinstance(value, Secret):
+        return value
+    if isinstance(value, str) and value.startswith("env:"):
+        if not os.environ.get(value[4:]):
+            raise ConfigError(f"{key}: the environment variable {value[4:]} is not set")
+        value = os.environ[value[4:]]
+    elif isinstance(value, str) and value.startswith("file:"):
+        try:
+            with open(value[5:], "rb") as f:
+                value = f.read().rstrip(b"\r\n")
+        except OSError as exc:
+            raise ConfigError(f"{key}: cannot read {value[5:]} ({type(exc).__name__})") from None
+    if isinstance(value, str):
+        value = value.encode()
+    if not isinstance(value, bytes) or len(value) < MIN_SECRET_BYTES:
+        raise ConfigError(f"{key} must be a secret of at least {MIN_SECRET_BYTES} bytes (or env:NAME, file:PATH)")
+    return Secret(value)
 
 
 
@@ -186,8 +250,11 @@ class TieredKVConfig:
     layerwise_loads: bool = True  # sync loads arrive layer group by layer group (wait_for_layer_load waits for one); False = all before the forward
     restore_policy: str = "cost"  # "cost": load the stored prefix that minimizes predicted TTFT; "always": every stored block
     restore_min_samples: int = 3  # restores per tier and engine steps observed before "cost" may skip a load (the floor)
+    encryption_secret: Secret | None = None  # encrypt lower-tier blocks (AES-GCM, a key per tenant) with this; env:NAME / file:PATH read it; None = plain
 
     def __post_init__(self) -> None:
+        if self.encryption_secret is not None:
+            object.__setattr__(self, "encryption_secret", _secret("encryption_secret", self.encryption_secret))
         if self.workers < 1:
             raise ConfigError(f"workers must be at least 1, got {self.workers}")
         if isinstance(self.layer_groups, bool) or not isinstance(self.layer_groups, int) or self.layer_groups < 1:

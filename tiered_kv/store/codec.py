@@ -17,9 +17,14 @@ loader can check and decode one segment of every block at a time; ``checksum`` a
 (:mod:`tiered_kv.store.codec_segments`). ``encode(..., segments=None)`` or one segment writes the
 unsegmented block, byte for byte; :meth:`BlockCodec.segments` opens either form segment-wise.
 
+Sealed block (flag SEALED, with or without SEGMENTED): a plain block encrypted frame by frame
+under its tenant's key (:meth:`BlockCodec.seal`, :mod:`tiered_kv.store.codec_sealed`); the header
+stays checkable without the key, the plain block's own checks travel encrypted.
+
 The codec knows bytes, dtypes by name and shapes; it never imports torch and never unpickles.
 Every decode validates every header field and the checksums and raises :class:`CorruptBlock`
-(``reason`` = ``corrupt`` or ``namespace_mismatch``) instead of returning doubtful bytes.
+(``reason`` = ``corrupt``, ``namespace_mismatch``, or for sealed blocks ``no_key``,
+``wrong_key``, ``unencrypted``) instead of returning doubtful bytes.
 
 A header with a valid checksum can still lie (anyone who can write to a shared Redis or disk can
 store a block made for another shape under our key, or declare a 1 TiB payload). So a decode is
@@ -35,7 +40,6 @@ know) the declared raw length must fit what the body can hold (``raw``: its leng
 from __future__ import annotations
 
 import operator
-import struct
 import time
 from dataclasses import dataclass
 from math import prod
@@ -54,8 +58,24 @@ from tiered_kv.store.codec_body import (
     room,
     undecodable,
 )
+from tiered_kv.store.codec_header import (
+    DTYPE_CODES,
+    DTYPE_NAMES,
+    FLAGS,
+    HEADER,
+    HEADER_BYTES,
+    MAGIC,
+    MAX_NDIM,
+    SEALED,
+    SEGMENTED,
+    VERSION,
+    BlockHeader,
+    pack_header,
+)
+from tiered_kv.store.codec_sealed import MIN_SEALED, Sealing, open_sealed, seal_block
 from tiered_kv.store.codec_segments import (
     BlockSegments,
+    check_body,
     encode_segments,
     open_segments,
     segment_lengths,
@@ -63,25 +83,9 @@ from tiered_kv.store.codec_segments import (
 )
 
 __all__ = ["CODECS", "CODEC_NAMES", "DTYPE_CODES", "DTYPE_NAMES", "HEADER", "HEADER_BYTES", "MAGIC",
-           "MAX_NDIM", "MAX_RAW_BYTES", "SEGMENTED", "VERSION", "ZSTD_MAX_RATIO", "BlockCodec",
-           "BlockHeader", "BlockLayout", "BlockSegments", "max_stored_len"]
+           "MAX_NDIM", "MAX_RAW_BYTES", "SEALED", "SEGMENTED", "VERSION", "ZSTD_MAX_RATIO", "BlockCodec",
+           "BlockHeader", "BlockLayout", "BlockSegments", "Sealing", "max_stored_len"]
 
-MAGIC = b"TKVB"
-VERSION = 1
-MAX_NDIM = 6
-# magic, version, codec, dtype, level, ndim, flags, shape[6], namespace, key,
-# raw_len, stored_len, checksum, body_check, created, header_check
-HEADER = struct.Struct("<4sHBBbBH6I16s16sQQQIdI")
-HEADER_BYTES = HEADER.size
-
-SEGMENTED = 1  # flags bit: the body is a segment table and segments (tiered_kv.store.codec_segments)
-
-# dtype name (tiered_kv.dtypes) -> its code in the header
-DTYPE_CODES: dict[str, int] = {
-    "uint8": 1, "int8": 2, "float8_e4m3fn": 3, "float8_e5m2": 4, "float16": 5, "bfloat16": 6,
-    "float32": 7, "int32": 8, "float64": 9,
-}
-DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 # the largest payload decoded for a block whose namespace (so whose size) the reader does not know
 MAX_RAW_BYTES = 1 << 30
 
@@ -103,37 +107,6 @@ class BlockLayout:
 
     def describe(self) -> str:
         return f"{self.dtype} {list(self.shape)} ({self.raw_len} bytes)"
-
-
-@dataclass(frozen=True)
-class BlockHeader:
-    """The decoded header of one stored block."""
-
-    codec: str
-    dtype: str
-    level: int
-    shape: tuple[int, ...]
-    namespace: bytes
-    key: bytes
-    raw_len: int
-    stored_len: int
-    checksum: int
-    body_check: int
-    created: float
-    version: int = VERSION
-    flags: int = 0
-
-    @property
-    def segmented(self) -> bool:
-        return bool(self.flags & SEGMENTED)
-
-    @property
-    def ratio(self) -> float:
-        return self.raw_len / max(1, self.stored_len)
-
-    @property
-    def total_len(self) -> int:
-        return HEADER_BYTES + self.stored_len
 
 
 class BlockCodec:
@@ -208,12 +181,17 @@ class BlockCodec:
 
     def _header(self, codec: str, dtype: str, shape, namespace: bytes, key: bytes, raw_len: int,
                 stored_len: int, checksum: int, body_check: int, created: float, flags: int = 0) -> bytes:
-        dims = tuple(shape) + (0,) * (MAX_NDIM - len(shape))
-        fields = (MAGIC, VERSION, CODECS[codec], DTYPE_CODES[dtype], self.level, len(shape), flags,
-                  *dims, namespace, key, raw_len, stored_len, checksum, body_check, created, 0)
-        head = HEADER.pack(*fields)
-        check = xxhash.xxh32_intdigest(head[:-4])
-        return head[:-4] + struct.pack("<I", check)
+        return pack_header(codec, dtype, self.level, shape, namespace, key, raw_len, stored_len, checksum,
+                           body_check, created, flags)
+
+    @classmethod
+    def seal(cls, blob, sealing: Sealing, *, expect: BlockLayout | None = None):
+        """``blob`` (a block this process encoded) encrypted under ``sealing`` (its tenant's
+        cipher: :mod:`tiered_kv.store.codec_sealed`); a block sealed already comes back as is."""
+        header = cls.read_header(blob, expect=expect, max_raw=None if expect else MAX_RAW_BYTES)
+        if header.sealed:
+            return blob
+        return seal_block(header, memoryview(blob).cast("B")[HEADER_BYTES:], ITEMSIZE[header.dtype], sealing)
 
     # -- decode -----------------------------------------------------------------------------
     @staticmethod
@@ -236,7 +214,7 @@ class BlockCodec:
             raise CorruptBlock("header checksum mismatch")
         if version != VERSION:
             raise CorruptBlock(f"unsupported format version {version}")
-        if codec not in CODEC_NAMES or dtype not in DTYPE_NAMES or flags & ~SEGMENTED:
+        if codec not in CODEC_NAMES or dtype not in DTYPE_NAMES or flags & ~FLAGS:
             raise CorruptBlock(f"unknown codec {codec} / dtype {dtype} / flags {flags}")
         if not 1 <= ndim <= MAX_NDIM or any(d == 0 for d in dims[:ndim]) or any(dims[ndim:]):
             raise CorruptBlock(f"bad shape {dims} with ndim {ndim}")
@@ -246,12 +224,14 @@ class BlockCodec:
             raise CorruptBlock(f"raw length {raw_len} does not match shape {shape} x {dtype_name}")
         if len(view) != HEADER_BYTES + stored_len:
             raise CorruptBlock(f"stored length {stored_len} but body has {len(view) - HEADER_BYTES} bytes")
-        codec_name = CODEC_NAMES[codec]
-        if flags & SEGMENTED:  # a table of at least two segments, each at least an item
-            if stored_len < table_len(2) or raw_len < 2 * ITEMSIZE[dtype_name]:
-                raise CorruptBlock(f"segmented block of {stored_len} stored / {raw_len} raw bytes")
-        elif codec_name == "raw" and stored_len != raw_len:
-            raise CorruptBlock("raw body length differs from raw length")
+        codec_name, size = CODEC_NAMES[codec], ITEMSIZE[dtype_name]
+        header = BlockHeader(codec_name, dtype_name, level, shape, ns, k, raw_len,
+                             stored_len, checksum, body_check, created, version, flags)
+        if header.sealed:  # the plain block's body is checked once decrypted
+            if stored_len < MIN_SEALED:
+                raise CorruptBlock(f"sealed block of {stored_len} stored bytes")
+        else:
+            check_body(header, size, with_room=False)
         if namespace is not None and ns != namespace:
             raise NamespaceMismatch(f"block of namespace {ns.hex()} read under {namespace.hex()}")
         if key is not None and k != key:
@@ -259,7 +239,6 @@ class BlockCodec:
         if expect is not None and (dtype_name != expect.dtype or shape != expect.shape):
             raise CorruptBlock(f"block declares {dtype_name} {list(shape)} ({raw_len} bytes), "
                                f"the namespace's block is {expect.describe()}")
-        size = ITEMSIZE[dtype_name]
         if codec_name == "zstd+shuffle" and size == 1:
             raise CorruptBlock("zstd+shuffle declared for a 1-byte dtype (never written)")
         # a segmented body holds at most this much too: its segments are raw or of this codec
@@ -269,26 +248,34 @@ class BlockCodec:
         if expect is None and max_raw is not None and raw_len > max_raw:
             raise CorruptBlock(f"block declares {raw_len} raw bytes, over the {max_raw}-byte limit "
                                "for a block of unknown namespace")
-        return BlockHeader(codec_name, dtype_name, level, shape, ns, k, raw_len,
-                           stored_len, checksum, body_check, created, version, flags)
+        return header
 
     @classmethod
     def segments(cls, blob, *, namespace: bytes | None = None, key: bytes | None = None,
-                 expect: BlockLayout | None = None, max_raw: int | None = None) -> BlockSegments:
+                 expect: BlockLayout | None = None, max_raw: int | None = None,
+                 sealing: Sealing | None = None) -> BlockSegments:
         """``blob`` opened for decoding one segment at a time (:class:`BlockSegments`: ``header``,
         ``bounds``, ``raw_len``, ``decode(j, out)``; an unsegmented block is one segment). Its
         header and segment table are validated completely, no segment body is touched: a lying
         header or table raises CorruptBlock before anything is allocated. Without ``expect``
-        the raw length may not exceed ``max_raw`` (default MAX_RAW_BYTES)."""
+        the raw length may not exceed ``max_raw`` (default MAX_RAW_BYTES).
+
+        ``sealing``: the reader's tenant cipher. With one, only sealed blocks are read (a plain
+        one is an ``unencrypted`` CorruptBlock); without, a sealed block's framing is checked and
+        a ``no_key`` CorruptBlock raised (:mod:`tiered_kv.store.codec_sealed`)."""
         if expect is None and max_raw is None:
             max_raw = MAX_RAW_BYTES
-        return cls._open(blob, namespace, key, expect, max_raw)
+        return cls._open(blob, namespace, key, expect, max_raw, sealing)
 
     @classmethod
-    def _open(cls, blob, namespace, key, expect, max_raw) -> BlockSegments:
+    def _open(cls, blob, namespace, key, expect, max_raw, sealing=None) -> BlockSegments:
         try:
             header = cls.read_header(blob, namespace=namespace, key=key, expect=expect, max_raw=max_raw)
             body = memoryview(blob).cast("B")[HEADER_BYTES:]
+            if header.sealed:
+                return open_sealed(header, body, ITEMSIZE[header.dtype], sealing)
+            if sealing is not None:
+                raise CorruptBlock("a plain block where blocks are encrypted", reason="unencrypted")
             return open_segments(header, body, ITEMSIZE[header.dtype], header.segmented)
         except CorruptBlock:
             raise
@@ -296,8 +283,8 @@ class BlockCodec:
             raise undecodable(exc) from None
 
     def decode(self, blob, *, namespace: bytes | None = None, key: bytes | None = None,
-               out=None, expect: BlockLayout | None = None,
-               max_raw: int | None = None) -> tuple[BlockHeader, memoryview]:
+               out=None, expect: BlockLayout | None = None, max_raw: int | None = None,
+               sealing: Sealing | None = None) -> tuple[BlockHeader, memoryview]:
         """Validate ``blob`` and return (header, payload). With ``out`` (a writable buffer of
         exactly the raw length) the payload is written there and a view of ``out`` is returned.
         A raw body is checked before it is copied into ``out``; a compressed one is checked
@@ -310,7 +297,8 @@ class BlockCodec:
         corrupt, found before anything is allocated or decompressed. Without ``expect`` and
         ``out`` the raw length may not exceed ``max_raw`` (default MAX_RAW_BYTES). Every failure
         caused by the stored bytes, whatever its type, raises CorruptBlock; only a caller's own
-        mistake (an ``out`` of another size than it expects) raises ValueError."""
+        mistake (an ``out`` of another size than it expects) raises ValueError. ``sealing``: as
+        for :meth:`segments`."""
         dst = None
         if out is not None:
             dst = memoryview(out).cast("B")
@@ -320,7 +308,7 @@ class BlockCodec:
         limit = None
         if expect is None and dst is None:
             limit = MAX_RAW_BYTES if max_raw is None else max_raw
-        block = self._open(blob, namespace, key, expect, limit)
+        block = self._open(blob, namespace, key, expect, limit, sealing)
         if dst is not None and len(dst) != block.raw_len:
             raise ValueError(f"output buffer has {len(dst)} bytes, block needs {block.raw_len}")
         return block.header, block.decode_all(dst)

@@ -126,6 +126,10 @@ class BlockSegments:
     def __len__(self) -> int:
         return len(self._segs)
 
+    def stored_ranges(self) -> list[tuple[int, int]]:
+        """``(start, end)`` of each segment's stored body in the block's body."""
+        return [(s[3], s[4]) for s in self._segs]
+
     def decode(self, j: int, out) -> memoryview:
         """Validate segment ``j`` and write exactly its raw bytes into ``out`` (a writable buffer
         of exactly that segment's length: ValueError otherwise); a view of ``out``. Its stored
@@ -187,7 +191,7 @@ class BlockSegments:
     def _error(self, j: int, exc: Exception) -> CorruptBlock:
         """``exc`` as a CorruptBlock naming segment ``j`` (of a segmented block)."""
         err = exc if isinstance(exc, CorruptBlock) else undecodable(exc)
-        return CorruptBlock(f"segment {j}: {err.detail}") if len(self._segs) > 1 else err
+        return CorruptBlock(f"segment {j}: {err.detail}", reason=err.reason) if len(self._segs) > 1 else err
 
 
 def open_segments(header: Any, body: memoryview, size: int, segmented: bool) -> BlockSegments:
@@ -196,10 +200,25 @@ def open_segments(header: Any, body: memoryview, size: int, segmented: bool) -> 
     if not segmented:
         one = (header.codec, 0, header.raw_len, 0, len(body), header.checksum, header.body_check)
         return BlockSegments(header, body, size, [one])
-    return BlockSegments(header, body, size, _table(header, body, size))
+    return BlockSegments(header, body, size, read_table(header, body, size))
 
 
-def _table(header: Any, body: memoryview, size: int) -> list[tuple]:
+def check_body(header: Any, size: int, with_room: bool = True) -> None:
+    """The stored length of a plain block's body against its header (CorruptBlock): a
+    segmented body holds a table of at least two segments of at least an item each, a raw body
+    exactly the payload, and (``with_room``) no body more raw bytes than its codec can make."""
+    if header.segmented:
+        if header.stored_len < table_len(2) or header.raw_len < 2 * size:
+            raise CorruptBlock(f"segmented block of {header.stored_len} stored / {header.raw_len} raw bytes")
+    elif header.codec == "raw" and header.stored_len != header.raw_len:
+        raise CorruptBlock("raw body length differs from raw length")
+    # a segmented body holds at most this much too: its segments are raw or of this codec
+    if with_room and header.raw_len > room(header.codec, size, header.stored_len):
+        raise CorruptBlock(f"block declares {header.raw_len} raw bytes, more than a {header.codec} body "
+                           f"of {header.stored_len} bytes can hold")
+
+
+def read_table(header: Any, body: memoryview, size: int) -> list[tuple]:
     if len(body) < TABLE_HEAD.size:
         raise CorruptBlock("truncated segment table")
     (n,) = TABLE_HEAD.unpack_from(body)

@@ -5,6 +5,12 @@ Every failure becomes a counted miss with a reason (``absent``, ``corrupt``,
 engine's path, and nothing that failed validation is handed out. A stored block is decoded
 against the namespace's block layout: one whose header describes another shape, dtype or size,
 or whose decoding fails in any way at all, is a ``corrupt`` miss and is removed from the tier.
+
+With an encryption secret every block is sealed under its tenant's key as it is stored
+(:meth:`BlockCodec.seal`; blocks copied up from a lower tier are sealed already) and only sealed
+blocks are read. A block this replica cannot open (``no_key``: no secret here; ``wrong_key``:
+another secret or tenant; ``unencrypted``: a plain block where blocks are encrypted) is a counted
+miss but stays in the tier: it may be good for a replica that holds its key.
 """
 
 from __future__ import annotations
@@ -14,26 +20,30 @@ import time
 from collections.abc import Callable, Sequence
 
 from storage_backends.base import Backend
-from tiered_kv.config import TierConfig
+from tiered_kv.config import Secret, TierConfig
 from tiered_kv.errors import BackendUnavailable, CorruptBlock
 from tiered_kv.keys import Namespace
 from tiered_kv.store import codec_choice
-from tiered_kv.store.codec import BlockCodec, BlockLayout, max_stored_len
+from tiered_kv.store.codec import BlockCodec, BlockLayout, Sealing, max_stored_len
 from tiered_kv.store.metrics import StoreMetrics
+from tiered_kv.store.tenant_cipher import TenantCipher
 
 log = logging.getLogger(__name__)
 
 # a frame costs a fixed few microseconds to open, hash and decode on its own: frames below this
 # would make layer-wise loads slower than whole ones (a 2 MiB Llama-8B block still gets 8 groups)
 MIN_FRAME_BYTES = 64 << 10
+# miss reasons of blocks another replica may read: counted, never removed
+KEY_REASONS = frozenset({"no_key", "wrong_key", "unencrypted"})
 
 
 class EncodedTier:
     """One lower tier: ``backend`` holds stored blocks under ``namespace digest ‖ key``, written
-    and read as ``config`` says (codec, policy, admission)."""
+    and read as ``config`` says (codec, policy, admission); sealed under ``secret`` when given."""
 
     def __init__(self, config: TierConfig, backend: Backend, namespace: Namespace,
-                 metrics: StoreMetrics, codec: str | None = None, layer_groups: int = 1) -> None:
+                 metrics: StoreMetrics, codec: str | None = None, layer_groups: int = 1,
+                 secret: Secret | None = None) -> None:
         self.config = config
         self.name = config.name
         self.policy = config.policy
@@ -50,6 +60,12 @@ class EncodedTier:
         self.stored_max = max_stored_len(self.layout.raw_len, len(self.segments or (0,)))
         self.metrics = metrics
         self.unavailable = f"{config.name}_unavailable"
+        self.cipher = None if secret is None else TenantCipher(secret.reveal())  # None: blocks stay plain
+        self.said: set[str] = set()  # KEY_REASONS already logged as a warning
+
+    def sealing(self, tenant: bytes) -> Sealing | None:
+        """``tenant``'s cipher, or None when this tier's blocks are plain."""
+        return None if self.cipher is None else self.cipher.sealing(tenant)
 
     # -- presence ----------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
@@ -71,10 +87,13 @@ class EncodedTier:
 
     def put_blobs(self, items: Sequence[tuple[bytes, bytes]], raw_bytes: int,
                   start: float | None = None, tenant: bytes = b"") -> list[bool]:
-        """Store encoded blocks (``raw_bytes`` of payload in all) of ``tenant``; ``start`` = when
-        encoding began."""
-        return self._put([(self.ns + k, b) for k, b in items], raw_bytes,
-                         time.perf_counter() if start is None else start, tenant)
+        """Store encoded blocks (``raw_bytes`` of payload in all) of ``tenant``, sealed under its key
+        when this tier encrypts; ``start`` = when encoding began."""
+        start = time.perf_counter() if start is None else start
+        sealing = self.sealing(tenant)
+        if sealing is not None:
+            items = [(k, self.codec.seal(b, sealing, expect=self.layout)) for k, b in items]
+        return self._put([(self.ns + k, b) for k, b in items], raw_bytes, start, tenant)
 
     def _put(self, blobs: list[tuple[bytes, bytes]], raw: int, start: float, tenant: bytes) -> list[bool]:
         try:
@@ -93,16 +112,19 @@ class EncodedTier:
 
     # -- read --------------------------------------------------------------------------------
     def read_into(self, keys: Sequence[bytes], outs: Sequence[object],
-                  keep_blobs: bool = False) -> tuple[list[str | None], list[bytes | None]]:
-        """Decode each present block into ``outs[i]`` (buffers of the namespace's block size);
-        per key None (ok) or a miss reason. With ``keep_blobs`` the validated stored bytes come
-        back too (to copy them down). A block that fails to decode, for whatever reason, is a
-        ``corrupt`` (or ``namespace_mismatch``) miss and is removed from this tier; never raised."""
+                  keep_blobs: bool = False, tenant: bytes = b"") -> tuple[list[str | None], list[bytes | None]]:
+        """Decode each present block of ``tenant`` into ``outs[i]`` (buffers of the namespace's
+        block size); per key None (ok) or a miss reason. With ``keep_blobs`` the validated stored
+        bytes come back too (to copy them down). A block that fails to decode, for whatever
+        reason, is a ``corrupt`` (or ``namespace_mismatch``) miss and is removed from this tier
+        (one this replica has no key for is a KEY_REASONS miss and stays); never raised."""
         read = _Read(self, keys, outs, keep_blobs)
+        sealing = self.sealing(tenant)
 
         def decode(i: int, blob: memoryview) -> None:
             try:
-                self.codec.decode(blob, namespace=self.ns, key=keys[i], out=outs[i], expect=self.layout)
+                self.codec.decode(blob, namespace=self.ns, key=keys[i], out=outs[i], expect=self.layout,
+                                  sealing=sealing)
             except Exception as exc:  # whatever a stored block makes decoding do is its fault
                 read.fail(i, exc)
                 return
@@ -112,7 +134,7 @@ class EncodedTier:
 
     def read_layered(self, keys: Sequence[bytes], outs: Sequence[object],
                      on_ready: Callable[[list[int], int], None],
-                     keep_blobs: bool = False) -> tuple[list[str | None], list[bytes | None]]:
+                     keep_blobs: bool = False, tenant: bytes = b"") -> tuple[list[str | None], list[bytes | None]]:
         """:meth:`read_into` frame by frame: every block's first layer group, then every block's
         second, ... Each frame is checked before a byte of it lands in ``outs``; after each pass
         ``on_ready(indices, raw_end)`` names the blocks whose first ``raw_end`` bytes are in
@@ -120,6 +142,7 @@ class EncodedTier:
         :meth:`read_into`). Blocks framed in fewer groups (or one: older blocks) are ready at
         their own frames' ends."""
         read = _Read(self, keys, outs, keep_blobs)
+        sealing = self.sealing(tenant)
 
         def decode_all(blobs: list[memoryview | None]) -> None:
             opened = {}
@@ -127,7 +150,8 @@ class EncodedTier:
                 if blob is None:
                     continue
                 try:
-                    opened[i] = self.codec.segments(blob, namespace=self.ns, key=keys[i], expect=self.layout)
+                    opened[i] = self.codec.segments(blob, namespace=self.ns, key=keys[i], expect=self.layout,
+                                                    sealing=sealing)
                 except Exception as exc:
                     read.fail(i, exc)
             views = {i: memoryview(outs[i]).cast("B") for i in opened}
@@ -180,11 +204,16 @@ class _Read:
         self.reasons: list[str | None] = ["absent"] * len(keys)
         self.blobs: list[bytes | None] = [None] * len(keys)
         self.corrupt: list[bytes] = []
+        self.locked = 0  # blocks missed for KEY_REASONS
 
     def fail(self, i: int, exc: BaseException) -> None:
         reason, detail = ((exc.reason, exc.detail) if isinstance(exc, CorruptBlock)
                           else ("corrupt", f"{type(exc).__name__}: {exc}"))
         self.reasons[i] = reason
+        if reason in KEY_REASONS:  # good, maybe, for a replica holding the key: left in place
+            self.locked += 1
+            log.debug("%s tier: block %s cannot be opened here (%s)", self.tier.name, self.keys[i].hex(), reason)
+            return
         self.corrupt.append(self.keys[i])
         log.warning("%s tier: block %s is unusable (%s): %s", self.tier.name, self.keys[i].hex(), reason,
                     " ".join(str(detail).split())[:200])
@@ -214,6 +243,12 @@ class _Read:
                 tier.metrics.miss(tier.name, r)
         if self.corrupt:
             tier._discard(self.corrupt)
+        if self.locked:  # said once per tier and reason (every read would repeat it), counted always
+            new = {r for r in reasons if r in KEY_REASONS} - tier.said
+            tier.said |= new
+            log.log(logging.WARNING if new else logging.DEBUG, "%s tier: %d blocks are encrypted under a key "
+                    "this replica does not have, or plain where blocks are encrypted (%s: counted misses)",
+                    tier.name, self.locked, ", ".join(sorted({r for r in reasons if r in KEY_REASONS})))
         return reasons, self.blobs
 
 

@@ -1,8 +1,9 @@
 """Reading blocks from the lower tiers into caller-given buffers: each tier in order is asked
 for the blocks still missing, every block is validated while it is decoded, and a block read
-from a lower tier is copied (its validated stored bytes, not re-encoded) into the tiers above it
-that admit it. Used both for loads staged through host slots and for direct loads into the
-caller's own host memory."""
+from a lower tier is copied (its validated stored bytes, not re-encoded: a sealed block stays
+sealed, under its tenant's key) into the tiers above it that admit it. Used both for loads
+staged through host slots and for direct loads into the caller's own host memory. The blocks
+are read as the tenant's (their key, when blocks are encrypted)."""
 
 from __future__ import annotations
 
@@ -53,11 +54,11 @@ class LowerReader:
             above = [t for t in self.tiers[:depth] if t.policy != "off"]
             sub_keys, sub_outs = [keys[i] for i in pending], [outs[i] for i in pending]
             if on_ready is None:
-                got, blobs = tier.read_into(sub_keys, sub_outs, keep_blobs=bool(above))
+                got, blobs = tier.read_into(sub_keys, sub_outs, keep_blobs=bool(above), tenant=tenant)
             else:
                 got, blobs = tier.read_layered(
                     sub_keys, sub_outs, lambda ready, end, p=pending: on_ready([p[j] for j in ready], end),
-                    keep_blobs=bool(above))
+                    keep_blobs=bool(above), tenant=tenant)
             for i, reason in zip(pending, got):
                 if reason is None:
                     served[i] = tier.name

@@ -1,0 +1,196 @@
+"""Sealed blocks: a stored block whose body is encrypted and authenticated (AES-GCM) frame by
+frame under its tenant's key, while its header and framing stay checkable without the key.
+
+A sealed block is made from the plain block (:mod:`tiered_kv.store.codec`: compressed first,
+then encrypted; compressing ciphertext would gain nothing). Its header is the plain block's with
+the SEALED flag, ``stored_len`` the sealed body's length, and ``checksum`` / ``body_check`` the
+xxh3-64 / xxh32 of the frame table. The body, little-endian::
+
+    u32 count
+    count x (u32 sealed_len, u32 check)      # check: xxh3-64 & 0xFFFFFFFF of the sealed frame
+    count x (nonce[12] | ciphertext | tag[16])
+
+Frame 0 seals ``u64 checksum | u32 body_check`` of the plain block (its payload hash and body
+check: they stay secret) followed by its whole body (an unsegmented block: count is 1) or by its
+segment table (a segmented one); frame j+1 seals segment j's stored body. So a layer-wise load
+authenticates and decrypts each layer group on its own before any byte of it is used, and a
+reader without the key can still check every header field, the frame table and every frame's
+check over the ciphertext (``tiered-kv verify``).
+
+Each frame has its own random 96-bit nonce (the NIST bound for random nonces, 2^32 frames per
+key, is billions of blocks per tenant and secret). Its associated data binds it to where it was
+stored: a domain tag, the namespace digest, the block key, codec, dtype, shape, raw length, the
+frame's index and count, and the tenant label; a blob copied under another key, namespace or
+tenant (or a frame moved within a block) fails authentication. Failures: a check or the framing
+-> ``corrupt``; no key here -> ``no_key``; authentication -> ``wrong_key`` (another secret or
+tenant, or a tampered block whose checks were recomputed). The cipher itself is the caller's
+(:class:`Sealing`: an object with AESGCM's ``encrypt``/``decrypt``); no crypto library and no
+torch here.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, replace
+from typing import Any
+
+import xxhash
+
+from tiered_kv.errors import CorruptBlock
+from tiered_kv.store.codec_body import CODECS, body_check
+from tiered_kv.store.codec_header import DTYPE_CODES, MAX_NDIM, SEALED, pack_header
+from tiered_kv.store.codec_segments import (
+    MAX_SEGMENTS,
+    BlockSegments,
+    check_body,
+    open_segments,
+    read_table,
+)
+
+NONCE = 12
+TAG = 16
+OVERHEAD = NONCE + TAG  # bytes a frame grows by when sealed
+ENV_HEAD = struct.Struct("<I")
+ENV_ENTRY = struct.Struct("<II")  # sealed_len, check
+INNER = struct.Struct("<QI")  # the plain block's checksum and body check, first in frame 0
+AAD = struct.Struct(f"<8s16s16sBB{MAX_NDIM}IQII")  # domain, namespace, key, codec, dtype, dims, raw_len, j, n
+DOMAIN = b"TKVSEAL1"
+MIN_SEALED = ENV_HEAD.size + ENV_ENTRY.size + OVERHEAD + INNER.size  # the smallest sealed body
+
+
+@dataclass(frozen=True)
+class Sealing:
+    """One tenant's cipher: ``aead`` has AESGCM's ``encrypt(nonce, data, aad)`` (ciphertext and
+    tag) and ``decrypt`` (raising on a failed tag); ``tenant`` is the label bound into every frame."""
+
+    aead: Any
+    tenant: bytes = b""
+
+
+def env_len(n: int) -> int:
+    """Bytes of the frame table of ``n`` frames."""
+    return ENV_HEAD.size + n * ENV_ENTRY.size
+
+
+def frame_aad(header: Any, tenant: bytes, j: int, n: int) -> bytes:
+    """The associated data of frame ``j`` of ``n`` of a block: where it belongs."""
+    dims = tuple(header.shape) + (0,) * (MAX_NDIM - len(header.shape))
+    return AAD.pack(DOMAIN, header.namespace, header.key, CODECS[header.codec], DTYPE_CODES[header.dtype],
+                    *dims, header.raw_len, j, n) + tenant
+
+
+def seal_block(header: Any, body: memoryview, size: int, sealing: Sealing) -> bytes:
+    """The sealed block of a validated plain block (``header``, ``body``)."""
+    inner = INNER.pack(header.checksum, header.body_check)
+    if header.segmented:
+        ranges = open_segments(header, body, size, True).stored_ranges()
+        plain = [inner + bytes(body[: ranges[0][0]])] + [body[lo:hi] for lo, hi in ranges]  # table, segments
+    else:
+        plain = [inner + bytes(body)]
+    n = len(plain)
+    frames = []
+    for j, data in enumerate(plain):
+        nonce = os.urandom(NONCE)
+        frames.append(nonce + sealing.aead.encrypt(nonce, data, frame_aad(header, sealing.tenant, j, n)))
+    table = ENV_HEAD.pack(n) + b"".join(ENV_ENTRY.pack(len(f), body_check(f)) for f in frames)
+    stored_len = len(table) + sum(len(f) for f in frames)
+    head = pack_header(header.codec, header.dtype, header.level, header.shape, header.namespace, header.key,
+                       header.raw_len, stored_len, xxhash.xxh3_64_intdigest(table),
+                       xxhash.xxh32_intdigest(table), header.created, header.flags | SEALED)
+    return b"".join((head, table, *frames))
+
+
+def open_sealed(header: Any, body: memoryview, size: int, sealing: Sealing | None) -> BlockSegments:
+    """``body`` of a sealed block (``header`` validated) opened for decoding segment-wise: the
+    frame table validated, frame 0 checked, authenticated and its plain table validated against
+    the header; later frames are opened as their segments are decoded. Without ``sealing``
+    every frame's check is verified and then a ``no_key`` CorruptBlock raised."""
+    frames = _frames(header, body)
+    if sealing is None:
+        for j in range(len(frames)):
+            _checked(body, frames, j)
+        raise CorruptBlock("the block is encrypted and no encryption secret is set here", reason="no_key")
+    first = _open_frame(header, body, frames, 0, sealing)
+    if len(first) < INNER.size:
+        raise CorruptBlock("sealed frame 0 is shorter than its fixed fields")
+    checksum, check = INNER.unpack_from(first)
+    inner_len = sum(hi - lo - OVERHEAD for lo, hi, _ in frames) - INNER.size
+    plain = replace(header, flags=header.flags & ~SEALED, stored_len=inner_len, checksum=checksum,
+                    body_check=check)
+    check_body(plain, size)
+    if not plain.segmented:
+        if len(frames) != 1:
+            raise CorruptBlock(f"unsegmented sealed block of {len(frames)} frames")
+        block = open_segments(plain, memoryview(first)[INNER.size :], size, False)
+        block.header = header
+        return block
+    buf = memoryview(bytearray(inner_len))
+    table = memoryview(first)[INNER.size :]
+    buf[: len(table)] = table
+    segs = read_table(plain, buf, size)
+    if len(frames) != len(segs) + 1 or segs[0][3] != len(table) or any(
+            hi - lo - OVERHEAD != seg[4] - seg[3] for (lo, hi, _), seg in zip(frames[1:], segs)):
+        raise CorruptBlock(f"{len(frames)} sealed frames do not match a table of {len(segs)} segments")
+    return SealedSegments(header, buf, size, segs, body, frames, sealing)
+
+
+class SealedSegments(BlockSegments):
+    """A sealed segmented block: segment j's frame is checked, authenticated and decrypted into
+    the plain body when segment j is first checked, then decoded as a plain segment."""
+
+    __slots__ = ("_sealed", "_frames", "_sealing", "_opened")
+
+    def __init__(self, header: Any, plain: memoryview, size: int, segs: list[tuple], sealed: memoryview,
+                 frames: list[tuple[int, int, int]], sealing: Sealing) -> None:
+        super().__init__(header, plain, size, segs)
+        self._sealed, self._frames, self._sealing = sealed, frames, sealing
+        self._opened: set[int] = set()
+
+    def _check(self, j: int):
+        if j not in self._opened:
+            _, _, _, lo, hi, _, _ = self._segs[j]
+            self._body[lo:hi] = _open_frame(self.header, self._sealed, self._frames, j + 1, self._sealing)
+            self._opened.add(j)
+        return super()._check(j)
+
+
+def _frames(header: Any, body: memoryview) -> list[tuple[int, int, int]]:
+    """The frame table, validated against the header and the body: (start, end, check) each."""
+    if len(body) < ENV_HEAD.size:
+        raise CorruptBlock("truncated sealed frame table")
+    (n,) = ENV_HEAD.unpack_from(body)
+    if not 1 <= n <= MAX_SEGMENTS + 1 or env_len(n) > len(body):
+        raise CorruptBlock(f"sealed frame table declares {n} frames in a {len(body)}-byte body")
+    table = body[: env_len(n)]
+    if (xxhash.xxh3_64_intdigest(table) != header.checksum
+            or xxhash.xxh32_intdigest(table) != header.body_check):
+        raise CorruptBlock("sealed frame table checksum mismatch")
+    frames, at = [], len(table)
+    for j, (length, check) in enumerate(ENV_ENTRY.iter_unpack(table[ENV_HEAD.size :])):
+        if length < OVERHEAD + (INNER.size if j == 0 else 1):
+            raise CorruptBlock(f"sealed frame {j} of {length} bytes")
+        frames.append((at, at + length, check))
+        at += length
+    if at != len(body):
+        raise CorruptBlock(f"sealed frames cover {at} bytes, the body has {len(body)}")
+    return frames
+
+
+def _checked(body: memoryview, frames: list[tuple[int, int, int]], j: int) -> memoryview:
+    lo, hi, check = frames[j]
+    sealed = body[lo:hi]
+    if body_check(sealed) != check:
+        raise CorruptBlock(f"sealed frame {j} checksum mismatch")
+    return sealed
+
+
+def _open_frame(header: Any, body: memoryview, frames: list[tuple[int, int, int]], j: int,
+                sealing: Sealing) -> bytes:
+    """Frame ``j`` checked (over its ciphertext), authenticated and decrypted."""
+    sealed = _checked(body, frames, j)
+    try:
+        return sealing.aead.decrypt(sealed[:NONCE], sealed[NONCE:], frame_aad(header, sealing.tenant, j, len(frames)))
+    except Exception:  # InvalidTag: another key or tenant, or a block moved or tampered with
+        raise CorruptBlock(f"sealed frame {j} does not authenticate under this tenant's key "
+                           "(another secret or tenant, or a block moved)", reason="wrong_key") from None
