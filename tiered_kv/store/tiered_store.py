@@ -86,7 +86,8 @@ class TieredStore:
         self.slots = HostSlots(self.host, namespace, self.copier)
         try:
             self.tiers = [EncodedTier(tier, backend, namespace, self.metrics,
-                                      codec_choice.choose(tier.codec, config.workers), config.layer_groups)
+                                      codec_choice.choose(tier.codec, config.workers), config.layer_groups,
+                                      config.encryption_secret)
                           for tier, backend in open_media(config)]
         except BaseException:
             self.close_parts()
