@@ -203,6 +203,7 @@ def show_entry(tier: Tier, key: bytes, *, stats: bool = True) -> dict:
             "shape": list(h.shape), "namespace": h.namespace.hex(), "key": h.key.hex(),
             "raw_len": h.raw_len, "stored_len": h.stored_len, "ratio": round(h.ratio, 4),
             "checksum": f"{h.checksum:016x}", "body_check": f"{h.body_check:08x}", "created": iso(h.created),
+            "encrypted": h.sealed,
         }
     [value] = tier.backend.get_many([key])
     if value is None:
@@ -213,7 +214,7 @@ def show_entry(tier: Tier, key: bytes, *, stats: bool = True) -> dict:
         out.update(valid=False, reason=exc.reason, error=exc.detail)
         return out
     out["valid"] = True
-    if stats:
+    if stats and payload is not None:  # an encrypted block's payload needs its key
         out["layers"] = layer_stats(payload, header.dtype, header.shape)
     return out
 
