@@ -5,6 +5,10 @@ Keys and values are bytes. All calls are batched. Misses are ``None`` (get) / ``
 :class:`tiered_kv.errors.BackendUnavailable` so that the store can count it as a miss.
 Implementations must be safe to call from several threads at once.
 
+Media tell one listener (:meth:`Backend.listen`) which keys this process's calls stored and
+removed (evicted to make room, deleted, withdrawn), after the fact and outside their locks: the
+store turns that into block events (:mod:`tiered_kv.store.block_events`).
+
 Every put names the tenant its values belong to (a label of at most 16 bytes, ``b""`` for none:
 :mod:`storage_backends.quotas`); media that keep byte quotas per tenant evict by
 :mod:`storage_backends.eviction` and report usage per tenant, the others accept the label.
@@ -12,6 +16,7 @@ Every put names the tenant its values belong to (a label of at most 16 bytes, ``
 
 from __future__ import annotations
 
+import logging
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +27,9 @@ from typing import NamedTuple
 from tiered_kv.errors import ConfigError
 
 Visitor = Callable[[int, memoryview], None]
+Listener = Callable[[str, list[bytes]], None]  # (``"stored"`` or ``"removed"``, keys)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +69,7 @@ class Backend(ABC):
 
     name: str = "backend"
     store_signature: str | None = None  # what marks a store of this medium in a directory (messages)
+    listener: Listener | None = None  # told of stored and removed keys (:meth:`listen`)
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -153,7 +162,35 @@ class Backend(ABC):
     def unpin_many(self, keys: Sequence[bytes]) -> None:  # noqa: B027  # optional hook, no-op by default
         """Undo one :meth:`pin_many` of each key."""
 
+    def listen(self, listener: Listener | None) -> None:
+        """Have ``listener(change, keys)`` told which keys this process's calls ``"stored"`` and
+        ``"removed"`` (evicted, deleted, withdrawn), in the order they happened, after the fact.
+        One listener per medium (None: nobody). What other processes do, and what a medium
+        drops by its own policy (Redis ``maxmemory``, TTLs), is not seen. The listener may be
+        called under the medium's own locks: it must be quick and never call the medium."""
+        self.listener = listener
+
     # -- helpers for subclasses ------------------------------------------------------------
+    def _tell_in_order(self, changes: Sequence[tuple[str, bytes]]) -> None:
+        """Tell ``(change, key)`` pairs in their order, a run of one kind at a time."""
+        if self.listener is None:
+            return
+        start = 0
+        for i in range(1, len(changes) + 1):
+            if i == len(changes) or changes[i][0] != changes[start][0]:
+                self._tell(changes[start][0], [bytes(k) for _, k in changes[start:i]])
+                start = i
+
+    def _tell(self, change: str, keys: Sequence[bytes]) -> None:
+        """Tell the listener (if any) of ``keys`` stored or removed; a failing listener is logged."""
+        listener = self.listener
+        if listener is None or not keys:
+            return
+        try:
+            listener(change, list(keys))
+        except Exception:
+            log.exception("%s: block listener failed", self.name)
+
     def _get_by_visiting(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """``get_many`` for media whose native read is :meth:`visit_many` (copies each value)."""
         out: list[bytes | None] = [None] * len(keys)

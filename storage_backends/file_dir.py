@@ -189,6 +189,7 @@ class FileBackend(Backend):
             if gone:
                 self._run(self._each([self._file(k) for k in gone], _remove))
                 self._count(evictions=len(admission.victims), quota_evictions=admission.quota_victims)
+                self._tell("removed", gone)
             ok = admission.accepted
         if tenant and self._format < FORMAT and any(ok):
             self._upgrade()
@@ -200,6 +201,7 @@ class FileBackend(Backend):
             raise
         self._count(puts=sum(ok), put_rejected=len(ok) - sum(ok),
                     bytes_in=sum(n for n, s in zip(sizes, ok) if s))
+        self._tell("stored", [k for (k, _), s in zip(items, ok) if s])
         return ok
 
     def _upgrade(self) -> None:
@@ -236,6 +238,7 @@ class FileBackend(Backend):
             self._room.removed(keys)
         n = sum(1 for s in sizes if s is not None)
         self._count(deletes=n)
+        self._tell("removed", [k for k, s in zip(keys, sizes) if s is not None])
         return n
 
     # -- pins, figures, maintenance ----------------------------------------------------------

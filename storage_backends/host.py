@@ -7,8 +7,9 @@ slots are handed out but the keys are not visible), ``commit_many`` / ``abort_ma
 Eviction (:mod:`storage_backends.eviction`) is LRU over committed, unpinned entries when no slot
 is free; a tenant over its ``tenant_quota`` (bytes of the lengths its entries were reserved
 with) evicts its own entries first. ``on_evict(key, bytes, tenant)`` sees an entry before its
-slot is reused (the store uses it for the ``on_evict`` write-behind policy). Tenant figures live
-in memory only.
+slot is reused (the store uses it for the ``on_evict`` write-behind policy); the listener
+(:meth:`Backend.listen`) hears of commits and of evictions, deletes and withdrawals. Tenant
+figures live in memory only.
 """
 
 from __future__ import annotations
@@ -111,21 +112,24 @@ class HostBackend(Backend):
         tenant = as_tenant(tenant)
         out: list[int | None] = []
         evicted: list[tuple[bytes, bytes, bytes]] = []
+        gone: list[bytes] = []
         with self._lock:
             for i, key in enumerate(keys):
                 length = self.slot_bytes if lengths is None else lengths[i]
                 slot = None if key in self._entries or length > self.slot_bytes else \
-                    self._take_slot(tenant, length, evicted)
+                    self._take_slot(tenant, length, evicted, gone)
                 if slot is not None:
                     self._entries[key] = _Entry(slot, length, tenant)
                     self._recency.add(key, length, tenant)
                 out.append(slot)
+            self._tell("removed", gone)  # under the lock: told in the order it happened
         self._run_hooks(evicted)
         return out
 
     def commit_many(self, keys: Sequence[bytes], *, pin: bool = False) -> None:
         """Phase two: the reserved keys become visible (most recently used); with ``pin`` they
         are leased in the same step, so no other thread can evict them in between."""
+        shown = []
         with self._lock:
             for key in keys:
                 entry = self._entries.get(key)
@@ -136,6 +140,9 @@ class HostBackend(Backend):
                     self._recency.touch(key)
                     if entry.retired and entry.refs == 0:  # retired while being filled
                         self._drop(key, entry)
+                    elif not entry.retired:
+                        shown.append(key)
+            self._tell("stored", shown)
 
     def abort_many(self, keys: Sequence[bytes]) -> None:
         """Roll back reservations that were never committed."""
@@ -173,17 +180,20 @@ class HostBackend(Backend):
         or one reserved and still being filled, becomes invisible at once (no lookup, pin or read
         sees it; a commit does not publish it) and is dropped when its last lease ends. Returns
         how many stay behind."""
-        left = 0
+        left, gone = 0, []
         with self._lock:
             for key in keys:
                 entry = self._entries.get(key)
                 if entry is None:
                     continue
+                if entry.ready and not entry.retired:
+                    gone.append(key)  # invisible from now on
                 if entry.ready and entry.refs == 0:
                     self._drop(key, entry)
                 else:  # leased, or reserved and being filled: withdrawn once that ends
                     entry.retired = True
                     left += 1
+            self._tell("removed", gone)
         return left
 
     def slot_view(self, slot: int, nbytes: int | None = None) -> torch.Tensor:
@@ -242,15 +252,17 @@ class HostBackend(Backend):
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         self._check_open()
-        n = 0
+        gone = []
         with self._lock:
             for key in keys:
                 entry = self._entries.get(key)
                 if entry is not None and entry.ready and entry.refs == 0:
+                    if not entry.retired:
+                        gone.append(key)
                     self._drop(key, entry)
-                    n += 1
-        self._count(deletes=n)
-        return n
+            self._tell("removed", gone)
+        self._count(deletes=len(gone))
+        return len(gone)
 
     def scan(self, prefix: bytes = b"") -> Iterator[bytes]:
         with self._lock:
@@ -283,7 +295,7 @@ class HostBackend(Backend):
         entry = self._entries[key]
         return entry.refs > 0 or not entry.ready
 
-    def _take_slot(self, tenant: bytes, length: int, evicted: list) -> int | None:
+    def _take_slot(self, tenant: bytes, length: int, evicted: list, gone: list) -> int | None:
         """A free slot for ``length`` bytes of ``tenant``, after evicting what its quota, then
         the lack of a free slot, asks for; None when that cannot be done."""
         if not self._eviction.quotas:  # the common case: a free slot, else the first to go
@@ -304,6 +316,7 @@ class HostBackend(Backend):
             entry = self._entries[key]
             if self.on_evict is not None:
                 evicted.append((key, bytes(self._np[entry.slot, : entry.length]), entry.tenant))
+            gone.append(key)
             self._drop(key, entry)
         if plan.quota:
             self._count(evictions=len(plan.victims), quota_evictions=len(plan.quota))

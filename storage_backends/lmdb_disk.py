@@ -34,7 +34,7 @@ from storage_backends.base import Backend, BackendStats, TenantTotal, Visitor
 from storage_backends.eviction import Eviction
 from storage_backends.eviction_lru import LRU
 from storage_backends.lmdb_check import check_tables
-from storage_backends.lmdb_entries import evict_beyond, put_entry, remove_entry
+from storage_backends.lmdb_entries import delete_entry, evict_beyond, put_entry
 from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
 from storage_backends.lmdb_tables import (
     MAX_KEY,
@@ -109,6 +109,7 @@ class LmdbBackend(Backend):
         self._db = LmdbEnvironment(self.path, options, max_map=max(wanted, 4 * self.capacity + (1 << 30)),
                                    batch_bytes=self.batch_bytes, count=self._count,
                                    evict=self._evict_beyond_capacity, record_access=self.record_access)
+        self._db.on_changes = self._tell_in_order  # committed puts, evictions and deletes
         used, entries = self._totals()
         self.warmup = None
         if self.record_access and entries:  # a restart: read the index into the page cache
@@ -254,7 +255,7 @@ class LmdbBackend(Backend):
             return 0
         try:
             with self._db.guard("delete"):
-                n = self._db.write(lambda w: sum(remove_entry(self._db.tables, w, k) for k in keys))
+                n = self._db.write(lambda w: sum(delete_entry(self._db.tables, w, k) for k in keys))
         except NoSpace as exc:
             raise BackendUnavailable(f"lmdb store at {self.path} is full: {exc}") from None
         self._count(deletes=n)

@@ -80,6 +80,7 @@ def put_entry(tables: Tables, w: Write, key: bytes, value, size: int, tenant: by
         return False
     for victim, _ in plan.victims:
         remove_entry(tables, w, victim)
+        w.changes.append(("removed", victim))
     w.counts["evictions"] += len(plan.victims)
     w.counts["quota_evictions"] += len(plan.quota)
     now = time.time_ns()
@@ -87,6 +88,7 @@ def put_entry(tables: Tables, w: Write, key: bytes, value, size: int, tenant: by
     w.txn.put(key, Meta(size, now, 0, now, tenant).pack(), db=tables.meta)
     index_entry(tables, w.txn, key, now, tenant)
     w.add(tenant, size, 1)
+    w.changes.append(("stored", key))
     w.counts["puts"] += 1
     w.counts["bytes_in"] += size
     return True
@@ -114,6 +116,14 @@ def remove_entry(tables: Tables, w: Write, key: bytes) -> bool:
     return w.txn.delete(key, db=tables.blocks) or record is not None
 
 
+def delete_entry(tables: Tables, w: Write, key: bytes) -> bool:
+    """Delete ``key`` on request (a change the listener hears of); whether it was there."""
+    if not remove_entry(tables, w, key):
+        return False
+    w.changes.append(("removed", key))
+    return True
+
+
 def evict_beyond(tables: Tables, w: Write, nbytes: int, eviction: Eviction, pinned: Pinned) -> int:
     """Evict until ``nbytes`` more than the capacity would fit (or nothing more may go)."""
     index = TableIndex(tables, w, pinned)
@@ -121,6 +131,7 @@ def evict_beyond(tables: Tables, w: Write, nbytes: int, eviction: Eviction, pinn
     index.drop_stale()
     for key, _ in victims:
         remove_entry(tables, w, key)
+        w.changes.append(("removed", key))
     w.counts["evictions"] += len(victims)
     return len(victims)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -43,6 +44,8 @@ class LmdbEnvironment:
         self.path = path
         self.max_map, self.batch_bytes = max_map, batch_bytes
         self._count, self._evict = count, evict
+        self.on_changes: Callable[[list[tuple[str, bytes]]], None] | None = None  # committed changes
+        self._in_order = threading.Lock()  # taken inside a write txn, released once its changes are told
         self.gate = RemapGate()
         self.accesses = AccessBuffer(record_access)
         self._failures = LogThrottle(log)  # failed calls repeat while a disk is full: one a minute
@@ -154,20 +157,32 @@ class LmdbEnvironment:
         (or disk) the transaction is rolled back, room is made and it runs again."""
         for _ in range(6):
             touches = self.accesses.take()
+            telling = False
             try:
                 with self.txn(write=True) as txn:
                     w = Write(txn, self.tables)
                     apply_accesses(self.tables, txn, touches)
                     result = body(w)
                     w.save()
+                    # the writers' changes are told in their commit order (LMDB has one writer)
+                    telling = bool(w.changes) and self.on_changes is not None and self._in_order.acquire()
             except (lmdb.MapFullError, lmdb.DiskError) as exc:
+                if telling:
+                    self._in_order.release()
                 self.accesses.restore(touches)
                 if not self._make_room(nbytes, grow=isinstance(exc, lmdb.MapFullError)):
                     raise NoSpace(str(exc)) from exc
                 continue
             except BaseException:
+                if telling:
+                    self._in_order.release()
                 self.accesses.restore(touches)
                 raise
+            if telling:
+                try:
+                    self.on_changes(w.changes)  # type: ignore[misc]
+                finally:
+                    self._in_order.release()
             if w.counts:
                 self._count(**w.counts)
             return result

@@ -126,10 +126,11 @@ class Write:
     """One write transaction: the totals (overall and of the tenants it touches) read once,
     written once by :meth:`save`; counters applied on commit."""
 
-    __slots__ = ("txn", "tables", "used", "entries", "counts", "_start", "_tenants", "_tenants_start")
+    __slots__ = ("txn", "tables", "used", "entries", "counts", "changes", "_start", "_tenants", "_tenants_start")
 
     def __init__(self, txn, tables: Tables) -> None:
         self.txn, self.tables, self.counts = txn, tables, Counter()
+        self.changes: list[tuple[str, bytes]] = []  # ("stored" | "removed", key), in order
         self.used, self.entries = self._start = read_totals(tables, txn)
         self._tenants: dict[bytes, list[int]] = {}  # tenant -> [used, entries] now
         self._tenants_start: dict[bytes, tuple[int, int]] = {}  # as read

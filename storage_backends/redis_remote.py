@@ -266,6 +266,7 @@ class RedisBackend(Backend):
         self._count(puts=sum(ok), put_rejected=len(ok) - sum(ok),
                     bytes_in=sum(_nbytes(v) for v, s in zip(values, ok) if s))
         self._value_size = (self._value_size + max(map(_nbytes, values))) / 2
+        self._tell("stored", [k for (k, _), s in zip(batch, ok) if s])
         return ok
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
@@ -275,6 +276,7 @@ class RedisBackend(Backend):
             names = self.names.names(keys[start : start + KEYS_PER_CALL])
             n += int(self._call(lambda c, ns=names: c.unlink(*ns)))
         self._count(deletes=n)
+        self._tell("removed", keys)  # (UNLINK counts, it does not name: every key asked for)
         return n
 
     # -- listing and figures -----------------------------------------------------------------

@@ -10,6 +10,7 @@ from tiered_kv.connector.scheduler import ConnectorScheduler
 from tiered_kv.connector.worker import ConnectorWorker
 from tiered_kv.keys import Namespace
 from tiered_kv.store import TieredStore
+from tiered_kv.store.block_events import DEFAULT_LIMIT, EventFeed
 
 
 class TieredKVConnector:
@@ -60,6 +61,11 @@ class TieredKVConnector:
         failed = self.worker.get_block_ids_with_load_errors()
         self.scheduler.blocks_failed(failed)  # what an engine's scheduler learns from its workers
         return failed
+
+    def subscribe_block_events(self, limit: int = DEFAULT_LIMIT) -> EventFeed:
+        """A feed of the blocks each tier of the store stores and removes
+        (:mod:`tiered_kv.store.block_events`)."""
+        return self.store.events.subscribe(limit)
 
     def close(self) -> None:
         self.worker.close()

@@ -295,6 +295,11 @@ class TieredKVWorker(_WorkerBase):
             log.error("tiered-kv: %d promised blocks failed to load: %s", len(errors), sorted(errors))
         return list(saved), list(loaded)
 
+    def subscribe_block_events(self, limit: int = 1 << 16) -> Any:
+        """A feed of the blocks each tier of the store stores and removes, for a router or a
+        publisher of the deployment's own (:mod:`tiered_kv.store.block_events`)."""
+        return self.store.events.subscribe(limit)
+
     def close(self) -> None:
         self.core.close()
         release_store(self.store)

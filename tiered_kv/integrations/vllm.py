@@ -16,7 +16,9 @@ LoRA, ``cache_salt`` and multimodal hashes folded in; the KV layout is detected 
 registers its caches and an unknown one stops start-up with one ConfigError line; a finished
 request with saves is held (``request_finished -> True``) and reported in ``finished_sending``
 only after vLLM passed its id in ``finished_req_ids``; preempted requests forget their blocks and
-are matched anew when resumed; failed blocks go to ``get_block_ids_with_load_errors``.
+are matched anew when resumed; failed blocks go to ``get_block_ids_with_load_errors``. With vLLM's
+KV events on, the store's blocks stored and removed per tier are published with vLLM's own
+(:mod:`tiered_kv.integrations.vllm_events`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.errors import ConfigError
-from tiered_kv.integrations import vllm_lifecycle
+from tiered_kv.integrations import vllm_events, vllm_lifecycle
 from tiered_kv.integrations.common import (
     acquire_store,
     parse_settings,
@@ -127,6 +129,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             raise
         self._sched: SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
+        events = bool(getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False))
         if is_worker:
             # the namespace's groups are vLLM's, in vLLM's order
             layer_names = ([list(g.layer_names) for g in kv_cache_config.kv_cache_groups]
@@ -134,8 +137,14 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             writer = not (self.namespace.groups and is_replicated(self.namespace.groups)) or _tp_rank(vllm_config) == 0
             self._worker = _WorkerSide(self.settings, self.namespace, layer_names, writer)
             self._worker.core.request_failures = self._request_failures
+            if events:  # vLLM publishes KV events: this store's go with them (vllm_events)
+                self._worker.feed = self._worker.store.events.subscribe()
+                self._worker.rank = _tp_rank(vllm_config)
         else:
-            self._sched = SchedulerSide(self.settings, self.namespace)
+            ranks = 1 if self.namespace.groups and is_replicated(self.namespace.groups) else \
+                int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+            tracker = vllm_events.VllmEventTracker(self.namespace.block_size, ranks) if events else None
+            self._sched = SchedulerSide(self.settings, self.namespace, tracker)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -167,6 +176,13 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         failed = getattr(connector_output, "invalid_block_ids", None)
         if failed and self._sched is not None and self._sched.core is not None:
             self._sched.core.blocks_failed(failed)
+        if self._sched is not None and self._sched.events is not None:
+            self._sched.events.receive(getattr(connector_output, "kv_cache_events", None))
+
+    def take_events(self) -> list:
+        """vLLM's ``BlockStored`` / ``BlockRemoved`` for the store's tiers since the last call."""
+        events = self._sched.events if self._sched is not None else None
+        return events.take() if events is not None else []
 
     # -- worker side ---------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict) -> None:
@@ -222,6 +238,11 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         return KVConnectorTransferResults(finished_sending=set(saved or ()),
                                           finished_recving=set(loaded or ()) | failed, failed_recving=failed)
 
+    def get_kv_connector_kv_cache_events(self) -> Any:
+        """This step's block events of the store, on their way to the scheduler half."""
+        feed = self._worker.feed if self._worker is not None else None
+        return vllm_events.worker_events(feed, self._worker.rank) if feed is not None else None
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Failed block ids; none where loads fail as whole requests (several KV cache groups,
         which vLLM cannot map block ids back from; sliding windows and state, where resuming
@@ -273,6 +294,8 @@ class _WorkerSide:
         self.layer_names = layer_names  # per KV group (namespaces with groups)
         self.layer_index: dict[str, int] = {}  # layer name -> its layer in the store's blocks
         self.async_loads: tuple[str, ...] = ()
+        self.feed = None  # block events of the store, when vLLM publishes KV events
+        self.rank = 0
         self.closed = False
 
     def register(self, kv_caches: dict) -> None:
@@ -299,5 +322,7 @@ class _WorkerSide:
         if self.closed:
             return
         self.closed = True
+        if self.feed is not None:
+            self.store.events.unsubscribe(self.feed)
         self.core.close()
         release_store(self.store)

@@ -15,6 +15,7 @@ from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.connector.scheduler import ConnectorScheduler
 from tiered_kv.fingerprint import LORA_FINGERPRINTS
 from tiered_kv.integrations.common import RequestStep, RequestView, StepOutput, release_index, scheduler_index
+from tiered_kv.integrations.vllm_events import VllmEventTracker
 from tiered_kv.integrations.vllm_groups import group_ids
 from tiered_kv.keys import Namespace
 
@@ -54,8 +55,9 @@ def group0(block_ids: Any) -> list[int]:
 class SchedulerSide:
     """vLLM's scheduler outputs translated into the core's new/cached request data."""
 
-    def __init__(self, settings, namespace: Namespace) -> None:
+    def __init__(self, settings, namespace: Namespace, events: VllmEventTracker | None = None) -> None:
         self.settings, self.namespace = settings, namespace
+        self.events = events  # vLLM's KV events are on: planned blocks' vLLM names are kept
         self.index = None  # opened at the first request, when the worker of this process exists
         self.core: ConnectorScheduler | None = None
         self.requests: dict[str, Any] = {}  # live vLLM Request objects (all_token_ids grows)
@@ -135,7 +137,25 @@ class SchedulerSide:
                                     cr.num_computed_tokens[i], scheduled))
             self.reported[rid] = len(tokens)
         meta = core.build_connector_meta(StepOutput(new, cached))
+        if self.events is not None:
+            self._remember(meta)
         return meta, tuple(s.request_id for s in meta.loads if s.is_async), preempted
+
+    def _remember(self, meta: ConnectorMeta) -> None:
+        """The vLLM names of the blocks this step saves and loads (for the events about them)."""
+        for spec in [*meta.saves, *meta.loads]:
+            request = self.requests.get(spec.request_id)
+            if request is None or not spec.keys:
+                continue
+            try:
+                chain = self.core.keys_of(spec.request_id)
+            except KeyError:  # finished meanwhile
+                continue
+            first = getattr(spec, "first_block", None)
+            if first is None:
+                first = chain.index(spec.keys[0]) if spec.keys[0] in chain else None
+            if first is not None:
+                self.events.remember(request, spec.keys, first, chain)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         self.requests.pop(request.request_id, None)

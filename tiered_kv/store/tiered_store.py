@@ -15,6 +15,9 @@ Lifecycle of a block:
   ``load_into(keys, outs)`` (the synchronous form) decodes lower-tier blocks straight into
   ``outs`` when they are plain CPU blocks: host memory already, so no host slot is taken.
 
+**Block events**: ``events`` (:class:`~tiered_kv.store.block_events.BlockEvents`) tells its
+subscribers which tier stored or removed which blocks (``store.events.subscribe()``).
+
 **Restore costs**: ``costs`` (:class:`~tiered_kv.store.restore_costs.RestoreCosts`) learns what
 restores from each tier and the engine's prefill steps take (the connector's worker observes,
 its scheduler's restore policy reads); it starts from the estimates in the namespace record of
@@ -44,6 +47,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.keys import Namespace, leading_present
 from tiered_kv.store import codec_choice
 from tiered_kv.store.admission import RequestCounts
+from tiered_kv.store.block_events import BlockEvents
 from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.host_copy import HostCopier
 from tiered_kv.store.host_slots import HostSlots
@@ -92,6 +96,11 @@ class TieredStore:
         except BaseException:
             self.close_parts()
             raise
+        # which tier holds which blocks, for subscribers (tiered_kv.store.block_events)
+        self.events = BlockEvents()
+        self.host.listen(self.events.listener("host"))
+        for tier in self.tiers:
+            tier.backend.listen(self.events.listener(tier.name, tier.ns))
         self.presence = RankedPresence(namespace, [(t.name, t.backend) for t in self.tiers],
                                        config.lookup_timeout, self.metrics.miss)
         self.invalidations = Invalidations(self.host, self.tiers, self.pool, self.metrics)

@@ -1,0 +1,114 @@
+"""vLLM's KV events (``--kv-events-config``) carry the store's blocks: the worker hands its
+store's events to vLLM, the scheduler half turns them into vLLM's ``BlockStored`` /
+``BlockRemoved`` named by vLLM's block hashes. Stand-in engine, real store (host + LMDB)."""
+
+from __future__ import annotations
+
+import hashlib
+from types import SimpleNamespace
+
+import pytest
+
+from tests.integrations.test_vllm_adapter import extra, prompt
+from tests.integrations.vllm_engine import BS, Engine, kv_cache_config, vllm_config
+from tiered_kv.integrations import vllm_events
+from tiered_kv.integrations.vllm import KVConnectorRole, TieredKVConnector
+from tiered_kv.store.block_events import BlockEvent
+
+
+def vllm_hashes(tokens: list[int]) -> list[bytes]:
+    """Chained per-block hashes, as vLLM keeps them in ``request.block_hashes``."""
+    out, parent = [], b"none"
+    for i in range(len(tokens) // BS):
+        parent = hashlib.sha256(parent + repr(tokens[i * BS:(i + 1) * BS]).encode()).digest()
+        out.append(parent)
+    return out
+
+
+def halves(tmp_path, events: bool = True, host: str = "256KiB"):
+    cfg = vllm_config(extra(tmp_path, host={"capacity": host}))
+    cfg.kv_events_config = SimpleNamespace(enable_kv_cache_events=events)
+    return (TieredKVConnector(cfg, KVConnectorRole.WORKER, kv_cache_config()),
+            TieredKVConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config()))
+
+
+def step_events(worker, sched) -> list:
+    """What vLLM does after a step: the worker's events ride KVConnectorOutput to the scheduler
+    half, whose take_events vLLM publishes."""
+    sched.update_connector_output(SimpleNamespace(kv_cache_events=worker.get_kv_connector_kv_cache_events(),
+                                                  invalid_block_ids=set()))
+    return list(sched.take_events())
+
+
+def test_stored_blocks_are_published_under_vllms_block_hashes(tmp_path):
+    worker, sched = halves(tmp_path)
+    try:
+        tokens = prompt(4 * BS + 1, seed=7)  # with 2 generated tokens: still 4 full blocks
+        engine = Engine(sched, worker)
+        request = engine.add("a", tokens, max_tokens=2)
+        request.block_hashes = vllm_hashes(tokens)
+        engine.run()
+        worker._worker.core.flush_copies()  # saves still being copied into the host tier
+        worker._worker.store.flush()
+        events = step_events(worker, sched)
+        stored = [e for e in events if type(e).__name__ == "BlockStored"]
+        by_tier = {e.medium: e for e in stored}
+        assert set(by_tier) >= {"host", "disk"}
+        want = [vllm_events.maybe_convert_block_hash(h) for h in request.block_hashes]
+        for tier in ("host", "disk"):
+            hashes = [h for e in stored if e.medium == tier for h in e.block_hashes]
+            assert hashes == want
+        first = next(e for e in stored if e.medium == "host")
+        assert first.parent_block_hash is None and first.block_size == BS
+        assert first.token_ids == tokens[: len(first.block_hashes) * BS]
+        assert step_events(worker, sched) == []  # taken once
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def test_evicted_blocks_are_published_removed_and_nothing_without_kv_events(tmp_path):
+    worker, sched = halves(tmp_path, host="8KiB")  # 16 blocks
+    quiet, quiet_sched = halves(tmp_path / "quiet", events=False)
+    try:
+        engine = Engine(sched, worker, num_blocks=256)
+        for i in range(12):  # far more than the host tier holds
+            engine.add(f"r{i}", prompt(6 * BS, seed=100 + i), max_tokens=1)
+        engine.run()
+        events = step_events(worker, sched)
+        removed = [h for e in events if type(e).__name__ == "BlockRemoved" and e.medium == "host"
+                   for h in e.block_hashes]
+        assert removed  # evicted from the host tier, named as they were announced
+        announced = {h for e in events if type(e).__name__ == "BlockStored" for h in e.block_hashes}
+        assert set(removed) <= announced
+        assert quiet.get_kv_connector_kv_cache_events() is None and quiet._worker.feed is None
+    finally:
+        for c in (worker, sched, quiet, quiet_sched):
+            c.shutdown()
+
+
+def test_a_block_is_announced_once_every_rank_stored_its_shard():
+    tracker = vllm_events.VllmEventTracker(block_size=4, ranks=2)
+    tokens = list(range(8))
+    keys = [b"k0" * 8, b"k1" * 8]
+    request = SimpleNamespace(all_token_ids=tokens, block_hashes=[b"h0", b"h1"], lora_request=None)
+    tracker.remember(request, keys, 0, keys)
+    stored = BlockEvent("stored", "disk", tuple(keys), 0.0)
+    tracker.receive(vllm_events.TieredKVEvents([(0, stored)]))
+    assert tracker.take() == []  # rank 1 has not stored its shard yet
+    tracker.receive(vllm_events.TieredKVEvents([(1, stored), (1, BlockEvent("removed", "host", (keys[1],), 0.0))]))
+    [done, gone] = tracker.take()
+    h0, h1 = (vllm_events.maybe_convert_block_hash(h) for h in (b"h0", b"h1"))  # as vLLM converts its own
+    assert done == vllm_events.BlockStored(block_hashes=[h0, h1], parent_block_hash=None, token_ids=tokens,
+                                           block_size=4, lora_id=None, medium="disk", lora_name=None)
+    assert gone == vllm_events.BlockRemoved(block_hashes=[h1], medium="host")
+    unknown = BlockEvent("removed", "disk", (b"x" * 16,), 0.0)  # never planned here: the key itself
+    tracker.receive(vllm_events.TieredKVEvents([(0, unknown)]))
+    assert tracker.take()[0].block_hashes == [vllm_events.maybe_convert_block_hash(b"x" * 16)]
+
+
+def test_with_vllm_installed_the_events_are_vllms_own_classes():
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    assert vllm_events.BlockStored is kv_events.BlockStored
+    assert vllm_events.BlockRemoved is kv_events.BlockRemoved
+    assert issubclass(vllm_events.TieredKVEvents, kv_events.KVConnectorKVEvents)

@@ -1,0 +1,59 @@
+"""Block events straight from the store: what each tier accepted and dropped, bounded when
+nobody drains them."""
+
+from __future__ import annotations
+
+from tests.store.helpers import keys_for, make_store, payloads
+from tiered_kv.store.block_events import BlockEvents
+
+
+def replay(events, tier: str) -> set[bytes]:
+    out: set[bytes] = set()
+    for e in events:
+        if e.tier == tier:
+            out = out | set(e.keys) if e.kind == "stored" else out - set(e.keys)
+    return out
+
+
+def test_the_disk_tier_announces_what_its_capacity_evicts(tmp_path):
+    with make_store(tmp_path, host="1MiB", disk="96KiB") as store:
+        feed = store.events.subscribe()
+        keys = keys_for(24)
+        store.save(keys, payloads(store, 24))
+        store.flush()
+        events = feed.take()
+        disk = store.tier("disk").backend
+        on_disk = {k[len(store.tier("disk").ns):] for k in disk.scan()}
+        assert disk.stats().evictions > 0
+        assert any(e.kind == "removed" and e.tier == "disk" for e in events)
+        assert replay(events, "disk") == on_disk  # a replaying router agrees with the medium
+        assert replay(events, "host") == set(store.host.scan()) == set(keys)
+
+
+def test_a_full_feed_keeps_the_newest_events_and_counts_the_rest(tmp_path):
+    with make_store(tmp_path) as store:
+        feed = store.events.subscribe(limit=5)
+        store.save(keys_for(4), payloads(store, 4))
+        store.save(keys_for(4, first_token=10_000), payloads(store, 4))
+        store.flush()
+        kept = feed.take()
+        assert sum(len(e.keys) for e in kept) <= 5
+        assert feed.dropped > 0 and feed.pending == 0
+
+
+def test_nobody_subscribed_means_nothing_is_kept(tmp_path):
+    with make_store(tmp_path) as store:
+        feed = store.events.subscribe()
+        store.events.unsubscribe(feed)
+        assert not store.events.active
+        store.save(keys_for(3), payloads(store, 3))
+        store.flush()
+        assert feed.take() == [] and feed.dropped == 0
+
+
+def test_a_failing_subscriber_never_reaches_the_medium():
+    events = BlockEvents()
+    feed = events.subscribe()
+    feed.put = None  # a broken feed: publishing logs, the caller goes on
+    events.listener("host")("stored", [b"k" * 16])
+    events.listener("disk", b"ns")("stored", [b"nsk", b"other"])

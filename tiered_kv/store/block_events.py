@@ -1,0 +1,136 @@
+"""Block events: which tier of a store now holds, or no longer holds, which blocks.
+
+Every medium tells its listener (:meth:`storage_backends.base.Backend.listen`) the keys this
+process's calls stored and removed; the store hands those of its own namespace, per tier, to
+the feeds subscribed to :attr:`TieredStore.events <tiered_kv.store.tiered_store.TieredStore>`
+as :class:`BlockEvent` batches. A router, or an engine's own KV-event publisher, drains a feed::
+
+    feed = store.events.subscribe()        # or connector.subscribe_block_events()
+    for event in feed.take():              # oldest first, since the last take
+        event.kind, event.tier, event.keys  # "stored" / "removed", "host" / "disk" / ..., keys
+
+- **stored**: a tier accepted blocks (a host commit: saves and blocks promoted by loads; a lower
+  tier's put: write-behind, ``on_evict`` copies, copies between tiers).
+- **removed**: a tier dropped blocks (evicted to make room, withdrawn after a failed load,
+  deleted as unusable or by a tool in this process).
+- Keys are the store's content keys (16-byte chained hashes, :mod:`tiered_kv.keys`).
+- Not seen: what other processes do to a shared tier (they publish their own), and what a medium
+  drops by its own policy (Redis ``maxmemory`` evictions and TTL expiry). A Redis delete names
+  every key it was asked to delete.
+- **Bounded**: a feed holds at most ``limit`` blocks; when more arrive the oldest events go and
+  their blocks are counted in ``feed.dropped``. Nothing grows when nobody drains.
+- **Cheap and quiet**: with no subscriber a medium's report costs one check; publishing never
+  raises into the media's callers (the engine's hot path): a failure is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tiered_kv.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+STORED, REMOVED = "stored", "removed"
+DEFAULT_LIMIT = 1 << 16  # blocks a feed holds undrained (a few MiB of keys at most)
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    """``keys`` were stored in (or removed from) tier ``tier`` at ``ts`` (``time.time()``)."""
+
+    kind: str  # STORED or REMOVED
+    tier: str  # "host" or a lower tier's name
+    keys: tuple[bytes, ...]  # content keys, in the order the medium handled them
+    ts: float
+
+
+class EventFeed:
+    """One subscriber's bounded queue of block events."""
+
+    def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
+        if limit < 1:
+            raise ConfigError(f"a block event feed must hold at least one block, got limit={limit}")
+        self.limit = limit
+        self.dropped = 0  # blocks of events dropped because the feed was full
+        self._events: deque[BlockEvent] = deque()
+        self._held = 0  # blocks in _events
+        self._lock = threading.Lock()
+
+    def put(self, event: BlockEvent) -> None:
+        n = len(event.keys)
+        with self._lock:
+            if n > self.limit:
+                self.dropped += n
+                return
+            while self._held + n > self.limit:
+                old = self._events.popleft()
+                self._held -= len(old.keys)
+                self.dropped += len(old.keys)
+            self._events.append(event)
+            self._held += n
+
+    def take(self) -> list[BlockEvent]:
+        """The events since the last take, oldest first."""
+        with self._lock:
+            out = list(self._events)
+            self._events.clear()
+            self._held = 0
+        return out
+
+    @property
+    def pending(self) -> int:
+        """Blocks waiting to be taken."""
+        return self._held
+
+
+class BlockEvents:
+    """The feeds of one store, and the listeners its media report to."""
+
+    def __init__(self) -> None:
+        self._feeds: tuple[EventFeed, ...] = ()  # replaced, never mutated: read without a lock
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        return bool(self._feeds)
+
+    def subscribe(self, limit: int = DEFAULT_LIMIT) -> EventFeed:
+        """A new feed of every block event from now on (see the module docstring)."""
+        feed = EventFeed(limit)
+        with self._lock:
+            self._feeds = (*self._feeds, feed)
+        return feed
+
+    def unsubscribe(self, feed: EventFeed) -> None:
+        with self._lock:
+            self._feeds = tuple(f for f in self._feeds if f is not feed)
+
+    def publish(self, kind: str, tier: str, keys: Sequence[bytes]) -> None:
+        feeds = self._feeds
+        if not feeds or not keys:
+            return
+        try:
+            event = BlockEvent(kind, tier, tuple(bytes(k) for k in keys), time.time())
+            for feed in feeds:
+                feed.put(event)
+        except Exception:  # never into the medium's caller
+            log.exception("block events of tier %s could not be published", tier)
+
+    def listener(self, tier: str, prefix: bytes = b"") -> Callable[[str, list[bytes]], None]:
+        """What tier ``tier``'s medium reports to: keys under ``prefix`` (the namespace's, in a
+        lower tier shared by namespaces) become events of the keys without it."""
+
+        def heard(change: str, keys: list[bytes]) -> None:
+            if not self._feeds:
+                return
+            if prefix:
+                keys = [k[len(prefix):] for k in keys if k[: len(prefix)] == prefix]
+            self.publish(change, tier, keys)
+
+        return heard
