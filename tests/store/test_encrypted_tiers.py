@@ -138,11 +138,15 @@ def test_shared_redis_replicas_with_and_without_the_key(tmp_path, redis_url):
         assert ok == [True] * N and all(torch.equal(a, b) for a, b in zip(outs, data))
 
 
-def test_verify_and_inspect_check_sealed_blocks_without_the_key(tmp_path):
+def test_verify_and_show_check_sealed_blocks_without_the_key(tmp_path):
     stored(tmp_path)
     url = f"lmdb://{tmp_path}/lmdb"
     report = cli("verify", url, "--json").json()
     assert report["ok"] is True and report["tiers"][0]["valid_blocks"] == N
+    shown = cli("show", url, keys_for(N)[0].hex(), "--json")
+    assert shown.code == 0, shown.err
+    entry = shown.json()
+    assert entry["valid"] is True and entry["header"]["encrypted"] is True and "layers" not in entry
     victim = keys_for(N)[0]
     flip = lambda k, v: v[:-1] + bytes([v[-1] ^ 1]) if k.endswith(victim) else None  # noqa: E731
     assert rewrite_stored_blocks(tmp_path / "lmdb", flip) == 1
