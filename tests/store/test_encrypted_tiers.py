@@ -76,11 +76,18 @@ def test_a_replica_without_the_secret_counts_misses_and_leaves_the_blocks(tmp_pa
         assert ok == [True] * N and all(torch.equal(a, b) for a, b in zip(outs, data))
 
 
-def test_plain_blocks_are_refused_once_encryption_is_on(tmp_path):
-    keys, _ = stored(tmp_path, secret=None)
+def test_plain_blocks_are_refused_once_encryption_is_on_and_replaced_by_sealed_ones(tmp_path):
+    keys, data = stored(tmp_path, secret=None)
     with make_store(tmp_path, encryption_secret=SECRET) as store:
         ok, _ = load(store, keys)
         assert ok == [False] * N and store.metrics.misses("unencrypted") == N
+        assert store.present(keys) == [False] * N  # removed: a sealed copy may take their place
+        store.save(keys, data)
+        assert store.flush(30)
+    assert all(BlockCodec.read_header(v).sealed for v in stored_values(tmp_path))
+    with make_store(tmp_path, encryption_secret=SECRET) as store:
+        ok, outs = load(store, keys)
+        assert ok == [True] * N and all(torch.equal(a, b) for a, b in zip(outs, data))
 
 
 def test_another_tenants_blocks_fail_authentication(tmp_path):

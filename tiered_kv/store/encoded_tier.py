@@ -9,8 +9,9 @@ or whose decoding fails in any way at all, is a ``corrupt`` miss and is removed 
 With an encryption secret every block is sealed under its tenant's key as it is stored
 (:meth:`BlockCodec.seal`; blocks copied up from a lower tier are sealed already) and only sealed
 blocks are read. A block this replica cannot open (``no_key``: no secret here; ``wrong_key``:
-another secret or tenant; ``unencrypted``: a plain block where blocks are encrypted) is a counted
-miss but stays in the tier: it may be good for a replica that holds its key.
+another secret or tenant) is a counted miss but stays in the tier: it may be good for a replica
+that holds its key. A plain block where blocks are encrypted (``unencrypted``: written before
+encryption was on) is a miss removed like a corrupt one, so a sealed copy can take its place.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 # would make layer-wise loads slower than whole ones (a 2 MiB Llama-8B block still gets 8 groups)
 MIN_FRAME_BYTES = 64 << 10
 # miss reasons of blocks another replica may read: counted, never removed
-KEY_REASONS = frozenset({"no_key", "wrong_key", "unencrypted"})
+KEY_REASONS = frozenset({"no_key", "wrong_key"})
 
 
 class EncodedTier:
@@ -247,7 +248,7 @@ class _Read:
             new = {r for r in reasons if r in KEY_REASONS} - tier.said
             tier.said |= new
             log.log(logging.WARNING if new else logging.DEBUG, "%s tier: %d blocks are encrypted under a key "
-                    "this replica does not have, or plain where blocks are encrypted (%s: counted misses)",
+                    "this replica does not have (%s: counted misses, blocks left in place)",
                     tier.name, self.locked, ", ".join(sorted({r for r in reasons if r in KEY_REASONS})))
         return reasons, self.blobs
 
