@@ -52,13 +52,14 @@ def blocks_per_prompt(prompt_tokens: int, block_tokens: int) -> int:
 @dataclass(frozen=True)
 class Inputs:
     # measured by bench_cluster (stored GB/s one node's command thread carries; codec; overhead):
-    # a --quick smoke run on a busy 2-vCPU VM (tools/bench/results/cluster-smoke-busy.json),
-    # to be re-measured on a quiet machine (docs/scale.md)
-    node_put_gbps: float = 0.84
-    node_get_gbps: float = 1.5
-    codec_ratio: float = 1.0
-    compressed_ratio: float = 1.47
-    memory_overhead: float = 1.33
+    # the model_inputs of a full run (512 MiB per phase, 3 repeats) on a quiet 2-vCPU VM,
+    # 2026-11-24, client and servers on the same 2 cores: 1 master, 2 MiB blocks, ours
+    # (tools/bench/results/cluster-quiet.json; docs/scale.md)
+    node_put_gbps: float = 1.135
+    node_get_gbps: float = 2.677
+    codec_ratio: float = 1.0  # raw (0.9998 measured: frame headers)
+    compressed_ratio: float = 1.4668
+    memory_overhead: float = 1.26
     # assumptions (flags)
     prompt_tokens: int = 4096
     req_per_s: dict = field(default_factory=lambda: {"8B": 4.0, "70B": 1.0})  # new prompts per replica
