@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.connector.engine_helpers import GREEDY, connector, engine, prompt, reference
-from tests.connector.test_layerwise_loads import BLOCKS, NS, _engine_block, _start
+from tests.connector.test_layerwise_loads import BLOCKS, NS, _start, layers_arrive_in_order
 from tests.store.helpers import rewrite_stored_blocks
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.connector.worker import ConnectorWorker
@@ -49,17 +49,7 @@ def test_layerwise_loads_open_each_sealed_frame_before_its_layers_are_used(tmp_p
     rewrite_stored_blocks(tmp_path / "db", lambda k, v: seen.append(BlockCodec.read_header(v)))
     assert len(seen) == BLOCKS and all(h.sealed and h.segmented for h in seen)
     worker, kv = _worker(tmp_path / "db", SECRET)
-    block_ids = [5, 2, 8, 0, 13, 6]
-    _start(worker, keys, block_ids)
-    for layer in range(NS.num_layers):
-        worker.wait_for_layer_load(layer)
-        for b, p in zip(block_ids, payloads):
-            assert torch.equal(_engine_block(kv, b)[: layer + 1], p[: layer + 1])
-    worker.wait_for_save()
-    assert worker.get_block_ids_with_load_errors() == set()
-    assert worker.load_stats["r"] == {"disk": BLOCKS}
-    worker.close()
-    worker.store.close()
+    layers_arrive_in_order(worker, kv, keys, payloads, [5, 2, 8, 0, 13, 6])
 
 
 @pytest.mark.parametrize(("secret", "reason"), [(None, "no_key"), (OTHER, "wrong_key")])

@@ -59,10 +59,9 @@ def _start(worker: ConnectorWorker, keys, block_ids) -> None:
     worker.start_load_kv()
 
 
-def test_each_layer_is_in_the_engine_blocks_when_its_wait_returns(tmp_path):
-    keys, payloads = _stored(tmp_path)
-    worker, kv = _worker(tmp_path)
-    block_ids = [3, 9, 4, 11, 0, 7]
+def layers_arrive_in_order(worker: ConnectorWorker, kv: torch.Tensor, keys, payloads, block_ids) -> None:
+    """Load ``keys`` into ``block_ids``: when each layer's wait returns, that layer and those
+    before it of every block are the payloads; no load errors; every block from the disk."""
     _start(worker, keys, block_ids)
     for layer in range(NS.num_layers):
         worker.wait_for_layer_load(layer)
@@ -73,6 +72,12 @@ def test_each_layer_is_in_the_engine_blocks_when_its_wait_returns(tmp_path):
     assert worker.load_stats["r"] == {"disk": BLOCKS}
     worker.close()
     worker.store.close()
+
+
+def test_each_layer_is_in_the_engine_blocks_when_its_wait_returns(tmp_path):
+    keys, payloads = _stored(tmp_path)
+    worker, kv = _worker(tmp_path)
+    layers_arrive_in_order(worker, kv, keys, payloads, [3, 9, 4, 11, 0, 7])
 
 
 def test_a_corrupt_later_frame_fails_its_block_after_the_checked_layers_only(tmp_path):
