@@ -67,6 +67,17 @@ def transfer_config(store: str, extra: dict):
                             kv_load_failure_policy="recompute")  # a bad stored block is recomputed
 
 
+def events_config(endpoint: str | None) -> dict:
+    """vLLM's KV events on a ZMQ publisher (the connector's stored / removed blocks among them,
+    ``medium`` naming the tier), for routers that learn where a prefix lives."""
+    if not endpoint:
+        return {}
+    from vllm.config import KVEventsConfig
+
+    return {"kv_events_config": KVEventsConfig(enable_kv_cache_events=True, publisher="zmq",
+                                               endpoint=endpoint, topic="kv")}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", default="lmdb:///tmp/tiered-kv-vllm", help="tiered-kv disk tier URL")
@@ -78,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--tensor-parallel-size", type=int, default=1, help="vLLM's TP ranks (workers)")
     ap.add_argument("--prefix-caching", action="store_true", help="also vLLM's own prefix cache")
+    ap.add_argument("--kv-events", metavar="ENDPOINT",
+                    help="publish KV events over ZMQ here (vLLM's --kv-events-config), e.g. tcp://*:5557")
     ap.add_argument("--json", action="store_true", help="print one RESULT line of JSON")
     args = ap.parse_args(argv)
     dummy = args.model is None
@@ -102,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
                   seed=0, enable_prefix_caching=args.prefix_caching,
                   tensor_parallel_size=args.tensor_parallel_size,
                   disable_hybrid_kv_cache_manager=True,
-                  kv_transfer_config=transfer_config(args.store, json.loads(args.extra)))
+                  kv_transfer_config=transfer_config(args.store, json.loads(args.extra)),
+                  **events_config(args.kv_events))
     except ConfigError:  # the connector logged it as one "tiered-kv: ..." line naming the key
         return 2
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True,
