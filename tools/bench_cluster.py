@@ -4,7 +4,7 @@ cluster in the same run, with clusters of 1 and 3 masters started for the run.
 
     python tools/bench_cluster.py [--json] [--quick] [--masters 1,3] [--replicas R] [--mib M]
                                   [--kinds llama8b-2MiB,demo-128KiB] [--repeats N] [--workers W]
-                                  [--io-threads T] [--codec C] [--dir DIR]
+                                  [--io-threads T] [--codec C] [--no-encrypt] [--dir DIR]
 
 Blocks: ``llama8b-2MiB`` (Llama-3-8B, 16 tokens, bf16) and ``demo-128KiB`` (the demo model's
 block, float32), drawn like real KV and encoded as the remote tier stores them (its codec,
@@ -19,6 +19,15 @@ Per cluster size, repeat and kind, close together in time, in alternating order:
   store (~4 MiB of values per pipeline);
 - raw: ``redis.cluster.RedisCluster``, one pipeline of SETs / GETs of the same names and bytes
   per job, on as many threads.
+
+- ours, sealed (``--encrypt``, the default): ours again with the blocks sealed as the store seals
+  them with ``encryption_secret`` set (AES-GCM under one tenant's key, frame by frame; sealed
+  before the timing: the stored bytes grow by the per-frame overhead, reported per block).
+
+With ``--encrypt`` the client's cost of sealing and opening is measured too, before the clusters
+start: the remote tier's own ``put_blobs`` (encode, then seal) and ``read_into`` (open, then
+decode) over an in-memory backend, on 1 thread and on the store's transfer threads, beside the
+same without a secret; sealed / plain GB/s is the cost (``tools/bench/cluster_crypto.py``).
 
 Reported (medians over the repeats): payload and wire GB/s, ours / raw (paired per repeat), the
 stored bytes each master holds (their max / mean) and its ``used_memory`` growth per stored

@@ -5,6 +5,7 @@ first in odd ones, so a drifting machine does not favour one), the report."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import redis
 
+from .cluster_crypto import measure, overhead, seal_blocks
 from .cluster_data import KINDS, encode_blocks, ratio_with, remote_codec
 from .cluster_report import build, table
 from .cluster_run import per_master_bytes, run_path
@@ -51,6 +53,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--raw-pipeline-mib", type=float, default=0,
                    help="cut raw redis-py pipelines to this many MiB of values (default 0: one per job)")
     p.add_argument("--no-check", action="store_true", help="skip comparing a few blocks after each get")
+    p.add_argument("--encrypt", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure encryption at rest (default on): sealing and opening on the client "
+                        "on 1 and the store's threads, and ours put / get with sealed blocks")
     p.add_argument("--dir", default=None, help="where the servers' directories go (default: temp dir)")
     a = p.parse_args(argv)
     a.mib = a.mib or (64 if a.quick else 512)
@@ -61,6 +66,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"unknown kinds {unknown}; known: {list(KINDS)}")
     if a.mib < 1 or a.repeats < 1 or not a.masters or min(a.masters) < 1:
         p.error("--mib, --repeats and every --masters must be positive")
+    if a.encrypt and importlib.util.find_spec("cryptography") is None:
+        p.error("--encrypt needs the cryptography library (pip install 'tiered-kv[crypto]'); "
+                "or pass --no-encrypt")
     return a
 
 
@@ -74,7 +82,7 @@ def meta(args: argparse.Namespace, codec: str, workers: int, load0: tuple) -> di
             "mib_per_phase": args.mib, "repeats": args.repeats, "workers": workers,
             "replicas": args.replicas, "io_threads": args.io_threads, "codec": codec,
             "raw_pipeline_mib": args.raw_pipeline_mib or "one pipeline per job",
-            "cpus": os.cpu_count(), "cpu_model": cpu_model(), "python": platform.python_version(),
+            "encrypt": args.encrypt, "cpus": os.cpu_count(), "cpu_model": cpu_model(), "python": platform.python_version(),
             "redis_py": version("redis"), "hiredis": bool(redis.utils.HIREDIS_AVAILABLE),
             "redis_server": server, "loadavg_start": [round(x, 2) for x in load0],
             "loadavg_end": [round(x, 2) for x in os.getloadavg()],
@@ -104,6 +112,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         codecs[kind] = {"codec": codec, "level": level, "segments": enc.segments, "blocks": n,
                         "payload_bytes_per_block": enc.payload_bytes, "ratio": round(enc.ratio, 4),
                         "zstd_shuffle_ratio": round(ratio_with(enc, "zstd+shuffle", level, groups), 4)}
+    sealed, crypto_records, encryption = {}, [], None
+    if args.encrypt:
+        for kind, enc in encoded.items():
+            sealed[kind] = seal_blocks(enc, groups)
+        for rep in range(args.repeats):  # kinds alternate within each repeat, as the cluster phases do
+            for kind, enc in encoded.items():
+                crypto_records += measure(enc, sealed[kind], groups, (1, workers), 1, rep,
+                                          lambda m: log(m, "bench-cluster"))
+        encryption = {"cipher": "AES-256-GCM, a key per tenant (HKDF of the secret), frame by frame",
+                      "tenant": "one (a throwaway secret)", "threads": sorted({1, workers}),
+                      "stored": {kind: overhead(encoded[kind], sealed[kind]) for kind in sealed}}
     records: list[dict] = []
     base = Path(tempfile.mkdtemp(prefix="bench-cluster-", dir=args.dir))
     try:
@@ -116,14 +135,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             try:
                 owners = cluster.slot_owners()
                 for rep in range(args.repeats):
-                    for kind, enc in encoded.items():
-                        node_bytes = per_master_bytes(enc, owners, len(cluster.masters))
-                        order = ("ours", "raw") if rep % 2 == 0 else ("raw", "ours")
-                        for path in order:
+                    for kind, plain in encoded.items():
+                        blocks = {"ours": plain, "raw": plain, "ours_sealed": sealed.get(kind)}
+                        order = ("ours", "raw", "ours_sealed") if kind in sealed else ("ours", "raw")
+                        for path in (order if rep % 2 == 0 else order[::-1]):
+                            enc = blocks[path]
+                            node_bytes = per_master_bytes(enc, owners, len(cluster.masters))
                             log(f"{masters} master(s), repeat {rep + 1}/{args.repeats}, {kind}, {path}",
                                 "bench-cluster")
-                            phases = run_path(path, cluster, enc, workers, not args.no_check,
-                                              int(args.raw_pipeline_mib * MiB))
+                            phases = run_path("ours" if path == "ours_sealed" else path, cluster, enc, workers,
+                                              not args.no_check, int(args.raw_pipeline_mib * MiB))
                             for op, ph in phases.items():
                                 records.append({"kind": kind, "masters": masters, "path": path, "op": op,
                                                 "rep": rep, "blocks": len(enc.blobs),
@@ -134,8 +155,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 cluster.stop()
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    report = build(records, codecs, meta(args, codec, workers, load0))
+    report = build(records, codecs, meta(args, codec, workers, load0), crypto_records, encryption)
     report["records"] = records
+    if args.encrypt:
+        report["crypto_records"] = crypto_records
     if args.json:
         print(json.dumps(report, indent=1))
     else:
