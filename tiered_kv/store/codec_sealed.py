@@ -39,7 +39,7 @@ import xxhash
 
 from tiered_kv.errors import CorruptBlock
 from tiered_kv.store.codec_body import CODECS, body_check
-from tiered_kv.store.codec_header import DTYPE_CODES, MAX_NDIM, SEALED, pack_header
+from tiered_kv.store.codec_header import DTYPE_CODES, HEADER_BYTES, MAX_NDIM, SEALED, pack_header
 from tiered_kv.store.codec_segments import (
     MAX_SEGMENTS,
     BlockSegments,
@@ -80,7 +80,7 @@ def frame_aad(header: Any, tenant: bytes, j: int, n: int) -> bytes:
                     *dims, header.raw_len, j, n) + tenant
 
 
-def seal_block(header: Any, body: memoryview, size: int, sealing: Sealing) -> bytes:
+def seal_block(header: Any, body: memoryview, size: int, sealing: Sealing) -> bytearray:
     """The sealed block of a validated plain block (``header``, ``body``)."""
     inner = INNER.pack(header.checksum, header.body_check)
     if header.segmented:
@@ -89,16 +89,32 @@ def seal_block(header: Any, body: memoryview, size: int, sealing: Sealing) -> by
     else:
         plain = [inner + bytes(body)]
     n = len(plain)
-    frames = []
+    # one buffer for the whole sealed block; each frame encrypted straight into its place
+    # (encrypt, then joining nonce, ciphertext and frames, copied every byte twice more: the
+    # seal ran at 1.9 GB/s on a 2 MiB block)
+    first = HEADER_BYTES + env_len(n)
+    out = bytearray(first + sum(len(d) + OVERHEAD for d in plain))
+    view = memoryview(out)
+    into = getattr(sealing.aead, "encrypt_into", None)
+    frames, pos = [], first
     for j, data in enumerate(plain):
+        end = pos + len(data) + OVERHEAD
         nonce = os.urandom(NONCE)
-        frames.append(nonce + sealing.aead.encrypt(nonce, data, frame_aad(header, sealing.tenant, j, n)))
+        view[pos : pos + NONCE] = nonce
+        aad = frame_aad(header, sealing.tenant, j, n)
+        if into is not None:
+            into(nonce, data, aad, view[pos + NONCE : end])
+        else:
+            view[pos + NONCE : end] = sealing.aead.encrypt(nonce, data, aad)
+        frames.append(view[pos:end])
+        pos = end
     table = ENV_HEAD.pack(n) + b"".join(ENV_ENTRY.pack(len(f), body_check(f)) for f in frames)
-    stored_len = len(table) + sum(len(f) for f in frames)
-    head = pack_header(header.codec, header.dtype, header.level, header.shape, header.namespace, header.key,
-                       header.raw_len, stored_len, xxhash.xxh3_64_intdigest(table),
-                       xxhash.xxh32_intdigest(table), header.created, header.flags | SEALED)
-    return b"".join((head, table, *frames))
+    view[HEADER_BYTES:first] = table
+    view[:HEADER_BYTES] = pack_header(
+        header.codec, header.dtype, header.level, header.shape, header.namespace, header.key, header.raw_len,
+        len(out) - HEADER_BYTES, xxhash.xxh3_64_intdigest(table), xxhash.xxh32_intdigest(table),
+        header.created, header.flags | SEALED)
+    return out
 
 
 def open_sealed(header: Any, body: memoryview, size: int, sealing: Sealing | None) -> BlockSegments:
@@ -150,7 +166,7 @@ class SealedSegments(BlockSegments):
     def _check(self, j: int):
         if j not in self._opened:
             _, _, _, lo, hi, _, _ = self._segs[j]
-            self._body[lo:hi] = _open_frame(self.header, self._sealed, self._frames, j + 1, self._sealing)
+            _open_frame(self.header, self._sealed, self._frames, j + 1, self._sealing, into=self._body[lo:hi])
             self._opened.add(j)
         return super()._check(j)
 
@@ -186,11 +202,21 @@ def _checked(body: memoryview, frames: list[tuple[int, int, int]], j: int) -> me
 
 
 def _open_frame(header: Any, body: memoryview, frames: list[tuple[int, int, int]], j: int,
-                sealing: Sealing) -> bytes:
-    """Frame ``j`` checked (over its ciphertext), authenticated and decrypted."""
+                sealing: Sealing, into: memoryview | None = None) -> bytes | None:
+    """Frame ``j`` checked (over its ciphertext), authenticated and decrypted: returned, or
+    written into ``into`` (its plaintext length; a frame that fails authentication may leave
+    bytes there, which the caller never uses: it raises)."""
     sealed = _checked(body, frames, j)
+    aad = frame_aad(header, sealing.tenant, j, len(frames))
     try:
-        return sealing.aead.decrypt(sealed[:NONCE], sealed[NONCE:], frame_aad(header, sealing.tenant, j, len(frames)))
+        if into is None:
+            return sealing.aead.decrypt(sealed[:NONCE], sealed[NONCE:], aad)
+        decrypt_into = getattr(sealing.aead, "decrypt_into", None)
+        if decrypt_into is None:
+            into[:] = sealing.aead.decrypt(sealed[:NONCE], sealed[NONCE:], aad)
+        else:
+            decrypt_into(sealed[:NONCE], sealed[NONCE:], aad, into)
+        return None
     except Exception:  # InvalidTag: another key or tenant, or a block moved or tampered with
         raise CorruptBlock(f"sealed frame {j} does not authenticate under this tenant's key "
                            "(another secret or tenant, or a block moved)", reason="wrong_key") from None
