@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.cluster import LoadBalancingStrategy
 from redis.connection import parse_url
 from redis.exceptions import ClusterDownError, RedisClusterException, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -69,7 +70,7 @@ class RedisBackend(Backend):
 
     def __init__(self, url: str, *, prefix: bytes | str = b"tkv:", ttl: float | None = None,
                  timeout: float = 2.0, retries: int = 2, max_connections: int = 64, cluster: bool = False,
-                 pipeline_bytes: int = PIPELINE_BYTES) -> None:
+                 pipeline_bytes: int = PIPELINE_BYTES, read_from_replicas: bool = False) -> None:
         super().__init__(redact_url(url))  # stats and logs never show a password
         if timeout <= 0 or retries < 0 or max_connections < 1 or pipeline_bytes < 1:
             raise ConfigError("redis timeout and pipeline_bytes must be positive, retries >= 0 "
@@ -78,6 +79,8 @@ class RedisBackend(Backend):
         self.ttl_ms = max(1, round(ttl * 1000)) if ttl else None
         self.timeout, self.pipeline_bytes = timeout, pipeline_bytes
         self.cluster = cluster or url.startswith("redis+cluster://")
+        if read_from_replicas and not self.cluster:
+            raise ConfigError("redis read_from_replicas is for a Redis Cluster (redis+cluster://)")
         self.names = RedisNames(self.prefix, self.cluster)  # key names (no accidental hash tags)
         self._value_size = float(VALUE_SIZE_GUESS)  # running estimate: sizes GET pipelines
         self._breaker = threading.Lock()
@@ -100,6 +103,11 @@ class RedisBackend(Backend):
                 raise ConfigError("Redis Cluster cannot be reached over a unix socket")
             elif not target.startswith("rediss://"):  # the TLS cluster client sets its own class
                 common["connection_class"] = PackedConnection
+            if read_from_replicas:
+                # GETs and EXISTS go round robin over each slot's master and replicas: a block is
+                # immutable under its key and checked when read, so a replica can only be behind
+                # (absent: a counted miss), never wrong
+                common["load_balancing_strategy"] = LoadBalancingStrategy.ROUND_ROBIN
             self._make_cluster = lambda: redis.RedisCluster.from_url(target, **common)  # connects
         except (ValueError, TypeError, redis.RedisError) as exc:
             raise ConfigError(f"bad Redis URL {self.url!r}: {exc}") from None

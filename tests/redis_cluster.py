@@ -199,9 +199,18 @@ class RedisClusterServers:
         return node_id.decode() if isinstance(node_id, bytes) else node_id
 
     def wait_replicated(self, timeout_ms: int = 5000) -> None:
-        """Block until every master's replica acknowledged all its writes (``WAIT``)."""
+        """Block until every master's replicas acknowledged all its writes: their offsets reach
+        the master's (``WAIT`` on a new connection would wait for nothing: it wrote nothing)."""
+        stop = time.monotonic() + timeout_ms / 1000
         for master in self.masters():
-            master.client(timeout_ms / 1000 + 1).execute_command("WAIT", self.replicas, timeout_ms)
+            while True:
+                info = master.client().info("replication")
+                offsets = [v["offset"] for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)]
+                if len(offsets) >= self.replicas and min(offsets) >= info["master_repl_offset"]:
+                    break
+                if time.monotonic() > stop:
+                    raise AssertionError(f"replicas of {master.port} behind: {offsets} < {info['master_repl_offset']}")
+                time.sleep(0.02)
 
     # -- faults and teardown -----------------------------------------------------------------
     def kill(self, node: Node) -> None:
