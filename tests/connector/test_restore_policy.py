@@ -20,7 +20,8 @@ pytestmark = pytest.mark.restore_cost  # these scenarios inject the estimates th
 
 BS = 16
 PROMPT = list(range(1000, 1000 + 8 * BS + 1))  # eight full blocks and one token
-DENSE = Namespace("policy-test", "float16", 4, 2, 64, BS)
+DENSE = Namespace("policy-test", "float16", 4, 2, 64, BS)  # 32 KiB blocks: one frame
+BIG = Namespace("policy-big", "float16", 8, 8, 128, BS)  # 512 KiB blocks: 8 frames
 HYBRID = Namespace("policy-hybrid", "float32", 4, 2, 8, BS,
                    groups=(KVGroup("full", 2, (2, 2, 8), "float32", BS), KVGroup("state", 2, (40,), "float32", 64)))
 
@@ -143,25 +144,40 @@ def test_a_tier_judged_slow_is_probed_now_and_then():
 
 
 def test_layer_wise_loads_overlap_the_prefill_and_whole_or_async_loads_do_not():
-    # a disk answering in 0.135 s against a 0.139 s prefill, 0.011 s left to compute after it:
-    # overlapped layer group by layer group, max + min / 4 groups = 0.138 s: loaded; one after
-    # the other, 0.146 s: not loaded
+    # 512 KiB blocks, stored in 8 frames of 64 KiB: a disk answering in 0.135 s against a
+    # 0.139 s prefill, 0.011 s left to compute after it: overlapped frame by frame,
+    # max + min / 8 = 0.136 s: loaded; one after the other, 0.146 s: not loaded
     costs = estimates()
-    costs.set_restore("disk", latency_s=0.135, bytes_per_s=10e9)
+    costs.set_restore("disk", latency_s=0.135, bytes_per_s=10e12)
     lmdb = {"disk": {"url": "lmdb:///nonexistent/tkv"}}
-    assert claim(Index(DENSE, ["disk"] * 8, costs, **lmdb))[1] == 8 * BS
-    assert claim(Index(DENSE, ["disk"] * 8, costs, layerwise_loads=False, **lmdb))[1] == 0
-    assert claim(Index(DENSE, ["disk"] * 8, costs, **lmdb), load_async=True)[1] == 0
+    assert claim(Index(BIG, ["disk"] * 8, costs, **lmdb), BIG)[1] == 8 * BS
+    assert claim(Index(BIG, ["disk"] * 8, costs, layerwise_loads=False, **lmdb), BIG)[1] == 0
+    assert claim(Index(BIG, ["disk"] * 8, costs, **lmdb), BIG, load_async=True)[1] == 0
+
+
+def test_blocks_stored_in_one_frame_are_not_predicted_to_overlap_the_prefill():
+    # the policy took G = min(layer_groups, layers) while a 32 KiB block is stored in one frame
+    # (none under 64 KiB) and arrives whole before its first layer: it predicted an overlap that
+    # cannot happen and loaded where loading is slower
+    costs = estimates()
+    costs.set_restore("disk", latency_s=0.135, bytes_per_s=10e12)
+    lmdb = {"disk": {"url": "lmdb:///nonexistent/tkv"}}
+    assert claim(Index(DENSE, ["disk"] * 8, costs, **lmdb))[1] == 0
 
 
 def test_a_redis_restore_is_not_counted_as_overlapping_the_prefill():
     # bench_restore, slow remote: the policy assumed a throttled Redis overlapped the prefill
     # and loaded a third of the prompt (2.35 s against 1.47 s recomputing); a GET brings whole
     # blocks, so the first layer waits for all of them: restore and prefill add up
+    # (here: 0.130 s to restore against 0.139 s recomputing; overlapped it would take 0.131 s,
+    # added up it takes 0.141 s)
     costs = estimates()
-    costs.set_restore("remote", latency_s=0.145, bytes_per_s=10e9)
+    costs.set_restore("remote", latency_s=0.130, bytes_per_s=10e12)
     redis = {"remote": {"url": "redis://127.0.0.1:1/0"}}
-    assert claim(Index(DENSE, ["remote"] * 8, costs, **redis))[1] == 0
+    assert claim(Index(BIG, ["remote"] * 8, costs, **redis), BIG)[1] == 0  # 8 frames, but a GET brings all
+    lmdb = {"disk": {"url": "lmdb:///nonexistent/tkv"}}
+    costs.set_restore("disk", latency_s=0.130, bytes_per_s=10e12)  # the same figures, read frame by frame
+    assert claim(Index(BIG, ["disk"] * 8, costs, **lmdb), BIG)[1] == 8 * BS
 
 
 def test_a_load_predicted_a_few_percent_slower_than_recomputing_is_not_made():

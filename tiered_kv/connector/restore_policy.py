@@ -11,10 +11,13 @@ the rest is predicted to reach the first token after
            with context = device prefix + K blocks, new = prompt tokens - context
     T(0) = C(0)
     T(K) = max(R, C) + min(R, C) / G    sync loads streamed layer group by layer group (config
-                                        ``layerwise_loads``, G = ``layer_groups``): a two-stage
-                                        pipeline, group g computes while group g+1 arrives
-    T(K) = R + C                        whole loads before the forward, or async loads (they
-                                        complete between steps, then the prefill runs)
+                                        ``layerwise_loads``), G = the frames a block is stored
+                                        in (``layer_groups``, none under 64 KiB: a 128 KiB block
+                                        has 2): a two-stage pipeline, group g computes while
+                                        group g+1 arrives
+    T(K) = R + C                        whole loads before the forward, async loads (they
+                                        complete between steps, then the prefill runs), or
+                                        blocks of one frame (they arrive whole)
 
 (:mod:`tiered_kv.store.restore_costs` has the estimates: latency + bytes / throughput per tier,
 per-step + per-token + per-attention-pair for the engine). The claim is the allowed ``K`` with the
@@ -40,6 +43,7 @@ from math import prod
 
 from tiered_kv.dtypes import itemsize
 from tiered_kv.keys import Namespace
+from tiered_kv.store.layer_frames import frame_count
 from tiered_kv.store.restore_costs import attention_work
 
 log = logging.getLogger(__name__)
@@ -92,7 +96,9 @@ class RestorePolicy:
         self.costs = costs
         self.block_bytes, self.block_size = block_bytes, block_size
         self.policy = policy if costs is not None else "always"
-        self.overlap = layerwise and not load_async  # restore runs beside the step's compute
+        # restore runs beside the step's compute: layer-wise sync loads of blocks stored in
+        # several frames (a block of one frame arrives whole, before its first layer is computed)
+        self.overlap = layerwise and not load_async and layer_groups > 1
         # tiers whose reads arrive frame by frame (host memory, LMDB's mapped pages); a Redis GET
         # brings whole blocks: its restore ends before the first layer can start
         self.streamed = set(streamed)
@@ -104,13 +110,15 @@ class RestorePolicy:
     @classmethod
     def for_index(cls, index, namespace: Namespace, *, load_async: bool = False) -> RestorePolicy:
         """The policy ``index`` is configured for: its ``costs`` and its ``config``'s
-        ``restore_policy``, ``layerwise_loads`` and ``layer_groups`` (without costs: always).
-        The worker streams layer groups only for plain KV blocks (no KV groups)."""
+        ``restore_policy``, ``layerwise_loads`` and the frames its blocks are stored in (from
+        ``layer_groups``; without costs: always). The worker streams layer groups only for plain
+        KV blocks (no KV groups)."""
         config = getattr(index, "config", None)
         return cls(getattr(index, "costs", None), itemsize(namespace.dtype) * prod(namespace.block_shape),
                    namespace.block_size, policy=getattr(config, "restore_policy", "cost"),
                    layerwise=getattr(config, "layerwise_loads", True) and not namespace.groups,
-                   layer_groups=min(getattr(config, "layer_groups", 8), namespace.num_layers),
+                   layer_groups=frame_count(namespace, itemsize(namespace.dtype) * prod(namespace.block_shape),
+                                            getattr(config, "layer_groups", 8)),
                    load_async=load_async, count=getattr(index, "count_restore_skips", None),
                    streamed=("host", *(t.name for t in getattr(config, "lower_tiers", ())
                                        if str(t.url).startswith("lmdb:"))))

@@ -26,14 +26,12 @@ from tiered_kv.errors import BackendUnavailable, CorruptBlock
 from tiered_kv.keys import Namespace
 from tiered_kv.store import codec_choice
 from tiered_kv.store.codec import BlockCodec, BlockLayout, Sealing, max_stored_len
+from tiered_kv.store.layer_frames import MIN_FRAME_BYTES, layer_segments  # noqa: F401  (re-exported)
 from tiered_kv.store.metrics import StoreMetrics
 from tiered_kv.store.tenant_cipher import TenantCipher
 
 log = logging.getLogger(__name__)
 
-# a frame costs a fixed few microseconds to open, hash and decode on its own: frames below this
-# would make layer-wise loads slower than whole ones (a 2 MiB Llama-8B block still gets 8 groups)
-MIN_FRAME_BYTES = 64 << 10
 # miss reasons of blocks another replica may read: counted, never removed
 KEY_REASONS = frozenset({"no_key", "wrong_key"})
 
@@ -252,15 +250,3 @@ class _Read:
                     tier.name, self.locked, ", ".join(sorted({r for r in reasons if r in KEY_REASONS})))
         return reasons, self.blobs
 
-
-def layer_segments(namespace: Namespace, raw_len: int, groups: int) -> list[int] | None:
-    """Raw byte length of each of up to ``groups`` layer groups of a block (its leading dimension
-    is the layers: ``[layers, 2, block_size, heads, dim]``), as even as layers allow, none smaller
-    than MIN_FRAME_BYTES; None for one frame (a single group or layer, a small block, or a
-    namespace with KV groups, whose entry is each group's part one after another)."""
-    layers = namespace.num_layers
-    groups = min(groups, layers, raw_len // MIN_FRAME_BYTES)
-    if groups <= 1 or namespace.groups or raw_len % layers:
-        return None
-    per_layer = raw_len // layers
-    return [per_layer * (layers * (g + 1) // groups - layers * g // groups) for g in range(groups)]
