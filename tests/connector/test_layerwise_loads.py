@@ -171,7 +171,7 @@ def test_reference_engine_recomputes_blocks_whose_last_frame_is_corrupt(tmp_path
 
 
 def test_frames_are_layer_groups_of_at_least_64_kib():
-    from tiered_kv.store.encoded_tier import layer_segments
+    from tiered_kv.store.layer_frames import layer_segments
 
     llama8b = Namespace(model_id="8b", dtype="bfloat16", num_layers=32, num_kv_heads=8, head_dim=128, block_size=16)
     raw = 2 << 20

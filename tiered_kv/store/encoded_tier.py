@@ -26,7 +26,7 @@ from tiered_kv.errors import BackendUnavailable, CorruptBlock
 from tiered_kv.keys import Namespace
 from tiered_kv.store import codec_choice
 from tiered_kv.store.codec import BlockCodec, BlockLayout, Sealing, max_stored_len
-from tiered_kv.store.layer_frames import MIN_FRAME_BYTES, layer_segments  # noqa: F401  (re-exported)
+from tiered_kv.store.layer_frames import layer_segments
 from tiered_kv.store.metrics import StoreMetrics
 from tiered_kv.store.tenant_cipher import TenantCipher
 

@@ -18,7 +18,7 @@ from tiered_kv.config import TieredKVConfig
 from tiered_kv.keys import Namespace, block_keys
 from tiered_kv.store import codec_choice
 from tiered_kv.store.codec import BlockCodec, BlockLayout
-from tiered_kv.store.encoded_tier import layer_segments
+from tiered_kv.store.layer_frames import layer_segments
 
 # name -> (layers, KV heads, head_dim, dtype); 16 tokens per block
 KINDS: dict[str, tuple[int, int, int, str]] = {
