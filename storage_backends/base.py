@@ -27,6 +27,7 @@ from typing import NamedTuple
 from tiered_kv.errors import ConfigError
 
 Visitor = Callable[[int, memoryview], None]
+SplitVisitor = Callable[[int, "memoryview | None", "memoryview | None"], "bool | None"]  # (i, head, value)
 Listener = Callable[[str, list[bytes]], None]  # (``"stored"`` or ``"removed"``, keys)
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,15 @@ class Backend(ABC):
                 visitor(i, memoryview(value))
             found.append(value is not None)
         return found
+
+    def visit_split(self, keys: Sequence[bytes], outs: Sequence[object], visitor: SplitVisitor) -> list[bool]:
+        """Like :meth:`visit_many`, for readers whose values end with ``len(outs[i])`` bytes they
+        want in ``outs[i]``: a medium that can read a value in pieces reads its first bytes into
+        a buffer and the rest straight into ``outs[i]``, then calls ``visitor(i, head, None)``;
+        a visitor answering False did not want it that way, and is called again as
+        ``visitor(i, None, value)`` with the whole value (so is every value a medium does not
+        split: this default splits none). Returns presence per key."""
+        return self.visit_many(keys, lambda i, value: visitor(i, None, value))
 
     def visit_all(self, keys: Sequence[bytes], visitor: Callable[[list[memoryview | None]], None]) -> list[bool]:
         """Call ``visitor(values)`` once with every key's value (None where absent), all valid

@@ -1,4 +1,4 @@
-"""The consistency check of the LMDB tier's tables: the block table is the truth; meta records,
+"""The consistency check of the LMDB tier's tables: the block table and the sound places are the truth; meta records,
 both LRU indexes and the totals (overall and per tenant) must follow it. Problems are repaired
 when a write transaction is given."""
 
@@ -23,11 +23,17 @@ from storage_backends.lmdb_tables import (
 )
 
 
-def check_tables(tables: Tables, txn, w: Write | None) -> list[str]:
+def check_tables(tables: Tables, txn, w: Write | None, placed: dict[bytes, int] | None = None) -> list[str]:
     """Problems between the tables, repaired through ``w`` when given (a write transaction
-    whose totals are written on commit)."""
+    whose totals are written on commit). ``placed``: the values in segment files (key ->
+    length, as :func:`storage_backends.lmdb_segment_check.check_segments` found them sound)."""
     blocks = {bytes(k): len(v) for k, v in txn.cursor(db=tables.blocks)}
     problems: list[str] = []
+    for key, size in (placed or {}).items():
+        if key in blocks:
+            problems.append(f"value both in the block table and in a segment: {key.hex()}")
+        else:
+            blocks[key] = size
     metas = _metas(tables, txn, w, problems)
     for key, size in blocks.items():
         meta = metas.get(key)

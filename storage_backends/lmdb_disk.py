@@ -2,7 +2,10 @@
 byte quotas per tenant.
 
 Named databases inside the environment (a directory; formats in :mod:`storage_backends.lmdb_tables`):
-``blocks`` (key -> stored value, already encoded and compressed by the caller), ``meta`` (size,
+``blocks`` (key -> stored value, already encoded and compressed by the caller) for values under
+``segment_min`` bytes; larger values are appended to segment files beside it and ``places`` says
+where they lie (:mod:`storage_backends.lmdb_segments`: each is written once, in parallel, outside
+LMDB's single writer, before the transaction that records it); ``meta`` (size,
 times, hits and tenant of each key), ``lru`` and ``tenant_lru`` (keys in access order, overall
 and per tenant), ``tenants`` and ``info`` (used bytes and entries per tenant and overall, and the
 format), all updated in the same write transaction as every put, delete and eviction, so they
@@ -24,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -34,10 +36,13 @@ from storage_backends.base import Backend, BackendStats, TenantTotal, Visitor
 from storage_backends.eviction import Eviction
 from storage_backends.eviction_lru import LRU
 from storage_backends.lmdb_check import check_tables
-from storage_backends.lmdb_entries import delete_entry, evict_beyond, put_entry
-from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
+from storage_backends.lmdb_compaction import Compactor
+from storage_backends.lmdb_entries import evict_beyond
+from storage_backends.lmdb_environment import LmdbEnvironment
+from storage_backends.lmdb_reads import LmdbReads
+from storage_backends.lmdb_segment_check import check_segments
+from storage_backends.lmdb_segments import SegmentFiles
 from storage_backends.lmdb_tables import (
-    MAX_KEY,
     Write,
     as_key,
     fits,
@@ -46,9 +51,11 @@ from storage_backends.lmdb_tables import (
     tenant_totals,
     unpack_meta,
 )
+from storage_backends.lmdb_values import SegmentValues
 from storage_backends.lmdb_warmup import warm_index
+from storage_backends.lmdb_writes import LmdbWrites
 from storage_backends.options import as_int, directory_of, existing_directory, split_options
-from storage_backends.quotas import Quotas, as_tenant
+from storage_backends.quotas import Quotas
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError, InvalidKey
 from tiered_kv.units import as_bool, format_size, parse_size
 
@@ -57,7 +64,7 @@ __all__ = ["BackendClosed", "InvalidKey", "LmdbBackend", "path_of"]
 log = logging.getLogger(__name__)
 
 OPTIONS = ("capacity", "sync", "map_size", "readahead", "writemap", "max_readers", "batch_bytes",
-           "record_access", "tenant_quota", "tenant_quotas")
+           "record_access", "tenant_quota", "tenant_quotas", "segment_min", "segment_bytes")
 
 
 def path_of(url: str) -> Path:
@@ -76,7 +83,8 @@ class LmdbBackend(Backend):
                  map_size: int | str | None = None, readahead: bool | str = True,
                  writemap: bool | str = False, max_readers: int | str = 512,
                  batch_bytes: int | str = 2 << 20, record_access: bool | str = True,
-                 tenant_quota: int | str | None = None, tenant_quotas=None, url: str | None = None) -> None:
+                 tenant_quota: int | str | None = None, tenant_quotas=None, segment_min: int | str = 64 << 10,
+                 segment_bytes: int | str = 128 << 20, url: str | None = None) -> None:
         self.path = Path(path)
         super().__init__(url or f"lmdb://{self.path.resolve()}")
         self.capacity = parse_size(capacity, name="lmdb capacity")
@@ -101,7 +109,7 @@ class LmdbBackend(Backend):
         if writemap and not self.sync:
             log.warning("lmdb tier at %s: writemap without sync: a machine crash may corrupt it",
                         self.path)
-        options = dict(map_size=wanted, max_dbs=8, sync=self.sync, metasync=self.sync,
+        options = dict(map_size=wanted, max_dbs=16, sync=self.sync, metasync=self.sync,
                        readahead=as_bool(readahead, "lmdb readahead"), writemap=writemap,
                        max_readers=as_int(max_readers, "lmdb max_readers"), lock=True)
         self._lock = threading.Lock()  # pins
@@ -110,6 +118,18 @@ class LmdbBackend(Backend):
                                    batch_bytes=self.batch_bytes, count=self._count,
                                    evict=self._evict_beyond_capacity, record_access=self.record_access)
         self._db.on_changes = self._tell_in_order  # committed puts, evictions and deletes
+        # values of at least segment_min bytes go to segment files of segment_bytes each
+        minimum, per_file = parse_size(segment_min, name="lmdb segment_min"), parse_size(segment_bytes, name="lmdb segment_bytes")
+        if minimum < 1 or per_file < (1 << 20):
+            self._db.close()
+            raise ConfigError(f"lmdb segment_min must be >= 1 and segment_bytes >= 1 MiB, got {segment_min!r}, "
+                              f"{segment_bytes!r}")
+        self.values = SegmentValues(self._db, SegmentFiles(self.path, per_file), minimum, self.sync)
+        self._reads = LmdbReads(self._db, self.values, self._count)
+        self.compactor = Compactor(self._db, self.values, dead_limit=max(self.capacity // 4, 2 * per_file))
+        self._writes = LmdbWrites(self._db, self.values, self._eviction, self._pinned, self._count, self.compactor)
+        if self.record_access:  # a writer: seal what dead processes left (tools change nothing)
+            self.values.recover()
         used, entries = self._totals()
         self.warmup = None
         if self.record_access and entries:  # a restart: read the index into the page cache
@@ -168,35 +188,13 @@ class LmdbBackend(Backend):
         return self._get_by_visiting(keys)
 
     def visit_many(self, keys: Sequence[bytes], visitor: Visitor) -> list[bool]:
-        """Zero-copy: ``visitor`` sees LMDB's own pages, inside one read transaction."""
-        keys = [as_key(k) for k in keys]
-        found = [False] * len(keys)
-        hits: list[bytes] = []
-        nbytes = 0
-        with self._db.guard("read"), self._db.txn() as txn:
-            for i, key in enumerate(keys):
-                value = txn.get(key, db=self.blocks) if fits(key) else None
-                if value is not None:
-                    found[i] = True
-                    hits.append(key)
-                    nbytes += len(value)
-                    visitor(i, value)
-        if hits:
-            self._db.touch(hits, time.time_ns())
-        self._count(gets=len(keys), hits=len(hits), bytes_out=nbytes)
-        return found
+        return self._reads.visit_many(keys, visitor)
 
     def visit_all(self, keys: Sequence[bytes], visitor) -> list[bool]:
-        """Zero-copy: ``visitor`` sees LMDB's own pages of every key, inside one read transaction."""
-        keys = [as_key(k) for k in keys]
-        with self._db.guard("read"), self._db.txn() as txn:
-            values = [txn.get(k, db=self.blocks) if fits(k) else None for k in keys]
-            visitor(values)
-        hits = [k for k, v in zip(keys, values) if v is not None]
-        if hits:
-            self._db.touch(hits, time.time_ns())
-        self._count(gets=len(keys), hits=len(hits), bytes_out=sum(len(v) for v in values if v is not None))
-        return [v is not None for v in values]
+        return self._reads.visit_all(keys, visitor)
+
+    def visit_split(self, keys: Sequence[bytes], outs: Sequence[object], visitor) -> list[bool]:
+        return self._reads.visit_split(keys, outs, visitor)
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Asks the meta table (small, dense pages: the block table would fault in the first
@@ -209,57 +207,21 @@ class LmdbBackend(Backend):
         prefix = bytes(prefix)
         keys: list[bytes] = []
         with self._db.guard("scan"), self._db.txn() as txn:
-            cursor = txn.cursor(db=self.blocks)
-            if cursor.set_range(prefix):
-                for key in cursor.iternext(keys=True, values=False):
-                    if not key[: len(prefix)] == prefix:
-                        break
-                    keys.append(bytes(key))
+            for db in (self.blocks, self._db.tables.places):
+                cursor = txn.cursor(db=db)
+                if cursor.set_range(prefix):
+                    for key in cursor.iternext(keys=True, values=False):
+                        if not key[: len(prefix)] == prefix:
+                            break
+                        keys.append(bytes(key))
         return iter(keys)
 
     # -- writes ------------------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[bytes, bytes]], tenant: bytes = b"") -> list[bool]:
-        """Grouped into write transactions of about ``batch_bytes`` (one per large value)."""
-        tenant = as_tenant(tenant)
-        batch: list[tuple[bytes, object, int]] = []
-        for key, value in items:
-            key = as_key(key)
-            if not fits(key):
-                raise InvalidKey(f"lmdb keys must be 1..{MAX_KEY} bytes, got {len(key)}")
-            batch.append((key, value, memoryview(value).nbytes))
-        stored: list[bool] = []
-        start, size = 0, 0
-        for i, (_, _, n) in enumerate(batch):
-            if i > start and size + n > self.batch_bytes:
-                stored += self._put_batch(batch[start:i], tenant)
-                start, size = i, 0
-            size += n
-        if start < len(batch):
-            stored += self._put_batch(batch[start:], tenant)
-        return stored
-
-    def _put_batch(self, batch: list[tuple[bytes, object, int]], tenant: bytes) -> list[bool]:
-        tables = self._db.tables
-        try:
-            with self._db.guard("put"):
-                return self._db.write(lambda w: [put_entry(tables, w, *item, tenant, self._eviction, self._pinned)
-                                                 for item in batch], nbytes=sum(n for _, _, n in batch))
-        except NoSpace as exc:
-            log.warning("lmdb tier at %s: %d values refused: %s", self.path, len(batch), exc)
-            self._count(put_rejected=len(batch))
-            return [False] * len(batch)
+        return self._writes.put_many(items, tenant)
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        keys = [k for k in map(as_key, keys) if fits(k)]
-        if not keys:
-            return 0
-        try:
-            with self._db.guard("delete"):
-                n = self._db.write(lambda w: sum(delete_entry(self._db.tables, w, k) for k in keys))
-        except NoSpace as exc:
-            raise BackendUnavailable(f"lmdb store at {self.path} is full: {exc}") from None
-        self._count(deletes=n)
-        return n
+        return self._writes.delete_many(keys)
 
     # -- pins, durability --------------------------------------------------------------------
     def pin_many(self, keys: Sequence[bytes]) -> None:
@@ -283,10 +245,17 @@ class LmdbBackend(Backend):
 
     def flush(self) -> None:
         """Apply buffered accesses and make every committed put durable (fsync)."""
+        with self._db.guard("flush"):
+            try:
+                self.values.flush()
+            except OSError as exc:
+                raise BackendUnavailable(f"lmdb store at {self.path}: {exc}") from exc
         self._db.sync()
 
     def close(self) -> None:
         """Apply buffered accesses, sync and close. Idempotent; waits for running calls."""
+        if not self._db.closed and not self._db.gate.held():
+            self.values.close()
         if self._db.close():
             log.info("lmdb tier at %s closed", self.path)
 
@@ -304,14 +273,22 @@ class LmdbBackend(Backend):
         with self._db.guard("stats"), self._db.shared():
             used, entries = self._totals()
             info, page = self.env.info(), self.env.stat()["psize"]
+            dead = self.compactor.dead_bytes()[1]
         size, allocated = self._db.file_bytes()
+        segments = {s: self.values.files.file_size(s) or 0 for s in self.values.files.files()}
         with self._lock:
             pinned = len(self._pins)
         pending = len(self._db.accesses)
         return self._snapshot(entries=entries, used_bytes=used, capacity_bytes=self.capacity, extra={
             "map_size": info["map_size"], "page_size": page, "file_bytes": size,
             "file_allocated_bytes": allocated, "readers": info["num_readers"],
-            "last_txnid": info["last_txnid"], "pending_touches": pending, "pinned": pinned})
+            "last_txnid": info["last_txnid"], "pending_touches": pending, "pinned": pinned,
+            "segment_files": len(segments), "segment_bytes": sum(segments.values()), "segment_dead_bytes": dead})
+
+    def compact(self) -> int:
+        """Compact the sparsest sealed segment if dead bytes exceed the limit; values moved."""
+        with self._db.guard("compact"):
+            return self.compactor.maybe_compact(force=True)
 
     def lru_order(self) -> list[bytes]:
         """Keys from least to most recently used (after applying pending accesses)."""
@@ -333,9 +310,14 @@ class LmdbBackend(Backend):
         """Problems between the block, meta, both LRU, tenants and info tables (the block table
         is the truth); repaired only with ``fix``. Reads every value's pages: a maintenance call."""
         self._db.apply_pending()
+
+        def run(txn, w: Write | None) -> list[str]:
+            problems, placed = check_segments(self._db.tables, txn, w, self.values.files)
+            return problems + check_tables(self._db.tables, txn, w, placed)
+
         if not fix:
             with self._db.guard("check"), self._db.txn() as txn:
-                return check_tables(self._db.tables, txn, None)
+                return run(txn, None)
         with self._db.guard("check"):
-            return self._db.write(lambda w: check_tables(self._db.tables, w.txn, w))
+            return self._db.write(lambda w: run(w.txn, w))
 

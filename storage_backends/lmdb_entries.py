@@ -8,6 +8,8 @@ import time
 from collections.abc import Callable, Iterator
 
 from storage_backends.eviction import Eviction, Victim
+from storage_backends.lmdb_places import place_value, unplace
+from storage_backends.lmdb_segments import Place
 from storage_backends.lmdb_tables import (
     Meta,
     Tables,
@@ -66,8 +68,9 @@ class TableIndex:
 
 def put_entry(tables: Tables, w: Write, key: bytes, value, size: int, tenant: bytes,
               eviction: Eviction, pinned: Pinned) -> bool:
-    """Store ``value`` under ``key`` for ``tenant`` after evicting what ``eviction`` plans;
-    False (counted as rejected) when it cannot be stored."""
+    """Store ``value`` (bytes, or the :class:`Place` of bytes written to a segment) under
+    ``key`` for ``tenant`` after evicting what ``eviction`` plans; False (counted as rejected)
+    when it cannot be stored."""
     if not eviction.fits(tenant, size):
         w.counts["put_rejected"] += 1
         return False
@@ -84,7 +87,10 @@ def put_entry(tables: Tables, w: Write, key: bytes, value, size: int, tenant: by
     w.counts["evictions"] += len(plan.victims)
     w.counts["quota_evictions"] += len(plan.quota)
     now = time.time_ns()
-    w.txn.put(key, value, db=tables.blocks)
+    if isinstance(value, Place):
+        place_value(tables, w, key, value)
+    else:
+        w.txn.put(key, value, db=tables.blocks)
     w.txn.put(key, Meta(size, now, 0, now, tenant).pack(), db=tables.meta)
     index_entry(tables, w.txn, key, now, tenant)
     w.add(tenant, size, 1)
@@ -113,7 +119,8 @@ def remove_entry(tables: Tables, w: Write, key: bytes) -> bool:
         unindex_entry(tables, w.txn, key, meta.atime, meta.tenant)
         w.txn.delete(key, db=tables.meta)
         w.add(meta.tenant, -meta.size, -1)
-    return w.txn.delete(key, db=tables.blocks) or record is not None
+    placed = unplace(tables, w, key)
+    return w.txn.delete(key, db=tables.blocks) or placed or record is not None
 
 
 def delete_entry(tables: Tables, w: Write, key: bytes) -> bool:

@@ -45,6 +45,7 @@ class LmdbEnvironment:
         self.max_map, self.batch_bytes = max_map, batch_bytes
         self._count, self._evict = count, evict
         self.on_changes: Callable[[list[tuple[str, bytes]]], None] | None = None  # committed changes
+        self.on_drained: Callable[[list[int]], None] | None = None  # segments a commit dropped
         self._in_order = threading.Lock()  # taken inside a write txn, released once its changes are told
         self.gate = RemapGate()
         self.accesses = AccessBuffer(record_access)
@@ -183,6 +184,8 @@ class LmdbEnvironment:
                     self.on_changes(w.changes)  # type: ignore[misc]
                 finally:
                     self._in_order.release()
+            if w.drained and self.on_drained is not None:
+                self.on_drained(list(w.drained))
             if w.counts:
                 self._count(**w.counts)
             return result

@@ -2,7 +2,8 @@
 
 Format 1 had no tenants. Format 2 adds the tenant label to meta records (a suffix: a format 1
 record is a format 2 record of tenant ``b""``), the ``tenant_lru`` index and the ``tenants``
-totals. The upgrade indexes every entry under tenant ``b""`` in one write transaction, so several
+totals. Format 3 adds segment files (the ``places``, ``segments`` and ``segment_keys`` tables,
+empty in an upgraded environment: its values stay where they are). The upgrade from 1 indexes every entry under tenant ``b""`` in one write transaction, so several
 processes opening an old environment at once upgrade it exactly once; a process of the previous
 version then refuses the environment (format 2) rather than miscount it.
 """
@@ -35,7 +36,7 @@ def settle_format(tables: Tables, w: Write) -> int:
     found = U64.unpack(stored)[0] if stored is not None else None
     if found == 1:
         _index_tenants(tables, w)
-    if found in (None, 1):
+    if found in (None, 1, 2):  # 2 -> 3 adds empty tables only
         w.txn.put(b"format", U64.pack(FORMAT), db=tables.info)
         return FORMAT
     return found

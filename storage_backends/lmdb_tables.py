@@ -7,7 +7,11 @@
 - ``tenant_lru``: len(tenant) || tenant || the same as ``lru``: each tenant's entries in access
   order, so a tenant over its quota finds its own oldest entries without a scan;
 - ``tenants``: len(tenant) || tenant -> (used bytes, entries) of that tenant;
-- ``info``: ``used`` / ``entries`` totals and ``format``.
+- ``info``: ``used`` / ``entries`` totals and ``format``;
+- ``places``: key -> where a value kept in a segment file lies (:mod:`storage_backends.lmdb_segments`;
+  a key is in ``blocks`` or in ``places``, never both);
+- ``segments``: segment id -> its record (live bytes and entries, end, owner, sealed);
+  ``segment_keys``: segment id || key -> empty, the entries of each segment.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ META = struct.Struct("<QQIQ")  # stored size, last access ns, hits, created ns (
 U64 = struct.Struct("<Q")
 TOTALS = struct.Struct("<QQ")  # used bytes, entries
 STAMP = struct.Struct(">Q")  # LRU keys sort by time
-FORMAT = 2  # 2: tenants (meta suffix, tenant_lru, tenants); 1 is upgraded in place on open
+FORMAT = 3  # 3: segment files (places, segments, segment_keys); 2: tenants; older are upgraded on open
 MAX_KEY = 511  # LMDB's default key size limit
 
 
@@ -101,8 +105,12 @@ class Tables:
     info: object
     tenant_lru: object
     tenants: object
+    places: object
+    segments: object
+    segment_keys: object
 
-    NAMES = (b"blocks", b"meta", b"lru", b"info", b"tenant_lru", b"tenants")
+    NAMES = (b"blocks", b"meta", b"lru", b"info", b"tenant_lru", b"tenants", b"places", b"segments",
+             b"segment_keys")
 
 
 def read_totals(tables: Tables, txn) -> tuple[int, int]:
@@ -126,11 +134,13 @@ class Write:
     """One write transaction: the totals (overall and of the tenants it touches) read once,
     written once by :meth:`save`; counters applied on commit."""
 
-    __slots__ = ("txn", "tables", "used", "entries", "counts", "changes", "_start", "_tenants", "_tenants_start")
+    __slots__ = ("txn", "tables", "used", "entries", "counts", "changes", "drained", "_start", "_tenants",
+                 "_tenants_start")
 
     def __init__(self, txn, tables: Tables) -> None:
         self.txn, self.tables, self.counts = txn, tables, Counter()
         self.changes: list[tuple[str, bytes]] = []  # ("stored" | "removed", key), in order
+        self.drained: list[int] = []  # segments whose files go once this transaction commits
         self.used, self.entries = self._start = read_totals(tables, txn)
         self._tenants: dict[bytes, list[int]] = {}  # tenant -> [used, entries] now
         self._tenants_start: dict[bytes, tuple[int, int]] = {}  # as read

@@ -67,7 +67,7 @@ def test_reads_do_not_write_until_the_next_write_or_flush(tmp_path):
 
 
 def test_visit_many_hands_out_lmdb_pages_not_copies(tmp_path):
-    b = LmdbBackend(tmp_path / "db", capacity=8 * MiB)
+    b = LmdbBackend(tmp_path / "db", capacity=8 * MiB, segment_min=4 * MiB)  # kept in LMDB's pages
     blob = np.random.default_rng(0).integers(0, 256, 2 * MiB, dtype=np.uint8).tobytes()
     b.put_many([(b"x", blob)])
     addresses = []
@@ -83,7 +83,7 @@ def test_visit_many_hands_out_lmdb_pages_not_copies(tmp_path):
 
 
 def test_a_capacity_smaller_than_the_data_evicts_and_a_tiny_map_never_fills(tmp_path):
-    b = LmdbBackend(tmp_path / "db", capacity=8 * MiB, map_size=256 * KiB)
+    b = LmdbBackend(tmp_path / "db", capacity=8 * MiB, map_size=256 * KiB, segment_min="1GiB")  # values in the map
     for i in range(30):
         assert b.put_many([(k(i), bytes([i]) * (256 * KiB))]) == [True]
     # one call far bigger than the capacity: grouped into transactions, evicting as it goes
@@ -111,7 +111,7 @@ def test_map_growth_while_other_threads_read_zero_copy(tmp_path):
     """Remaps wait for the readers' transactions (their buffers point into the map), and the
     rolled-back write before each remap is not starved by readers that never pause (py-lmdb's
     abort waits for every call of the process in LMDB: this once took minutes)."""
-    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, map_size=512 * KiB)
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, map_size=512 * KiB, segment_min="1GiB")  # values in the map
     b.put_many([(k(i), bytes([i]) * (64 * KiB)) for i in range(4)])
     errors: list[BaseException] = []
     done = threading.Event()

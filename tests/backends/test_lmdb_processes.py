@@ -117,10 +117,10 @@ def test_processes_writing_one_directory_at_once_keep_the_totals_right(tmp_path)
 
 def test_a_map_grown_by_another_process_is_adopted(tmp_path):
     db = str(tmp_path / "db")
-    b = LmdbBackend(db, capacity=64 * MiB, map_size=MiB)
+    b = LmdbBackend(db, capacity=64 * MiB, map_size=MiB, segment_min="1GiB")  # values in the map
     b.put_many([(key("p", 0), value(0, 1000))])
     finish(child(f"""
-        b = LmdbBackend({db!r}, capacity=64 << 20)  # the default map: far larger
+        b = LmdbBackend({db!r}, capacity=64 << 20, segment_min="1GiB")  # the default map: far larger
         b.put_many([(key("g", i), value(i, 1 << 20)) for i in range(24)])
         b.close()
     """))

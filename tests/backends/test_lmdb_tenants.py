@@ -75,7 +75,7 @@ def test_a_format_1_environment_is_upgraded_in_place_all_of_it_no_tenants(tmp_pa
         assert b.entry_meta(old[0][0])["tenant"] == b"" and b.entry_meta(old[0][0])["hits"] == 2
         b.put_many([(key(A, 1), bytes(100))], tenant=A)
     with lmdb.open(str(tmp_path / "db"), max_dbs=8) as env, env.begin() as txn:
-        assert struct.unpack("<Q", txn.get(b"format", db=env.open_db(b"info", txn=txn)))[0] == FORMAT == 2
+        assert struct.unpack("<Q", txn.get(b"format", db=env.open_db(b"info", txn=txn)))[0] == FORMAT == 3
     with LmdbBackend(tmp_path / "db", capacity=MiB) as b:  # opened again: nothing more to do
         assert totals(b)[b""][1] == 6 and totals(b)[A] == (100, 1) and b.check() == []
 

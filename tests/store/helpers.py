@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import lmdb
 import torch
 
 from tiered_kv.config import TieredKVConfig
@@ -61,21 +60,18 @@ def load_staged(store: TieredStore, keys: list[bytes]) -> tuple[list[bool], list
 
 def rewrite_stored_blocks(path, edit) -> int:
     """Apply ``edit(storage key, value) -> new value or None (leave it)`` to every stored block of
-    the LMDB directory ``path``, behind the store's back; how many were rewritten."""
-    env = lmdb.open(str(path), max_dbs=16)
+    the LMDB directory ``path``, behind the store's back (through the medium, which keeps large
+    values in segment files: the store's own tiers are closed); how many were rewritten."""
+    from storage_backends.lmdb_disk import LmdbBackend
+
     n = 0
-    try:
-        with env.begin() as txn:
-            names = [k for k, _ in txn.cursor()]
-        for name in names:
-            db = env.open_db(name)
-            with env.begin(db=db, write=True) as txn:
-                for k, v in list(txn.cursor()):
-                    if len(k) == 32 and bytes(v[:4]) == b"TKVB":
-                        new = edit(bytes(k), bytes(v))
-                        if new is not None:
-                            txn.put(k, new, db=db)
-                            n += 1
-    finally:
-        env.close()
+    with LmdbBackend(path, capacity=1 << 40, record_access=False) as b:
+        for key in sorted(b.scan()):
+            value = b.get_many([key])[0] if len(key) == 32 else None
+            if value is None or value[:4] != b"TKVB":
+                continue
+            new = edit(key, value)
+            if new is not None:
+                assert b.put_many([(key, new)], tenant=b.entry_meta(key)["tenant"]) == [True]
+                n += 1
     return n

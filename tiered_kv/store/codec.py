@@ -196,11 +196,13 @@ class BlockCodec:
     # -- decode -----------------------------------------------------------------------------
     @staticmethod
     def read_header(blob, *, namespace: bytes | None = None, key: bytes | None = None,
-                    expect: BlockLayout | None = None, max_raw: int | None = None) -> BlockHeader:
+                    expect: BlockLayout | None = None, max_raw: int | None = None,
+                    total_len: int | None = None) -> BlockHeader:
         """Parse and validate the header of ``blob``; does not touch the body's content (a
         segmented block's table is checked by :meth:`segments` and :meth:`decode`). With
         ``expect`` the header must describe exactly that block; without it, ``max_raw`` bounds
-        the raw length it may declare."""
+        the raw length it may declare. ``total_len``: the whole block's length when ``blob`` is
+        only its first bytes."""
         view = memoryview(blob).cast("B")
         if len(view) < HEADER_BYTES:
             raise CorruptBlock(f"truncated header: {len(view)} < {HEADER_BYTES} bytes")
@@ -222,8 +224,9 @@ class BlockCodec:
         dtype_name = DTYPE_NAMES[dtype]
         if prod(shape) * ITEMSIZE[dtype_name] != raw_len:
             raise CorruptBlock(f"raw length {raw_len} does not match shape {shape} x {dtype_name}")
-        if len(view) != HEADER_BYTES + stored_len:
-            raise CorruptBlock(f"stored length {stored_len} but body has {len(view) - HEADER_BYTES} bytes")
+        length = len(view) if total_len is None else total_len
+        if length != HEADER_BYTES + stored_len:
+            raise CorruptBlock(f"stored length {stored_len} but body has {length - HEADER_BYTES} bytes")
         codec_name, size = CODEC_NAMES[codec], ITEMSIZE[dtype_name]
         header = BlockHeader(codec_name, dtype_name, level, shape, ns, k, raw_len,
                              stored_len, checksum, body_check, created, version, flags)

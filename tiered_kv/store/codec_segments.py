@@ -218,13 +218,16 @@ def check_body(header: Any, size: int, with_room: bool = True) -> None:
                            f"of {header.stored_len} bytes can hold")
 
 
-def read_table(header: Any, body: memoryview, size: int) -> list[tuple]:
+def read_table(header: Any, body: memoryview, size: int, body_len: int | None = None) -> list[tuple]:
+    """The validated segment table at the start of ``body`` (``body_len``: the whole body's
+    length when ``body`` holds only the table)."""
+    body_len = len(body) if body_len is None else body_len
     if len(body) < TABLE_HEAD.size:
         raise CorruptBlock("truncated segment table")
     (n,) = TABLE_HEAD.unpack_from(body)
     if not 2 <= n <= MAX_SEGMENTS or table_len(n) > len(body) or n * size > header.raw_len:
         raise CorruptBlock(f"segment table declares {n} segments (2..{MAX_SEGMENTS} that fit a "
-                           f"{len(body)}-byte body of {header.raw_len} raw bytes)")
+                           f"{body_len}-byte body of {header.raw_len} raw bytes)")
     table = body[: table_len(n)]
     if (xxhash.xxh3_64_intdigest(table) != header.checksum
             or xxhash.xxh32_intdigest(table) != header.body_check):
@@ -243,11 +246,11 @@ def read_table(header: Any, body: memoryview, size: int) -> list[tuple]:
         segs.append((codec, raw_at, raw_at + raw_len, stored_at, stored_at + stored_len, digest, check))
         raw_at, stored_at = raw_at + raw_len, stored_at + stored_len
         kinds.add(codec)
-        if raw_at > header.raw_len or stored_at > len(body):
+        if raw_at > header.raw_len or stored_at > body_len:
             break  # refused below, before a later entry's sizes are looked at
-    if raw_at != header.raw_len or stored_at != len(body):
+    if raw_at != header.raw_len or stored_at != body_len:
         raise CorruptBlock(f"segment table covers {raw_at} raw / {stored_at} stored bytes, the block "
-                           f"has {header.raw_len} / {len(body)}")
+                           f"has {header.raw_len} / {body_len}")
     if header.codec != "raw" and kinds == {"raw"}:
         raise CorruptBlock(f"{header.codec} block whose segments are all raw (never written)")
     return segs

@@ -26,6 +26,7 @@ from tiered_kv.errors import BackendUnavailable, CorruptBlock
 from tiered_kv.keys import Namespace
 from tiered_kv.store import codec_choice
 from tiered_kv.store.codec import BlockCodec, BlockLayout, Sealing, max_stored_len
+from tiered_kv.store.codec_split import check_split
 from tiered_kv.store.layer_frames import layer_segments
 from tiered_kv.store.metrics import StoreMetrics
 from tiered_kv.store.tenant_cipher import TenantCipher
@@ -120,16 +121,22 @@ class EncodedTier:
         read = _Read(self, keys, outs, keep_blobs)
         sealing = self.sealing(tenant)
 
-        def decode(i: int, blob: memoryview) -> None:
+        def decode(i: int, head: memoryview | None, blob: memoryview | None) -> bool:
             try:
-                self.codec.decode(blob, namespace=self.ns, key=keys[i], out=outs[i], expect=self.layout,
-                                  sealing=sealing)
+                if head is not None:  # the medium read the block's payload straight into outs[i]
+                    if not check_split(head, outs[i], namespace=self.ns, key=keys[i], expect=self.layout,
+                                       sealing=sealing):
+                        return False  # not a plain raw block: have it whole
+                else:
+                    self.codec.decode(blob, namespace=self.ns, key=keys[i], out=outs[i], expect=self.layout,
+                                      sealing=sealing)
             except Exception as exc:  # whatever a stored block makes decoding do is its fault
                 read.fail(i, exc)
-                return
-            read.done(i, blob)
+                return True
+            read.done(i, blob if head is None else _Joined(head, outs[i]))
+            return True
 
-        return read.run(lambda: self.backend.visit_many([self.ns + k for k in keys], decode))
+        return read.run(lambda: self.backend.visit_split([self.ns + k for k in keys], outs, decode))
 
     def read_layered(self, keys: Sequence[bytes], outs: Sequence[object],
                      on_ready: Callable[[list[int], int], None],
@@ -217,10 +224,10 @@ class _Read:
         log.warning("%s tier: block %s is unusable (%s): %s", self.tier.name, self.keys[i].hex(), reason,
                     " ".join(str(detail).split())[:200])
 
-    def done(self, i: int, blob: memoryview) -> None:
+    def done(self, i: int, blob) -> None:
         self.reasons[i] = None
         if self.keep_blobs:
-            self.blobs[i] = bytes(blob)
+            self.blobs[i] = blob.join() if isinstance(blob, _Joined) else bytes(blob)
 
     def run(self, visit: Callable[[], object]) -> tuple[list[str | None], list[bytes | None]]:
         tier, reasons = self.tier, self.reasons
@@ -250,3 +257,13 @@ class _Read:
                     tier.name, self.locked, ", ".join(sorted({r for r in reasons if r in KEY_REASONS})))
         return reasons, self.blobs
 
+
+
+class _Joined:
+    """A block read in two pieces (its head, and the rest in the caller's buffer)."""
+
+    def __init__(self, head, rest) -> None:
+        self.head, self.rest = head, rest
+
+    def join(self) -> bytes:
+        return bytes(self.head) + bytes(memoryview(self.rest).cast("B"))

@@ -1,0 +1,118 @@
+"""Compaction of the LMDB tier's segment files. Evicting or overwriting a value in a segment
+leaves its bytes there until the whole segment drains; a segment held by a few long-lived
+values (a shared prefix's first blocks) would keep the rest of its file forever. When the dead
+bytes of sealed segments exceed ``dead_limit``, the live values of the sparsest sealed segment
+are copied to this process's open segment and their places swapped in one transaction, each
+only if the value still lies where it was read (a value overwritten, deleted or moved by another
+process meanwhile keeps its new place; the copy is dead bytes). The old segment then drains and
+its file goes. Disk use stays within the capacity plus ``dead_limit`` plus the open segments."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from storage_backends.lmdb_environment import LmdbEnvironment
+from storage_backends.lmdb_places import place_value, unplace
+from storage_backends.lmdb_segments import Place, segment_key, unpack_place, unpack_segment
+from storage_backends.lmdb_values import SegmentValues
+
+log = logging.getLogger(__name__)
+
+SPARSE = 0.5  # only a segment whose live bytes are under this share of its length is compacted
+CHECK_EVERY_S = 1.0  # how often the dead bytes are summed (a cursor over the segments table)
+MOVE_BATCH = 8  # values copied per transaction (each in a buffer of the compacting thread)
+
+
+class Compactor:
+    """Handed the environment and the segment values; one compaction at a time per process."""
+
+    def __init__(self, db: LmdbEnvironment, values: SegmentValues, dead_limit: int) -> None:
+        self.db, self.values, self.dead_limit = db, values, dead_limit
+        self._running = threading.Lock()
+        self._checked = 0.0
+
+    def dead_bytes(self) -> tuple[int, int]:
+        """(dead bytes in sealed segments, dead bytes in all segments)."""
+        sealed = every = 0
+        with self.db.txn() as txn:
+            for _, stored in txn.cursor(db=self.db.tables.segments):
+                record = unpack_segment(stored)
+                dead = max(0, record.end - record.live_bytes)
+                every += dead
+                sealed += dead if record.sealed else 0
+        return sealed, every
+
+    def maybe_compact(self, force: bool = False) -> int:
+        """Compact the sparsest sealed segment if the dead bytes call for it (checked at most
+        once a second unless ``force``); how many values moved."""
+        now = time.monotonic()
+        if not force and now - self._checked < CHECK_EVERY_S:
+            return 0
+        if not self._running.acquire(blocking=False):
+            return 0
+        try:
+            self._checked = now
+            victim = self._sparsest()
+            return self._move(victim) if victim is not None else 0
+        finally:
+            self._running.release()
+
+    def _sparsest(self) -> int | None:
+        dead, best, best_share = 0, None, SPARSE
+        with self.db.txn() as txn:
+            for sid, stored in txn.cursor(db=self.db.tables.segments):
+                record = unpack_segment(stored)
+                if not record.sealed or record.end <= 0:
+                    continue
+                dead += max(0, record.end - record.live_bytes)
+                share = record.live_bytes / record.end
+                if share < best_share:
+                    best, best_share = int.from_bytes(bytes(sid), "big"), share
+        return best if dead > self.dead_limit else None
+
+    def _move(self, segment: int) -> int:
+        prefix = segment_key(segment)
+        with self.db.txn() as txn:
+            cursor = txn.cursor(db=self.db.tables.segment_keys)
+            keys = []
+            if cursor.set_range(prefix):
+                for entry in cursor.iternext(keys=True, values=False):
+                    if bytes(entry[:8]) != prefix:
+                        break
+                    keys.append(bytes(entry[8:]))
+        moved = 0
+        for start in range(0, len(keys), MOVE_BATCH):
+            moved += self._move_batch(keys[start : start + MOVE_BATCH])
+        log.info("lmdb tier at %s: compacted segment %016x (%d values moved)", self.db.path, segment, moved)
+        return moved
+
+    def _move_batch(self, keys: list[bytes]) -> int:
+        olds: list[Place] = []
+        copies = []
+        with self.db.txn() as txn:
+            for slot, key in enumerate(keys):
+                record = txn.get(key, db=self.db.tables.places)
+                value = None if record is None else self.values.read(unpack_place(record), slot)
+                if value is not None:
+                    olds.append(unpack_place(record))
+                    copies.append((key, value))
+        if not copies:
+            return 0
+        news = self.values.write([value for _, value in copies])
+        try:
+            return self.db.write(lambda w: self._swap(w, [k for k, _ in copies], olds, news))
+        finally:
+            self.values.settle(news)
+
+    def _swap(self, w, keys: list[bytes], olds: list[Place], news: list[Place | None]) -> int:
+        swapped = 0
+        for key, old, new in zip(keys, olds, news):
+            record = w.txn.get(key, db=self.db.tables.places)
+            if new is None or record is None or bytes(record) != old.pack():
+                continue  # not copied, or gone or moved meanwhile: the copy is dead bytes
+            unplace(self.db.tables, w, key)
+            place_value(self.db.tables, w, key, new)
+            swapped += 1
+        return swapped

@@ -1,0 +1,102 @@
+"""Reads of the LMDB tier: values in LMDB's pages are visited there (zero-copy, inside one read
+transaction); values in segment files are read into this thread's buffers, or in two pieces
+with the rest straight into the reader's own buffer (:meth:`LmdbReads.visit_split`). Every read
+is buffered as an access (recorded with the next write) and counted."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from storage_backends.base import Visitor
+from storage_backends.lmdb_environment import LmdbEnvironment
+from storage_backends.lmdb_tables import as_key, fits
+from storage_backends.lmdb_values import SegmentValues
+
+MAX_SPLIT_HEAD = 64 << 10  # visit_split: the most bytes read ahead of a value's part that goes to its out
+
+
+class LmdbReads:
+    """Handed the environment, the segment values and the backend's counters."""
+
+    def __init__(self, db: LmdbEnvironment, values: SegmentValues, count: Callable[..., None]) -> None:
+        self.db, self.values, self._count = db, values, count
+
+    def visit_many(self, keys: Sequence[bytes], visitor: Visitor) -> list[bool]:
+        """Zero-copy for small values: ``visitor`` sees LMDB's own pages, inside one read
+        transaction; a value in a segment is read into a buffer of this thread first."""
+        keys = [as_key(k) for k in keys]
+        found = [False] * len(keys)
+        hits: list[bytes] = []
+        nbytes = 0
+        with self.db.guard("read"), self.db.txn() as txn:
+            for i, key in enumerate(keys):
+                value = self._value(txn, key)
+                if value is not None:
+                    found[i] = True
+                    hits.append(key)
+                    nbytes += len(value)
+                    visitor(i, value)
+        if hits:
+            self.db.touch(hits, time.time_ns())
+        self._count(gets=len(keys), hits=len(hits), bytes_out=nbytes)
+        return found
+
+    def visit_all(self, keys: Sequence[bytes], visitor) -> list[bool]:
+        """Zero-copy: ``visitor`` sees LMDB's own pages of every key, inside one read transaction."""
+        keys = [as_key(k) for k in keys]
+        with self.db.guard("read"), self.db.txn() as txn:
+            values = [self._value(txn, k, slot) for slot, k in enumerate(keys)]
+            visitor(values)
+        hits = [k for k, v in zip(keys, values) if v is not None]
+        if hits:
+            self.db.touch(hits, time.time_ns())
+        self._count(gets=len(keys), hits=len(hits), bytes_out=sum(len(v) for v in values if v is not None))
+        return [v is not None for v in values]
+
+    def visit_split(self, keys: Sequence[bytes], outs: Sequence[object], visitor) -> list[bool]:
+        """Values in segment files longer than their ``outs[i]`` by at most ``MAX_SPLIT_HEAD``
+        bytes are read in two pieces, the rest straight into ``outs[i]`` (one copy, made by the
+        kernel); values in LMDB's pages are visited there, zero-copy."""
+        keys = [as_key(k) for k in keys]
+        found = [False] * len(keys)
+        hits: list[bytes] = []
+        nbytes = 0
+        with self.db.guard("read"), self.db.txn() as txn:
+            for i, key in enumerate(keys):
+                if not fits(key):
+                    continue
+                value = txn.get(key, db=self.db.tables.blocks)
+                if value is None:
+                    place = self.values.place_of(txn, key)
+                    if place is None:
+                        continue
+                    head = self.values.read_split(place, outs[i], MAX_SPLIT_HEAD)
+                    if head is not None and visitor(i, head, None) is not False:
+                        found[i] = True
+                    elif head is not False:  # not split, or not wanted split: the whole value
+                        value = self.values.read(place)
+                        if value is None:
+                            continue
+                if value is not None:
+                    visitor(i, None, value)
+                    found[i] = True
+                if found[i]:
+                    hits.append(key)
+                    nbytes += len(value) if value is not None else place.length
+        if hits:
+            self.db.touch(hits, time.time_ns())
+        self._count(gets=len(keys), hits=len(hits), bytes_out=nbytes)
+        return found
+
+    def _value(self, txn, key: bytes, slot: int = 0):
+        """``key``'s value: LMDB's page, or read from its segment into this thread's buffer
+        ``slot``; None when absent (or its segment no longer holds it)."""
+        if not fits(key):
+            return None
+        value = txn.get(key, db=self.db.tables.blocks)
+        if value is not None:
+            return value
+        place = self.values.place_of(txn, key)
+        return self.values.read(place, slot) if place is not None else None
+

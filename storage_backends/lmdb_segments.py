@@ -1,0 +1,271 @@
+"""The LMDB tier's segment files: large values are appended to files beside the environment and
+LMDB keeps only where they lie (a :class:`Place`), so writers copy each value once, in parallel,
+with the GIL released, instead of through LMDB's single writer and its dirty pages.
+
+``DIR/segments/<id as 16 hex>.seg``. A segment is append-only: an offset is never written twice,
+so a reader holding a place reads the value that was committed there or (once the segment is
+gone) nothing, never another value. Each process appends to a segment of its own, registered in
+the ``segments`` table before the file exists (a file without a record is an orphan); the table
+counts each segment's live bytes and entries, and a sealed segment with none left is deleted
+after the transaction that emptied it commits. A value is written before the transaction that
+records its place: a crash leaves unreferenced bytes, never a place over bytes never written
+(with ``sync``, the data is fsync'd before that commit). Stored blocks check themselves (their
+header and body checksums); this module checks that a place lies inside its file.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import struct
+import threading
+from pathlib import Path
+from typing import NamedTuple
+
+from storage_backends.segment_fds import Descriptors
+
+log = logging.getLogger(__name__)
+
+DIRNAME = "segments"
+SUFFIX = ".seg"
+PLACE = struct.Struct("<QQQ")  # segment id, offset, length
+SEGMENT = struct.Struct("<QQQQQB")  # live bytes, live entries, end, owner pid, owner start, sealed
+SEGMENT_ID = struct.Struct(">Q")  # the segments table's keys (and segment_keys' prefix)
+
+
+class Place(NamedTuple):
+    """Where a value lies: segment id, offset, length."""
+
+    segment: int
+    offset: int
+    length: int
+
+    def pack(self) -> bytes:
+        return PLACE.pack(*self)
+
+
+def unpack_place(record) -> Place:
+    return Place(*PLACE.unpack_from(record))
+
+
+class SegmentRecord(NamedTuple):
+    """A segment's row in the ``segments`` table."""
+
+    live_bytes: int
+    live_entries: int
+    end: int  # bytes appended to it as far as committed transactions know
+    owner_pid: int  # the process appending to it (0 once sealed)
+    owner_start: int  # that process's start time (clock ticks after boot): pids are reused
+    sealed: bool  # no process appends to it any more
+
+    def pack(self) -> bytes:
+        return SEGMENT.pack(max(0, self.live_bytes), max(0, self.live_entries), self.end,
+                            self.owner_pid, self.owner_start, int(self.sealed))
+
+
+def unpack_segment(record) -> SegmentRecord:
+    live, entries, end, pid, start, sealed = SEGMENT.unpack_from(record)
+    return SegmentRecord(live, entries, end, pid, start, bool(sealed))
+
+
+def segment_key(segment: int) -> bytes:
+    return SEGMENT_ID.pack(segment)
+
+
+def process_start(pid: int) -> int | None:
+    """``pid``'s start time in clock ticks after boot; None when no such process runs."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    try:  # the command name may hold spaces and parentheses: fields follow the last ")"
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (ValueError, IndexError):
+        return None
+
+
+def owner_alive(record: SegmentRecord) -> bool:
+    return record.owner_pid > 0 and process_start(record.owner_pid) == record.owner_start
+
+
+class SegmentFiles:
+    """The segment files of one environment directory, as this process uses them: appends to
+    its own open segment (``reserve`` then ``write``), reads through cached descriptors, fsyncs
+    what it wrote, deletes drained segments."""
+
+    def __init__(self, path: Path, segment_bytes: int) -> None:
+        self.dir = path / DIRNAME
+        self.segment_bytes = segment_bytes
+        self.pid = os.getpid()
+        self.start = process_start(self.pid) or 0
+        self._lock = threading.Lock()  # the open segment, reservations, what awaits an fsync
+        self.fds = Descriptors(self.path_of)
+        self._dirty: set[int] = set()
+        self.current: int | None = None  # this process's open segment
+        self._next = 0  # its next free offset
+        self._pending: dict[int, int] = {}  # segment -> values reserved, not yet settled
+        self._retired: dict[int, int] = {}  # segments this process stopped appending to -> end
+
+    def path_of(self, segment: int) -> Path:
+        return self.dir / f"{segment:016x}{SUFFIX}"
+
+    def files(self) -> dict[int, Path]:
+        """Every segment file in the directory, by id (names that are no segment's are ignored)."""
+        found = {}
+        try:
+            names = os.listdir(self.dir)
+        except FileNotFoundError:
+            return {}
+        for name in names:
+            stem = name[: -len(SUFFIX)]
+            if name.endswith(SUFFIX) and len(stem) == 16:
+                try:
+                    found[int(stem, 16)] = self.dir / name
+                except ValueError:
+                    continue
+        return found
+
+    def file_size(self, segment: int) -> int | None:
+        try:
+            return os.stat(self.path_of(segment)).st_size
+        except FileNotFoundError:
+            return None
+
+    # -- appending -----------------------------------------------------------------------------
+    def new_record(self) -> SegmentRecord:
+        """The record a segment this process opens starts with."""
+        return SegmentRecord(0, 0, 0, self.pid, self.start, False)
+
+    def reserve(self, length: int, register) -> tuple[int, int]:
+        """(segment, offset) of ``length`` fresh bytes in this process's open segment; a new
+        segment is opened first when there is none or it is full: ``register(segment_id)``
+        records it (a write transaction) before its file is created. Every reservation is
+        :meth:`settle`-d once its transaction ended. OSError when there is no room."""
+        with self._lock:
+            if self.current is None or (self._next + length > self.segment_bytes and self._next > 0):
+                segment = int.from_bytes(os.urandom(8), "little") or 1
+                register(segment)
+                self.dir.mkdir(exist_ok=True)
+                self.fds.create(segment)
+                if self.current is not None:
+                    self._retired[self.current] = self._next
+                self.current, self._next = segment, 0
+            offset = self._next
+            self._next += length
+            self._pending[self.current] = self._pending.get(self.current, 0) + 1
+            return self.current, offset
+
+    def settle(self, segments) -> dict[int, int]:
+        """One reservation in each of ``segments`` ended (its value recorded or given up); the
+        retired segments left with none in flight, with their ends: they may be sealed now."""
+        with self._lock:
+            for segment in segments:
+                self._pending[segment] -= 1
+                if not self._pending[segment]:
+                    del self._pending[segment]
+            done = {s: end for s, end in self._retired.items() if s not in self._pending}
+            for segment in done:
+                del self._retired[segment]
+            return done
+
+    def retire_current(self) -> dict[int, int]:
+        """Stop appending (closing): the segments that may be sealed now, with their ends."""
+        with self._lock:
+            if self.current is not None:
+                self._retired[self.current] = self._next
+                self.current, self._next = None, 0
+            done = {s: end for s, end in self._retired.items() if s not in self._pending}
+            for segment in done:
+                del self._retired[segment]
+            return done
+
+    def write(self, segment: int, offset: int, value) -> None:
+        """Write ``value`` at ``offset`` of ``segment`` (reserved by this process)."""
+        view = memoryview(value).cast("B")
+        with self.fds.use(segment) as fd:
+            done = 0
+            while done < len(view):
+                n = os.pwrite(fd, view[done:], offset + done)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"short write to segment {segment:016x}")
+                done += n
+        with self._lock:
+            self._dirty.add(segment)
+
+    def sync(self) -> None:
+        """fsync every segment this process wrote to since the last sync."""
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+        for segment in dirty:
+            try:
+                with self.fds.use(segment) as fd:
+                    os.fdatasync(fd)
+            except FileNotFoundError:
+                continue  # deleted meanwhile
+            except OSError as exc:
+                with self._lock:
+                    self._dirty.add(segment)
+                raise OSError(exc.errno, f"fsync of segment {segment:016x}: {exc.strerror}") from None
+        if dirty:
+            _sync_dir(self.dir)
+
+    # -- reading -------------------------------------------------------------------------------
+    def read_into(self, place: Place, buffers) -> bool:
+        """Read the value at ``place`` into ``buffers`` (one buffer of at least its length, or a
+        tuple of buffers it fills in turn, exactly its length in all); False when its segment is
+        gone or does not hold that many bytes there."""
+        if isinstance(buffers, tuple):
+            views = [memoryview(b).cast("B") for b in buffers]
+        else:
+            views = [memoryview(buffers).cast("B")[: place.length]]
+        try:
+            with self.fds.use(place.segment) as fd:
+                done = 0
+                while done < place.length:
+                    n = os.preadv(fd, views, place.offset + done)
+                    if n <= 0:
+                        return False
+                    done += n
+                    while views and n >= len(views[0]):  # a short read: go on after what arrived
+                        n -= len(views[0])
+                        views.pop(0)
+                    if views and n:
+                        views[0] = views[0][n:]
+        except FileNotFoundError:
+            return False
+        return True
+
+    # -- the end of segments -------------------------------------------------------------------
+    def delete(self, segments) -> None:
+        """Delete drained segments' files (after the transaction dropping their records)."""
+        for segment in segments:
+            with self._lock:
+                self._dirty.discard(segment)
+            self.fds.forget(segment)
+            try:
+                os.unlink(self.path_of(segment))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("segment %s could not be deleted: %s", self.path_of(segment), exc)
+
+    def close(self) -> None:
+        with self._lock:
+            self.current = None
+        self.fds.close()
+
+
+def _sync_dir(path: Path) -> None:
+    """fsync a directory (new segment files' names)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,127 @@
+"""Large values of the LMDB tier in segment files (:mod:`storage_backends.lmdb_segments`): the
+write of each value before the transaction that records its place, the sealing of segments
+this process stopped appending to, reads into reused per-thread buffers, and the recovery of
+segments left by processes that died. Handed the environment and the segment files."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
+from storage_backends.lmdb_places import recover_segments, register_segment, seal_segments
+from storage_backends.lmdb_segments import Place, SegmentFiles, unpack_place
+from storage_backends.log_throttle import LogThrottle
+from tiered_kv.errors import BackendUnavailable
+
+log = logging.getLogger(__name__)
+
+
+class SegmentValues:
+    """Values of at least ``min_bytes`` go to ``files``; smaller ones stay in LMDB's pages. The
+    files of segments a transaction drains are deleted once it commits (``db.on_drained``)."""
+
+    def __init__(self, db: LmdbEnvironment, files: SegmentFiles, min_bytes: int, sync: bool) -> None:
+        self.db, self.files, self.min_bytes, self.sync = db, files, min_bytes, sync
+        db.on_drained = files.delete
+        self._local = threading.local()
+        self._failures = LogThrottle(log)
+
+    def wanted(self, nbytes: int) -> bool:
+        return nbytes >= self.min_bytes
+
+    # -- writes --------------------------------------------------------------------------------
+    def write(self, values: Sequence) -> list[Place | None]:
+        """Append each value to this process's segment; its place, or None when it could not
+        be written (no room on the disk, an I/O error: logged, counted by the caller). Every
+        place (and None) must be :meth:`settle`-d once its transaction ended."""
+        places: list[Place | None] = []
+        for value in values:
+            nbytes = memoryview(value).nbytes
+            try:
+                segment, offset = self.files.reserve(nbytes, self._register)
+            except (OSError, NoSpace, BackendUnavailable) as exc:
+                self._failures.warning("lmdb tier at %s: no segment to write to: %s", self.db.path, exc)
+                places.append(None)
+                continue
+            place = Place(segment, offset, nbytes)
+            try:
+                self.files.write(segment, offset, value)
+            except OSError as exc:
+                self._failures.warning("lmdb tier at %s: segment write failed: %s", self.db.path, exc)
+                self.settle([place])
+                places.append(None)
+                continue
+            places.append(place)
+        if self.sync and any(p is not None for p in places):
+            self.files.sync()  # the data is durable before the commit that names it
+        return places
+
+    def _register(self, segment: int) -> None:
+        record = self.files.new_record()
+        self.db.write(lambda w: register_segment(self.db.tables, w, segment, record))
+
+    def settle(self, places: Sequence[Place | None]) -> None:
+        """The transactions recording ``places`` ended: seal the segments left with none in flight."""
+        done = self.files.settle([p.segment for p in places if p is not None])
+        if done:
+            self.seal(done)
+
+    def seal(self, ends: dict[int, int]) -> None:
+        """Seal segments (id -> end); the environment deletes the drained ones' files."""
+        self.db.write(lambda w: seal_segments(self.db.tables, w, ends))
+
+    # -- reads ---------------------------------------------------------------------------------
+    def place_of(self, txn, key: bytes) -> Place | None:
+        record = txn.get(key, db=self.db.tables.places)
+        return unpack_place(record) if record is not None else None
+
+    def read(self, place: Place, slot: int = 0) -> memoryview | None:
+        """The value at ``place`` in this thread's buffer number ``slot`` (valid until the
+        thread reads into that buffer again); None when its segment no longer holds it."""
+        view = self._buffer(slot, place.length)
+        return view.toreadonly() if self.files.read_into(place, view) else None
+
+    def read_split(self, place: Place, out, max_head: int):
+        """Read the value at ``place`` as a head (into this thread's buffer 0) and its last
+        ``len(out)`` bytes straight into ``out``: the head, None when the value is not longer
+        than ``out`` by 1..``max_head`` bytes (read it whole), False when its segment no longer
+        holds it."""
+        dst = memoryview(out).cast("B")
+        head_len = place.length - len(dst)
+        if not 0 < head_len <= max_head:
+            return None
+        head = self._buffer(0, head_len)
+        return head.toreadonly() if self.files.read_into(place, (head, dst)) else False
+
+    def _buffer(self, slot: int, length: int) -> memoryview:
+        buffers = getattr(self._local, "buffers", None)
+        if buffers is None:
+            buffers = self._local.buffers = []
+        while len(buffers) <= slot:
+            buffers.append(bytearray(0))
+        if len(buffers[slot]) < length:
+            buffers[slot] = bytearray(max(length, 2 * len(buffers[slot])))
+        return memoryview(buffers[slot])[:length]
+
+    # -- the whole environment -----------------------------------------------------------------
+    def recover(self) -> None:
+        """Seal dead processes' segments and delete orphan files (at open, writers only)."""
+        sealed, orphans = self.db.write(lambda w: recover_segments(self.db.tables, w, self.files))
+        if sealed or orphans:
+            log.info("lmdb tier at %s: sealed %d segments of processes that are gone, deleted %d orphan "
+                     "segment files", self.db.path, sealed, orphans)
+
+    def flush(self) -> None:
+        self.files.sync()
+
+    def close(self) -> None:
+        """Seal this process's segments (called before the environment closes)."""
+        done = self.files.retire_current()
+        if done:
+            try:
+                self.seal(done)
+            except Exception as exc:  # the next writer's recovery seals them
+                log.warning("lmdb tier at %s: segments not sealed at close: %s", self.db.path, exc)
+        self.files.close()
