@@ -85,6 +85,11 @@ class Backend(ABC):
         return None
 
     @classmethod
+    def store_files(cls, path: Path) -> list[Path]:
+        """The files a store of this medium keeps in directory ``path`` (none by default)."""
+        return []
+
+    @classmethod
     def open_read_only(cls, url: str, *, timeout: float = 5.0) -> Backend:
         """Open the existing store at ``url`` for tools: never create one, never record accesses
         (no LRU order or hit count changes), and for remote media no retries and ``timeout``

@@ -158,6 +158,12 @@ class LmdbBackend(Backend):
         return f"lmdb://{quote(str(path.resolve()))}" if (path / "data.mdb").is_file() else None
 
     @classmethod
+    def store_files(cls, path: Path) -> list[Path]:
+        """The environment's files and its segment files."""
+        found = [path / name for name in ("data.mdb", "lock.mdb") if (path / name).is_file()]
+        return found + sorted(SegmentFiles(path, 1 << 20).files().values())
+
+    @classmethod
     def open_read_only(cls, url: str, *, timeout: float = 5.0) -> LmdbBackend:
         """The existing environment at ``url``; reads are not recorded (``record_access=False``)."""
         path = existing_directory(path_of(url))

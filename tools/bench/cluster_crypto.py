@@ -62,6 +62,9 @@ class MemoryBackend:
             visitor(i, memoryview(self.blobs[k]))
         return [True] * len(keys)
 
+    def visit_split(self, keys: Sequence[bytes], outs, visitor) -> list[bool]:
+        return self.visit_many(keys, lambda i, value: visitor(i, None, value))  # never split
+
 
 def tiers_of(enc: Encoded, layer_groups: int) -> tuple[EncodedTier, EncodedTier]:
     """The remote tier of ``enc``'s namespace and codec, plain and sealed (each on its own memory

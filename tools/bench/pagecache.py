@@ -117,20 +117,28 @@ class Evictor:
 
 
 def drop_page_cache(store_dir: str) -> dict:
-    """fsync + POSIX_FADV_DONTNEED on the LMDB data file; residency before and after."""
+    """fsync + POSIX_FADV_DONTNEED on every file of the LMDB store (its medium names them: the
+    environment and its segment files); residency before and after."""
+    from storage_backends.lmdb_disk import LmdbBackend
 
-    def resident(path: Path) -> int | None:  # page-cache bytes, None if unknown
-        try:
-            pages = resident_pages(path)[0]
-        except (OSError, AttributeError):
-            return None
-        return None if pages is None else pages * _PAGE
+    def resident(paths: list[Path]) -> int | None:  # page-cache bytes, None if unknown
+        total = 0
+        for path in paths:
+            try:
+                pages = resident_pages(path)[0]
+            except (OSError, AttributeError):
+                return None
+            if pages is None:
+                return None
+            total += pages * _PAGE
+        return total
 
-    data = Path(store_dir) / "data.mdb"
-    before = resident(data)
-    fadvise_out(data)
-    after = resident(data)
-    st = data.stat()
-    return {"data_mdb_allocated_mib": round(st.st_blocks * 512 / 2**20, 1),
+    files = LmdbBackend.store_files(Path(store_dir))
+    before = resident(files)
+    for path in files:
+        fadvise_out(path)
+    after = resident(files)
+    allocated = sum(p.stat().st_blocks * 512 for p in files)
+    return {"store_allocated_mib": round(allocated / 2**20, 1), "files": len(files),
             "resident_mib_before": None if before is None else round(before / 2**20, 1),
             "resident_mib_after": None if after is None else round(after / 2**20, 1)}
