@@ -64,7 +64,7 @@ __all__ = ["BackendClosed", "InvalidKey", "LmdbBackend", "path_of"]
 log = logging.getLogger(__name__)
 
 OPTIONS = ("capacity", "sync", "map_size", "readahead", "writemap", "max_readers", "batch_bytes",
-           "record_access", "tenant_quota", "tenant_quotas", "segment_min", "segment_bytes")
+           "record_access", "tenant_quota", "tenant_quotas", "segment_min", "segment_bytes", "eager_writeback")
 
 
 def path_of(url: str) -> Path:
@@ -84,7 +84,8 @@ class LmdbBackend(Backend):
                  writemap: bool | str = False, max_readers: int | str = 512,
                  batch_bytes: int | str = 2 << 20, record_access: bool | str = True,
                  tenant_quota: int | str | None = None, tenant_quotas=None, segment_min: int | str = 64 << 10,
-                 segment_bytes: int | str = 128 << 20, url: str | None = None) -> None:
+                 segment_bytes: int | str = 128 << 20, eager_writeback: bool | str = False,
+                 url: str | None = None) -> None:
         self.path = Path(path)
         super().__init__(url or f"lmdb://{self.path.resolve()}")
         self.capacity = parse_size(capacity, name="lmdb capacity")
@@ -124,7 +125,7 @@ class LmdbBackend(Backend):
             self._db.close()
             raise ConfigError(f"lmdb segment_min must be >= 1 and segment_bytes >= 1 MiB, got {segment_min!r}, "
                               f"{segment_bytes!r}")
-        self.values = SegmentValues(self._db, SegmentFiles(self.path, per_file), minimum, self.sync)
+        self.values = SegmentValues(self._db, SegmentFiles(self.path, per_file, as_bool(eager_writeback, "lmdb eager_writeback")), minimum, self.sync)
         self._reads = LmdbReads(self._db, self.values, self._count)
         self.compactor = Compactor(self._db, self.values, dead_limit=max(self.capacity // 4, 2 * per_file))
         self._writes = LmdbWrites(self._db, self.values, self._eviction, self._pinned, self._count, self.compactor)

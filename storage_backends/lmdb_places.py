@@ -66,7 +66,7 @@ def seal_segments(tables: Tables, w: Write, ends: dict[int, int]) -> None:
         stored = w.txn.get(sid, db=tables.segments)
         if stored is None:
             continue
-        record = unpack_segment(stored)._replace(owner_pid=0, owner_start=0, sealed=True)
+        record = unpack_segment(stored)._replace(owner_pid=0, owner_start=0, owner_ns=0, sealed=True)
         record = record._replace(end=max(record.end, end))
         if record.live_entries <= 0:
             w.txn.delete(sid, db=tables.segments)

@@ -15,7 +15,9 @@ header and body checksums); this module checks that a place lies inside its file
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
 import logging
 import os
 import struct
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 DIRNAME = "segments"
 SUFFIX = ".seg"
 PLACE = struct.Struct("<QQQ")  # segment id, offset, length
-SEGMENT = struct.Struct("<QQQQQB")  # live bytes, live entries, end, owner pid, owner start, sealed
+SEGMENT = struct.Struct("<QQQQQQB")  # live bytes, live entries, end, owner pid, start, pid namespace, sealed
 SEGMENT_ID = struct.Struct(">Q")  # the segments table's keys (and segment_keys' prefix)
 
 
@@ -58,15 +60,16 @@ class SegmentRecord(NamedTuple):
     owner_pid: int  # the process appending to it (0 once sealed)
     owner_start: int  # that process's start time (clock ticks after boot): pids are reused
     sealed: bool  # no process appends to it any more
+    owner_ns: int = 0  # the inode of its pid namespace (a container's pids mean nothing outside it)
 
     def pack(self) -> bytes:
         return SEGMENT.pack(max(0, self.live_bytes), max(0, self.live_entries), self.end,
-                            self.owner_pid, self.owner_start, int(self.sealed))
+                            self.owner_pid, self.owner_start, self.owner_ns, int(self.sealed))
 
 
 def unpack_segment(record) -> SegmentRecord:
-    live, entries, end, pid, start, sealed = SEGMENT.unpack_from(record)
-    return SegmentRecord(live, entries, end, pid, start, bool(sealed))
+    live, entries, end, pid, start, ns, sealed = SEGMENT.unpack_from(record)
+    return SegmentRecord(live, entries, end, pid, start, bool(sealed), ns)
 
 
 def segment_key(segment: int) -> bytes:
@@ -86,8 +89,22 @@ def process_start(pid: int) -> int | None:
         return None
 
 
+def pid_namespace() -> int:
+    """The inode of this process's pid namespace (0 when unknown)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
 def owner_alive(record: SegmentRecord) -> bool:
-    return record.owner_pid > 0 and process_start(record.owner_pid) == record.owner_start
+    """Whether the process appending to a segment may still run: a process of another pid
+    namespace (another container on this host) cannot be looked up, so it is taken to run."""
+    if record.owner_pid <= 0:
+        return False
+    if record.owner_ns != pid_namespace():
+        return True
+    return process_start(record.owner_pid) == record.owner_start
 
 
 class SegmentFiles:
@@ -95,9 +112,10 @@ class SegmentFiles:
     its own open segment (``reserve`` then ``write``), reads through cached descriptors, fsyncs
     what it wrote, deletes drained segments."""
 
-    def __init__(self, path: Path, segment_bytes: int) -> None:
+    def __init__(self, path: Path, segment_bytes: int, eager_writeback: bool = False) -> None:
         self.dir = path / DIRNAME
         self.segment_bytes = segment_bytes
+        self.eager_writeback = eager_writeback  # start each value's writeback as it is written
         self.pid = os.getpid()
         self.start = process_start(self.pid) or 0
         self._lock = threading.Lock()  # the open segment, reservations, what awaits an fsync
@@ -136,7 +154,7 @@ class SegmentFiles:
     # -- appending -----------------------------------------------------------------------------
     def new_record(self) -> SegmentRecord:
         """The record a segment this process opens starts with."""
-        return SegmentRecord(0, 0, 0, self.pid, self.start, False)
+        return SegmentRecord(0, 0, 0, self.pid, self.start, False, pid_namespace())
 
     def reserve(self, length: int, register) -> tuple[int, int]:
         """(segment, offset) of ``length`` fresh bytes in this process's open segment; a new
@@ -191,6 +209,8 @@ class SegmentFiles:
                 if n <= 0:
                     raise OSError(errno.EIO, f"short write to segment {segment:016x}")
                 done += n
+            if self.eager_writeback:
+                start_writeback(fd, offset, len(view))
         with self._lock:
             self._dirty.add(segment)
 
@@ -255,6 +275,25 @@ class SegmentFiles:
         with self._lock:
             self.current = None
         self.fds.close()
+
+
+@functools.cache
+def _sync_file_range():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing ``length`` bytes at ``offset`` of ``fd`` to the disk without waiting
+    (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so a later fsync has little left to do."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE
 
 
 def _sync_dir(path: Path) -> None:
