@@ -1,0 +1,897 @@
+"""LMDB tier values kept in segment files (``DIR/segments/<16 hex>.seg``): where values land,
+segments opening, sealing and draining, recovery after a writer was killed, orphan, deleted and
+truncated files, compaction, readers racing writers and compaction, two writer processes,
+reads split between a head and the caller's buffer, and the descriptors kept for reads. Real
+LMDB environments and segment files under tmp_path, real threads and child interpreters;
+nothing is mocked and nothing depends on how fast this machine is."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from storage_backends import segment_fds
+from storage_backends.lmdb_disk import LmdbBackend
+from storage_backends.lmdb_reads import MAX_SPLIT_HEAD
+from storage_backends.lmdb_segments import Place, SegmentRecord, unpack_segment
+from storage_backends.registry import open_backend
+from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError
+
+KiB, MiB = 1 << 10, 1 << 20
+REPO = Path(__file__).resolve().parents[2]
+
+
+# -- values and where they lie ---------------------------------------------------------------------
+def key(i: int, tag: str = "seg") -> bytes:
+    return tag.encode().ljust(16, b"\0") + i.to_bytes(16, "big")  # 32 bytes, like digest + block key
+
+
+def blob(i: int, n: int) -> bytes:
+    """``n`` bytes no other ``i`` gives."""
+    return np.random.default_rng(i).bytes(n)
+
+
+def labelled(k: bytes, version: int, n: int) -> bytes:
+    """``n`` bytes that name their key and version and end with a digest of the rest: a reader
+    can tell a torn, foreign or stale value from the right one."""
+    head = k + version.to_bytes(4, "big")
+    body = np.random.default_rng([int.from_bytes(k, "big") % (1 << 63), version]).bytes(n - len(head) - 32)
+    return head + body + hashlib.blake2b(head + body, digest_size=32).digest()
+
+
+def identify(value) -> tuple[bytes, int]:
+    """(key, version) a :func:`labelled` value names; AssertionError when its bytes are not one."""
+    value = bytes(value)
+    assert hashlib.blake2b(value[:-32], digest_size=32).digest() == value[-32:], "torn or foreign bytes"
+    return value[:32], int.from_bytes(value[32:36], "big")
+
+
+def place_of(b: LmdbBackend, k: bytes) -> Place | None:
+    """Where ``k``'s value lies in a segment; None when it is in LMDB's pages (or absent)."""
+    with b.env.begin() as txn:
+        return b.values.place_of(txn, k)
+
+
+def segment_of(b: LmdbBackend, k: bytes) -> int:
+    place = place_of(b, k)
+    assert place is not None, f"{k.hex()} is not in a segment"
+    return place.segment
+
+
+def in_pages(b: LmdbBackend, k: bytes) -> bool:
+    with b.env.begin() as txn:
+        return txn.get(k, db=b.blocks) is not None
+
+
+def segment_records(b: LmdbBackend) -> dict[int, SegmentRecord]:
+    """The ``segments`` table: id -> record."""
+    table = b.env.open_db(b"segments", create=False)
+    with b.env.begin() as txn:
+        return {int.from_bytes(k, "big"): unpack_segment(v) for k, v in txn.cursor(db=table)}
+
+
+def descriptors_on(path: Path) -> int:
+    """Descriptors of this process open on ``path`` (also once it is deleted)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        n += target in (str(path), f"{path} (deleted)")
+    return n
+
+
+def read_whole(b: LmdbBackend, keys: list[bytes]) -> dict[str, list]:
+    """Each key's value by every read path: get_many, visit_many, visit_split (an out that is
+    never a split one: larger than any value) and visit_all."""
+    visited: list = [None] * len(keys)
+    found_v = b.visit_many(keys, lambda i, v: visited.__setitem__(i, bytes(v)))
+    split: list = [None] * len(keys)
+    found_s = b.visit_split(keys, [bytearray(8 * MiB) for _ in keys],
+                            lambda i, head, v: split.__setitem__(i, bytes(v)))
+    every: list = []
+    found_a = b.visit_all(keys, lambda values: every.extend(None if v is None else bytes(v) for v in values))
+    assert found_v == [v is not None for v in visited] and found_s == [v is not None for v in split]
+    assert found_a == [v is not None for v in every]
+    return {"get_many": b.get_many(keys), "visit_many": visited, "visit_split": split, "visit_all": every}
+
+
+def assert_reads(b: LmdbBackend, expected: dict[bytes, bytes | None]) -> None:
+    keys = list(expected)
+    for path, got in read_whole(b, keys).items():
+        for k, v in zip(keys, got):
+            assert v == expected[k], f"{path} of {k.hex()}: {'a miss' if v is None else 'other bytes'}"
+
+
+def run_threads(*targets, timeout: float = 60.0) -> None:
+    """Run ``targets`` in daemon threads; fail (not hang) if one is still going at ``timeout``."""
+    threads = [threading.Thread(target=t, daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "stuck: a deadlock or a starved transaction"
+
+
+# -- child interpreters ----------------------------------------------------------------------------
+PRELUDE = textwrap.dedent("""
+    import os, sys, time
+    from storage_backends.lmdb_disk import LmdbBackend
+    from tests.backends.test_lmdb_segments import KiB, MiB, blob, key
+""")
+
+
+def child(body: str, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(body), *args], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    return out
+
+
+# -- 1. where values land --------------------------------------------------------------------------
+def test_values_of_at_least_segment_min_go_to_a_segment_file_smaller_ones_stay_in_lmdb_pages(tmp_path):
+    sizes = {0: 1, 1: 1000, 2: 64 * KiB - 1, 3: 64 * KiB, 4: 64 * KiB + 1, 5: 300 * KiB, 6: 2 * MiB}
+    large = {i for i, n in sizes.items() if n >= 64 * KiB}
+    expected = {key(i): blob(i, n) for i, n in sizes.items()}
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB)  # the default segment_min: 64 KiB
+    assert b.put_many(list(expected.items())) == [True] * len(sizes)
+    for i in sizes:
+        assert (place_of(b, key(i)) is not None) == (i in large), f"value of {sizes[i]} bytes"
+        assert in_pages(b, key(i)) == (i not in large), f"value of {sizes[i]} bytes"
+    files = b.values.files.files()
+    assert len(files) == 1 and os.path.getsize(next(iter(files.values()))) == sum(sizes[i] for i in large)
+    assert_reads(b, expected)
+    stats = b.stats()
+    assert stats.extra["segment_files"] == 1 and stats.extra["segment_bytes"] == sum(sizes[i] for i in large)
+    assert stats.extra["segment_dead_bytes"] == 0
+    assert (stats.entries, stats.used_bytes) == (len(sizes), sum(sizes.values()))
+    assert sorted(b.scan()) == sorted(expected) and sorted(b.scan(b"seg")) == sorted(expected)
+    assert b.check() == []
+    b.close()
+    again = LmdbBackend(tmp_path / "db", capacity=64 * MiB)  # what the restart reads is what was put
+    assert_reads(again, expected)
+    assert again.check() == []
+    again.close()
+
+
+def test_segment_min_is_an_option_and_a_value_exactly_that_long_goes_to_a_segment(tmp_path):
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_min="1KiB")
+    expected = {key(0): blob(0, 1023), key(1): blob(1, 1024), key(2): blob(2, 5000)}
+    assert b.put_many(list(expected.items())) == [True] * 3
+    assert [place_of(b, k) is not None for k in expected] == [False, True, True]
+    assert_reads(b, expected)
+    assert b.stats().extra["segment_bytes"] == 1024 + 5000 and b.check() == []
+    b.close()
+
+
+def test_segment_options_come_from_the_url_and_bad_ones_are_config_errors(tmp_path):
+    b = open_backend(f"lmdb://{tmp_path}/db?capacity=8MiB&segment_min=1KiB&segment_bytes=2MiB&eager_writeback=yes")
+    assert (b.values.min_bytes, b.values.files.segment_bytes, b.values.files.eager_writeback) == (KiB, 2 * MiB, True)
+    b.close()
+    for n, (query, match) in enumerate((("segment_min=0", "segment_min"), ("segment_bytes=512KiB", "segment_bytes"),
+                                        ("segment_min=lots", "segment_min"), ("segment_bytes=x", "segment_bytes"),
+                                        ("eager_writeback=maybe", "eager_writeback"))):
+        with pytest.raises(ConfigError, match=match):
+            open_backend(f"lmdb://{tmp_path}/bad{n}?capacity=8MiB&{query}")
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: segment_min, segment_bytes and eager_writeback are parsed after "
+                   "the LMDB environment is opened; a bad value raises ConfigError with the environment left "
+                   "open, and this process can no longer open the directory")
+@pytest.mark.parametrize("query", ["segment_min=lots", "segment_bytes=x", "eager_writeback=maybe"])
+def test_a_segment_option_refused_at_open_leaves_the_directory_free_to_open_again(tmp_path, query):
+    with pytest.raises(ConfigError):
+        open_backend(f"lmdb://{tmp_path}/db?capacity=8MiB&{query}")
+    b = LmdbBackend(tmp_path / "db", capacity=MiB)
+    assert b.check() == []
+    b.close()
+
+
+@pytest.mark.parametrize("options", [{"sync": True}, {"eager_writeback": True}, {"sync": True, "eager_writeback": True}])
+def test_sync_and_eager_writeback_store_the_same_bytes(tmp_path, options):
+    expected = {key(i): blob(i, (i + 1) * 100 * KiB) for i in range(4)}
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB", **options)
+    assert b.put_many(list(expected.items())) == [True] * 4
+    b.flush()
+    assert_reads(b, expected)
+    b.close()
+    again = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
+    assert_reads(again, expected)
+    assert again.check() == []
+    again.close()
+
+
+def test_an_overwrite_moves_a_key_between_lmdb_pages_and_a_segment_leaving_dead_bytes(tmp_path):
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
+    assert b.put_many([(key(0), blob(1, 100 * KiB)), (key(0), blob(2, 200 * KiB))]) == [True, True]
+    assert b.get_many([key(0)]) == [blob(2, 200 * KiB)] and place_of(b, key(0)).offset == 100 * KiB
+    assert b.stats().extra["segment_dead_bytes"] == 100 * KiB and b.check() == []
+    b.put_many([(key(0), blob(3, 10))])  # small now: LMDB's pages
+    assert place_of(b, key(0)) is None and in_pages(b, key(0))
+    assert b.get_many([key(0)]) == [blob(3, 10)] and b.check() == []
+    b.put_many([(key(0), blob(4, 100 * KiB))])  # large again
+    assert place_of(b, key(0)) is not None and not in_pages(b, key(0))
+    assert b.get_many([key(0)]) == [blob(4, 100 * KiB)] and b.check() == []
+    assert b.stats().extra["segment_dead_bytes"] == 300 * KiB
+    assert (b.stats().entries, b.stats().used_bytes) == (1, 100 * KiB)
+    b.close()
+
+
+# -- 2. opening, sealing and draining segments -----------------------------------------------------
+def test_a_full_segment_makes_way_for_a_new_one_and_a_drained_sealed_segment_loses_its_file(tmp_path):
+    n = 300 * KiB  # three fit in a segment of 1 MiB, a fourth does not
+    b = LmdbBackend(tmp_path / "db", capacity=2 * MiB, segment_bytes="1MiB")  # six values fit
+    expected = {}
+    for i in range(6):
+        expected[key(i)] = blob(i, n)
+        assert b.put_many([(key(i), expected[key(i)])]) == [True]
+        assert b.check() == []
+    first, second = segment_of(b, key(0)), segment_of(b, key(3))
+    assert [segment_of(b, key(i)) for i in range(6)] == [first] * 3 + [second] * 3 and first != second
+    assert set(b.values.files.files()) == {first, second}
+    assert segment_records(b)[first].sealed and not segment_records(b)[second].sealed  # second: still open
+
+    assert b.delete_many([key(0), key(1)]) == 2
+    assert b.values.files.path_of(first).exists(), "a segment holding a live value keeps its file"
+    assert b.delete_many([key(2)]) == 1  # the last entry of a sealed segment: its file goes
+    assert not b.values.files.path_of(first).exists() and first not in segment_records(b)
+    assert b.check() == []
+
+    for i in range(6, 12):  # six more: the capacity evicts 3, 4, 5, which drains the second segment
+        expected[key(i)] = blob(i, n)
+        assert b.put_many([(key(i), expected[key(i)])]) == [True]
+        assert b.check() == []
+    assert b.stats().evictions == 3 and b.contains_many([key(i) for i in (3, 4, 5)]) == [False] * 3
+    assert not b.values.files.path_of(second).exists(), "evicting the last entry drains a segment too"
+    third, fourth = segment_of(b, key(6)), segment_of(b, key(9))
+    assert set(b.values.files.files()) == {third, fourth}
+    assert_reads(b, {key(i): expected[key(i)] for i in range(6, 12)})
+    assert b.stats().extra["segment_bytes"] == 6 * n
+
+    assert b.delete_many([key(9), key(10), key(11)]) == 3
+    assert b.values.files.path_of(fourth).exists(), "the segment this process appends to stays while open"
+    assert b.check() == []
+    b.close()  # sealed at close: it holds nothing, so it goes
+    assert set(b.values.files.files()) == {third}
+    again = LmdbBackend(tmp_path / "db", capacity=2 * MiB, segment_bytes="1MiB")
+    assert set(segment_records(again)) == {third} and again.check() == []
+    assert_reads(again, {key(i): expected[key(i)] for i in (6, 7, 8)})
+    again.close()
+
+
+def test_a_value_larger_than_a_segment_gets_a_segment_of_its_own(tmp_path):
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
+    expected = {key(0): blob(0, 100 * KiB), key(1): blob(1, 3 * MiB), key(2): blob(2, 100 * KiB)}
+    for k, v in expected.items():
+        assert b.put_many([(k, v)]) == [True]
+    segments = [segment_of(b, k) for k in expected]
+    assert len(set(segments)) == 3 and place_of(b, key(1)).offset == 0
+    assert_reads(b, expected)
+    assert b.check() == []
+    b.close()
+
+
+# -- 3. a writer killed -----------------------------------------------------------------------------
+def test_a_writer_killed_after_its_puts_leaves_an_open_segment_the_next_writer_seals(tmp_path):
+    db = tmp_path / "db"
+    proc = child(f"""
+        b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB)
+        for i in range(5):
+            assert b.put_many([(key(i), blob(i, 200 * KiB))]) == [True]
+        print(b.values.files.current, flush=True)
+        time.sleep(600)  # killed here, with its segment open
+    """)
+    try:
+        segment = int(proc.stdout.readline())
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    expected = {key(i): blob(i, 200 * KiB) for i in range(5)}
+    path = db / "segments" / f"{segment:016x}.seg"
+    with open(path, "ab") as f:  # bytes a put wrote before the kill, never committed
+        f.write(b"\xee" * (100 * KiB))
+
+    tool = LmdbBackend(db, capacity=64 * MiB, record_access=False)  # tools change nothing
+    record = segment_records(tool)[segment]
+    assert not record.sealed and record.owner_pid == proc.pid
+    assert tool.check() == []
+    assert_reads(tool, expected)
+    tool.close()
+
+    b = LmdbBackend(db, capacity=64 * MiB, segment_bytes=MiB)  # a writer: recovery at open
+    record = segment_records(b)[segment]
+    assert record.sealed and record.owner_pid == 0
+    assert record.end == os.path.getsize(path) == 5 * 200 * KiB + 100 * KiB
+    assert b.stats().extra["segment_dead_bytes"] == 100 * KiB, "the uncommitted bytes are dead bytes"
+    assert_reads(b, expected)
+    assert b.check() == []
+    assert b.delete_many(list(expected)) == 5
+    assert not path.exists() and segment not in segment_records(b)
+    assert b.stats().extra["segment_files"] == 0 and b.check() == []
+    b.close()
+
+
+# -- 4. orphan files ---------------------------------------------------------------------------------
+def test_an_orphan_segment_file_is_reported_by_check_and_deleted_when_a_writer_opens(tmp_path):
+    db = tmp_path / "db"
+    b = LmdbBackend(db, capacity=64 * MiB)
+    b.put_many([(key(0), blob(0, 100 * KiB))])
+    real = segment_of(b, key(0))
+    b.close()
+    orphan = db / "segments" / "00000000deadbeef.seg"
+    orphan.write_bytes(blob(9, 4096))
+    strangers = [db / "segments" / "notes.txt", db / "segments" / "0000beef.seg", db / "segments" / "xyz.seg"]
+    for path in strangers:
+        path.write_bytes(b"not a segment")
+
+    tool = LmdbBackend(db, capacity=64 * MiB, record_access=False)
+    assert tool.check() == ["orphan segment file: 00000000deadbeef"]
+    assert orphan.exists(), "a tool's open deletes nothing"
+    tool.close()
+
+    writer = LmdbBackend(db, capacity=64 * MiB)
+    assert not orphan.exists(), "recovery at a writer's open deletes orphans"
+    assert all(path.exists() for path in strangers), "files that are no segment's are left alone"
+    assert set(writer.values.files.files()) == {real}
+    assert writer.check() == []
+    assert writer.get_many([key(0)]) == [blob(0, 100 * KiB)]
+    writer.close()
+
+
+def test_check_fix_deletes_an_orphan_segment_file(tmp_path):
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
+    b.put_many([(key(0), blob(0, 100 * KiB))])
+    orphan = b.values.files.path_of(0xFEED)
+    orphan.write_bytes(b"x" * 10)
+    assert b.check() == ["orphan segment file: 000000000000feed"]
+    assert b.check(fix=True) == ["orphan segment file: 000000000000feed"]
+    assert not orphan.exists() and b.check() == []
+    b.close()
+
+
+# -- 5. and 6. a segment deleted or truncated behind the backend's back ---------------------------
+def test_a_segment_deleted_behind_the_backends_back_makes_misses_and_check_fix_drops_its_values(tmp_path):
+    db = tmp_path / "db"
+    n = 300 * KiB
+    expected = {key(i): blob(i, n) for i in range(6)}
+    expected[key(100)] = blob(100, 1000)  # in LMDB's pages
+    b = LmdbBackend(db, capacity=64 * MiB, segment_bytes="1MiB")
+    for k, v in expected.items():
+        b.put_many([(k, v)])
+    lost = segment_of(b, key(0))
+    b.close()
+    os.unlink(db / "segments" / f"{lost:016x}.seg")
+
+    b = LmdbBackend(db, capacity=64 * MiB, segment_bytes="1MiB")
+    gone = [key(0), key(1), key(2)]
+    assert_reads(b, {k: (None if k in gone else v) for k, v in expected.items()})  # no exception either
+    problems = b.check()
+    assert [p for p in problems if p.startswith("value ")] == [f"value in a missing segment: {k.hex()}" for k in gone]
+    assert f"segment record without its file: {lost:016x}" in problems
+    assert b.check() == problems, "checking alone repairs nothing"
+    assert b.check(fix=True) == problems
+    assert b.check() == []
+    assert (b.stats().entries, b.stats().used_bytes) == (4, 3 * n + 1000)
+    assert sorted(b.scan()) == sorted(k for k in expected if k not in gone)
+    assert lost not in segment_records(b)
+    assert_reads(b, {k: (None if k in gone else v) for k, v in expected.items()})
+    assert b.put_many([(key(0), blob(0, n))]) == [True]  # stored again, readable again
+    assert b.get_many([key(0)]) == [blob(0, n)] and b.check() == []
+    b.close()
+
+
+def test_a_segment_deleted_under_the_writer_that_still_holds_it_open_never_yields_other_bytes(tmp_path):
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
+    expected = {key(i): blob(i, 300 * KiB) for i in range(4)}
+    for k, v in expected.items():
+        b.put_many([(k, v)])
+    os.unlink(b.values.files.path_of(segment_of(b, key(0))))  # sealed; this process has it open
+    for _ in range(3):
+        got = b.get_many(list(expected))
+        assert all(g is None or g == expected[k] for k, g in zip(expected, got))
+        assert got[3] == expected[key(3)]
+    assert b.check(fix=True) != [] and b.check() == []
+    assert b.get_many([key(0), key(3)]) == [None, expected[key(3)]]
+    b.close()
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: the open segment deleted behind the writer's back stays this "
+                   "process's segment after check(fix=True): the next puts land in the unlinked file")
+def test_after_check_fix_of_its_deleted_open_segment_a_writers_next_puts_land_in_a_file_that_exists(tmp_path):
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
+    assert b.put_many([(key(0), blob(0, 100 * KiB))]) == [True]
+    os.unlink(b.values.files.path_of(b.values.files.current))  # the segment it appends to
+    assert b.check(fix=True) != [] and b.check() == []
+    assert b.put_many([(key(1), blob(1, 100 * KiB))]) == [True]
+    assert b.check() == [], "the value just put lies in a file that is gone"
+    b.close()
+    again = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
+    assert again.get_many([key(1)]) == [blob(1, 100 * KiB)]
+    again.close()
+
+
+def test_a_truncated_segment_makes_misses_of_the_values_beyond_its_end_and_check_fix_drops_them(tmp_path):
+    n = 300 * KiB
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
+    expected = {key(i): blob(i, n) for i in range(4)}  # 0, 1, 2 in one segment, 3 in the next
+    for k, v in expected.items():
+        b.put_many([(k, v)])
+    segment = segment_of(b, key(0))
+    assert [place_of(b, key(i)).offset for i in range(3)] == [0, n, 2 * n]
+    os.truncate(b.values.files.path_of(segment), n + n // 2)  # value 1 cut in half, value 2 gone
+    cut = [key(1), key(2)]
+    assert_reads(b, {k: (None if k in cut else v) for k, v in expected.items()})
+    problems = b.check()
+    assert [p.split("beyond the end of ")[-1] for p in problems if p.startswith("value ")] == \
+        [f"segment {segment:016x}: {k.hex()}" for k in cut]
+    assert b.check(fix=True) == problems
+    assert b.check() == []
+    assert (b.stats().entries, b.stats().used_bytes) == (2, 2 * n)
+    assert_reads(b, {k: (None if k in cut else v) for k, v in expected.items()})
+    assert b.delete_many([key(0)]) == 1  # its last live value: the truncated segment goes
+    assert not b.values.files.path_of(segment).exists() and b.check() == []
+    b.close()
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: visit_split calls visitor(i, False, None) and reports a hit when "
+                   "a split read fails (segment gone or cut short): read_split's False is taken for a head")
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_visit_split_of_a_value_its_segment_no_longer_holds_is_a_miss_the_visitor_never_sees(tmp_path, damage):
+    n = 300 * KiB
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
+    for i in range(4):
+        b.put_many([(key(i), blob(i, n))])
+    path = b.values.files.path_of(segment_of(b, key(0)))
+    b.close()
+    if damage == "deleted":
+        os.unlink(path)
+    else:
+        os.truncate(path, n + n // 2)
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
+    calls = []
+    found = b.visit_split([key(1), key(2), key(3)], [bytearray(n - 100) for _ in range(3)],
+                          lambda i, head, whole: calls.append((i, type(head).__name__, type(whole).__name__)))
+    assert found == [False, False, True]
+    assert calls == [(2, "memoryview", "NoneType")]
+    assert b.stats().hits == 1
+    b.close()
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: a value overwritten (its old segment drained) while a "
+                   "visit_split is under way reaches the visitor as visitor(i, False, None), counted a hit")
+def test_a_value_overwritten_during_a_visit_split_is_the_old_value_or_a_miss(tmp_path):
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
+    old, new = blob(1, 900 * KiB), blob(2, 900 * KiB)
+    b.put_many([(key(0), blob(0, 100))])  # in LMDB's pages: visited first
+    b.put_many([(key(1), old)])  # alone in its segment
+    b.put_many([(key(2), blob(3, 300 * KiB))])  # opens the next segment: key 1's is sealed
+    first = segment_of(b, key(1))
+    calls = []
+
+    def visitor(i, head, whole):
+        if i == 0:  # meanwhile another thread overwrites key 1: its old segment drains and goes
+            run_threads(lambda: b.put_many([(key(1), new)]))
+            assert not b.values.files.path_of(first).exists()
+            return True
+        calls.append((head, whole))
+        return True
+
+    out = bytearray(900 * KiB - 64)
+    found = b.visit_split([key(0), key(1)], [bytearray(200), out], visitor)
+    assert all(head is None or isinstance(head, memoryview) for head, _ in calls), calls
+    assert found == [True, bool(calls)]
+    assert b.get_many([key(1)]) == [new]
+    b.close()
+
+
+# -- 7. compaction ----------------------------------------------------------------------------------
+def test_compaction_moves_the_few_live_values_of_sparse_segments_and_their_files_go(tmp_path):
+    n = 300 * KiB
+    capacity, per_file = 4 * MiB, MiB
+    b = LmdbBackend(tmp_path / "db", capacity=capacity, segment_bytes=per_file)
+    limit = max(capacity // 4, 2 * per_file)
+    assert b.compactor.dead_limit == limit
+    b.compactor.dead_limit = 1 << 40  # no compaction while filling: the state below is what the test sets up
+    keys = [key(i) for i in range(24)]
+    expected = {k: blob(i, n) for i, k in enumerate(keys)}
+    b.pin_many(keys[::3])  # the first value of every segment stays; the capacity evicts most others
+    for k in keys:
+        assert b.put_many([(k, expected[k])]) == [True]
+    live = set(b.scan())
+    assert set(keys[::3]) < live and b.stats().evictions == len(keys) - len(live)
+    assert b.check() == []
+    segments = {k: segment_of(b, k) for k in live}
+    records = segment_records(b)
+    sparse = {s for s, r in records.items() if r.sealed and r.live_bytes < r.end / 2}
+    assert len(sparse) >= 4
+    dead_before = b.stats().extra["segment_dead_bytes"]
+    assert b.compactor.dead_bytes()[0] > limit
+
+    b.compactor.dead_limit = limit
+    rounds = []
+    while moved := b.compact():
+        rounds.append(moved)
+        assert b.check() == []
+        assert len(rounds) < 20
+    assert rounds and b.compact() == 0
+    assert b.compactor.dead_bytes()[0] <= limit
+    moved_keys = [k for k in live if segment_of(b, k) != segments[k]]
+    assert len(moved_keys) == sum(rounds)
+    emptied = {segments[k] for k in moved_keys}
+    assert emptied <= sparse, "only sparse sealed segments are compacted"
+    assert not any(b.values.files.path_of(s).exists() for s in emptied), "a compacted segment's file goes"
+    assert not emptied & set(segment_records(b))
+    stats = b.stats()
+    assert stats.extra["segment_dead_bytes"] < dead_before
+    assert (stats.entries, stats.used_bytes) == (len(live), len(live) * n)
+    assert_reads(b, {k: expected[k] for k in live})
+    assert b.check() == []
+    b.close()
+    again = LmdbBackend(tmp_path / "db", capacity=capacity, segment_bytes=per_file)
+    assert_reads(again, {k: expected[k] for k in live})
+    assert again.check() == []
+    again.close()
+
+
+def test_compaction_does_nothing_while_dead_bytes_stay_under_the_limit(tmp_path):
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")  # limit: 16 MiB
+    for i in range(12):
+        b.put_many([(key(i), blob(i, 300 * KiB))])
+    b.delete_many([key(i) for i in range(12) if i % 3])  # sparse segments, few dead bytes
+    files = set(b.values.files.files())
+    assert b.compact() == 0 and set(b.values.files.files()) == files and b.check() == []
+    b.close()
+
+
+@pytest.mark.xfail(strict=True, reason="BUG (doc vs behaviour): lmdb_compaction promises disk use within "
+                   "capacity + dead_limit + open segments, but segments at least half live are never "
+                   "compacted (SPARSE), so dead bytes stay far over dead_limit")
+def test_dead_bytes_beyond_the_limit_are_compacted_even_when_no_segment_is_under_half_live(tmp_path):
+    n, per_file, capacity = 200 * KiB, MiB, 8 * MiB  # five values per segment; limit: 2 MiB
+    b = LmdbBackend(tmp_path / "db", capacity=capacity, segment_bytes=per_file)
+    limit = b.compactor.dead_limit
+    live = {}
+    for s in range(12):  # each segment keeps three of its five values: 60 % live
+        batch = [key(5 * s + j) for j in range(5)]
+        for k in batch:
+            assert b.put_many([(k, blob(int.from_bytes(k[16:], "big"), n))]) == [True]
+        b.delete_many(batch[1:3])
+        live.update({k: blob(int.from_bytes(k[16:], "big"), n) for k in (batch[0], *batch[3:])})
+    assert b.stats().evictions == 0 and b.compactor.dead_bytes()[0] > limit
+    for _ in range(20):
+        if not b.compact():
+            break
+    on_disk = b.stats().extra["segment_bytes"]
+    assert b.compactor.dead_bytes()[0] <= limit, "dead bytes over the limit left uncompacted"
+    assert on_disk <= capacity + limit + per_file, f"{on_disk} bytes of segments for a capacity of {capacity}"
+    assert_reads(b, live)
+    b.close()
+
+
+# -- 8. readers against writers and compaction ----------------------------------------------------
+@pytest.mark.parametrize("path", ["visit_many", "get_many", pytest.param("visit_split", marks=pytest.mark.xfail(
+    strict=True, reason="BUG: a split read of a value whose segment drained meanwhile reaches the visitor as "
+    "visitor(i, False, None) (pinned deterministically by test_a_value_overwritten_during_a_visit_split_...)"))])
+def test_readers_never_see_a_wrong_or_stale_value_while_writers_evict_and_compaction_moves_values(tmp_path, path):
+    n = 150 * KiB  # six values per 1 MiB segment
+    b = LmdbBackend(tmp_path / "db", capacity=3 * MiB, segment_bytes="1MiB")  # dead limit: 2 MiB
+    lasting = [key(i) for i in range(8)]  # written once and pinned: they keep old segments sparse
+    churn = [key(i) for i in range(8, 40)]
+    b.pin_many(lasting)
+    committed: dict[bytes, int] = {}  # key -> last version whose put returned
+    errors: list[BaseException] = []
+    done = threading.Event()
+    reads = {"first": 0, "second": 0}
+    moved = [0]
+
+    def checked(keys: list[bytes], i: int, value, floor: dict[bytes, int]) -> None:
+        k, version = identify(value)
+        assert k == keys[i], "the value of another key"
+        assert version >= floor.get(k, 0), f"version {version} read after {floor[k]} was committed"
+
+    def writer(me: int) -> None:
+        try:
+            mine = [k for j, k in enumerate(churn) if j % 2 == me]
+            rng = random.Random(me)
+            for step in range(150):
+                if me == 0 and step % 6 == 0 and step // 6 < len(lasting):
+                    k, version = lasting[step // 6], 1
+                else:
+                    k, version = rng.choice(mine), step + 2  # each key has one writer: versions only grow
+                if rng.random() < 0.15 and k not in lasting:
+                    b.delete_many([k])
+                    continue
+                assert b.put_many([(k, labelled(k, version, n))]) == [True]
+                committed[k] = version
+        except BaseException as exc:
+            errors.append(exc)
+
+    def reader(name: str) -> None:
+        rng = random.Random(name)
+        try:
+            while not done.is_set():
+                keys = rng.sample(lasting + churn, 6)
+                floor = dict(committed)
+                if path == "visit_many":
+                    b.visit_many(keys, lambda i, v, keys=keys, floor=floor: checked(keys, i, v, floor))
+                elif path == "visit_split":
+                    outs = [bytearray(n - 1 - rng.randrange(MAX_SPLIT_HEAD)) for _ in keys]
+
+                    def visit(i, head, value, keys=keys, outs=outs, floor=floor):
+                        assert head is None or isinstance(head, memoryview), f"visited with head={head!r}"
+                        checked(keys, i, bytes(head) + bytes(outs[i]) if head is not None else value, floor)
+                        return rng.random() < 0.8  # now and then: have it whole after all
+
+                    b.visit_split(keys, outs, visit)
+                else:
+                    for i, v in enumerate(b.get_many(keys)):
+                        if v is not None:
+                            checked(keys, i, v, floor)
+                reads[name] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    def compactor() -> None:
+        try:
+            while not done.is_set():
+                moved[0] += b.compact()
+        except BaseException as exc:
+            errors.append(exc)
+
+    def writers() -> None:
+        run_threads(lambda: writer(0), lambda: writer(1))
+        done.set()
+
+    run_threads(writers, lambda: reader("first"), lambda: reader("second"), compactor)
+    assert not errors, repr(errors[0])
+    assert all(reads.values()), reads
+    assert b.check() == []
+    while b.compact():
+        pass
+    assert b.check() == []
+    present = list(b.scan())
+    assert set(lasting) <= set(present)
+    got = b.get_many(present)
+    assert [identify(v) for v in got] == [(k, committed[k]) for k in present]
+    b.close()
+
+
+# -- 9. two writer processes ------------------------------------------------------------------------
+def test_two_processes_appending_at_once_each_use_segments_of_their_own(tmp_path):
+    db, go = tmp_path / "db", tmp_path / "go"
+    body = f"""
+        tag = sys.argv[1]
+        b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB)
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.005)
+        for i in range(20):
+            assert b.put_many([(key(i, tag), blob(i + 1000 * len(tag), 100 * KiB))]) == [True]
+        b.close()
+    """
+    procs = [child(body, tag) for tag in ("a", "bb")]
+    expected = {key(i, tag): blob(i + 1000 * len(tag), 100 * KiB) for tag in ("a", "bb") for i in range(20)}
+    reader = LmdbBackend(db, capacity=64 * MiB, segment_bytes=MiB)
+    go.touch()
+    while any(p.poll() is None for p in procs):
+        got = reader.get_many(list(expected))
+        assert all(v is None or v == expected[k] for k, v in zip(expected, got))
+    for p in procs:
+        finish(p)
+    assert_reads(reader, expected)
+    mine = {tag: {segment_of(reader, key(i, tag)) for i in range(20)} for tag in ("a", "bb")}
+    assert len(mine["a"]) == len(mine["bb"]) == 2 and not mine["a"] & mine["bb"]
+    assert set(reader.values.files.files()) == mine["a"] | mine["bb"]
+    assert all(r.sealed for r in segment_records(reader).values()), "each closed, sealing its segments"
+    assert reader.check() == []
+    reader.close()
+
+
+# -- 10. reads split between a head and the caller's buffer ---------------------------------------
+@pytest.mark.parametrize("head_len", [1, 4096, MAX_SPLIT_HEAD])
+def test_visit_split_reads_the_tail_into_out_and_hands_the_head_to_the_visitor(tmp_path, head_len):
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
+    value = blob(head_len, 256 * KiB)
+    b.put_many([(key(0), value)])
+    out = bytearray(b"\x55" * (len(value) - head_len))
+    calls = []
+    found = b.visit_split([key(0)], [out], lambda i, head, whole: calls.append(
+        (i, None if head is None else bytes(head), whole)))
+    assert found == [True]
+    assert calls == [(0, value[:head_len], None)]
+    assert out == value[head_len:]
+    b.close()
+
+
+@pytest.mark.parametrize("out_len", [256 * KiB, 256 * KiB - MAX_SPLIT_HEAD - 1, 300 * KiB, 1000])
+def test_visit_split_hands_over_the_whole_value_when_out_is_not_shorter_by_one_to_64_KiB(tmp_path, out_len):
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
+    value = blob(7, 256 * KiB)
+    b.put_many([(key(0), value)])
+    out = bytearray(b"\x55" * out_len)
+    calls = []
+    found = b.visit_split([key(0)], [out], lambda i, head, whole: calls.append((i, head, bytes(whole))))
+    assert found == [True] and calls == [(0, None, value)]
+    assert out == b"\x55" * out_len, "a value read whole does not touch out"
+    b.close()
+
+
+def test_a_visitor_refusing_the_split_is_called_again_with_the_whole_value(tmp_path):
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
+    values = {key(0): blob(0, 200 * KiB), key(1): blob(1, 200 * KiB)}
+    b.put_many(list(values.items()))
+    outs = [bytearray(200 * KiB - 64), bytearray(200 * KiB - 64)]
+    calls = []
+
+    def visitor(i, head, whole):
+        calls.append((i, "head" if head is not None else bytes(whole)))
+        return i != 0 or whole is not None  # key 0: not this way
+
+    assert b.visit_split(list(values), outs, visitor) == [True, True]
+    assert calls == [(0, "head"), (0, values[key(0)]), (1, "head")]
+    assert outs[1] == values[key(1)][64:]
+    assert b.stats().hits == 2 and b.stats().bytes_out == 400 * KiB
+    b.close()
+
+
+def test_visit_split_visits_values_in_lmdb_pages_whole_and_skips_absent_keys(tmp_path):
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
+    small, large = blob(1, 40 * KiB), blob(2, 100 * KiB)
+    b.put_many([(key(1), small), (key(2), large)])
+    outs = [bytearray(40 * KiB - 16), bytearray(100 * KiB - 16), bytearray(10)]
+    calls = []
+    found = b.visit_split([key(1), key(2), key(3)], outs, lambda i, head, whole: calls.append(
+        (i, None if head is None else bytes(head), None if whole is None else bytes(whole))))
+    assert found == [True, True, False]
+    assert calls == [(0, None, small), (1, large[:16], None)]
+    assert outs[0] == bytearray(40 * KiB - 16) and outs[1] == large[16:]
+    b.close()
+
+
+# -- 12. descriptors kept for reads ---------------------------------------------------------------
+def test_a_drained_segments_descriptor_stays_open_for_a_reader_using_it_and_closes_after(tmp_path):
+    n = 300 * KiB
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
+    expected = {key(i): blob(i, n) for i in range(4)}
+    for k, v in expected.items():
+        b.put_many([(k, v)])
+    segment, place = segment_of(b, key(1)), place_of(b, key(1))
+    path = b.values.files.path_of(segment)
+    assert b.get_many([key(1)]) == [expected[key(1)]] and descriptors_on(path) == 1
+    holding, drained, got = threading.Event(), threading.Event(), []
+
+    def reader() -> None:  # a read in progress: it holds the segment's descriptor
+        with b.values.files.fds.use(segment) as fd:
+            holding.set()
+            drained.wait(30)
+            got.append(os.pread(fd, place.length, place.offset))
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    assert holding.wait(30)
+    assert b.delete_many([key(0), key(1), key(2)]) == 3  # the segment drains: its file goes
+    assert not path.exists()
+    assert descriptors_on(path) == 1, "closed under a reader using it"
+    drained.set()
+    thread.join(30)
+    assert got == [expected[key(1)]], "the reader read through its descriptor what was there"
+    assert descriptors_on(path) == 0, "the last user's release closes it"
+    assert b.get_many(list(expected)) == [None, None, None, expected[key(3)]]
+    b.close()
+
+
+def test_a_descriptor_of_a_segment_another_process_drained_is_closed_once_unused(tmp_path):
+    db = tmp_path / "db"
+    finish(child(f"""
+        b = LmdbBackend({str(db)!r}, capacity=64 * MiB)
+        b.put_many([(key(i, "other"), blob(i, 100 * KiB)) for i in range(3)])
+        b.close()
+    """))
+    b = LmdbBackend(db, capacity=64 * MiB)
+    b.put_many([(key(0), blob(0, 100 * KiB))])  # a segment of its own
+    theirs = segment_of(b, key(0, "other"))
+    path = b.values.files.path_of(theirs)
+    assert b.get_many([key(0, "other")]) == [blob(0, 100 * KiB)]
+    assert descriptors_on(path) == 1
+    finish(child(f"""
+        b = LmdbBackend({str(db)!r}, capacity=64 * MiB)
+        assert b.delete_many([key(i, "other") for i in range(3)]) == 3
+        b.close()
+    """))
+    assert not path.exists()
+    assert descriptors_on(path) == 1  # nothing here knows yet
+    time.sleep(segment_fds.PRUNE_EVERY_S + 0.1)
+    assert b.get_many([key(0)]) == [blob(0, 100 * KiB)]  # any read looks after idle descriptors
+    assert descriptors_on(path) == 0, "a deleted segment's disk space stays taken while it is open"
+    b.close()
+
+
+# -- failures found while writing these ------------------------------------------------------------
+@pytest.mark.xfail(strict=True, reason="BUG: closing the backend closes the segment descriptors under "
+                   "reads still running (KeyError from Descriptors._release; a reused descriptor "
+                   "number could hand out another file's bytes)")
+def test_close_while_other_threads_read_segment_values_gives_them_values_or_backend_closed(tmp_path):
+    values = {key(i): blob(i, 4 * MiB) for i in range(4)}
+    with LmdbBackend(tmp_path / "db", capacity=64 * MiB) as b:
+        b.put_many(list(values.items()))
+    failures: list[BaseException] = []
+    for _ in range(40):  # each round closes while three readers are busy in reads of 16 MiB
+        b = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
+        reading = threading.Barrier(4)
+
+        def reader(b=b, reading=reading) -> None:
+            first, keys, wrong = True, list(values), []
+
+            def visit(i: int, v: memoryview) -> None:  # a glance: the time goes to the reads themselves
+                want = values[keys[i]]
+                if v[:64] != want[:64] or v[-64:] != want[-64:]:
+                    wrong.append(i)
+
+            while True:
+                try:
+                    b.visit_many(keys, visit)
+                except (BackendClosed, BackendUnavailable):
+                    return
+                except BaseException as exc:
+                    failures.append(exc)
+                    return
+                finally:
+                    if first:
+                        first = False
+                        reading.wait()
+                if wrong:
+                    failures.append(AssertionError("a read during close returned other bytes"))
+                    return
+
+        threads = [threading.Thread(target=reader, daemon=True) for _ in range(3)]
+        for t in threads:
+            t.start()
+        reading.wait()  # each has read once: they are in their loops now
+        b.close()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+        if failures:
+            break
+    assert not failures, repr(failures[0])
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: Descriptors keeps one descriptor per segment ever read and "
+                   "never closes it while the file exists: past RLIMIT_NOFILE every read raises OSError "
+                   "(EMFILE) and every large put is refused")
+def test_more_segment_files_than_the_process_may_open_still_read_back(tmp_path):
+    db = tmp_path / "db"
+    for i in range(100):  # every writer's open makes a segment of its own: 100 files
+        b = LmdbBackend(db, capacity=64 * MiB)
+        b.put_many([(key(i), blob(i, 64 * KiB))])
+        b.close()
+    assert len(os.listdir(db / "segments")) == 100
+    out = finish(child(f"""
+        import resource
+        b = LmdbBackend({str(db)!r}, capacity=64 * MiB)
+        in_use = len(os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 32, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        got = b.get_many([key(i) for i in range(100)])
+        print(sum(g == blob(i, 64 * KiB) for i, g in enumerate(got)))
+        print(b.put_many([(key(100), blob(100, 64 * KiB))]) == [True])
+        b.close()
+    """))
+    assert out.split() == ["100", "True"]
