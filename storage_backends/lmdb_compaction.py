@@ -2,7 +2,7 @@
 leaves its bytes there until the whole segment drains; a segment held by a few long-lived
 values (a shared prefix's first blocks) would keep the rest of its file forever. When the dead
 bytes of sealed segments exceed ``dead_limit``, the live values of the sparsest sealed segment
-are copied to this process's open segment and their places swapped in one transaction, each
+(the one with the smallest live share) are copied to this process's open segment and their places swapped in one transaction, each
 only if the value still lies where it was read (a value overwritten, deleted or moved by another
 process meanwhile keeps its new place; the copy is dead bytes). The old segment then drains and
 its file goes. Disk use stays within the capacity plus ``dead_limit`` plus the open segments."""
@@ -20,7 +20,6 @@ from storage_backends.lmdb_values import SegmentValues
 
 log = logging.getLogger(__name__)
 
-SPARSE = 0.5  # only a segment whose live bytes are under this share of its length is compacted
 CHECK_EVERY_S = 1.0  # how often the dead bytes are summed (a cursor over the segments table)
 MOVE_BATCH = 8  # values copied per transaction (each in a buffer of the compacting thread)
 
@@ -60,7 +59,7 @@ class Compactor:
             self._running.release()
 
     def _sparsest(self) -> int | None:
-        dead, best, best_share = 0, None, SPARSE
+        dead, best, best_share = 0, None, 1.0
         with self.db.txn() as txn:
             for sid, stored in txn.cursor(db=self.db.tables.segments):
                 record = unpack_segment(stored)
@@ -89,6 +88,11 @@ class Compactor:
         return moved
 
     def _move_batch(self, keys: list[bytes]) -> int:
+        with self.db.gate.shared():  # as a put: a close waits for it
+            self.db.check_open()
+            return self._move_locked(keys)
+
+    def _move_locked(self, keys: list[bytes]) -> int:
         olds: list[Place] = []
         copies = []
         with self.db.txn() as txn:

@@ -101,6 +101,12 @@ class LmdbBackend(Backend):
         self.batch_bytes = parse_size(batch_bytes, name="lmdb batch_bytes")
         wanted = parse_size(map_size, name="lmdb map_size") if map_size is not None else \
             max(2 * self.capacity, self.capacity + (1 << 30))  # sparse: costs address space only
+        # values of at least segment_min bytes go to segment files of segment_bytes each
+        minimum, per_file = parse_size(segment_min, name="lmdb segment_min"), parse_size(segment_bytes, name="lmdb segment_bytes")
+        if minimum < 1 or per_file < (1 << 20):
+            raise ConfigError(f"lmdb segment_min must be >= 1 and segment_bytes >= 1 MiB, got {segment_min!r}, "
+                              f"{segment_bytes!r}")
+        eager = as_bool(eager_writeback, "lmdb eager_writeback")
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"lmdb path {self.path} exists and is not a directory")
         self.path.mkdir(parents=True, exist_ok=True)
@@ -119,13 +125,7 @@ class LmdbBackend(Backend):
                                    batch_bytes=self.batch_bytes, count=self._count,
                                    evict=self._evict_beyond_capacity, record_access=self.record_access)
         self._db.on_changes = self._tell_in_order  # committed puts, evictions and deletes
-        # values of at least segment_min bytes go to segment files of segment_bytes each
-        minimum, per_file = parse_size(segment_min, name="lmdb segment_min"), parse_size(segment_bytes, name="lmdb segment_bytes")
-        if minimum < 1 or per_file < (1 << 20):
-            self._db.close()
-            raise ConfigError(f"lmdb segment_min must be >= 1 and segment_bytes >= 1 MiB, got {segment_min!r}, "
-                              f"{segment_bytes!r}")
-        self.values = SegmentValues(self._db, SegmentFiles(self.path, per_file, as_bool(eager_writeback, "lmdb eager_writeback")), minimum, self.sync)
+        self.values = SegmentValues(self._db, SegmentFiles(self.path, per_file, eager), minimum, self.sync)
         self._reads = LmdbReads(self._db, self.values, self._count)
         self.compactor = Compactor(self._db, self.values, dead_limit=max(self.capacity // 4, 2 * per_file))
         self._writes = LmdbWrites(self._db, self.values, self._eviction, self._pinned, self._count, self.compactor)
@@ -261,9 +261,7 @@ class LmdbBackend(Backend):
 
     def close(self) -> None:
         """Apply buffered accesses, sync and close. Idempotent; waits for running calls."""
-        if not self._db.closed and not self._db.gate.held():
-            self.values.close()
-        if self._db.close():
+        if self._db.close(before=self.values.seal_own, after=self.values.files.close):
             log.info("lmdb tier at %s closed", self.path)
 
     # -- totals, stats, check ----------------------------------------------------------------

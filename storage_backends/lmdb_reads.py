@@ -72,9 +72,11 @@ class LmdbReads:
                     if place is None:
                         continue
                     head = self.values.read_split(place, outs[i], MAX_SPLIT_HEAD)
+                    if head is False:  # its segment no longer holds it: a miss
+                        continue
                     if head is not None and visitor(i, head, None) is not False:
                         found[i] = True
-                    elif head is not False:  # not split, or not wanted split: the whole value
+                    else:  # not split, or not wanted split: the whole value
                         value = self.values.read(place)
                         if value is None:
                             continue

@@ -38,8 +38,8 @@ def check_segments(tables: Tables, txn, w: Write | None, files: SegmentFiles) ->
             continue
         size = sizes.get(place.segment)
         if size is None or place.offset + place.length > size:
-            where = "a missing segment" if size is None else f"beyond the end of segment {place.segment:016x}"
-            problems.append(f"value in {where}: {key.hex()}")
+            where = "in a missing segment" if size is None else f"beyond the end of segment {place.segment:016x}"
+            problems.append(f"value {where}: {key.hex()}")
             broken.append(key)
             continue
         placed[key] = place.length

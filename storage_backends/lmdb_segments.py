@@ -77,14 +77,16 @@ def segment_key(segment: int) -> bytes:
 
 
 def process_start(pid: int) -> int | None:
-    """``pid``'s start time in clock ticks after boot; None when no such process runs."""
+    """``pid``'s start time in clock ticks after boot; None when no such process runs (a
+    zombie, killed and not yet reaped, runs no more)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return None
     try:  # the command name may hold spaces and parentheses: fields follow the last ")"
-        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        return None if fields[0] in (b"Z", b"X") else int(fields[19])
     except (ValueError, IndexError):
         return None
 
@@ -162,7 +164,8 @@ class SegmentFiles:
         records it (a write transaction) before its file is created. Every reservation is
         :meth:`settle`-d once its transaction ended. OSError when there is no room."""
         with self._lock:
-            if self.current is None or (self._next + length > self.segment_bytes and self._next > 0):
+            if self.current is None or (self._next + length > self.segment_bytes and self._next > 0) \
+                    or self.fds.deleted(self.current):  # (deleted behind our back: start another)
                 segment = int.from_bytes(os.urandom(8), "little") or 1
                 register(segment)
                 self.dir.mkdir(exist_ok=True)
@@ -202,7 +205,7 @@ class SegmentFiles:
     def write(self, segment: int, offset: int, value) -> None:
         """Write ``value`` at ``offset`` of ``segment`` (reserved by this process)."""
         view = memoryview(value).cast("B")
-        with self.fds.use(segment) as fd:
+        with self.fds.use(segment, write=True) as fd:
             done = 0
             while done < len(view):
                 n = os.pwrite(fd, view[done:], offset + done)

@@ -36,6 +36,11 @@ class SegmentValues:
         """Append each value to this process's segment; its place, or None when it could not
         be written (no room on the disk, an I/O error: logged, counted by the caller). Every
         place (and None) must be :meth:`settle`-d once its transaction ended."""
+        with self.db.gate.shared():  # close (and remaps) wait for these writes and their settling
+            self.db.check_open()
+            return self._write(values)
+
+    def _write(self, values: Sequence) -> list[Place | None]:
         places: list[Place | None] = []
         for value in values:
             nbytes = memoryview(value).nbytes
@@ -116,12 +121,11 @@ class SegmentValues:
     def flush(self) -> None:
         self.files.sync()
 
-    def close(self) -> None:
-        """Seal this process's segments (called before the environment closes)."""
+    def seal_own(self) -> None:
+        """Seal this process's segments (closing: no write of this process is running)."""
         done = self.files.retire_current()
         if done:
             try:
                 self.seal(done)
             except Exception as exc:  # the next writer's recovery seals them
                 log.warning("lmdb tier at %s: segments not sealed at close: %s", self.db.path, exc)
-        self.files.close()

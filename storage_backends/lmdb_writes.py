@@ -45,18 +45,20 @@ class LmdbWrites:
 
     def _put_placed(self, batch: list[tuple[bytes, object, int]], large: list[int], tenant: bytes) -> list[bool]:
         """Large values written to segment files first, then every entry recorded in one
-        transaction; a value that could not be written is refused."""
-        self.db.check_open()
-        places = self.values.write([batch[i][1] for i in large])
-        for i, place in zip(large, places):
-            batch[i] = (batch[i][0], place, batch[i][2])
-        todo = [i for i, item in enumerate(batch) if item[1] is not None]
-        stored = [False] * len(batch)
-        try:
-            for i, ok in zip(todo, self._put_batch([batch[i] for i in todo], tenant)):
-                stored[i] = ok
-        finally:
-            self.values.settle(places)
+        transaction; a value that could not be written is refused. Under the remap gate from
+        the first write to the settling: a close waits for it, and then seals what it left."""
+        with self.db.gate.shared():
+            self.db.check_open()
+            places = self.values.write([batch[i][1] for i in large])
+            for i, place in zip(large, places):
+                batch[i] = (batch[i][0], place, batch[i][2])
+            todo = [i for i, item in enumerate(batch) if item[1] is not None]
+            stored = [False] * len(batch)
+            try:
+                for i, ok in zip(todo, self._put_batch([batch[i] for i in todo], tenant)):
+                    stored[i] = ok
+            finally:
+                self.values.settle(places)
         self._count(put_rejected=len(batch) - len(todo))
         try:
             self.compactor.maybe_compact()

@@ -1,63 +1,95 @@
 """Open descriptors of segment files, shared by this process's threads: each use holds its
 descriptor, so one is closed only once nobody reads or writes through it (a descriptor closed
 under a reader could be reused by the next ``open``, and that reader would read another file).
-Descriptors of files another process deleted are closed once unused (checked at most once a
-second): a deleted segment's disk space is freed only when its last descriptor closes."""
+At most ``max_idle`` descriptors are kept open while unused (the least recently used go first;
+an ``open`` refused for lack of descriptors closes the idle ones and tries again), and those of
+files another process deleted are closed once unused (checked at most once a second): a
+deleted segment's disk space is freed only when its last descriptor closes."""
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
 PRUNE_EVERY_S = 1.0
+MAX_IDLE = 64
 
 
 class Descriptors:
     """``path_of(segment)`` names each segment's file."""
 
-    def __init__(self, path_of: Callable[[int], Path]) -> None:
+    def __init__(self, path_of: Callable[[int], Path], max_idle: int = MAX_IDLE) -> None:
         self.path_of = path_of
+        self.max_idle = max_idle
         self._lock = threading.Lock()
-        self._fds: dict[int, int] = {}
+        self._fds: OrderedDict[int, tuple[int, bool]] = OrderedDict()  # segment -> (fd, writable), LRU order
         self._users: dict[int, int] = {}
-        self._forgotten: dict[int, int] = {}  # segment -> descriptor to close once unused
+        self._forgotten: dict[int, list[int]] = {}  # segment -> descriptors to close once unused
         self._pruned = time.monotonic()
 
     def create(self, segment: int) -> None:
         """Create ``segment``'s file (it must not exist) and keep it open for writing."""
-        fd = os.open(self.path_of(segment), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        fd = self._open(segment, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         with self._lock:
-            self._fds[segment] = fd
+            self._fds[segment] = (fd, True)
 
     @contextmanager
-    def use(self, segment: int):
-        """``segment``'s descriptor, held for the block (FileNotFoundError: no such file)."""
-        fd = self._acquire(segment)
+    def use(self, segment: int, write: bool = False):
+        """``segment``'s descriptor (opened for writing with ``write``), held for the block
+        (FileNotFoundError: no such file)."""
+        fd = self._acquire(segment, write)
         try:
             yield fd
         finally:
             self._release(segment)
 
-    def _acquire(self, segment: int) -> int:
+    def deleted(self, segment: int) -> bool:
+        """Whether ``segment``'s file, open here, was deleted (by anyone)."""
+        with self._lock:
+            entry = self._fds.get(segment)
+        if entry is None:
+            return not os.path.exists(self.path_of(segment))
+        try:
+            return os.fstat(entry[0]).st_nlink == 0
+        except OSError:
+            return True
+
+    def _acquire(self, segment: int, write: bool) -> int:
         self._maybe_prune()
         with self._lock:
-            fd = self._fds.get(segment)
-            if fd is not None:
+            entry = self._fds.get(segment)
+            if entry is not None and (entry[1] or not write):
+                self._fds.move_to_end(segment)
                 self._users[segment] = self._users.get(segment, 0) + 1
-                return fd
-        fd = os.open(self.path_of(segment), os.O_RDONLY | os.O_CLOEXEC)
+                return entry[0]
+        fd = self._open(segment, os.O_RDWR if write else os.O_RDONLY)
         with self._lock:
-            if segment in self._fds:  # another thread opened it meanwhile
+            entry = self._fds.get(segment)
+            if entry is not None and (entry[1] or not write):  # another thread opened it meanwhile
                 os.close(fd)
-                fd = self._fds[segment]
+                fd = entry[0]
             else:
-                self._fds[segment] = fd
+                if entry is not None:  # read-only, and a writer needs it: replace it
+                    self._retire(segment, entry[0])
+                self._fds[segment] = (fd, write)
+            self._fds.move_to_end(segment)
             self._users[segment] = self._users.get(segment, 0) + 1
             return fd
+
+    def _open(self, segment: int, flags: int) -> int:
+        try:
+            return os.open(self.path_of(segment), flags | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+        self._close_idle(0)  # out of descriptors: let the idle ones go, and try once more
+        return os.open(self.path_of(segment), flags | os.O_CLOEXEC, 0o644)
 
     def _release(self, segment: int) -> None:
         with self._lock:
@@ -65,20 +97,31 @@ class Descriptors:
             if self._users[segment]:
                 return
             del self._users[segment]
-            fd = self._forgotten.pop(segment, None)
-        if fd is not None:
+            closing = self._forgotten.pop(segment, [])
+        for fd in closing:
             os.close(fd)
+        self._close_idle(self.max_idle)
+
+    def _retire(self, segment: int, fd: int) -> None:
+        """(under the lock) close ``fd`` now or once ``segment`` is unused."""
+        if self._users.get(segment):
+            self._forgotten.setdefault(segment, []).append(fd)
+        else:
+            os.close(fd)
+
+    def _close_idle(self, keep: int) -> None:
+        """Close the least recently used unused descriptors beyond ``keep``."""
+        with self._lock:
+            idle = [s for s in self._fds if not self._users.get(s)]
+            for segment in idle[: max(0, len(idle) - keep)]:
+                os.close(self._fds.pop(segment)[0])
 
     def forget(self, segment: int) -> None:
         """Close ``segment``'s descriptor now, or once its last user is done."""
         with self._lock:
-            fd = self._fds.pop(segment, None)
-            if fd is None:
-                return
-            if self._users.get(segment):
-                self._forgotten[segment] = fd
-                return
-        os.close(fd)
+            entry = self._fds.pop(segment, None)
+            if entry is not None:
+                self._retire(segment, entry[0])
 
     def _maybe_prune(self) -> None:
         now = time.monotonic()
@@ -86,7 +129,7 @@ class Descriptors:
             return
         self._pruned = now
         with self._lock:
-            idle = [(s, fd) for s, fd in self._fds.items() if not self._users.get(s)]
+            idle = [(s, fd) for s, (fd, _) in self._fds.items() if not self._users.get(s)]
         for segment, fd in idle:
             try:
                 deleted = os.fstat(fd).st_nlink == 0
@@ -97,7 +140,7 @@ class Descriptors:
 
     def close(self) -> None:
         with self._lock:
-            fds = list(self._fds.values()) + list(self._forgotten.values())
-            self._fds, self._forgotten, self._users = {}, {}, {}
+            fds = [fd for fd, _ in self._fds.values()] + [fd for fds in self._forgotten.values() for fd in fds]
+            self._fds, self._forgotten, self._users = OrderedDict(), {}, {}
         for fd in fds:
             os.close(fd)

@@ -193,9 +193,6 @@ def test_segment_options_come_from_the_url_and_bad_ones_are_config_errors(tmp_pa
             open_backend(f"lmdb://{tmp_path}/bad{n}?capacity=8MiB&{query}")
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: segment_min, segment_bytes and eager_writeback are parsed after "
-                   "the LMDB environment is opened; a bad value raises ConfigError with the environment left "
-                   "open, and this process can no longer open the directory")
 @pytest.mark.parametrize("query", ["segment_min=lots", "segment_bytes=x", "eager_writeback=maybe"])
 def test_a_segment_option_refused_at_open_leaves_the_directory_free_to_open_again(tmp_path, query):
     with pytest.raises(ConfigError):
@@ -414,8 +411,6 @@ def test_a_segment_deleted_under_the_writer_that_still_holds_it_open_never_yield
     b.close()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: the open segment deleted behind the writer's back stays this "
-                   "process's segment after check(fix=True): the next puts land in the unlinked file")
 def test_after_check_fix_of_its_deleted_open_segment_a_writers_next_puts_land_in_a_file_that_exists(tmp_path):
     b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
     assert b.put_many([(key(0), blob(0, 100 * KiB))]) == [True]
@@ -452,8 +447,6 @@ def test_a_truncated_segment_makes_misses_of_the_values_beyond_its_end_and_check
     b.close()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: visit_split calls visitor(i, False, None) and reports a hit when "
-                   "a split read fails (segment gone or cut short): read_split's False is taken for a head")
 @pytest.mark.parametrize("damage", ["deleted", "truncated"])
 def test_visit_split_of_a_value_its_segment_no_longer_holds_is_a_miss_the_visitor_never_sees(tmp_path, damage):
     n = 300 * KiB
@@ -476,8 +469,6 @@ def test_visit_split_of_a_value_its_segment_no_longer_holds_is_a_miss_the_visito
     b.close()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a value overwritten (its old segment drained) while a "
-                   "visit_split is under way reaches the visitor as visitor(i, False, None), counted a hit")
 def test_a_value_overwritten_during_a_visit_split_is_the_old_value_or_a_miss(tmp_path):
     b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
     old, new = blob(1, 900 * KiB), blob(2, 900 * KiB)
@@ -562,9 +553,6 @@ def test_compaction_does_nothing_while_dead_bytes_stay_under_the_limit(tmp_path)
     b.close()
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (doc vs behaviour): lmdb_compaction promises disk use within "
-                   "capacity + dead_limit + open segments, but segments at least half live are never "
-                   "compacted (SPARSE), so dead bytes stay far over dead_limit")
 def test_dead_bytes_beyond_the_limit_are_compacted_even_when_no_segment_is_under_half_live(tmp_path):
     n, per_file, capacity = 200 * KiB, MiB, 8 * MiB  # five values per segment; limit: 2 MiB
     b = LmdbBackend(tmp_path / "db", capacity=capacity, segment_bytes=per_file)
@@ -588,9 +576,7 @@ def test_dead_bytes_beyond_the_limit_are_compacted_even_when_no_segment_is_under
 
 
 # -- 8. readers against writers and compaction ----------------------------------------------------
-@pytest.mark.parametrize("path", ["visit_many", "get_many", pytest.param("visit_split", marks=pytest.mark.xfail(
-    strict=True, reason="BUG: a split read of a value whose segment drained meanwhile reaches the visitor as "
-    "visitor(i, False, None) (pinned deterministically by test_a_value_overwritten_during_a_visit_split_...)"))])
+@pytest.mark.parametrize("path", ["visit_many", "get_many", "visit_split"])
 def test_readers_never_see_a_wrong_or_stale_value_while_writers_evict_and_compaction_moves_values(tmp_path, path):
     n = 150 * KiB  # six values per 1 MiB segment
     b = LmdbBackend(tmp_path / "db", capacity=3 * MiB, segment_bytes="1MiB")  # dead limit: 2 MiB
@@ -825,9 +811,6 @@ def test_a_descriptor_of_a_segment_another_process_drained_is_closed_once_unused
 
 
 # -- failures found while writing these ------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="BUG: closing the backend closes the segment descriptors under "
-                   "reads still running (KeyError from Descriptors._release; a reused descriptor "
-                   "number could hand out another file's bytes)")
 def test_close_while_other_threads_read_segment_values_gives_them_values_or_backend_closed(tmp_path):
     values = {key(i): blob(i, 4 * MiB) for i in range(4)}
     with LmdbBackend(tmp_path / "db", capacity=64 * MiB) as b:
@@ -874,9 +857,6 @@ def test_close_while_other_threads_read_segment_values_gives_them_values_or_back
     assert not failures, repr(failures[0])
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: Descriptors keeps one descriptor per segment ever read and "
-                   "never closes it while the file exists: past RLIMIT_NOFILE every read raises OSError "
-                   "(EMFILE) and every large put is refused")
 def test_more_segment_files_than_the_process_may_open_still_read_back(tmp_path):
     db = tmp_path / "db"
     for i in range(100):  # every writer's open makes a segment of its own: 100 files

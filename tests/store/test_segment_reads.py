@@ -98,9 +98,6 @@ def test_a_flipped_byte_in_a_segment_file_is_a_corrupt_miss_that_leaves_nothing_
         assert ok == [True, False, True, True] and store.metrics.misses("corrupt") == 1
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: LmdbReads.visit_split hands the visitor head=False when a split "
-                   "read fails; EncodedTier's decoder then raises TypeError inside check_split, counts the "
-                   "block corrupt and deletes the key (with compaction, a good block that just moved)")
 @pytest.mark.parametrize("damage", ["deleted", "truncated"])
 def test_a_block_whose_segment_file_is_gone_or_cut_short_is_a_miss_but_no_corrupt_block(tmp_path, damage):
     with disk_store(tmp_path, NS64) as store:
