@@ -88,7 +88,7 @@ class Compactor:
         return moved
 
     def _move_batch(self, keys: list[bytes]) -> int:
-        with self.db.gate.shared():  # as a put: a close waits for it
+        with self.values.writing():  # as a put: a close waits for it
             self.db.check_open()
             return self._move_locked(keys)
 

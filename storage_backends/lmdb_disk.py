@@ -261,7 +261,9 @@ class LmdbBackend(Backend):
 
     def close(self) -> None:
         """Apply buffered accesses, sync and close. Idempotent; waits for running calls."""
-        if self._db.close(before=self.values.seal_own, after=self.values.files.close):
+        if not self._db.closed and not self._db.gate.held():
+            self.values.seal_own()
+        if self._db.close(after=self.values.files.close):
             log.info("lmdb tier at %s closed", self.path)
 
     # -- totals, stats, check ----------------------------------------------------------------

@@ -241,10 +241,9 @@ class LmdbEnvironment:
         with self.guard("sync"), self.shared():
             self.env.sync(True)
 
-    def close(self, before: Callable[[], None] | None = None, after: Callable[[], None] | None = None) -> bool:
-        """Apply buffered accesses, sync and close; waits for running calls. ``before`` runs
-        once they ended, before the last sync (it may write), ``after`` once the environment is
-        closed. False when it was closed already."""
+    def close(self, after: Callable[[], None] | None = None) -> bool:
+        """Apply buffered accesses, sync and close; waits for running calls. ``after`` runs
+        once the environment is closed. False when it was closed already."""
         if self.closed:
             return False
         if self.gate.held():
@@ -253,8 +252,6 @@ class LmdbEnvironment:
             if self.closed:
                 return False
             try:
-                if before is not None:
-                    before()
                 self.apply_pending()
                 self.env.sync(True)
             except (BackendError, lmdb.Error) as exc:

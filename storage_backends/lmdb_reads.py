@@ -43,10 +43,12 @@ class LmdbReads:
         return found
 
     def visit_all(self, keys: Sequence[bytes], visitor) -> list[bool]:
-        """Zero-copy: ``visitor`` sees LMDB's own pages of every key, inside one read transaction."""
+        """Zero-copy: ``visitor`` sees LMDB's own pages of every key, or views of its segment's
+        memory map, inside one read transaction: nothing is read from the disk before the
+        visitor touches it (a layer-wise reader gets every block's first layer group first)."""
         keys = [as_key(k) for k in keys]
         with self.db.guard("read"), self.db.txn() as txn:
-            values = [self._value(txn, k, slot) for slot, k in enumerate(keys)]
+            values = [self._value(txn, k, mapped=True) for k in keys]
             visitor(values)
         hits = [k for k, v in zip(keys, values) if v is not None]
         if hits:
@@ -91,14 +93,19 @@ class LmdbReads:
         self._count(gets=len(keys), hits=len(hits), bytes_out=nbytes)
         return found
 
-    def _value(self, txn, key: bytes, slot: int = 0):
-        """``key``'s value: LMDB's page, or read from its segment into this thread's buffer
-        ``slot``; None when absent (or its segment no longer holds it)."""
+    def _value(self, txn, key: bytes, mapped: bool = False):
+        """``key``'s value: LMDB's page, or from its segment a view of the segment's memory map
+        (``mapped``) or a copy in this thread's buffer; None when absent (or its segment no
+        longer holds it)."""
         if not fits(key):
             return None
         value = txn.get(key, db=self.db.tables.blocks)
         if value is not None:
             return value
         place = self.values.place_of(txn, key)
-        return self.values.read(place, slot) if place is not None else None
+        if place is None:
+            return None
+        if mapped:
+            return self.values.files.maps.view(place.segment, place.offset, place.length)
+        return self.values.read(place)
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from storage_backends.segment_fds import Descriptors
+from storage_backends.segment_maps import SegmentMaps
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,7 @@ class SegmentFiles:
         self.start = process_start(self.pid) or 0
         self._lock = threading.Lock()  # the open segment, reservations, what awaits an fsync
         self.fds = Descriptors(self.path_of)
+        self.maps = SegmentMaps(self.path_of)
         self._dirty: set[int] = set()
         self.current: int | None = None  # this process's open segment
         self._next = 0  # its next free offset
@@ -267,6 +269,7 @@ class SegmentFiles:
             with self._lock:
                 self._dirty.discard(segment)
             self.fds.forget(segment)
+            self.maps.forget(segment)
             try:
                 os.unlink(self.path_of(segment))
             except FileNotFoundError:
@@ -278,6 +281,7 @@ class SegmentFiles:
         with self._lock:
             self.current = None
         self.fds.close()
+        self.maps.close()
 
 
 @functools.cache

@@ -8,14 +8,17 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
 from storage_backends.lmdb_places import recover_segments, register_segment, seal_segments
 from storage_backends.lmdb_segments import Place, SegmentFiles, unpack_place
 from storage_backends.log_throttle import LogThrottle
-from tiered_kv.errors import BackendUnavailable
+from tiered_kv.errors import BackendClosed, BackendUnavailable
 
 log = logging.getLogger(__name__)
+
+CLOSE_WAIT_S = 30.0  # how long closing waits for running puts before sealing what it can
 
 
 class SegmentValues:
@@ -25,8 +28,26 @@ class SegmentValues:
     def __init__(self, db: LmdbEnvironment, files: SegmentFiles, min_bytes: int, sync: bool) -> None:
         self.db, self.files, self.min_bytes, self.sync = db, files, min_bytes, sync
         db.on_drained = files.delete
+        self._writers = threading.Condition()
+        self._inflight = 0  # puts (and compactions) between their first write and their settling
+        self._closing = False
         self._local = threading.local()
         self._failures = LogThrottle(log)
+
+    @contextmanager
+    def writing(self):
+        """Held by a put from its first write to its settling: closing waits for it, and
+        refuses new ones (BackendClosed)."""
+        with self._writers:
+            if self._closing:
+                raise BackendClosed(f"lmdb backend at {self.db.path} is closing")
+            self._inflight += 1
+        try:
+            yield
+        finally:
+            with self._writers:
+                self._inflight -= 1
+                self._writers.notify_all()
 
     def wanted(self, nbytes: int) -> bool:
         return nbytes >= self.min_bytes
@@ -36,11 +57,6 @@ class SegmentValues:
         """Append each value to this process's segment; its place, or None when it could not
         be written (no room on the disk, an I/O error: logged, counted by the caller). Every
         place (and None) must be :meth:`settle`-d once its transaction ended."""
-        with self.db.gate.shared():  # close (and remaps) wait for these writes and their settling
-            self.db.check_open()
-            return self._write(values)
-
-    def _write(self, values: Sequence) -> list[Place | None]:
         places: list[Place | None] = []
         for value in values:
             nbytes = memoryview(value).nbytes
@@ -122,7 +138,11 @@ class SegmentValues:
         self.files.sync()
 
     def seal_own(self) -> None:
-        """Seal this process's segments (closing: no write of this process is running)."""
+        """Closing: refuse new puts, wait for those running, seal this process's segments."""
+        with self._writers:
+            self._closing = True
+            if not self._writers.wait_for(lambda: not self._inflight, CLOSE_WAIT_S):
+                log.warning("lmdb tier at %s: closing while %d puts still run", self.db.path, self._inflight)
         done = self.files.retire_current()
         if done:
             try:

@@ -45,9 +45,9 @@ class LmdbWrites:
 
     def _put_placed(self, batch: list[tuple[bytes, object, int]], large: list[int], tenant: bytes) -> list[bool]:
         """Large values written to segment files first, then every entry recorded in one
-        transaction; a value that could not be written is refused. Under the remap gate from
-        the first write to the settling: a close waits for it, and then seals what it left."""
-        with self.db.gate.shared():
+        transaction; a value that could not be written is refused. A close waits for it (from
+        the first write to the settling), then seals what it left."""
+        with self.values.writing():
             self.db.check_open()
             places = self.values.write([batch[i][1] for i in large])
             for i, place in zip(large, places):

@@ -1,0 +1,80 @@
+"""Read-only memory maps of segment files, for readers that go through many values in several
+passes (layer group by layer group): a view of a value in the map costs nothing until a page
+of it is touched, so the first layer group of every block is in place before the rest of any
+block was read from the disk. A map covers the file as long as it was when mapped (a segment
+still being appended to is mapped again once a value lies beyond it); a view keeps its map
+alive however long the caller holds it. Maps of files another process deleted are dropped
+(at most once a second), so their disk space goes once no view is left."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+PRUNE_EVERY_S = 1.0
+
+
+class SegmentMaps:
+    """``path_of(segment)`` names each segment's file."""
+
+    def __init__(self, path_of: Callable[[int], Path]) -> None:
+        self.path_of = path_of
+        self._lock = threading.Lock()
+        self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # segment -> (map, inode)
+        self._pruned = time.monotonic()
+
+    def view(self, segment: int, offset: int, length: int) -> memoryview | None:
+        """A read-only view of ``length`` bytes at ``offset`` of ``segment``; None when the
+        file is gone or shorter than that."""
+        self._maybe_prune()
+        with self._lock:
+            entry = self._maps.get(segment)
+        if entry is None or len(entry[0]) < offset + length:
+            entry = self._map(segment)
+            if entry is None or len(entry[0]) < offset + length:
+                return None
+        return memoryview(entry[0])[offset : offset + length].toreadonly()
+
+    def _map(self, segment: int) -> tuple[mmap.mmap, int] | None:
+        try:
+            fd = os.open(self.path_of(segment), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            st = os.fstat(fd)
+            if st.st_size == 0:
+                return None
+            entry = (mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ), st.st_ino)
+        finally:
+            os.close(fd)  # the map holds the file
+        with self._lock:
+            self._maps[segment] = entry  # an older, shorter map lives on in its views
+        return entry
+
+    def forget(self, segment: int) -> None:
+        """Drop ``segment``'s map (views handed out keep it until they go)."""
+        with self._lock:
+            self._maps.pop(segment, None)
+
+    def _maybe_prune(self) -> None:
+        now = time.monotonic()
+        if now - self._pruned < PRUNE_EVERY_S:
+            return
+        self._pruned = now
+        with self._lock:
+            entries = list(self._maps.items())
+        for segment, (_, inode) in entries:
+            try:
+                gone = os.stat(self.path_of(segment)).st_ino != inode
+            except OSError:
+                gone = True
+            if gone:
+                self.forget(segment)
+
+    def close(self) -> None:
+        with self._lock:
+            self._maps = {}
