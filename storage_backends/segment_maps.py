@@ -27,9 +27,11 @@ class SegmentMaps:
         self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # segment -> (map, inode)
         self._pruned = time.monotonic()
 
-    def view(self, segment: int, offset: int, length: int) -> memoryview | None:
+    def view(self, segment: int, offset: int, length: int, prefetch: bool = True) -> memoryview | None:
         """A read-only view of ``length`` bytes at ``offset`` of ``segment``; None when the
-        file is gone or shorter than that."""
+        file is gone or shorter than that. ``prefetch``: have the kernel start reading those
+        bytes now (``MADV_WILLNEED``), so a cold page cache is filled while earlier values are
+        used, not one fault at a time."""
         self._maybe_prune()
         with self._lock:
             entry = self._maps.get(segment)
@@ -37,6 +39,12 @@ class SegmentMaps:
             entry = self._map(segment)
             if entry is None or len(entry[0]) < offset + length:
                 return None
+        if prefetch:
+            start = offset - offset % mmap.PAGESIZE
+            try:
+                entry[0].madvise(mmap.MADV_WILLNEED, start, offset + length - start)
+            except (OSError, ValueError):
+                pass  # advice only
         return memoryview(entry[0])[offset : offset + length].toreadonly()
 
     def _map(self, segment: int) -> tuple[mmap.mmap, int] | None:
