@@ -4,7 +4,6 @@ repair, pins, URLs. Real LMDB files under tmp_path; nothing is mocked."""
 from __future__ import annotations
 
 import threading
-import time
 
 import lmdb
 import numpy as np
@@ -14,6 +13,7 @@ from hypothesis import strategies as st
 
 from storage_backends.lmdb_disk import BackendClosed, InvalidKey, LmdbBackend, path_of
 from storage_backends.registry import open_backend
+from tests.backends.helpers import run_threads
 from tiered_kv.errors import BackendError, ConfigError
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -94,17 +94,6 @@ def test_a_capacity_smaller_than_the_data_evicts_and_a_tiny_map_never_fills(tmp_
     assert b.get_many([k(159)]) == [bytes([59]) * (300 * KiB)]
     assert b.check() == []
     b.close()
-
-
-def run_threads(*targets, timeout: float = 20.0) -> None:
-    """Run ``targets`` in daemon threads; fail (not hang) if one is still going at ``timeout``."""
-    threads = [threading.Thread(target=t, daemon=True) for t in targets]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), "stuck: a deadlock or a starved transaction"
 
 
 def test_map_growth_while_other_threads_read_zero_copy(tmp_path):

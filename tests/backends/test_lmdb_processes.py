@@ -4,13 +4,12 @@ Real child interpreters (``sys.executable -c``) on real files."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 from storage_backends.lmdb_disk import LmdbBackend
+from tests.backends import helpers
 
 REPO = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
@@ -36,15 +35,11 @@ def value(i: int, n: int) -> bytes:
 
 
 def child(body: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(body), *args], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return helpers.child(PRELUDE, body, *args)
 
 
 def finish(proc: subprocess.Popen) -> str:
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err
-    return out
+    return helpers.finish(proc)
 
 
 def sizes(n: int) -> list[int]:

@@ -12,7 +12,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import textwrap
 import threading
 import time
@@ -26,6 +25,8 @@ from storage_backends.lmdb_disk import LmdbBackend
 from storage_backends.lmdb_reads import MAX_SPLIT_HEAD
 from storage_backends.lmdb_segments import Place, SegmentRecord, unpack_segment
 from storage_backends.registry import open_backend
+from tests.backends import helpers
+from tests.backends.helpers import run_threads
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -115,15 +116,8 @@ def assert_reads(b: LmdbBackend, expected: dict[bytes, bytes | None]) -> None:
             assert v == expected[k], f"{path} of {k.hex()}: {'a miss' if v is None else 'other bytes'}"
 
 
-def run_threads(*targets, timeout: float = 60.0) -> None:
-    """Run ``targets`` in daemon threads; fail (not hang) if one is still going at ``timeout``."""
-    threads = [threading.Thread(target=t, daemon=True) for t in targets]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    assert not any(t.is_alive() for t in threads), "stuck: a deadlock or a starved transaction"
+def run_threads_60(*targets) -> None:
+    run_threads(*targets, timeout=60.0)
 
 
 # -- child interpreters ----------------------------------------------------------------------------
@@ -135,15 +129,11 @@ PRELUDE = textwrap.dedent("""
 
 
 def child(body: str, *args: str) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(body), *args], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return helpers.child(PRELUDE, body, *args)
 
 
 def finish(proc: subprocess.Popen) -> str:
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
-    return out
+    return helpers.finish(proc, timeout=120)
 
 
 # -- 1. where values land --------------------------------------------------------------------------
@@ -480,7 +470,7 @@ def test_a_value_overwritten_during_a_visit_split_is_the_old_value_or_a_miss(tmp
 
     def visitor(i, head, whole):
         if i == 0:  # meanwhile another thread overwrites key 1: its old segment drains and goes
-            run_threads(lambda: b.put_many([(key(1), new)]))
+            run_threads_60(lambda: b.put_many([(key(1), new)]))
             assert not b.values.files.path_of(first).exists()
             return True
         calls.append((head, whole))
@@ -644,10 +634,10 @@ def test_readers_never_see_a_wrong_or_stale_value_while_writers_evict_and_compac
             errors.append(exc)
 
     def writers() -> None:
-        run_threads(lambda: writer(0), lambda: writer(1))
+        run_threads_60(lambda: writer(0), lambda: writer(1))
         done.set()
 
-    run_threads(writers, lambda: reader("first"), lambda: reader("second"), compactor)
+    run_threads_60(writers, lambda: reader("first"), lambda: reader("second"), compactor)
     assert not errors, repr(errors[0])
     assert all(reads.values()), reads
     assert b.check() == []

@@ -1,0 +1,39 @@
+"""Helpers of the backend scenarios: threads that fail instead of hanging, and child
+interpreters that run a scenario's other process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_threads(*targets, timeout: float = 20.0) -> None:
+    """Run ``targets`` in daemon threads; fail (not hang) if one is still going at ``timeout``."""
+    threads = [threading.Thread(target=t, daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    assert not any(t.is_alive() for t in threads), "stuck: a deadlock or a starved transaction"
+
+
+def child(prelude: str, body: str, *args: str) -> subprocess.Popen:
+    """A Python child running ``prelude`` then ``body`` (dedented) from the repository root."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-c", prelude + textwrap.dedent(body), *args], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    """Its standard output, once it exited successfully (its errors otherwise)."""
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, err
+    return out
