@@ -865,3 +865,28 @@ def test_more_segment_files_than_the_process_may_open_still_read_back(tmp_path):
         b.close()
     """))
     assert out.split() == ["100", "True"]
+
+
+# -- 13. a store of the previous format -----------------------------------------------------------
+def test_a_format_2_store_opens_with_its_blocks_in_lmdb_pages_and_new_puts_go_to_segments(tmp_path):
+    """A store written before segment files (format 2: every value in LMDB's pages, no segment
+    tables) opens as it is: its values read back from the pages, the format becomes 3, new large
+    values go to segment files, and the tables stay consistent throughout."""
+    import lmdb
+
+    old = {key(i): blob(i, 300 * KiB) for i in range(4)}
+    with LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_min="1GiB") as b:  # values in pages
+        assert b.put_many(list(old.items())) == [True] * 4
+    with lmdb.open(str(tmp_path / "db"), max_dbs=16) as env:  # as the previous version left it
+        with env.begin(write=True) as txn:
+            for name in (b"places", b"segments", b"segment_keys"):
+                txn.drop(env.open_db(name, txn=txn), delete=True)
+            txn.put(b"format", (2).to_bytes(8, "little"), db=env.open_db(b"info", txn=txn))
+    with LmdbBackend(tmp_path / "db", capacity=64 * MiB) as b:
+        assert b.check() == []
+        assert b.get_many(list(old)) == list(old.values())
+        assert b.put_many([(key(9), blob(9, 300 * KiB))]) == [True]
+        assert b.stats().extra["segment_files"] == 1 and b.get_many([key(9)]) == [blob(9, 300 * KiB)]
+        assert b.check() == []
+    with lmdb.open(str(tmp_path / "db"), max_dbs=16) as env, env.begin() as txn:
+        assert int.from_bytes(txn.get(b"format", db=env.open_db(b"info", txn=txn)), "little") == 3
