@@ -31,6 +31,7 @@ class Compactor:
         self.db, self.values, self.dead_limit = db, values, dead_limit
         self._running = threading.Lock()
         self._checked = 0.0
+        self._stuck: set[int] = set()  # victims none of whose values could be moved (damage: check(fix))
 
     def dead_bytes(self) -> tuple[int, int]:
         """(dead bytes in sealed segments, dead bytes in all segments)."""
@@ -54,7 +55,10 @@ class Compactor:
         try:
             self._checked = now
             victim = self._sparsest()
-            return self._move(victim) if victim is not None else 0
+            moved = self._move(victim) if victim is not None else 0
+            if victim is not None and not moved:
+                self._stuck.add(victim)  # not picked again, so the others' dead bytes still go
+            return moved
         finally:
             self._running.release()
 
@@ -64,6 +68,8 @@ class Compactor:
             for sid, stored in txn.cursor(db=self.db.tables.segments):
                 record = unpack_segment(stored)
                 if not record.sealed or record.end <= 0:
+                    continue
+                if int.from_bytes(bytes(sid), "big") in self._stuck:
                     continue
                 dead += max(0, record.end - record.live_bytes)
                 share = record.live_bytes / record.end

@@ -25,6 +25,7 @@ import threading
 from pathlib import Path
 from typing import NamedTuple
 
+from storage_backends.log_throttle import LogThrottle
 from storage_backends.segment_fds import Descriptors
 from storage_backends.segment_maps import SegmentMaps
 
@@ -122,7 +123,11 @@ class SegmentFiles:
         self.pid = os.getpid()
         self.start = process_start(self.pid) or 0
         self._lock = threading.Lock()  # the open segment, reservations, what awaits an fsync
+        self._rolling = threading.Lock()  # taken (before _lock) to open a new segment
+        self._syncing = threading.Lock()  # a sync returns only once every earlier write is durable
+        self._closed = False
         self.fds = Descriptors(self.path_of)
+        self._failures = LogThrottle(log)
         self.maps = SegmentMaps(self.path_of)
         self._dirty: set[int] = set()
         self.current: int | None = None  # this process's open segment
@@ -166,19 +171,35 @@ class SegmentFiles:
         records it (a write transaction) before its file is created. Every reservation is
         :meth:`settle`-d once its transaction ended. OSError when there is no room."""
         with self._lock:
-            if self.current is None or (self._next + length > self.segment_bytes and self._next > 0) \
-                    or self.fds.deleted(self.current):  # (deleted behind our back: start another)
-                segment = int.from_bytes(os.urandom(8), "little") or 1
-                register(segment)
-                self.dir.mkdir(exist_ok=True)
-                self.fds.create(segment)
+            if not self._needs_new(length):
+                return self._take(length)
+        with self._rolling:  # one new segment at a time, registered outside the lock (it waits
+            with self._lock:  # for LMDB's writer and the remap gate; a close holds the gate)
+                if not self._needs_new(length):
+                    return self._take(length)
+            segment = int.from_bytes(os.urandom(8), "little") or 1
+            register(segment)
+            self.dir.mkdir(exist_ok=True)
+            self.fds.create(segment)
+            with self._lock:
+                if self._closed:
+                    raise OSError(errno.EBADF, "segment files closed")
                 if self.current is not None:
                     self._retired[self.current] = self._next
                 self.current, self._next = segment, 0
-            offset = self._next
-            self._next += length
-            self._pending[self.current] = self._pending.get(self.current, 0) + 1
-            return self.current, offset
+                return self._take(length)
+
+    def _needs_new(self, length: int) -> bool:
+        if self._closed:
+            raise OSError(errno.EBADF, "segment files closed")
+        return self.current is None or (self._next + length > self.segment_bytes and self._next > 0) \
+            or self.fds.deleted(self.current)  # (deleted behind our back: start another)
+
+    def _take(self, length: int) -> tuple[int, int]:
+        offset = self._next
+        self._next += length
+        self._pending[self.current] = self._pending.get(self.current, 0) + 1
+        return self.current, offset
 
     def settle(self, segments) -> dict[int, int]:
         """One reservation in each of ``segments`` ended (its value recorded or given up); the
@@ -220,21 +241,23 @@ class SegmentFiles:
             self._dirty.add(segment)
 
     def sync(self) -> None:
-        """fsync every segment this process wrote to since the last sync."""
-        with self._lock:
-            dirty, self._dirty = self._dirty, set()
-        for segment in dirty:
-            try:
-                with self.fds.use(segment) as fd:
-                    os.fdatasync(fd)
-            except FileNotFoundError:
-                continue  # deleted meanwhile
-            except OSError as exc:
-                with self._lock:
-                    self._dirty.add(segment)
-                raise OSError(exc.errno, f"fsync of segment {segment:016x}: {exc.strerror}") from None
-        if dirty:
-            _sync_dir(self.dir)
+        """fsync every segment this process wrote to since the last sync; returns once every
+        write before the call is durable (a sync running in another thread included)."""
+        with self._syncing:
+            with self._lock:
+                dirty, self._dirty = self._dirty, set()
+            for segment in dirty:
+                try:
+                    with self.fds.use(segment) as fd:
+                        os.fdatasync(fd)
+                except FileNotFoundError:
+                    continue  # deleted meanwhile
+                except OSError as exc:
+                    with self._lock:
+                        self._dirty |= dirty
+                    raise OSError(exc.errno, f"fsync of segment {segment:016x}: {exc.strerror}") from None
+            if dirty:
+                _sync_dir(self.dir)
 
     # -- reading -------------------------------------------------------------------------------
     def read_into(self, place: Place, buffers) -> bool:
@@ -258,7 +281,9 @@ class SegmentFiles:
                         views.pop(0)
                     if views and n:
                         views[0] = views[0][n:]
-        except FileNotFoundError:
+        except OSError as exc:  # gone (a miss), or unreadable: a miss too, said once in a while
+            if not isinstance(exc, FileNotFoundError):
+                self._failures.warning("segment %s unreadable: %s", self.path_of(place.segment), exc)
             return False
         return True
 
@@ -279,7 +304,7 @@ class SegmentFiles:
 
     def close(self) -> None:
         with self._lock:
-            self.current = None
+            self.current, self._closed = None, True
         self.fds.close()
         self.maps.close()
 

@@ -58,6 +58,21 @@ class SegmentValues:
         be written (no room on the disk, an I/O error: logged, counted by the caller). Every
         place (and None) must be :meth:`settle`-d once its transaction ended."""
         places: list[Place | None] = []
+        try:
+            self._write_all(values, places)
+        except BaseException:
+            self.settle(places)  # (BackendClosed, a bug): nothing of this call is recorded
+            raise
+        if self.sync and any(p is not None for p in places):
+            try:
+                self.files.sync()  # the data is durable before the commit that names it
+            except OSError as exc:
+                self._failures.warning("lmdb tier at %s: segment fsync failed: %s", self.db.path, exc)
+                self.settle(places)
+                return [None] * len(places)
+        return places
+
+    def _write_all(self, values: Sequence, places: list[Place | None]) -> None:
         for value in values:
             nbytes = memoryview(value).nbytes
             try:
@@ -75,9 +90,6 @@ class SegmentValues:
                 places.append(None)
                 continue
             places.append(place)
-        if self.sync and any(p is not None for p in places):
-            self.files.sync()  # the data is durable before the commit that names it
-        return places
 
     def _register(self, segment: int) -> None:
         record = self.files.new_record()

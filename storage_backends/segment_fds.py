@@ -32,6 +32,7 @@ class Descriptors:
         self._users: dict[int, int] = {}
         self._forgotten: dict[int, list[int]] = {}  # segment -> descriptors to close once unused
         self._pruned = time.monotonic()
+        self._closed = False
 
     def create(self, segment: int) -> None:
         """Create ``segment``'s file (it must not exist) and keep it open for writing."""
@@ -61,6 +62,8 @@ class Descriptors:
             return True
 
     def _acquire(self, segment: int, write: bool) -> int:
+        if self._closed:
+            raise OSError(errno.EBADF, "segment descriptors closed")
         self._maybe_prune()
         with self._lock:
             entry = self._fds.get(segment)
@@ -139,8 +142,9 @@ class Descriptors:
                 self.forget(segment)
 
     def close(self) -> None:
+        """Close every descriptor (those in use once their users are done); no new uses."""
         with self._lock:
-            fds = [fd for fd, _ in self._fds.values()] + [fd for fds in self._forgotten.values() for fd in fds]
-            self._fds, self._forgotten, self._users = OrderedDict(), {}, {}
-        for fd in fds:
-            os.close(fd)
+            self._closed = True
+            segments = list(self._fds)
+        for segment in segments:
+            self.forget(segment)

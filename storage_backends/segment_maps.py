@@ -50,13 +50,15 @@ class SegmentMaps:
     def _map(self, segment: int) -> tuple[mmap.mmap, int] | None:
         try:
             fd = os.open(self.path_of(segment), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        except OSError:  # gone, or unreadable: a miss
             return None
         try:
             st = os.fstat(fd)
             if st.st_size == 0:
                 return None
             entry = (mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ), st.st_ino)
+        except (OSError, ValueError):
+            return None
         finally:
             os.close(fd)  # the map holds the file
         with self._lock:
