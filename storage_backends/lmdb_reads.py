@@ -37,10 +37,7 @@ class LmdbReads:
                     hits.append(key)
                     nbytes += len(value)
                     visitor(i, value)
-        if hits:
-            self.db.touch(hits, time.time_ns())
-        self._count(gets=len(keys), hits=len(hits), bytes_out=nbytes)
-        return found
+        return self._counted(keys, hits, nbytes, found)
 
     def visit_all(self, keys: Sequence[bytes], visitor) -> list[bool]:
         """Zero-copy: ``visitor`` sees LMDB's own pages of every key, or views of its segment's
@@ -51,10 +48,7 @@ class LmdbReads:
             values = [self._value(txn, k, mapped=True) for k in keys]
             visitor(values)
         hits = [k for k, v in zip(keys, values) if v is not None]
-        if hits:
-            self.db.touch(hits, time.time_ns())
-        self._count(gets=len(keys), hits=len(hits), bytes_out=sum(len(v) for v in values if v is not None))
-        return [v is not None for v in values]
+        return self._counted(keys, hits, sum(len(v) for v in values if v is not None), [v is not None for v in values])
 
     def visit_split(self, keys: Sequence[bytes], outs: Sequence[object], visitor) -> list[bool]:
         """Values in segment files longer than their ``outs[i]`` by at most ``MAX_SPLIT_HEAD``
@@ -88,6 +82,10 @@ class LmdbReads:
                 if found[i]:
                     hits.append(key)
                     nbytes += len(value) if value is not None else place.length
+        return self._counted(keys, hits, nbytes, found)
+
+    def _counted(self, keys: Sequence[bytes], hits: list[bytes], nbytes: int, found: list[bool]) -> list[bool]:
+        """Record the reads of ``hits`` (applied with the next write) and count the call."""
         if hits:
             self.db.touch(hits, time.time_ns())
         self._count(gets=len(keys), hits=len(hits), bytes_out=nbytes)
