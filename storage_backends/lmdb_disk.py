@@ -64,7 +64,8 @@ __all__ = ["BackendClosed", "InvalidKey", "LmdbBackend", "path_of"]
 log = logging.getLogger(__name__)
 
 OPTIONS = ("capacity", "sync", "map_size", "readahead", "writemap", "max_readers", "batch_bytes",
-           "record_access", "tenant_quota", "tenant_quotas", "segment_min", "segment_bytes", "eager_writeback")
+           "record_access", "tenant_quota", "tenant_quotas", "segment_min", "segment_bytes", "eager_writeback",
+           "direct_io")
 
 
 def path_of(url: str) -> Path:
@@ -85,7 +86,7 @@ class LmdbBackend(Backend):
                  batch_bytes: int | str = 2 << 20, record_access: bool | str = True,
                  tenant_quota: int | str | None = None, tenant_quotas=None, segment_min: int | str = 64 << 10,
                  segment_bytes: int | str = 128 << 20, eager_writeback: bool | str = False,
-                 url: str | None = None) -> None:
+                 direct_io: bool | str = False, url: str | None = None) -> None:
         self.path = Path(path)
         super().__init__(url or f"lmdb://{self.path.resolve()}")
         self.capacity = parse_size(capacity, name="lmdb capacity")
@@ -107,6 +108,7 @@ class LmdbBackend(Backend):
             raise ConfigError(f"lmdb segment_min must be >= 1 and segment_bytes >= 1 MiB, got {segment_min!r}, "
                               f"{segment_bytes!r}")
         eager = as_bool(eager_writeback, "lmdb eager_writeback")
+        direct = as_bool(direct_io, "lmdb direct_io")  # segment values written with O_DIRECT
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"lmdb path {self.path} exists and is not a directory")
         self.path.mkdir(parents=True, exist_ok=True)
@@ -125,7 +127,7 @@ class LmdbBackend(Backend):
                                    batch_bytes=self.batch_bytes, count=self._count,
                                    evict=self._evict_beyond_capacity, record_access=self.record_access)
         self._db.on_changes = self._tell_in_order  # committed puts, evictions and deletes
-        self.values = SegmentValues(self._db, SegmentFiles(self.path, per_file, eager), minimum, self.sync)
+        self.values = SegmentValues(self._db, SegmentFiles(self.path, per_file, eager, direct), minimum, self.sync)
         self._reads = LmdbReads(self._db, self.values, self._count)
         self.compactor = Compactor(self._db, self.values, dead_limit=max(self.capacity // 4, 2 * per_file))
         self._writes = LmdbWrites(self._db, self.values, self._eviction, self._pinned, self._count, self.compactor)

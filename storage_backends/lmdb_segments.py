@@ -15,9 +15,7 @@ header and body checksums); this module checks that a place lies inside its file
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import functools
 import logging
 import os
 import struct
@@ -27,6 +25,7 @@ from typing import NamedTuple
 
 from storage_backends.log_throttle import LogThrottle
 from storage_backends.segment_fds import Descriptors
+from storage_backends.segment_io import SegmentWriter
 from storage_backends.segment_maps import SegmentMaps
 
 log = logging.getLogger(__name__)
@@ -116,10 +115,10 @@ class SegmentFiles:
     its own open segment (``reserve`` then ``write``), reads through cached descriptors, fsyncs
     what it wrote, deletes drained segments."""
 
-    def __init__(self, path: Path, segment_bytes: int, eager_writeback: bool = False) -> None:
+    def __init__(self, path: Path, segment_bytes: int, eager_writeback: bool = False,
+                 direct_io: bool = False) -> None:
         self.dir = path / DIRNAME
         self.segment_bytes = segment_bytes
-        self.eager_writeback = eager_writeback  # start each value's writeback as it is written
         self.pid = os.getpid()
         self.start = process_start(self.pid) or 0
         self._lock = threading.Lock()  # the open segment, reservations, what awaits an fsync
@@ -127,6 +126,7 @@ class SegmentFiles:
         self._syncing = threading.Lock()  # a sync returns only once every earlier write is durable
         self._closed = False
         self.fds = Descriptors(self.path_of)
+        self.writer = SegmentWriter(self.dir, self.fds, direct_io, eager_writeback)
         self._failures = LogThrottle(log)
         self.maps = SegmentMaps(self.path_of)
         self._dirty: set[int] = set()
@@ -192,12 +192,13 @@ class SegmentFiles:
     def _needs_new(self, length: int) -> bool:
         if self._closed:
             raise OSError(errno.EBADF, "segment files closed")
-        return self.current is None or (self._next + length > self.segment_bytes and self._next > 0) \
+        return self.current is None or (self._next + self.writer.stride(length) > self.segment_bytes
+                                        and self._next > 0) \
             or self.fds.deleted(self.current)  # (deleted behind our back: start another)
 
     def _take(self, length: int) -> tuple[int, int]:
         offset = self._next
-        self._next += length
+        self._next += self.writer.stride(length)
         self._pending[self.current] = self._pending.get(self.current, 0) + 1
         return self.current, offset
 
@@ -227,16 +228,7 @@ class SegmentFiles:
 
     def write(self, segment: int, offset: int, value) -> None:
         """Write ``value`` at ``offset`` of ``segment`` (reserved by this process)."""
-        view = memoryview(value).cast("B")
-        with self.fds.use(segment, write=True) as fd:
-            done = 0
-            while done < len(view):
-                n = os.pwrite(fd, view[done:], offset + done)
-                if n <= 0:
-                    raise OSError(errno.EIO, f"short write to segment {segment:016x}")
-                done += n
-            if self.eager_writeback:
-                start_writeback(fd, offset, len(view))
+        self.writer.write(segment, offset, value)
         with self._lock:
             self._dirty.add(segment)
 
@@ -294,6 +286,7 @@ class SegmentFiles:
             with self._lock:
                 self._dirty.discard(segment)
             self.fds.forget(segment)
+            self.writer.forget(segment)
             self.maps.forget(segment)
             try:
                 os.unlink(self.path_of(segment))
@@ -306,26 +299,8 @@ class SegmentFiles:
         with self._lock:
             self.current, self._closed = None, True
         self.fds.close()
+        self.writer.close()
         self.maps.close()
-
-
-@functools.cache
-def _sync_file_range():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return fn
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing ``length`` bytes at ``offset`` of ``fd`` to the disk without waiting
-    (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so a later fsync has little left to do."""
-    fn = _sync_file_range()
-    if fn is not None:
-        fn(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE
 
 
 def _sync_dir(path: Path) -> None:

@@ -24,9 +24,10 @@ MAX_IDLE = 64
 class Descriptors:
     """``path_of(segment)`` names each segment's file."""
 
-    def __init__(self, path_of: Callable[[int], Path], max_idle: int = MAX_IDLE) -> None:
+    def __init__(self, path_of: Callable[[int], Path], max_idle: int = MAX_IDLE, extra_flags: int = 0) -> None:
         self.path_of = path_of
         self.max_idle = max_idle
+        self.extra_flags = extra_flags  # added to every open (O_DIRECT for the direct writer's)
         self._lock = threading.Lock()
         self._fds: OrderedDict[int, tuple[int, bool]] = OrderedDict()  # segment -> (fd, writable), LRU order
         self._users: dict[int, int] = {}
@@ -87,12 +88,12 @@ class Descriptors:
 
     def _open(self, segment: int, flags: int) -> int:
         try:
-            return os.open(self.path_of(segment), flags | os.O_CLOEXEC, 0o644)
+            return os.open(self.path_of(segment), flags | self.extra_flags | os.O_CLOEXEC, 0o644)
         except OSError as exc:
             if exc.errno not in (errno.EMFILE, errno.ENFILE):
                 raise
         self._close_idle(0)  # out of descriptors: let the idle ones go, and try once more
-        return os.open(self.path_of(segment), flags | os.O_CLOEXEC, 0o644)
+        return os.open(self.path_of(segment), flags | self.extra_flags | os.O_CLOEXEC, 0o644)
 
     def _release(self, segment: int) -> None:
         with self._lock:

@@ -9,7 +9,8 @@ Each side is ``name=URL-options`` appended to ``lmdb://DIR``. Per round and side
 directory: a ``TieredStore`` (2 workers, the default codec) saves the blocks (2 MiB, Llama-8B-like
 bf16 KV) until every one is committed to LMDB (*write*), then until ``flush`` and ``os.sync``
 returned (*write+sync*); a new store loads them all into preallocated tensors, page cache warm
-(*warm restore*), checked byte for byte outside the timing. Reported: GB/s medians per side and
+(*warm restore*), then again after the store's files left the page cache (*cold restore*), each
+checked byte for byte outside the timing. Reported: GB/s medians per side and
 the ratio B / A. A benchmark, not a test: run it on a quiet machine.
 """
 
@@ -30,6 +31,7 @@ for _p in (str(ROOT), str(ROOT / "tools")):
 import torch  # noqa: E402
 from bench.common import median  # noqa: E402
 from bench.data import kv_like_blocks, namespace, shape_of  # noqa: E402
+from bench.pagecache import drop_page_cache  # noqa: E402
 
 from tiered_kv.config import TieredKVConfig  # noqa: E402
 from tiered_kv.keys import block_keys  # noqa: E402
@@ -67,23 +69,34 @@ def one_round(side: str, options: str, blocks: list[torch.Tensor], dst: torch.Te
             assert store.stats()["tiers"]["disk"]["blocks_in"] == n
         finally:
             store.close()
-        dst.zero_()
-        outs = [dst[i] for i in range(n)]
-        store = TieredStore(config(directory, options, nbytes, 2 * BATCH, block_nbytes), ns)
-        try:
-            t3 = time.perf_counter()
-            found = []
-            for i in range(0, n, BATCH):
-                found += store.load_into(keys[i : i + BATCH], outs[i : i + BATCH])
-            t4 = time.perf_counter()
-        finally:
-            store.close()
-        assert all(found), f"{side}: {found.count(False)} blocks missing"
-        assert all(torch.equal(dst[i], blocks[i]) for i in range(n)), f"{side}: data differs"
-        return {"write": nbytes / (t1 - t0) / 1e9, "write_sync": nbytes / (t2 - t0) / 1e9,
-                "warm_restore": nbytes / (t4 - t3) / 1e9}
+        figures = {"write": nbytes / (t1 - t0) / 1e9, "write_sync": nbytes / (t2 - t0) / 1e9}
+        for phase in ("warm_restore", "cold_restore"):
+            if phase == "cold_restore":
+                drop_page_cache(directory)
+            figures[phase] = nbytes / restore(side, directory, options, keys, blocks, dst, ns) / 1e9
+        return figures
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def restore(side: str, directory: str, options: str, keys: list, blocks: list[torch.Tensor], dst: torch.Tensor,
+            ns) -> float:
+    """Seconds a new store takes to load every block into ``dst`` (checked after)."""
+    n, block_nbytes = len(blocks), blocks[0].numel() * blocks[0].element_size()
+    dst.zero_()
+    outs = [dst[i] for i in range(n)]
+    store = TieredStore(config(directory, options, n * block_nbytes, 2 * BATCH, block_nbytes), ns)
+    try:
+        t0 = time.perf_counter()
+        found = []
+        for i in range(0, n, BATCH):
+            found += store.load_into(keys[i : i + BATCH], outs[i : i + BATCH])
+        seconds = time.perf_counter() - t0
+    finally:
+        store.close()
+    assert all(found), f"{side}: {found.count(False)} blocks missing"
+    assert all(torch.equal(dst[i], blocks[i]) for i in range(n)), f"{side}: data differs"
+    return seconds
 
 
 def main() -> None:

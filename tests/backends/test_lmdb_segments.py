@@ -174,7 +174,7 @@ def test_segment_min_is_an_option_and_a_value_exactly_that_long_goes_to_a_segmen
 
 def test_segment_options_come_from_the_url_and_bad_ones_are_config_errors(tmp_path):
     b = open_backend(f"lmdb://{tmp_path}/db?capacity=8MiB&segment_min=1KiB&segment_bytes=2MiB&eager_writeback=yes")
-    assert (b.values.min_bytes, b.values.files.segment_bytes, b.values.files.eager_writeback) == (KiB, 2 * MiB, True)
+    assert (b.values.min_bytes, b.values.files.segment_bytes, b.values.files.writer.eager_writeback) == (KiB, 2 * MiB, True)
     b.close()
     for n, (query, match) in enumerate((("segment_min=0", "segment_min"), ("segment_bytes=512KiB", "segment_bytes"),
                                         ("segment_min=lots", "segment_min"), ("segment_bytes=x", "segment_bytes"),
@@ -183,7 +183,7 @@ def test_segment_options_come_from_the_url_and_bad_ones_are_config_errors(tmp_pa
             open_backend(f"lmdb://{tmp_path}/bad{n}?capacity=8MiB&{query}")
 
 
-@pytest.mark.parametrize("query", ["segment_min=lots", "segment_bytes=x", "eager_writeback=maybe"])
+@pytest.mark.parametrize("query", ["segment_min=lots", "segment_bytes=x", "eager_writeback=maybe", "direct_io=perhaps"])
 def test_a_segment_option_refused_at_open_leaves_the_directory_free_to_open_again(tmp_path, query):
     with pytest.raises(ConfigError):
         open_backend(f"lmdb://{tmp_path}/db?capacity=8MiB&{query}")
@@ -192,7 +192,8 @@ def test_a_segment_option_refused_at_open_leaves_the_directory_free_to_open_agai
     b.close()
 
 
-@pytest.mark.parametrize("options", [{"sync": True}, {"eager_writeback": True}, {"sync": True, "eager_writeback": True}])
+@pytest.mark.parametrize("options", [{"sync": True}, {"eager_writeback": True}, {"sync": True, "eager_writeback": True},
+                                     {"direct_io": True}, {"direct_io": True, "sync": True}])
 def test_sync_and_eager_writeback_store_the_same_bytes(tmp_path, options):
     expected = {key(i): blob(i, (i + 1) * 100 * KiB) for i in range(4)}
     b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB", **options)
@@ -277,10 +278,11 @@ def test_a_value_larger_than_a_segment_gets_a_segment_of_its_own(tmp_path):
 
 
 # -- 3. a writer killed -----------------------------------------------------------------------------
-def test_a_writer_killed_after_its_puts_leaves_an_open_segment_the_next_writer_seals(tmp_path):
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_a_writer_killed_after_its_puts_leaves_an_open_segment_the_next_writer_seals(tmp_path, direct_io):
     db = tmp_path / "db"
     proc = child(f"""
-        b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB)
+        b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB, direct_io={direct_io})
         for i in range(5):
             assert b.put_many([(key(i), blob(i, 200 * KiB))]) == [True]
         print(b.values.files.current, flush=True)
@@ -485,10 +487,11 @@ def test_a_value_overwritten_during_a_visit_split_is_the_old_value_or_a_miss(tmp
 
 
 # -- 7. compaction ----------------------------------------------------------------------------------
-def test_compaction_moves_the_few_live_values_of_sparse_segments_and_their_files_go(tmp_path):
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_compaction_moves_the_few_live_values_of_sparse_segments_and_their_files_go(tmp_path, direct_io):
     n = 300 * KiB
     capacity, per_file = 4 * MiB, MiB
-    b = LmdbBackend(tmp_path / "db", capacity=capacity, segment_bytes=per_file)
+    b = LmdbBackend(tmp_path / "db", capacity=capacity, segment_bytes=per_file, direct_io=direct_io)
     limit = max(capacity // 4, 2 * per_file)
     assert b.compactor.dead_limit == limit
     b.compactor.dead_limit = 1 << 40  # no compaction while filling: the state below is what the test sets up
@@ -566,10 +569,12 @@ def test_dead_bytes_beyond_the_limit_are_compacted_even_when_no_segment_is_under
 
 
 # -- 8. readers against writers and compaction ----------------------------------------------------
+@pytest.mark.parametrize("direct_io", [False, True])
 @pytest.mark.parametrize("path", ["visit_many", "get_many", "visit_split"])
-def test_readers_never_see_a_wrong_or_stale_value_while_writers_evict_and_compaction_moves_values(tmp_path, path):
+def test_readers_never_see_a_wrong_or_stale_value_while_writers_evict_and_compaction_moves_values(tmp_path, path,
+                                                                                                 direct_io):
     n = 150 * KiB  # six values per 1 MiB segment
-    b = LmdbBackend(tmp_path / "db", capacity=3 * MiB, segment_bytes="1MiB")  # dead limit: 2 MiB
+    b = LmdbBackend(tmp_path / "db", capacity=3 * MiB, segment_bytes="1MiB", direct_io=direct_io)  # dead limit: 2 MiB
     lasting = [key(i) for i in range(8)]  # written once and pinned: they keep old segments sparse
     churn = [key(i) for i in range(8, 40)]
     b.pin_many(lasting)

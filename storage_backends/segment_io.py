@@ -1,0 +1,138 @@
+"""How values reach segment files. Buffered (the default): ``pwrite`` into the page cache, so a
+restore soon after reads memory, and the kernel writes the disk later (``eager_writeback`` asks
+it to start at once). Direct (``direct_io``): ``O_DIRECT`` writes from page-aligned staging
+buffers, so a value is on the disk when its write returns (an fsync then only flushes the
+file's size and the device's cache), at the disk's steady pace, and the page cache is left to
+other uses (a restore reads the disk; the host tier is the warm copy). A direct value starts
+and ends on an ``ALIGN`` boundary (the pad after it is zeros, counted as dead bytes), so no
+page is shared by two values. A file system without ``O_DIRECT`` (tmpfs) gets buffered writes,
+said once."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import functools
+import logging
+import mmap
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from storage_backends.segment_fds import Descriptors
+
+log = logging.getLogger(__name__)
+
+ALIGN = 4096  # direct values' offsets and lengths are multiples of this
+PROBE_NAME = ".direct-probe"
+
+
+def aligned(length: int) -> int:
+    return -(-length // ALIGN) * ALIGN
+
+
+def supports_direct(directory: Path) -> bool:
+    """Whether files in ``directory`` take ``O_DIRECT`` writes of an aligned buffer."""
+    if not hasattr(os, "O_DIRECT"):
+        return False
+    probe = directory / f"{PROBE_NAME}.{os.getpid()}.{threading.get_ident()}"
+    buf = mmap.mmap(-1, ALIGN)
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o644)
+        try:
+            return os.pwrite(fd, buf, 0) == ALIGN
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise
+        return False
+    finally:
+        buf.close()
+        try:
+            os.unlink(probe)
+        except FileNotFoundError:
+            pass
+
+
+class SegmentWriter:
+    """Writes values at reserved offsets; ``stride(length)`` is how far a value of ``length``
+    bytes moves the end of its segment."""
+
+    def __init__(self, directory: Path, fds: Descriptors, direct: bool = False,
+                 eager_writeback: bool = False) -> None:
+        self.fds = fds
+        self.eager_writeback = eager_writeback
+        self.direct: Descriptors | None = None
+        if direct:
+            directory.mkdir(parents=True, exist_ok=True)
+            if supports_direct(directory):
+                self.direct = Descriptors(fds.path_of, max_idle=4, extra_flags=os.O_DIRECT)
+            else:
+                log.warning("segment files in %s: the file system refuses O_DIRECT; writes are buffered",
+                            directory)
+        self._staging = threading.local()  # per thread: one page-aligned buffer, grown as needed
+
+    def stride(self, length: int) -> int:
+        return aligned(length) if self.direct is not None else length
+
+    def write(self, segment: int, offset: int, value) -> None:
+        """Write ``value`` at ``offset`` of ``segment``; OSError when the disk refuses it."""
+        view = memoryview(value).cast("B")
+        if self.direct is not None:
+            padded = aligned(len(view))
+            buf, array = self._buffer(padded)
+            array[: len(view)] = np.frombuffer(view, np.uint8)  # (numpy copies without the GIL)
+            array[len(view) : padded] = 0
+            with self.direct.use(segment, write=True) as fd:
+                _write_fully(fd, memoryview(buf)[:padded], offset, segment)
+            return
+        with self.fds.use(segment, write=True) as fd:
+            _write_fully(fd, view, offset, segment)
+            if self.eager_writeback:
+                start_writeback(fd, offset, len(view))
+
+    def _buffer(self, length: int) -> tuple[mmap.mmap, np.ndarray]:
+        staging = getattr(self._staging, "buf", None)
+        if staging is None or len(staging[0]) < length:
+            buf = mmap.mmap(-1, aligned(length))  # anonymous: page-aligned
+            staging = self._staging.buf = (buf, np.frombuffer(buf, np.uint8))
+        return staging
+
+    def forget(self, segment: int) -> None:
+        if self.direct is not None:
+            self.direct.forget(segment)
+
+    def close(self) -> None:
+        if self.direct is not None:
+            self.direct.close()
+
+
+def _write_fully(fd: int, view: memoryview, offset: int, segment: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short write to segment {segment:016x}")
+        done += n
+
+
+@functools.cache
+def _sync_file_range():
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+def start_writeback(fd: int, offset: int, length: int) -> None:
+    """Start writing ``length`` bytes at ``offset`` of ``fd`` to the disk without waiting
+    (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so a later fsync has little left to do."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE
