@@ -26,18 +26,14 @@ class LmdbReads:
         """Zero-copy for small values: ``visitor`` sees LMDB's own pages, inside one read
         transaction; a value in a segment is read into a buffer of this thread first."""
         keys = [as_key(k) for k in keys]
-        found = [False] * len(keys)
-        hits: list[bytes] = []
-        nbytes = 0
+        sizes: list[int | None] = [None] * len(keys)
         with self.db.guard("read"), self.db.txn() as txn:
             for i, key in enumerate(keys):
                 value = self._value(txn, key)
                 if value is not None:
-                    found[i] = True
-                    hits.append(key)
-                    nbytes += len(value)
+                    sizes[i] = len(value)
                     visitor(i, value)
-        return self._counted(keys, hits, nbytes, found)
+        return self._counted(keys, sizes)
 
     def visit_all(self, keys: Sequence[bytes], visitor) -> list[bool]:
         """Zero-copy: ``visitor`` sees LMDB's own pages of every key, or views of its segment's
@@ -47,17 +43,14 @@ class LmdbReads:
         with self.db.guard("read"), self.db.txn() as txn:
             values = [self._value(txn, k, mapped=True) for k in keys]
             visitor(values)
-        hits = [k for k, v in zip(keys, values) if v is not None]
-        return self._counted(keys, hits, sum(len(v) for v in values if v is not None), [v is not None for v in values])
+        return self._counted(keys, [None if v is None else len(v) for v in values])
 
     def visit_split(self, keys: Sequence[bytes], outs: Sequence[object], visitor) -> list[bool]:
         """Values in segment files longer than their ``outs[i]`` by at most ``MAX_SPLIT_HEAD``
         bytes are read in two pieces, the rest straight into ``outs[i]`` (one copy, made by the
         kernel); values in LMDB's pages are visited there, zero-copy."""
         keys = [as_key(k) for k in keys]
-        found = [False] * len(keys)
-        hits: list[bytes] = []
-        nbytes = 0
+        sizes: list[int | None] = [None] * len(keys)
         with self.db.guard("read"), self.db.txn() as txn:
             for i, key in enumerate(keys):
                 if not fits(key):
@@ -71,25 +64,24 @@ class LmdbReads:
                     if head is False:  # its segment no longer holds it: a miss
                         continue
                     if head is not None and visitor(i, head, None) is not False:
-                        found[i] = True
+                        sizes[i] = place.length
                     else:  # not split, or not wanted split: the whole value
                         value = self.values.read(place)
                         if value is None:
                             continue
                 if value is not None:
                     visitor(i, None, value)
-                    found[i] = True
-                if found[i]:
-                    hits.append(key)
-                    nbytes += len(value) if value is not None else place.length
-        return self._counted(keys, hits, nbytes, found)
+                    sizes[i] = len(value)
+        return self._counted(keys, sizes)
 
-    def _counted(self, keys: Sequence[bytes], hits: list[bytes], nbytes: int, found: list[bool]) -> list[bool]:
-        """Record the reads of ``hits`` (applied with the next write) and count the call."""
+    def _counted(self, keys: Sequence[bytes], sizes: Sequence[int | None]) -> list[bool]:
+        """Record the reads of the keys found (``sizes[i]``: bytes read, None when absent; applied
+        with the next write) and count the call; presence per key."""
+        hits = [k for k, n in zip(keys, sizes) if n is not None]
         if hits:
             self.db.touch(hits, time.time_ns())
-        self._count(gets=len(keys), hits=len(hits), bytes_out=nbytes)
-        return found
+        self._count(gets=len(keys), hits=len(hits), bytes_out=sum(n for n in sizes if n is not None))
+        return [n is not None for n in sizes]
 
     def _value(self, txn, key: bytes, mapped: bool = False):
         """``key``'s value: LMDB's page, or from its segment a view of the segment's memory map
