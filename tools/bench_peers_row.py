@@ -37,7 +37,8 @@ def main() -> None:
     bench_tieredkv.make_store = make_store
     sys.argv = [sys.argv[0], "--codec", args.codec, *rest]
     bench_tieredkv.main()
-    print(f"wrote {os.path.abspath(rest[rest.index('--out') + 1])}" if "--out" in rest else "", file=sys.stderr)
+    if "--out" in rest:
+        print(f"wrote {os.path.abspath(rest[rest.index('--out') + 1])}", file=sys.stderr)
 
 
 if __name__ == "__main__":
