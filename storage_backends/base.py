@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -28,6 +28,11 @@ from tiered_kv.errors import ConfigError
 
 Visitor = Callable[[int, memoryview], None]
 SplitVisitor = Callable[[int, "memoryview | None", "memoryview | None"], "bool | None"]  # (i, head, value)
+ReadAhead = Callable[["Iterable[tuple[int, int, int]]"], None]  # (value index, start, end) ranges
+
+
+def no_read_ahead(ranges: Iterable[tuple[int, int, int]]) -> None:
+    """:data:`ReadAhead` of a medium whose values are in memory already."""
 Listener = Callable[[str, list[bytes]], None]  # (``"stored"`` or ``"removed"``, keys)
 
 log = logging.getLogger(__name__)
@@ -148,12 +153,15 @@ class Backend(ABC):
         split: this default splits none). Returns presence per key."""
         return self.visit_many(keys, lambda i, value: visitor(i, None, value))
 
-    def visit_all(self, keys: Sequence[bytes], visitor: Callable[[list[memoryview | None]], None]) -> list[bool]:
-        """Call ``visitor(values)`` once with every key's value (None where absent), all valid
-        during the call: a reader that works through many values in several passes (layer group
-        by layer group) keeps zero-copy buffers alive that long. Returns presence per key."""
+    def visit_all(self, keys: Sequence[bytes], visitor: Callable[[list[memoryview | None], ReadAhead], None]) -> list[bool]:
+        """Call ``visitor(values, read_ahead)`` once with every key's value (None where absent),
+        all valid during the call: a reader that works through many values in several passes
+        (layer group by layer group) keeps zero-copy buffers alive that long. ``read_ahead(ranges)``
+        asks the medium to start reading ``(i, start, end)``, bytes of value ``i``, now (advice: a
+        medium whose values are in memory ignores it), so a reader can have the parts it uses
+        next arrive first. Returns presence per key."""
         values = [None if v is None else memoryview(v) for v in self.get_many(keys)]
-        visitor(values)
+        visitor(values, no_read_ahead)
         return [v is not None for v in values]
 
     # -- tenants: media that keep no figures per tenant answer None ------------------------------

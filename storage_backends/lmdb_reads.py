@@ -36,13 +36,25 @@ class LmdbReads:
         return self._counted(keys, sizes)
 
     def visit_all(self, keys: Sequence[bytes], visitor) -> list[bool]:
-        """Zero-copy: ``visitor`` sees LMDB's own pages of every key, or views of its segment's
-        memory map, inside one read transaction: nothing is read from the disk before the
-        visitor touches it (a layer-wise reader gets every block's first layer group first)."""
+        """Zero-copy: ``visitor(values, read_ahead)`` sees LMDB's own pages of every key, or
+        views of its segment's memory map, inside one read transaction: nothing is read from
+        the disk before the visitor touches it or asks for it with ``read_ahead`` (a layer-wise
+        reader has every block's first layer group read first, then the second, ...)."""
         keys = [as_key(k) for k in keys]
         with self.db.guard("read"), self.db.txn() as txn:
-            values = [self._value(txn, k, mapped=True) for k in keys]
-            visitor(values)
+            found = [self._mapped(txn, k) for k in keys]
+            values = [None if f is None else f[0] for f in found]
+            places = [None if f is None else f[1] for f in found]
+            maps = self.values.files.maps
+
+            def read_ahead(ranges) -> None:
+                for i, start, end in ranges:
+                    place = places[i]
+                    if place is not None:  # a value in LMDB's pages is read by LMDB
+                        start = max(0, start)
+                        maps.advise(place.segment, place.offset + start, min(end, place.length) - start)
+
+            visitor(values, read_ahead)
         return self._counted(keys, [None if v is None else len(v) for v in values])
 
     def visit_split(self, keys: Sequence[bytes], outs: Sequence[object], visitor) -> list[bool]:
@@ -83,19 +95,27 @@ class LmdbReads:
         self._count(gets=len(keys), hits=len(hits), bytes_out=sum(n for n in sizes if n is not None))
         return [n is not None for n in sizes]
 
-    def _value(self, txn, key: bytes, mapped: bool = False):
-        """``key``'s value: LMDB's page, or from its segment a view of the segment's memory map
-        (``mapped``) or a copy in this thread's buffer; None when absent (or its segment no
-        longer holds it)."""
+    def _value(self, txn, key: bytes):
+        """``key``'s value: LMDB's page, or from its segment a copy in this thread's buffer;
+        None when absent (or its segment no longer holds it)."""
         if not fits(key):
             return None
         value = txn.get(key, db=self.db.tables.blocks)
         if value is not None:
             return value
         place = self.values.place_of(txn, key)
+        return None if place is None else self.values.read(place)
+
+    def _mapped(self, txn, key: bytes):
+        """``(value, place)`` of ``key``: LMDB's page (place None), or a view of its segment's
+        memory map and where it lies; None when absent (or its segment no longer holds it)."""
+        if not fits(key):
+            return None
+        value = txn.get(key, db=self.db.tables.blocks)
+        if value is not None:
+            return value, None
+        place = self.values.place_of(txn, key)
         if place is None:
             return None
-        if mapped:
-            return self.values.files.maps.view(place.segment, place.offset, place.length)
-        return self.values.read(place)
-
+        view = self.values.files.maps.view(place.segment, place.offset, place.length)
+        return None if view is None else (view, place)

@@ -3,8 +3,9 @@ passes (layer group by layer group): a view of a value in the map costs nothing 
 of it is touched, so the first layer group of every block is in place before the rest of any
 block was read from the disk. A map covers the file as long as it was when mapped (a segment
 still being appended to is mapped again once a value lies beyond it); a view keeps its map
-alive however long the caller holds it. Maps of files another process deleted are dropped
-(at most once a second), so their disk space goes once no view is left."""
+alive however long the caller holds it. A reader asks for the parts it uses next
+(:meth:`SegmentMaps.advise`), so those arrive before the rest. Maps of files another process
+deleted are dropped (at most once a second), so their disk space goes once no view is left."""
 
 from __future__ import annotations
 
@@ -27,11 +28,10 @@ class SegmentMaps:
         self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # segment -> (map, inode)
         self._pruned = time.monotonic()
 
-    def view(self, segment: int, offset: int, length: int, prefetch: bool = True) -> memoryview | None:
+    def view(self, segment: int, offset: int, length: int) -> memoryview | None:
         """A read-only view of ``length`` bytes at ``offset`` of ``segment``; None when the
-        file is gone or shorter than that. ``prefetch``: have the kernel start reading those
-        bytes now (``MADV_WILLNEED``), so a cold page cache is filled while earlier values are
-        used, not one fault at a time."""
+        file is gone or shorter than that. Nothing is read until the view is touched (or
+        :meth:`advise` asks for it)."""
         self._maybe_prune()
         with self._lock:
             entry = self._maps.get(segment)
@@ -39,13 +39,21 @@ class SegmentMaps:
             entry = self._map(segment)
             if entry is None or len(entry[0]) < offset + length:
                 return None
-        if prefetch:
-            start = offset - offset % mmap.PAGESIZE
-            try:
-                entry[0].madvise(mmap.MADV_WILLNEED, start, offset + length - start)
-            except (OSError, ValueError):
-                pass  # advice only
         return memoryview(entry[0])[offset : offset + length].toreadonly()
+
+    def advise(self, segment: int, offset: int, length: int) -> None:
+        """Have the kernel start reading ``length`` bytes at ``offset`` of ``segment``'s map now
+        (``MADV_WILLNEED``), so a cold page cache is filled in large requests while the reader
+        works, not one fault at a time. Advice only: a segment not mapped is left alone."""
+        with self._lock:
+            entry = self._maps.get(segment)
+        if entry is None or length <= 0:
+            return
+        start = offset - offset % mmap.PAGESIZE
+        try:
+            entry[0].madvise(mmap.MADV_WILLNEED, start, min(offset + length, len(entry[0])) - start)
+        except (OSError, ValueError):
+            pass  # advice only
 
     def _map(self, segment: int) -> tuple[mmap.mmap, int] | None:
         try:

@@ -96,14 +96,20 @@ def descriptors_on(path: Path) -> int:
 
 def read_whole(b: LmdbBackend, keys: list[bytes]) -> dict[str, list]:
     """Each key's value by every read path: get_many, visit_many, visit_split (an out that is
-    never a split one: larger than any value) and visit_all."""
+    never a split one: larger than any value) and visit_all (reading ahead more than there is)."""
     visited: list = [None] * len(keys)
     found_v = b.visit_many(keys, lambda i, v: visited.__setitem__(i, bytes(v)))
     split: list = [None] * len(keys)
     found_s = b.visit_split(keys, [bytearray(8 * MiB) for _ in keys],
                             lambda i, head, v: split.__setitem__(i, bytes(v)))
     every: list = []
-    found_a = b.visit_all(keys, lambda values: every.extend(None if v is None else bytes(v) for v in values))
+
+    def visit_all(values, read_ahead):  # asks for every byte and more: advice, never an error
+        read_ahead([(i, -4096, 1 << 40) for i in range(len(values))])
+        read_ahead([(i, 100, 50) for i in range(len(values))])  # an empty range
+        every.extend(None if v is None else bytes(v) for v in values)
+
+    found_a = b.visit_all(keys, visit_all)
     assert found_v == [v is not None for v in visited] and found_s == [v is not None for v in split]
     assert found_a == [v is not None for v in every]
     return {"get_many": b.get_many(keys), "visit_many": visited, "visit_split": split, "visit_all": every}

@@ -142,6 +142,42 @@ def test_blocks_stored_in_one_frame_and_host_hits_load_layer_by_layer_too(tmp_pa
     worker.store.close()
 
 
+def test_a_layerwise_read_asks_the_disk_for_every_first_frame_before_any_later_one(tmp_path):
+    """A cold page cache is filled in the order the engine needs it: every block's header and
+    first frame asked for before a byte is decoded, then each later frame as its pass starts
+    (with the whole block asked for up front, every block was read before layer 0 could run)."""
+    keys, payloads = _stored(tmp_path)
+    worker, kv = _worker(tmp_path)
+    disk = worker.store.tier("disk")
+    jobs: list[list[list[tuple[int, int, int]]]] = []  # per visit, what it asked for, call by call
+    real_visit_all = disk.backend.visit_all
+
+    def recording_visit_all(keys, visitor):
+        asked = []
+        jobs.append(asked)
+
+        def recorded(values, read_ahead):
+            def ask(ranges):
+                asked.append(list(ranges))
+                read_ahead(asked[-1])
+            visitor(values, ask)
+        return real_visit_all(keys, recorded)
+
+    disk.backend.visit_all = recording_visit_all
+    layers_arrive_in_order(worker, kv, keys, payloads, [3, 9, 4, 11, 0, 7])
+    frames = disk.segments
+    assert frames is not None and len(frames) == NS.num_layers  # a frame per layer
+    assert sum(len(asked[0]) for asked in jobs) == BLOCKS
+    for asked in jobs:
+        heads, later = asked[0], [ranges for ranges in asked[1:] if ranges]
+        assert all(start == 0 and end >= frames[0] for _, start, end in heads)  # header, table, frame 0
+        assert len(later) == len(frames) - 1  # then one call per later frame, in order
+        for j, ranges in enumerate(later, start=1):
+            assert sorted(i for i, _, _ in ranges) == list(range(len(heads)))  # every block of the job
+            assert {end - start for _, start, end in ranges} == {frames[j]}  # stored raw: exactly frame j
+            assert len({start for _, start, _ in ranges}) == 1  # same place in every block
+
+
 @pytest.mark.parametrize("layerwise", [True, False])
 def test_reference_engine_outputs_are_identical_with_layerwise_and_whole_loads(tmp_path, layerwise):
     prompts = [prompt(300, seed=5), prompt(170, seed=6)]

@@ -163,6 +163,10 @@ class SealedSegments(BlockSegments):
         self._sealed, self._frames, self._sealing = sealed, frames, sealing
         self._opened: set[int] = set()
 
+    def span(self, j: int) -> tuple[int, int]:
+        lo, hi, _ = self._frames[j + 1]
+        return HEADER_BYTES + lo, HEADER_BYTES + hi
+
     def _check(self, j: int):
         if j not in self._opened:
             _, _, _, lo, hi, _, _ = self._segs[j]

@@ -48,6 +48,7 @@ from tiered_kv.store.codec_body import (
     room,
     undecodable,
 )
+from tiered_kv.store.codec_header import HEADER_BYTES
 
 TABLE_HEAD = struct.Struct("<I")
 ENTRY = struct.Struct("<QQQIB")  # raw_len, stored_len, raw xxh3-64, stored check, codec
@@ -129,6 +130,12 @@ class BlockSegments:
     def stored_ranges(self) -> list[tuple[int, int]]:
         """``(start, end)`` of each segment's stored body in the block's body."""
         return [(s[3], s[4]) for s in self._segs]
+
+    def span(self, j: int) -> tuple[int, int]:
+        """``(start, end)`` of segment ``j``'s stored bytes in the stored block (header
+        included): what a reader has read ahead before it decodes that segment."""
+        _, _, _, lo, hi, _, _ = self._segs[j]
+        return HEADER_BYTES + lo, HEADER_BYTES + hi
 
     def decode(self, j: int, out) -> memoryview:
         """Validate segment ``j`` and write exactly its raw bytes into ``out`` (a writable buffer

@@ -58,6 +58,9 @@ class EncodedTier:
         self.segments = layer_segments(namespace, self.layout.raw_len, layer_groups)
         # the largest stored block (every frame raw)
         self.stored_max = max_stored_len(self.layout.raw_len, len(self.segments or (0,)))
+        # stored bytes up to the end of a block's first frame, header and table too (a page more
+        # for a sealed block's few dozen bytes of framing): what a layer-wise read asks for first
+        self.head_bytes = self.stored_max - sum((self.segments or (0,))[1:]) + 4096
         self.metrics = metrics
         self.unavailable = f"{config.name}_unavailable"
         self.cipher = None if secret is None else TenantCipher(secret.reveal())  # None: blocks stay plain
@@ -150,7 +153,10 @@ class EncodedTier:
         read = _Read(self, keys, outs, keep_blobs)
         sealing = self.sealing(tenant)
 
-        def decode_all(blobs: list[memoryview | None]) -> None:
+        def decode_all(blobs: list[memoryview | None], read_ahead) -> None:
+            # the medium reads every block's header and first frame first, the next frames
+            # each when their pass starts: what the engine needs first arrives first
+            read_ahead([(i, 0, self.head_bytes) for i, blob in enumerate(blobs) if blob is not None])
             opened = {}
             for i, blob in enumerate(blobs):
                 if blob is None:
@@ -163,6 +169,9 @@ class EncodedTier:
             views = {i: memoryview(outs[i]).cast("B") for i in opened}
             position = dict.fromkeys(opened, 0)  # next frame per block
             for cut in sorted({end for block in opened.values() for _, end in block.bounds}):
+                read_ahead([(i, *block.span(j)) for i, block in opened.items()
+                            for j in range(position[i], len(block.bounds))
+                            if block.bounds[j][1] <= cut and block.span(j)[1] > self.head_bytes])
                 ready = []
                 for i, block in list(opened.items()):
                     try:
