@@ -63,3 +63,47 @@ def test_unknown_layouts_are_refused_with_a_clear_config_error(kv):
 def test_a_declared_layout_that_does_not_fit_is_refused():
     with pytest.raises(ConfigError):
         make_layout(NS, torch.zeros(2, L, NB, BS, H, D), declared="layers_nb2")
+
+
+def _span_pools():
+    return {**_pools(), "layers_head_major": [torch.zeros(NB, H, BS, 2 * D) for _ in range(L)]}
+
+
+@pytest.mark.parametrize("name", list(_span_pools()))
+def test_a_run_of_blocks_written_from_a_strided_slab_view_equals_the_batched_scatter(name):
+    """scatter_span takes a view of host slots (rows wider than a block, a layer range of each)
+    and writes exactly what scatter_layers writes for the same consecutive block ids."""
+    slab = torch.randn(6, L + 1, 2, BS, H, D)  # slots a layer wider than a block: strided rows
+    src = slab[1:5, 1:3]  # slots 1..4, layers 1..2
+    by_span, by_ids = make_layout(NS, _span_pools()[name]), make_layout(NS, _span_pools()[name])
+    by_span.scatter_span(3, src, 1)
+    by_ids.scatter_layers(torch.arange(3, 7), src.contiguous(), 1)
+    every = torch.arange(NB)
+    assert torch.equal(by_span.gather(every), by_ids.gather(every))
+    assert torch.equal(by_span.gather(torch.tensor([4]))[0, 1:3], src[1])
+    assert not by_span.gather(torch.tensor([2, 7]))[:, 1:3].any() and not by_span.gather(every)[:, 0].any()
+
+
+def test_loaded_slots_go_to_the_engine_in_runs_only_when_runs_are_long():
+    from storage_backends.host import HostBackend
+    from tiered_kv.connector.host_spans import scatter_spans, spans
+    from tiered_kv.store.host_copy import HostCopier
+    from tiered_kv.store.host_slots import HostSlots
+
+    assert spans([4, 5, 6, 9, 10], [0, 1, 2, 3, 4]) == [(4, 0, 3), (9, 3, 2)]
+    assert spans([4, 5, 6], [0, 2, 3]) == [(4, 0, 1), (5, 2, 2)]  # slots must run too
+    block = L * 2 * BS * H * D * 4
+    host = HostBackend(capacity=40 * (block + 4096), slot_bytes=block + 4096, pinned=False)  # wider slots
+    slots = HostSlots(host, NS, HostCopier(1))
+    data = _canonical(40)
+    slots.fill(range(40), data.view(torch.uint8).view(40, -1))
+    kv = torch.zeros(2, L, 40, BS, H, D)
+    layout = make_layout(NS, kv)
+    assert scatter_spans(layout, slots, [7, 8, 9], [20, 21, 22], (1, 3))  # one run: always
+    assert torch.equal(layout.gather(torch.tensor([8]))[0, 1:], data[21, 1:3])
+    assert not layout.gather(torch.tensor([8]))[0, 0].any()
+    scattered = list(range(0, 32, 2))  # 16 runs of one block
+    assert not scatter_spans(layout, slots, scattered, scattered)  # the batched path's job
+    assert scatter_spans(layout, slots, list(range(16)) + [30], list(range(17)))  # 2 runs, 17 blocks
+    assert torch.equal(layout.gather(torch.arange(16)), data[:16])
+    assert torch.equal(layout.gather(torch.tensor([30]))[0], data[16])

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tiered_kv.connector.host_spans import scatter_spans
 from tiered_kv.connector.layout import KVLayout, device_ids
 
 log = logging.getLogger(__name__)
@@ -94,8 +95,9 @@ class LayerLoads:
         shape = (len(block_ids), end - first, *layout.block[1:])
         device = layout.device
         if device.type != "cuda":
-            src = self.slots.gather_range(slots, a, b).view(self.slots.dtype).view(shape)
-            layout.scatter_layers(torch.tensor(block_ids), src, first)
+            if not scatter_spans(layout, self.slots, block_ids, slots, (first, end)):
+                src = self.slots.gather_range(slots, a, b).view(self.slots.dtype).view(shape)
+                layout.scatter_layers(torch.tensor(block_ids), src, first)
         else:
             current = torch.cuda.current_stream(device)
             with torch.cuda.stream(self.load_stream):

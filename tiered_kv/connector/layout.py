@@ -12,7 +12,7 @@ engine layouts, detected from shapes (unknown ones are refused with a ConfigErro
   block_size, D]`` (vLLM 0.32's CPU attention backend).
 
 All moves are batched: one ``index_select`` / ``index_copy_`` per layer or per buffer, never a
-Python loop per block.
+Python loop per block; a run of consecutive blocks is one strided copy (``scatter_span``).
 """
 
 from __future__ import annotations
@@ -54,6 +54,13 @@ class KVLayout:
         device blocks ``block_ids`` (a layer-wise load)."""
         raise NotImplementedError
 
+    def scatter_span(self, first_id: int, src: torch.Tensor, first: int = 0) -> None:
+        """Write ``src`` ``[n, k, 2, bs, H, D]`` (any strides: a view of host slots) into layers
+        ``first .. first + k - 1`` of the consecutive device blocks ``first_id .. first_id + n - 1``.
+        Layouts whose blocks are slices override this with one strided copy."""
+        ids = torch.arange(first_id, first_id + src.shape[0], device=self.device)
+        self.scatter_layers(ids, src, first)
+
 
 class EngineLayout(KVLayout):
     name = "engine"
@@ -77,6 +84,10 @@ class EngineLayout(KVLayout):
     def scatter_layers(self, block_ids: torch.Tensor, src: torch.Tensor, first: int) -> None:
         block_copy.scatter_torch(self.kv[:, first : first + src.shape[1]], block_ids, src)
 
+    def scatter_span(self, first_id: int, src: torch.Tensor, first: int = 0) -> None:
+        n, k = src.shape[:2]
+        self.kv[:, first : first + k, first_id : first_id + n].copy_(as_engine_dtype(src, self.kv.dtype).transpose(0, 2))
+
 
 class BlockMajorLayout(KVLayout):
     name = "block_major"
@@ -97,6 +108,10 @@ class BlockMajorLayout(KVLayout):
 
     def scatter_layers(self, block_ids: torch.Tensor, src: torch.Tensor, first: int) -> None:
         self.view[:, first : first + src.shape[1]].index_copy_(0, block_ids, as_engine_dtype(src, self.pool.dtype))
+
+    def scatter_span(self, first_id: int, src: torch.Tensor, first: int = 0) -> None:
+        n, k = src.shape[:2]
+        self.view[first_id : first_id + n, first : first + k].copy_(as_engine_dtype(src, self.pool.dtype))
 
 
 class LayerListLayout(KVLayout):
@@ -125,6 +140,12 @@ class LayerListLayout(KVLayout):
             part = as_engine_dtype(src[:, j], t.dtype)
             t.index_copy_(self.block_dim, block_ids, part if self.block_dim == 0 else part.transpose(0, 1))
 
+    def scatter_span(self, first_id: int, src: torch.Tensor, first: int = 0) -> None:
+        for j in range(src.shape[1]):
+            t = self.layers[first + j]
+            part = as_engine_dtype(src[:, j], t.dtype)
+            t.narrow(self.block_dim, first_id, src.shape[0]).copy_(part if self.block_dim == 0 else part.transpose(0, 1))
+
 
 class HeadMajorLayout(KVLayout):
     """Per-layer tensors ``[blocks, H, bs, 2*D]`` whose memory is ``[blocks, H, K|V, bs, D]``
@@ -152,6 +173,11 @@ class HeadMajorLayout(KVLayout):
         for j in range(src.shape[1]):
             v = self.views[first + j]
             v.index_copy_(0, block_ids, as_engine_dtype(src[:, j], v.dtype).permute(0, 3, 1, 2, 4))
+
+    def scatter_span(self, first_id: int, src: torch.Tensor, first: int = 0) -> None:
+        for j in range(src.shape[1]):
+            v = self.views[first + j]
+            v[first_id : first_id + src.shape[0]].copy_(as_engine_dtype(src[:, j], v.dtype).permute(0, 3, 1, 2, 4))
 
 
 def device_ids(block_ids: list[int], device: torch.device) -> torch.Tensor:

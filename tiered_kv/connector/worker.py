@@ -28,6 +28,7 @@ import torch
 
 from tiered_kv.connector.cost_observer import CostObserver
 from tiered_kv.connector.group_layout import GroupLayout
+from tiered_kv.connector.host_spans import scatter_spans
 from tiered_kv.connector.layer_loads import LayerLoads
 from tiered_kv.connector.layout import KVLayout, device_ids, make_layout
 from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec
@@ -192,16 +193,16 @@ class ConnectorWorker:
                      spec.request_id, len(bad), len(spec.block_ids))
 
     def _scatter(self, block_ids: list, slots: list[int], state: bool = False) -> None:
-        """Write the loaded host ``slots`` into the device blocks ``block_ids``. On CUDA the
-        blocks go straight from the pinned slab to the device (one copy per run of consecutive
-        slots) on a load stream, so they run while the engine's queued work does; the scatter
-        is queued on the engine's stream after them (its forward pass is ordered after it), and
-        this waits for the copies alone: the caller releases the slots next."""
+        """Host ``slots`` into the device blocks ``block_ids``: on CPU a strided copy per run of
+        consecutive slots and blocks; on CUDA slab to device on a load stream, the scatter queued
+        on the engine's stream after it; waits for the copies alone (the slots are released next)."""
         assert self.layout is not None, "register_kv_caches was not called"
         device = self.layout.device
         scatter = self.layout.scatter_state if state else self.layout.scatter
         if device.type != "cuda":
-            scatter(torch.tensor(block_ids), self.store.slots.gather(slots))
+            if state or not isinstance(self.layout, KVLayout) or not scatter_spans(
+                    self.layout, self.store.slots, block_ids, slots):
+                scatter(torch.tensor(block_ids), self.store.slots.gather(slots))
             return
         current = torch.cuda.current_stream(device)
         with torch.cuda.stream(self._load_stream):  # not behind the engine's queued work

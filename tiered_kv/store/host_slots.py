@@ -95,6 +95,13 @@ class HostSlots:
             for device in devices:
                 torch.cuda.current_stream(device).synchronize()
 
+    def span(self, first: int, count: int, layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """Slots ``first .. first + count - 1`` as one ``[count, k, 2, bs, H, D]`` view of the
+        slab (layers ``layers[0] .. layers[1] - 1``, or all): no copy, for one strided copy of
+        a run of blocks into the engine's."""
+        view = self._typed[first : first + count]
+        return view if layers is None else view[:, layers[0] : layers[1]]
+
     def gather(self, slots: Sequence[int]) -> torch.Tensor:
         """The blocks of ``slots`` as one new ``[n, *block shape]`` tensor (one batched copy)."""
         rows = self._blocks.index_select(0, torch.tensor(list(slots), dtype=torch.long))
