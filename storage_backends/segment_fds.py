@@ -11,13 +11,13 @@ from __future__ import annotations
 import errno
 import os
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
-PRUNE_EVERY_S = 1.0
+from storage_backends.segment_pruning import Pruning, forget_gone
+
 MAX_IDLE = 64
 
 
@@ -32,7 +32,7 @@ class Descriptors:
         self._fds: OrderedDict[int, tuple[int, bool]] = OrderedDict()  # segment -> (fd, writable), LRU order
         self._users: dict[int, int] = {}
         self._forgotten: dict[int, list[int]] = {}  # segment -> descriptors to close once unused
-        self._pruned = time.monotonic()
+        self._pruning = Pruning()
         self._closed = False
 
     def create(self, segment: int) -> None:
@@ -128,19 +128,11 @@ class Descriptors:
                 self._retire(segment, entry[0])
 
     def _maybe_prune(self) -> None:
-        now = time.monotonic()
-        if now - self._pruned < PRUNE_EVERY_S:
+        if not self._pruning.due():
             return
-        self._pruned = now
         with self._lock:
             idle = [(s, fd) for s, (fd, _) in self._fds.items() if not self._users.get(s)]
-        for segment, fd in idle:
-            try:
-                deleted = os.fstat(fd).st_nlink == 0
-            except OSError:
-                deleted = True
-            if deleted:
-                self.forget(segment)
+        forget_gone(idle, lambda _, fd: os.fstat(fd).st_nlink == 0, self.forget)
 
     def close(self) -> None:
         """Close every descriptor (those in use once their users are done); no new uses."""

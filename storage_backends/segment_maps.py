@@ -12,11 +12,10 @@ from __future__ import annotations
 import mmap
 import os
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
-PRUNE_EVERY_S = 1.0
+from storage_backends.segment_pruning import Pruning, forget_gone
 
 
 class SegmentMaps:
@@ -26,7 +25,7 @@ class SegmentMaps:
         self.path_of = path_of
         self._lock = threading.Lock()
         self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # segment -> (map, inode)
-        self._pruned = time.monotonic()
+        self._pruning = Pruning()
 
     def view(self, segment: int, offset: int, length: int) -> memoryview | None:
         """A read-only view of ``length`` bytes at ``offset`` of ``segment``; None when the
@@ -79,19 +78,11 @@ class SegmentMaps:
             self._maps.pop(segment, None)
 
     def _maybe_prune(self) -> None:
-        now = time.monotonic()
-        if now - self._pruned < PRUNE_EVERY_S:
+        if not self._pruning.due():
             return
-        self._pruned = now
         with self._lock:
-            entries = list(self._maps.items())
-        for segment, (_, inode) in entries:
-            try:
-                gone = os.stat(self.path_of(segment)).st_ino != inode
-            except OSError:
-                gone = True
-            if gone:
-                self.forget(segment)
+            entries = [(segment, inode) for segment, (_, inode) in self._maps.items()]
+        forget_gone(entries, lambda segment, inode: os.stat(self.path_of(segment)).st_ino != inode, self.forget)
 
     def close(self) -> None:
         with self._lock:

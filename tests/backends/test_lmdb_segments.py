@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from storage_backends import segment_fds
+from storage_backends import segment_pruning
 from storage_backends.lmdb_disk import LmdbBackend
 from storage_backends.lmdb_reads import MAX_SPLIT_HEAD
 from storage_backends.lmdb_segments import Place, SegmentRecord, unpack_segment
@@ -805,7 +805,7 @@ def test_a_descriptor_of_a_segment_another_process_drained_is_closed_once_unused
     """))
     assert not path.exists()
     assert descriptors_on(path) == 1  # nothing here knows yet
-    time.sleep(segment_fds.PRUNE_EVERY_S + 0.1)
+    time.sleep(segment_pruning.PRUNE_EVERY_S + 0.1)
     assert b.get_many([key(0)]) == [blob(0, 100 * KiB)]  # any read looks after idle descriptors
     assert descriptors_on(path) == 0, "a deleted segment's disk space stays taken while it is open"
     b.close()
