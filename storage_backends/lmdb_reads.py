@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 from storage_backends.base import Visitor
 from storage_backends.lmdb_environment import LmdbEnvironment
+from storage_backends.lmdb_segments import Place
 from storage_backends.lmdb_tables import as_key, fits
 from storage_backends.lmdb_values import SegmentValues
 
@@ -65,13 +66,8 @@ class LmdbReads:
         sizes: list[int | None] = [None] * len(keys)
         with self.db.guard("read"), self.db.txn() as txn:
             for i, key in enumerate(keys):
-                if not fits(key):
-                    continue
-                value = txn.get(key, db=self.db.tables.blocks)
-                if value is None:
-                    place = self.values.place_of(txn, key)
-                    if place is None:
-                        continue
+                value, place = self._locate(txn, key)
+                if place is not None:
                     head = self.values.read_split(place, outs[i], MAX_SPLIT_HEAD)
                     if head is False:  # its segment no longer holds it: a miss
                         continue
@@ -95,27 +91,25 @@ class LmdbReads:
         self._count(gets=len(keys), hits=len(hits), bytes_out=sum(n for n in sizes if n is not None))
         return [n is not None for n in sizes]
 
+    def _locate(self, txn, key: bytes) -> tuple[memoryview | bytes | None, Place | None]:
+        """Where ``key``'s value is: ``(LMDB's page, None)``, ``(None, its place in a segment)``,
+        or ``(None, None)`` when absent."""
+        if not fits(key):
+            return None, None
+        value = txn.get(key, db=self.db.tables.blocks)
+        return (value, None) if value is not None else (None, self.values.place_of(txn, key))
+
     def _value(self, txn, key: bytes):
         """``key``'s value: LMDB's page, or from its segment a copy in this thread's buffer;
         None when absent (or its segment no longer holds it)."""
-        if not fits(key):
-            return None
-        value = txn.get(key, db=self.db.tables.blocks)
-        if value is not None:
-            return value
-        place = self.values.place_of(txn, key)
-        return None if place is None else self.values.read(place)
+        value, place = self._locate(txn, key)
+        return value if place is None else self.values.read(place)
 
     def _mapped(self, txn, key: bytes):
         """``(value, place)`` of ``key``: LMDB's page (place None), or a view of its segment's
         memory map and where it lies; None when absent (or its segment no longer holds it)."""
-        if not fits(key):
-            return None
-        value = txn.get(key, db=self.db.tables.blocks)
-        if value is not None:
-            return value, None
-        place = self.values.place_of(txn, key)
+        value, place = self._locate(txn, key)
         if place is None:
-            return None
+            return None if value is None else (value, None)
         view = self.values.files.maps.view(place.segment, place.offset, place.length)
         return None if view is None else (view, place)
