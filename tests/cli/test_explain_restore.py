@@ -56,3 +56,18 @@ def test_explain_without_estimates_loads_everything(tmp_path):
     restore = cli("explain", f"lmdb://{tmp_path}/lmdb", "--token-ids", PROMPT, "--json").json()["restore"]
     assert restore["reason"] == "below_floor" and restore["load_blocks"] == 8
     assert "no estimates" in restore["detail"]
+
+
+def test_explain_settles_auto_layerwise_loads_by_the_engine_device_it_is_told(slow_disk, tmp_path):
+    url = f"lmdb://{slow_disk}/lmdb"
+    restore = cli("explain", url, "--token-ids", PROMPT, "--json").json()["restore"]
+    assert restore["engine_device"] == "cuda" and restore["layerwise"] is True  # "auto" on a GPU
+    restore = cli("explain", url, "--token-ids", PROMPT, "--json", "--engine-device", "cpu").json()["restore"]
+    assert restore["engine_device"] == "cpu" and restore["layerwise"] is False and restore["overlap"] is False
+    config = tmp_path / "tiered-kv.toml"
+    config.write_text(f'layerwise_loads = true\n[disk]\nurl = "{url}"\n')
+    restore = cli("explain", "--config", config, "--token-ids", PROMPT, "--json", "--engine-device", "cpu",
+                  ).json()["restore"]
+    assert restore["layerwise"] is True  # asked for: layer-wise on a CPU engine too
+    text = cli("explain", url, "--token-ids", PROMPT, "--engine-device", "cpu", "--restore-policy", "always").out
+    assert "whole blocks, before the prefill on cpu" in text

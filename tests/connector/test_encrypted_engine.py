@@ -23,6 +23,7 @@ OTHER = "some other fleet's secret key"
 
 def _config(path, secret: str | None) -> TieredKVConfig:
     return TieredKVConfig.from_dict({"host": {"capacity": "16MiB"}, "workers": 2, "encryption_secret": secret,
+                                     "layerwise_loads": True,
                                      "disk": {"url": f"lmdb://{path}", "capacity": "64MiB"}})
 
 

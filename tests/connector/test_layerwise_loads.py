@@ -23,7 +23,7 @@ BLOCKS = 6
 
 
 def _config(path, **over) -> TieredKVConfig:
-    return TieredKVConfig.from_dict({"host": {"capacity": "16MiB"}, "workers": 2,
+    return TieredKVConfig.from_dict({"host": {"capacity": "16MiB"}, "workers": 2, "layerwise_loads": True,
                                      "disk": {"url": f"lmdb://{path}", "capacity": "64MiB"}, **over})
 
 
@@ -62,6 +62,7 @@ def _start(worker: ConnectorWorker, keys, block_ids) -> None:
 def layers_arrive_in_order(worker: ConnectorWorker, kv: torch.Tensor, keys, payloads, block_ids) -> None:
     """Load ``keys`` into ``block_ids``: when each layer's wait returns, that layer and those
     before it of every block are the payloads; no load errors; every block from the disk."""
+    assert worker.streams_layers  # (a whole-block load would pass the checks below too)
     _start(worker, keys, block_ids)
     for layer in range(NS.num_layers):
         worker.wait_for_layer_load(layer)
@@ -125,6 +126,31 @@ def test_an_engine_that_skips_layer_waits_gets_every_block_recomputed_then_whole
     assert all(torch.equal(_engine_block(kv, b), p) for b, p in zip([1, 2, 3], payloads))
     worker.close()
     worker.store.close()
+
+
+def test_auto_loads_whole_blocks_into_a_cpu_engine(tmp_path):
+    # the pool's reads and checks share the forward's cores on a CPU engine: layer-wise loads
+    # measured 1.1-1.3x slower there (bench_e2e), so "auto" loads whole blocks before the forward
+    keys, payloads = _stored(tmp_path)
+    worker, kv = _worker(tmp_path, layerwise_loads="auto")
+    assert not worker.streams_layers
+    _start(worker, keys[:3], [1, 2, 3])
+    assert all(torch.equal(_engine_block(kv, b), p) for b, p in zip([1, 2, 3], payloads))  # before any wait
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set()
+    worker.close()
+    worker.store.close()
+
+
+def test_a_reference_engine_on_cpu_predicts_whole_loads_with_auto(tmp_path):
+    conn = connector(tmp_path / "db", layer_groups=4)  # layerwise_loads = "auto", the default
+    engine(conn)  # registers its CPU caches
+    assert not conn.worker.streams_layers and not conn.scheduler.restore.overlap
+    conn.close()
+    conn = connector(tmp_path / "db", layer_groups=4, layerwise_loads=True)
+    engine(conn)
+    assert conn.worker.streams_layers and conn.scheduler.restore.overlap == (conn.scheduler.restore.groups > 1)
+    conn.close()
 
 
 def test_blocks_stored_in_one_frame_and_host_hits_load_layer_by_layer_too(tmp_path):
@@ -194,12 +220,12 @@ def test_reference_engine_outputs_are_identical_with_layerwise_and_whole_loads(t
 
 def test_reference_engine_recomputes_blocks_whose_last_frame_is_corrupt(tmp_path):
     prompts = [prompt(200, seed=7)]
-    conn = connector(tmp_path / "db")
+    conn = connector(tmp_path / "db", layerwise_loads=True)
     engine(conn).generate(prompts, GREEDY)
     conn.close()
     flipped = rewrite_stored_blocks(tmp_path / "db", lambda k, v: v[:-1] + bytes([v[-1] ^ 1]))
     assert flipped == 200 // 16
-    conn = connector(tmp_path / "db")
+    conn = connector(tmp_path / "db", layerwise_loads=True)
     [out] = engine(conn).generate(prompts, GREEDY)
     assert out.output_token_ids == reference(prompts)[0]
     assert conn.store.metrics.misses("corrupt") == 200 // 16

@@ -155,6 +155,21 @@ def test_layer_wise_loads_overlap_the_prefill_and_whole_or_async_loads_do_not():
     assert claim(Index(BIG, ["disk"] * 8, costs, **lmdb), BIG, load_async=True)[1] == 0
 
 
+def test_auto_layerwise_loads_predict_an_overlap_on_a_gpu_engine_and_none_on_a_cpu_engine():
+    # layerwise_loads = "auto" (the default) streams layers on accelerators only; the claim
+    # follows what the worker will do on the engine's device (the same figures as above)
+    costs = estimates()
+    costs.set_restore("disk", latency_s=0.135, bytes_per_s=10e12)
+    lmdb = {"disk": {"url": "lmdb:///nonexistent/tkv"}}
+    assert claim(Index(BIG, ["disk"] * 8, costs, **lmdb), BIG, device="cuda")[1] == 8 * BS
+    assert claim(Index(BIG, ["disk"] * 8, costs, **lmdb), BIG, device="cpu")[1] == 0
+    assert claim(Index(BIG, ["disk"] * 8, costs, layerwise_loads=True, **lmdb), BIG, device="cpu")[1] == 8 * BS
+    sched, _ = claim(Index(BIG, ["disk"] * 8, costs, **lmdb), BIG)  # device not known yet: an accelerator
+    assert sched.restore.overlap
+    sched.restore.streams_layers(False)  # (the worker registered CPU caches)
+    assert sched.get_num_new_matched_tokens(request(), 0)[0] == 0
+
+
 def test_blocks_stored_in_one_frame_are_not_predicted_to_overlap_the_prefill():
     # the policy took G = min(layer_groups, layers) while a 32 KiB block is stored in one frame
     # (none under 64 KiB) and arrives whole before its first layer: it predicted an overlap that

@@ -262,6 +262,17 @@ def test_an_unknown_kv_layout_is_refused_when_caches_are_registered(tmp_path):
         worker.shutdown()
 
 
+@pytest.mark.parametrize("device, layerwise", [("cpu", False), ("cuda", True)])
+def test_auto_layerwise_loads_follow_vllms_device(tmp_path, device, layerwise):
+    config = extra(tmp_path, host={"capacity": "4MiB"}, layer_groups=2)
+    sched = TieredKVConnector(vllm_config(config, device=device), KVConnectorRole.SCHEDULER, kv_cache_config())
+    assert sched._sched._core().restore.layerwise is layerwise  # what the scheduler predicts
+    sched.shutdown()
+    # a CUDA graph replay would skip the waits between layers: piecewise graphs when layer-wise
+    assert TieredKVConnector.requires_piecewise_for_cudagraph(config) is True  # ("auto": vLLM on a GPU)
+    assert TieredKVConnector.requires_piecewise_for_cudagraph({**config, "layerwise_loads": False}) is False
+
+
 def test_importing_tiered_kv_needs_no_engine():
     code = ("import sys, tiered_kv, tiered_kv.integrations, tiered_kv.integrations.common, "
             "tiered_kv.integrations.trtllm; assert 'vllm' not in sys.modules; "

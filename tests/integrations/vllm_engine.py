@@ -44,8 +44,9 @@ class FullAttentionSpec:
     sliding_window: int | None = None
 
 
-def vllm_config(extra: dict, *, model: str = "tiny-test-model") -> SimpleNamespace:
+def vllm_config(extra: dict, *, model: str = "tiny-test-model", device: str = "cpu") -> SimpleNamespace:
     return SimpleNamespace(
+        device_config=SimpleNamespace(device_type=device),
         kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra, is_kv_producer=True),
         model_config=SimpleNamespace(model=model, revision=None),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),

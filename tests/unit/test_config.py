@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from tiered_kv.config import DiskConfig, HostConfig, RemoteConfig, TieredKVConfig, env_dict
+from tiered_kv.config import DiskConfig, HostConfig, RemoteConfig, TieredKVConfig, env_dict, layerwise_on
 from tiered_kv.errors import ConfigError
 from tiered_kv.units import format_size, parse_duration, parse_size
 
@@ -120,6 +120,20 @@ def test_load_overlays_environment_on_toml(toml_file):
     assert cfg.host.capacity == 8 * GiB
 
 
+@pytest.mark.parametrize("value, expected", [("auto", "auto"), (" AUTO ", "auto"), (True, True), ("off", False),
+                                             ("1", True), (0, False)])
+def test_layerwise_loads_is_true_false_or_auto(value, expected):
+    assert TieredKVConfig.from_dict({"layerwise_loads": value}).layerwise_loads == expected
+    assert TieredKVConfig.from_env({"TIERED_KV_LAYERWISE_LOADS": str(value)}).layerwise_loads == expected
+
+
+def test_auto_layerwise_loads_stream_on_accelerators_and_not_on_cpu_engines():
+    assert TieredKVConfig().layerwise_loads == "auto"
+    assert [layerwise_on("auto", d) for d in ("cuda", "cpu", None)] == [True, False, True]
+    assert [layerwise_on(s, "cpu") for s in (True, False)] == [True, False]
+    assert [layerwise_on(s, "cuda") for s in (True, False)] == [True, False]
+
+
 def test_load_accepts_a_dict_or_nothing():
     assert TieredKVConfig.load({"workers": 6}, environ={}).workers == 6
     assert TieredKVConfig.load(None, environ={"TIERED_KV_HOST_CAPACITY": "3GiB"}).host.capacity == 3 * GiB
@@ -154,6 +168,9 @@ def test_load_accepts_a_dict_or_nothing():
     ({"remote": {"timeout": None}}, "remote.timeout"),
     ({"hash_algo": "md5"}, "hash_algo"),
     ({"metrics_port": 70000}, "metrics_port"),
+    ({"layerwise_loads": "sometimes"}, "layerwise_loads"),
+    ({"layerwise_loads": 2}, "layerwise_loads"),
+    ({"layerwise_loads": None}, "layerwise_loads"),
 ])
 def test_bad_values_raise_config_error_naming_the_key(data, key):
     with pytest.raises(ConfigError, match=rf"(^|\W){key}\W"):

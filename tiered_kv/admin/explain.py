@@ -16,6 +16,7 @@ from pathlib import Path
 from tiered_kv.admin.block_checks import check_block
 from tiered_kv.admin.catalog import Namespaces, block_digests, namespaces, resolve_namespace
 from tiered_kv.admin.opening import Tier
+from tiered_kv.config import layerwise_on
 from tiered_kv.connector.restore_policy import Decision, RestorePolicy
 from tiered_kv.dtypes import itemsize
 from tiered_kv.errors import BackendUnavailable, ConfigError, CorruptBlock, TokenError
@@ -32,9 +33,10 @@ class RestoreOptions:
 
     policy: str = "cost"  # cost | always
     min_samples: int = 3
-    layerwise: bool = True
+    layerwise: bool | str = "auto"  # True | False | "auto" (layer-wise on accelerators)
     layer_groups: int = 8
     load_async: bool = False
+    device: str = "cuda"  # the device type the engine's KV cache lives on (settles "auto")
 
     @classmethod
     def of(cls, config, **overrides) -> RestoreOptions:
@@ -147,7 +149,7 @@ def _restore(tiers: list[Tier], ns: Namespace, digest: bytes, where: list[str], 
     if record is not None:
         costs.restore_snapshot(record)
     policy = RestorePolicy(costs, itemsize(ns.dtype) * prod(ns.block_shape), ns.block_size,
-                           layerwise=options.layerwise and not ns.groups,
+                           layerwise=layerwise_on(options.layerwise, options.device) and not ns.groups,
                            layer_groups=min(options.layer_groups, ns.num_layers),
                            load_async=options.load_async, probe_every=0)
     if not where:
@@ -159,7 +161,8 @@ def _restore(tiers: list[Tier], ns: Namespace, digest: bytes, where: list[str], 
             decision = replace(decision, reason="always")
     if record is None and decision.reason == "below_floor":
         decision = replace(decision, detail="no estimates: no engine has written its restore costs here")
-    out = {"policy": options.policy, **decision.as_dict(), "overlap": policy.overlap,
+    out = {"policy": options.policy, **decision.as_dict(), "layerwise": policy.layerwise,
+           "engine_device": options.device, "overlap": policy.overlap,
            "layer_groups": policy.groups, "min_samples": options.min_samples,
            "record_written": record.get("written") if record else None, "estimates": _estimates(costs)}
     return out

@@ -60,7 +60,10 @@ def add_restore_args(p) -> None:
                    "predicted TTFT; always: every stored block")
     g.add_argument("--min-samples", type=int, metavar="N", help="observations an estimate needs (the floor)")
     g.add_argument("--layerwise-loads", action=argparse.BooleanOptionalAction, default=None,
-                   help="sync loads overlap the prefill layer group by layer group")
+                   help="sync loads overlap the prefill layer group by layer group (default: as "
+                   "configured; \"auto\" streams on accelerators only)")
+    g.add_argument("--engine-device", choices=("cuda", "cpu"), help="where the engine's KV cache lives "
+                   "(settles layerwise_loads = \"auto\"; default cuda)")
     g.add_argument("--layer-groups", type=int, metavar="N", help="layer groups a layer-wise load streams")
     g.add_argument("--load-async", action="store_true", default=None, help="loads complete between steps "
                    "(no overlap with the prefill)")
@@ -188,7 +191,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     config = TieredKVConfig.from_toml(args.config) if args.config else None
     options = RestoreOptions.of(config, policy=args.restore_policy, min_samples=args.min_samples,
                                 layerwise=args.layerwise_loads, layer_groups=args.layer_groups,
-                                load_async=args.load_async)
+                                load_async=args.load_async, device=args.engine_device)
     with opened(args) as tiers:
         report = explain(tiers, tokens, args.namespace, args.lora, options)
     if args.json:
@@ -219,8 +222,9 @@ def _restore_line(r: dict) -> str:
     line = (f"restore ({r['policy']}): would load [bold]{r['load_blocks']}[/bold] of {r['stored_blocks']} "
             f"stored blocks ({r['load_tokens']} tokens): [bold]{r['reason']}[/bold]")
     if r["ttft_s"] is not None:
-        line += (f" — predicted TTFT {_s(r['ttft_s'])} (restore {_s(r['restore_s'])}, prefill "
-                 f"{_s(r['recompute_s'])}); loading all {_s(r['load_all_s'])}, recomputing all "
+        mode = "layer-wise, beside the prefill" if r["overlap"] else "whole blocks, before the prefill"
+        line += (f" — predicted TTFT {_s(r['ttft_s'])} (restore {_s(r['restore_s'])}, {mode} on "
+                 f"{r['engine_device']}; prefill {_s(r['recompute_s'])}); loading all {_s(r['load_all_s'])}, recomputing all "
                  f"{_s(r['recompute_all_s'])}")
     if r["skipped"]:
         line += "; not loaded: " + ", ".join(f"{t} {n}" for t, n in r["skipped"].items())

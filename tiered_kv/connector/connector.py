@@ -38,6 +38,7 @@ class TieredKVConnector:
     # worker half
     def register_kv_caches(self, kv_caches) -> None:
         self.worker.register_kv_caches(kv_caches)
+        self.scheduler.restore.streams_layers(self.worker.streams_layers)  # ("auto": by the engine's device)
 
     def bind_connector_meta(self, meta) -> None:
         self.worker.bind_connector_meta(meta)

@@ -58,3 +58,19 @@ class ConnectorMeta:
     def is_empty(self) -> bool:
         """No transfers to run (the step's work figures are no transfer)."""
         return not self.loads and not self.saves and not self.invalidate
+
+
+def save_groups(specs: list[SaveSpec]) -> dict[tuple, tuple[list[tuple[bytes, object]], set[str]]]:
+    """``specs`` as one batch per (tenant, state entries or not), for quotas and usage: the
+    (key, block id or row of group blocks) pairs to save, and the requests they belong to."""
+    groups: dict[tuple, tuple[list[tuple[bytes, object]], set[str]]] = {}
+    for spec in specs:
+        if spec.keys:
+            items, owners = groups.setdefault((spec.tenant, False), ([], set()))
+            items.extend(zip(spec.keys, spec.block_rows()))
+            owners.add(spec.request_id)
+        if spec.state_key:
+            items, owners = groups.setdefault((spec.tenant, True), ([], set()))
+            items.append((spec.state_key, spec.state_ids))
+            owners.add(spec.request_id)
+    return groups

@@ -11,7 +11,8 @@ the rest is predicted to reach the first token after
            with context = device prefix + K blocks, new = prompt tokens - context
     T(0) = C(0)
     T(K) = max(R, C) + min(R, C) / G    sync loads streamed layer group by layer group (config
-                                        ``layerwise_loads``), G = the frames a block is stored
+                                        ``layerwise_loads``; "auto": on an
+                                        accelerator), G = the frames a block is stored
                                         in (``layer_groups``, none under 64 KiB: a 128 KiB block
                                         has 2): a two-stage pipeline, group g computes while
                                         group g+1 arrives
@@ -41,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from math import prod
 
+from tiered_kv.config import layerwise_on
 from tiered_kv.dtypes import itemsize
 from tiered_kv.keys import Namespace
 from tiered_kv.store.layer_frames import frame_count
@@ -96,9 +98,7 @@ class RestorePolicy:
         self.costs = costs
         self.block_bytes, self.block_size = block_bytes, block_size
         self.policy = policy if costs is not None else "always"
-        # restore runs beside the step's compute: layer-wise sync loads of blocks stored in
-        # several frames (a block of one frame arrives whole, before its first layer is computed)
-        self.overlap = layerwise and not load_async and layer_groups > 1
+        self.layerwise, self.load_async = layerwise, load_async
         # tiers whose reads arrive frame by frame (host memory, LMDB's mapped pages); a Redis GET
         # brings whole blocks: its restore ends before the first layer can start
         self.streamed = set(streamed)
@@ -107,16 +107,29 @@ class RestorePolicy:
         self.count = count
         self._skips = 0  # settled decisions that skipped, since the last probe
 
+    @property
+    def overlap(self) -> bool:
+        """Whether restore runs beside the step's compute: layer-wise sync loads of blocks stored
+        in several frames (a block of one frame arrives whole, before its first layer is computed)."""
+        return self.layerwise and not self.load_async and self.groups > 1
+
+    def streams_layers(self, on: bool) -> None:
+        """The worker loads layer by layer (``on``) or whole blocks: predict that from now on
+        (``layerwise_loads = "auto"`` is settled once the engine's device is known)."""
+        self.layerwise = bool(on)
+
     @classmethod
-    def for_index(cls, index, namespace: Namespace, *, load_async: bool = False) -> RestorePolicy:
+    def for_index(cls, index, namespace: Namespace, *, load_async: bool = False,
+                  device: str | None = None) -> RestorePolicy:
         """The policy ``index`` is configured for: its ``costs`` and its ``config``'s
-        ``restore_policy``, ``layerwise_loads`` and the frames its blocks are stored in (from
+        ``restore_policy``, ``layerwise_loads`` (settled for an engine on ``device``, a device
+        type; None: not known yet) and the frames its blocks are stored in (from
         ``layer_groups``; without costs: always). The worker streams layer groups only for plain
         KV blocks (no KV groups)."""
         config = getattr(index, "config", None)
         return cls(getattr(index, "costs", None), itemsize(namespace.dtype) * prod(namespace.block_shape),
                    namespace.block_size, policy=getattr(config, "restore_policy", "cost"),
-                   layerwise=getattr(config, "layerwise_loads", True) and not namespace.groups,
+                   layerwise=layerwise_on(getattr(config, "layerwise_loads", True), device) and not namespace.groups,
                    layer_groups=frame_count(namespace, itemsize(namespace.dtype) * prod(namespace.block_shape),
                                             getattr(config, "layer_groups", 8)),
                    load_async=load_async, count=getattr(index, "count_restore_skips", None),

@@ -65,12 +65,13 @@ class _Request:
 
 class ConnectorScheduler:
     """Engine-neutral scheduler half over a :class:`BlockIndex` (a TieredStore). ``restore``: the
-    restore policy (default: the one ``index`` is configured for, :meth:`RestorePolicy.for_index`)."""
+    restore policy (default: the one ``index`` is configured for, :meth:`RestorePolicy.for_index`,
+    for an engine whose KV cache lives on ``device``, a device type; None: not known yet)."""
 
     def __init__(self, index: BlockIndex, namespace: Namespace, *, load_async: bool = False,
-                 save: bool = True, restore: RestorePolicy | None = None) -> None:
+                 save: bool = True, restore: RestorePolicy | None = None, device: str | None = None) -> None:
         self.index = index
-        self.restore = restore or RestorePolicy.for_index(index, namespace, load_async=load_async)
+        self.restore = restore or RestorePolicy.for_index(index, namespace, load_async=load_async, device=device)
         self._decisions: dict[str, Decision] = {}  # request -> its last claim's decision
         self.namespace = namespace
         self.block_size = namespace.block_size

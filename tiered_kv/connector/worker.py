@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiered_kv.config import layerwise_on
 from tiered_kv.connector.cost_observer import CostObserver
 from tiered_kv.connector.group_layout import GroupLayout
 from tiered_kv.connector.host_spans import scatter_spans
 from tiered_kv.connector.layer_loads import LayerLoads
 from tiered_kv.connector.layout import KVLayout, device_ids, make_layout
-from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec
+from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec, save_groups
 from tiered_kv.store import LoadPlan, SaveBatch, TieredStore
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,9 @@ class ConnectorWorker:
                  layerwise: bool | None = None) -> None:
         self.store = store
         # sync loads arrive layer group by layer group (wait_for_layer_load); None: as configured
-        self.layerwise = store.config.layerwise_loads if layerwise is None else layerwise
+        # ("auto" is settled by the engine's device in register_kv_caches)
+        self._layerwise_setting = store.config.layerwise_loads if layerwise is None else layerwise
+        self.layerwise = layerwise_on(self._layerwise_setting, None)
         self._layer_loads: LayerLoads | None = None  # this step's sync loads, copied in layer by layer
         self.costs = CostObserver(store)  # teaches the store's restore and prefill estimates
         self.declared_layout = layout
@@ -91,10 +94,18 @@ class ConnectorWorker:
             self.layout = GroupLayout(ns, kv_caches, self.declared_layout)
         else:
             self.layout = make_layout(ns, kv_caches, self.declared_layout)
+        self.layerwise = layerwise_on(self._layerwise_setting, self.layout.device.type)
         if self.layout.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.layout.device)  # saves
             self._load_stream = torch.cuda.Stream(device=self.layout.device)
-        log.info("connector worker: %s layout on %s", self.layout.name, self.layout.device)
+        log.info("connector worker: %s layout on %s, %s loads", self.layout.name, self.layout.device,
+                 "layer-wise" if self.streams_layers else "whole-block")
+
+    @property
+    def streams_layers(self) -> bool:
+        """Whether this step's sync loads arrive layer group by layer group: asked for, and blocks
+        that are one stack of layers (not KV groups' entries)."""
+        return self.layerwise and isinstance(self.layout, KVLayout) and self.store.namespace.num_layers > 1
 
     def bind_connector_meta(self, meta: ConnectorMeta) -> None:
         self.meta = meta
@@ -109,8 +120,7 @@ class ConnectorWorker:
             self.flush_copies()  # a save of those keys still copying must not be committed later
             self.store.invalidate(self.meta.invalidate)
         start = time.perf_counter()
-        # layer by layer: asked for, and blocks that are one stack of layers (not KV groups' entries)
-        layered = self.layerwise and isinstance(self.layout, KVLayout) and self.store.namespace.num_layers > 1
+        layered = self.streams_layers
         sync: list[_PendingLoad] = []
         for spec in self.meta.loads:
             keys = spec.keys + ((spec.state_key,) if spec.state_key else ())
@@ -266,17 +276,7 @@ class ConnectorWorker:
             self.store.metrics.event("saves_dropped_failed_load", n)
             log.info("%d blocks of %d requests were computed over a failed load and are not saved",
                      n, len({spec.request_id for spec in dropped}))
-        groups: dict[tuple, tuple[list[tuple[bytes, object]], set[str]]] = {}
-        for spec in kept:  # one batch per tenant (quotas, usage)
-            if spec.keys:
-                items, owners = groups.setdefault((spec.tenant, False), ([], set()))
-                items.extend(zip(spec.keys, spec.block_rows()))
-                owners.add(spec.request_id)
-            if spec.state_key:
-                items, owners = groups.setdefault((spec.tenant, True), ([], set()))
-                items.append((spec.state_key, spec.state_ids))
-                owners.add(spec.request_id)
-        return groups
+        return save_groups(kept)
 
     def _gather(self, block_ids: list, slots: list[int], batch: SaveBatch, owners: set[str],
                 state: bool = False) -> None:

@@ -142,7 +142,7 @@ class TieredKVScheduler(_SchedulerBase):
         self.namespace = trtllm_namespace(llm_args, self.settings.config)
         self.store = acquire_store(self.settings.config, self.namespace)
         self.core = ConnectorScheduler(self.store, self.namespace, load_async=self.settings.load_async,
-                                       save=self.settings.save)
+                                       save=self.settings.save, device="cuda")  # (TensorRT-LLM runs on GPUs)
         self._verified: dict[Any, tuple[int, int, Any]] = {}  # request -> (device, external, plan)
         self._device_prefix: dict[Any, int] = {}  # request -> device prefix at allocation
         log.info("tiered-kv TensorRT-LLM scheduler: %s, block %d tokens, %s loads",

@@ -28,6 +28,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tiered_kv.config import layerwise_on
 from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.errors import ConfigError
 from tiered_kv.integrations import vllm_events, vllm_lifecycle
@@ -144,7 +145,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
             ranks = 1 if self.namespace.groups and is_replicated(self.namespace.groups) else \
                 int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
             tracker = vllm_events.VllmEventTracker(self.namespace.block_size, ranks) if events else None
-            self._sched = SchedulerSide(self.settings, self.namespace, tracker)
+            self._sched = SchedulerSide(self.settings, self.namespace, tracker,
+                                        getattr(getattr(vllm_config, "device_config", None), "device_type", None))
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -216,7 +218,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """Layer-wise loads wait between layers: a CUDA graph replay would skip the waits."""
         try:
-            return parse_settings(extra_config, source=SOURCE).config.layerwise_loads
+            return layerwise_on(parse_settings(extra_config, source=SOURCE).config.layerwise_loads, "cuda")
         except ConfigError:
             return False
 

@@ -55,8 +55,10 @@ def group0(block_ids: Any) -> list[int]:
 class SchedulerSide:
     """vLLM's scheduler outputs translated into the core's new/cached request data."""
 
-    def __init__(self, settings, namespace: Namespace, events: VllmEventTracker | None = None) -> None:
+    def __init__(self, settings, namespace: Namespace, events: VllmEventTracker | None = None,
+                 device: str | None = None) -> None:
         self.settings, self.namespace = settings, namespace
+        self.device = device  # vLLM's device type ("cuda", "cpu"): settles layerwise_loads = "auto"
         self.events = events  # vLLM's KV events are on: planned blocks' vLLM names are kept
         self.index = None  # opened at the first request, when the worker of this process exists
         self.core: ConnectorScheduler | None = None
@@ -74,7 +76,7 @@ class SchedulerSide:
         if self.core is None:
             self.index = scheduler_index(self.settings.config, self.namespace)
             self.core = ConnectorScheduler(self.index, self.namespace, load_async=self.settings.load_async,
-                                           save=self.settings.save)
+                                           save=self.settings.save, device=self.device)
         return self.core
 
     @staticmethod
