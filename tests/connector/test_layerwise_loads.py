@@ -153,6 +153,20 @@ def test_a_reference_engine_on_cpu_predicts_whole_loads_with_auto(tmp_path):
     conn.close()
 
 
+def test_after_an_engine_skipped_layer_waits_the_scheduler_predicts_whole_loads(tmp_path):
+    conn = connector(tmp_path / "db", layerwise_loads=True)
+    engine(conn)  # registers its caches
+    ns = conn.store.namespace
+    keys = block_keys(ns, list(range(2 * ns.block_size)))
+    conn.store.save(keys, [torch.ones(conn.store.shape, dtype=conn.store.dtype)] * 2)
+    assert conn.scheduler.restore.layerwise
+    conn.bind_connector_meta(ConnectorMeta(loads=[LoadSpec("r", tuple(keys), (1, 2), False)]))
+    conn.start_load_kv()
+    conn.wait_for_save()  # a forward that never called wait_for_layer_load
+    assert not conn.worker.streams_layers and not conn.scheduler.restore.layerwise
+    conn.close()
+
+
 def test_blocks_stored_in_one_frame_and_host_hits_load_layer_by_layer_too(tmp_path):
     keys, payloads = _stored(tmp_path, layer_groups=1)  # an older store: one frame per block
     worker, kv = _worker(tmp_path)

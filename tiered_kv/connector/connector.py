@@ -54,6 +54,8 @@ class TieredKVConnector:
 
     def wait_for_save(self, *args, **kwargs) -> None:
         self.worker.wait_for_save()
+        # an engine that skipped layer waits gets whole loads from now on: predict those
+        self.scheduler.restore.streams_layers(self.worker.streams_layers)
 
     def get_finished(self, finished_req_ids, started_loading_req_ids=()):
         return self.worker.get_finished(finished_req_ids, started_loading_req_ids)
