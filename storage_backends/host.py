@@ -113,19 +113,22 @@ class HostBackend(Backend):
         out: list[int | None] = []
         evicted: list[tuple[bytes, bytes, bytes]] = []
         gone: list[bytes] = []
-        quota_gone = [0]  # (of ``gone``) evicted by a tenant's quota
+        quota_gone = 0  # (of ``gone``) evicted by a tenant's quota
         with self._lock:
             for i, key in enumerate(keys):
                 length = self.slot_bytes if lengths is None else lengths[i]
-                slot = None if key in self._entries or length > self.slot_bytes else \
-                    self._take_slot(tenant, length, evicted, gone, quota_gone)
+                if key in self._entries or length > self.slot_bytes:
+                    slot = None
+                else:
+                    slot, by_quota = self._take_slot(tenant, length, evicted, gone)
+                    quota_gone += by_quota
                 if slot is not None:
                     self._entries[key] = _Entry(slot, length, tenant)
                     self._recency.add(key, length, tenant)
                 out.append(slot)
             self._tell("removed", gone)  # under the lock: told in the order it happened
         if gone:
-            self._count(evictions=len(gone), quota_evictions=quota_gone[0])
+            self._count(evictions=len(gone), quota_evictions=quota_gone)
         self._run_hooks(evicted)
         return out
 
@@ -298,21 +301,20 @@ class HostBackend(Backend):
         entry = self._entries[key]
         return entry.refs > 0 or not entry.ready
 
-    def _take_slot(self, tenant: bytes, length: int, evicted: list, gone: list,
-                   quota_gone: list[int]) -> int | None:
-        """A free slot for ``length`` bytes of ``tenant``, after evicting what its quota, then
-        the lack of a free slot, asks for; None when that cannot be done. Evicted keys are
-        appended to ``gone`` (``quota_gone[0]`` counts those the quota asked for), with their
-        bytes to ``evicted`` when the tier has an eviction hook."""
+    def _take_slot(self, tenant: bytes, length: int, evicted: list, gone: list) -> tuple[int | None, int]:
+        """A free slot for ``length`` bytes of ``tenant`` (None when there can be none), after
+        evicting what its quota, then the lack of a free slot, asks for; and how many of the
+        evicted the quota asked for. Evicted keys are appended to ``gone``, with their bytes to
+        ``evicted`` when the tier has an eviction hook."""
         if self._free and not self._eviction.quotas:  # the common case: a free slot
-            return self._free.pop()
+            return self._free.pop(), 0
         plan = self._eviction.plan(self._recency, tenant, length) if self._eviction.quotas else Plan()
         if plan is None:
-            return None
+            return None, 0
         if not self._free and not plan.quota:  # no slot freed by the quota: the first to go
             victim = self._eviction.next_victim(self._recency)
             if victim is None:
-                return None
+                return None, 0
             plan.capacity = [victim]
         for key, _ in plan.victims:
             entry = self._entries[key]
@@ -320,8 +322,7 @@ class HostBackend(Backend):
                 evicted.append((key, bytes(self._np[entry.slot, : entry.length]), entry.tenant))
             gone.append(key)
             self._drop(key, entry)
-        quota_gone[0] += len(plan.quota)
-        return self._free.pop()
+        return self._free.pop(), len(plan.quota)
 
     def _drop(self, key: bytes, entry: _Entry) -> None:
         del self._entries[key]

@@ -134,17 +134,21 @@ class LayerListLayout(KVLayout):
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
         self.scatter_layers(block_ids, src, 0)
 
-    def scatter_layers(self, block_ids: torch.Tensor, src: torch.Tensor, first: int) -> None:
+    def _parts(self, src: torch.Tensor, first: int):
+        """Per layer of ``src`` (from layer ``first``): the engine's tensor and ``src``'s part
+        for it, in that tensor's dtype and dimension order."""
         for j in range(src.shape[1]):
             t = self.layers[first + j]
             part = as_engine_dtype(src[:, j], t.dtype)
-            t.index_copy_(self.block_dim, block_ids, part if self.block_dim == 0 else part.transpose(0, 1))
+            yield t, part if self.block_dim == 0 else part.transpose(0, 1)
+
+    def scatter_layers(self, block_ids: torch.Tensor, src: torch.Tensor, first: int) -> None:
+        for t, part in self._parts(src, first):
+            t.index_copy_(self.block_dim, block_ids, part)
 
     def scatter_span(self, first_id: int, src: torch.Tensor, first: int = 0) -> None:
-        for j in range(src.shape[1]):
-            t = self.layers[first + j]
-            part = as_engine_dtype(src[:, j], t.dtype)
-            t.narrow(self.block_dim, first_id, src.shape[0]).copy_(part if self.block_dim == 0 else part.transpose(0, 1))
+        for t, part in self._parts(src, first):
+            t.narrow(self.block_dim, first_id, src.shape[0]).copy_(part)
 
 
 class HeadMajorLayout(KVLayout):
@@ -169,15 +173,20 @@ class HeadMajorLayout(KVLayout):
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
         self.scatter_layers(block_ids, src, 0)
 
-    def scatter_layers(self, block_ids: torch.Tensor, src: torch.Tensor, first: int) -> None:
+    def _parts(self, src: torch.Tensor, first: int):
+        """Per layer of ``src`` (from layer ``first``): the engine's view and ``src``'s part for
+        it, in that view's dtype and ``[n, H, K|V, bs, D]`` order."""
         for j in range(src.shape[1]):
             v = self.views[first + j]
-            v.index_copy_(0, block_ids, as_engine_dtype(src[:, j], v.dtype).permute(0, 3, 1, 2, 4))
+            yield v, as_engine_dtype(src[:, j], v.dtype).permute(0, 3, 1, 2, 4)
+
+    def scatter_layers(self, block_ids: torch.Tensor, src: torch.Tensor, first: int) -> None:
+        for v, part in self._parts(src, first):
+            v.index_copy_(0, block_ids, part)
 
     def scatter_span(self, first_id: int, src: torch.Tensor, first: int = 0) -> None:
-        for j in range(src.shape[1]):
-            v = self.views[first + j]
-            v[first_id : first_id + src.shape[0]].copy_(as_engine_dtype(src[:, j], v.dtype).permute(0, 3, 1, 2, 4))
+        for v, part in self._parts(src, first):
+            v[first_id : first_id + src.shape[0]].copy_(part)
 
 
 def device_ids(block_ids: list[int], device: torch.device) -> torch.Tensor:

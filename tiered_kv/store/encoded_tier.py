@@ -169,9 +169,9 @@ class EncodedTier:
             views = {i: memoryview(outs[i]).cast("B") for i in opened}
             position = dict.fromkeys(opened, 0)  # next frame per block
             for cut in sorted({end for block in opened.values() for _, end in block.bounds}):
-                read_ahead([(i, *block.span(j)) for i, block in opened.items()
-                            for j in range(position[i], len(block.bounds))
-                            if block.bounds[j][1] <= cut and block.span(j)[1] > self.head_bytes])
+                read_ahead([(i, start, end) for i, block in opened.items()
+                            for j in range(position[i], len(block.bounds)) if block.bounds[j][1] <= cut
+                            for start, end in (block.span(j),) if end > self.head_bytes])
                 ready = []
                 for i, block in list(opened.items()):
                     try:
