@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import torch
 
 from storage_backends.base import Backend, BackendStats, TenantTotal, Visitor
 from storage_backends.eviction import Eviction, Plan
 from storage_backends.eviction_lru import LRU
+from storage_backends.host_entries import HostEntry as _Entry
 from storage_backends.options import split_options
 from storage_backends.quotas import Quotas, as_tenant
 from storage_backends.recency import RecencyIndex
@@ -33,16 +33,6 @@ from tiered_kv.units import as_bool, format_size, parse_size
 log = logging.getLogger(__name__)
 
 EvictHook = Callable[[bytes, memoryview, bytes], None]  # (key, value, tenant)
-
-
-@dataclass
-class _Entry:
-    slot: int
-    length: int
-    tenant: bytes = b""
-    ready: bool = False  # committed: visible to lookups and loads
-    refs: int = 0  # pins (leases) held by loads in flight
-    retired: bool = False  # superseded while leased: invisible, dropped when the last lease ends
 
 
 def _want_pinned(pinned: str | bool) -> bool:
@@ -115,6 +105,9 @@ class HostBackend(Backend):
         gone: list[bytes] = []
         quota_gone = 0  # (of ``gone``) evicted by a tenant's quota
         with self._lock:
+            fast = None if lengths is not None or self._eviction.quotas else self._reserve_free(keys, tenant)
+            if fast is not None:  # whole slots, all free: nothing evicted, nothing to tell
+                return fast
             for i, key in enumerate(keys):
                 length = self.slot_bytes if lengths is None else lengths[i]
                 if key in self._entries or length > self.slot_bytes:
@@ -300,6 +293,19 @@ class HostBackend(Backend):
         """Not to be evicted: leased, or reserved and not committed yet."""
         entry = self._entries[key]
         return entry.refs > 0 or not entry.ready
+
+    def _reserve_free(self, keys: Sequence[bytes], tenant: bytes) -> list[int | None] | None:
+        """:meth:`reserve_many` of whole slots from the free ones in one batch; None if too few."""
+        new = [k for k in dict.fromkeys(keys) if k not in self._entries]
+        free = self._free
+        if len(new) > len(free):
+            return None
+        taken = free[len(free) - len(new):][::-1]  # the order pop() hands them out
+        del free[len(free) - len(new):]
+        self._entries.update(zip(new, [_Entry(s, self.slot_bytes, tenant) for s in taken]))
+        self._recency.add_new(new, self.slot_bytes, tenant)
+        slot_of = dict(zip(new, taken))
+        return [slot_of.pop(k, None) for k in keys]  # a key twice: a slot the first time only
 
     def _take_slot(self, tenant: bytes, length: int, evicted: list, gone: list) -> tuple[int | None, int]:
         """A free slot for ``length`` bytes of ``tenant`` (None when there can be none), after

@@ -6,6 +6,7 @@ segments left by processes that died. Handed the environment and the segment fil
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
@@ -19,6 +20,9 @@ from tiered_kv.errors import BackendClosed, BackendUnavailable
 log = logging.getLogger(__name__)
 
 CLOSE_WAIT_S = 30.0  # how long closing waits for running puts before sealing what it can
+PAGE = 4096  # reads land in a buffer at their file offset's place within a page: the kernel's
+# copy out of the page cache runs at a third of its pace on some CPUs (AMD EPYC here: 2.7
+# against 9 GB/s) when the destination sits 1-31 bytes past the source's place in its page
 
 
 class SegmentValues:
@@ -113,7 +117,7 @@ class SegmentValues:
     def read(self, place: Place, slot: int = 0) -> memoryview | None:
         """The value at ``place`` in this thread's buffer number ``slot`` (valid until the
         thread reads into that buffer again); None when its segment no longer holds it."""
-        view = self._buffer(slot, place.length)
+        view = self._buffer(slot, place.length, place.offset % PAGE)
         return view.toreadonly() if self.files.read_into(place, view) else None
 
     def read_split(self, place: Place, out, max_head: int):
@@ -125,18 +129,20 @@ class SegmentValues:
         head_len = place.length - len(dst)
         if not 0 < head_len <= max_head:
             return None
-        head = self._buffer(0, head_len)
+        head = self._buffer(0, head_len, place.offset % PAGE)
         return head.toreadonly() if self.files.read_into(place, (head, dst)) else False
 
-    def _buffer(self, slot: int, length: int) -> memoryview:
+    def _buffer(self, slot: int, length: int, phase: int = 0) -> memoryview:
+        """``length`` bytes of this thread's buffer ``slot``, starting ``phase`` bytes into a
+        page (page-aligned anonymous memory, grown as needed, never shrunk)."""
         buffers = getattr(self._local, "buffers", None)
         if buffers is None:
             buffers = self._local.buffers = []
         while len(buffers) <= slot:
-            buffers.append(bytearray(0))
-        if len(buffers[slot]) < length:
-            buffers[slot] = bytearray(max(length, 2 * len(buffers[slot])))
-        return memoryview(buffers[slot])[:length]
+            buffers.append(mmap.mmap(-1, PAGE))
+        if len(buffers[slot]) < phase + length:
+            buffers[slot] = mmap.mmap(-1, max(PAGE + length, 2 * len(buffers[slot])))
+        return memoryview(buffers[slot])[phase : phase + length]
 
     # -- the whole environment -----------------------------------------------------------------
     def recover(self) -> None:

@@ -5,7 +5,8 @@ medium's view of its directory)."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from itertools import repeat
 
 from storage_backends.eviction import Victim
 
@@ -28,6 +29,14 @@ class RecencyIndex:
         self._tenants.setdefault(tenant, OrderedDict())[key] = size
         self._used[tenant] = self._used.get(tenant, 0) + size
         self._total += size
+
+    def add_new(self, keys: Sequence[bytes], size: int, tenant: bytes = b"") -> None:
+        """``keys`` (none of them here, no duplicates) as the most recently used entries, in
+        their order, ``size`` bytes each: one batch for a reservation of many blocks."""
+        self._all.update(zip(keys, repeat((size, tenant))))
+        self._tenants.setdefault(tenant, OrderedDict()).update(zip(keys, repeat(size)))
+        self._used[tenant] = self._used.get(tenant, 0) + size * len(keys)
+        self._total += size * len(keys)
 
     def touch(self, key: bytes) -> None:
         """``key`` (if here) becomes the most recently used."""

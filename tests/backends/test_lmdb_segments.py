@@ -901,3 +901,23 @@ def test_a_format_2_store_opens_with_its_blocks_in_lmdb_pages_and_new_puts_go_to
         assert b.check() == []
     with lmdb.open(str(tmp_path / "db"), max_dbs=16) as env, env.begin() as txn:
         assert int.from_bytes(txn.get(b"format", db=env.open_db(b"info", txn=txn)), "little") == 3
+
+
+def test_a_value_read_whole_lands_at_its_file_offsets_place_in_a_page(tmp_path):
+    # the kernel's copy out of the page cache ran at a third of its pace (2.7 against 9 GB/s on
+    # this AMD EPYC) when the read buffer sat 1-31 bytes past the value's place in its page: a
+    # thread buffer from malloc starts 16 bytes into a page, a direct-I/O value on a page's start
+    b = LmdbBackend(tmp_path / "db", capacity=64 << 20)
+    values = {b"k%d" % i: os.urandom(70_000 + 13 * i) for i in range(6)}  # packed: odd offsets
+    assert b.put_many(list(values.items())) == [True] * len(values)
+    phases = {k: place_of(b, k).offset % 4096 for k in values}
+    assert len(set(phases.values())) > 1
+    seen: dict[bytes, tuple[int, bytes]] = {}
+    keys = list(values)
+
+    def visit(i: int, view) -> None:
+        seen[keys[i]] = (np.frombuffer(view, np.uint8).ctypes.data % 4096, bytes(view))
+
+    assert b.visit_many(keys, visit) == [True] * len(keys)
+    assert seen == {k: (phases[k], v) for k, v in values.items()}
+    b.close()

@@ -1,0 +1,16 @@
+"""What the host tier knows of each key it holds: its slot, the bytes charged, its tenant and
+where it stands (reserved, committed, leased, withdrawn)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)  # slots: one is made per block reserved, and read on every lookup
+class HostEntry:
+    slot: int  # the slab row holding the bytes
+    length: int  # bytes charged (to the tenant's quota and the recency index)
+    tenant: bytes = b""  # who stored it
+    ready: bool = False  # committed: visible to lookups and loads
+    refs: int = 0  # pins (leases) held by loads in flight
+    retired: bool = False  # superseded while leased: invisible, dropped when the last lease ends
