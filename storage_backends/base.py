@@ -76,6 +76,7 @@ class Backend(ABC):
     name: str = "backend"
     store_signature: str | None = None  # what marks a store of this medium in a directory (messages)
     listener: Listener | None = None  # told of stored and removed keys (:meth:`listen`)
+    takes_gathered: bool = False  # put_many takes storage_backends.gathered.Gathered values
 
     def __init__(self, url: str) -> None:
         self.url = url

@@ -79,6 +79,7 @@ class LmdbBackend(Backend):
 
     name = "lmdb"
     store_signature = "LMDB data.mdb"
+    takes_gathered = True  # a segment value is written from its parts (LMDB's pages get them joined)
 
     def __init__(self, path: str | os.PathLike, *, capacity: int | str, sync: bool | str = False,
                  map_size: int | str | None = None, readahead: bool | str = True,

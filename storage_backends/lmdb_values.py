@@ -11,6 +11,7 @@ import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
 
+from storage_backends.gathered import nbytes_of
 from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
 from storage_backends.lmdb_places import recover_segments, register_segment, seal_segments
 from storage_backends.lmdb_segments import Place, SegmentFiles, unpack_place
@@ -78,7 +79,7 @@ class SegmentValues:
 
     def _write_all(self, values: Sequence, places: list[Place | None]) -> None:
         for value in values:
-            nbytes = memoryview(value).nbytes
+            nbytes = nbytes_of(value)
             try:
                 segment, offset = self.files.reserve(nbytes, self._register)
             except (OSError, NoSpace, BackendUnavailable) as exc:

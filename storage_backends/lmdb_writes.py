@@ -9,6 +9,7 @@ import logging
 from collections.abc import Callable, Sequence
 
 from storage_backends.eviction import Eviction
+from storage_backends.gathered import joined, nbytes_of
 from storage_backends.lmdb_compaction import Compactor
 from storage_backends.lmdb_entries import delete_entry, put_entry
 from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
@@ -37,8 +38,10 @@ class LmdbWrites:
             key = as_key(key)
             if not fits(key):
                 raise InvalidKey(f"lmdb keys must be 1..{MAX_KEY} bytes, got {len(key)}")
-            batch.append((key, value, memoryview(value).nbytes))
+            batch.append((key, value, nbytes_of(value)))
         large = [i for i, (_, _, n) in enumerate(batch) if self.values.wanted(n)]
+        placed = set(large)  # the others go to LMDB's pages, which take one buffer
+        batch = [(k, v if i in placed else joined(v), n) for i, (k, v, n) in enumerate(batch)]
         if large:
             return self._put_placed(batch, large, tenant)
         return self._put_inline(batch, tenant)

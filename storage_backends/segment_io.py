@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from storage_backends.gathered import Gathered
 from storage_backends.segment_fds import Descriptors
 
 log = logging.getLogger(__name__)
@@ -79,20 +80,25 @@ class SegmentWriter:
         return aligned(length) if self.direct is not None else length
 
     def write(self, segment: int, offset: int, value) -> None:
-        """Write ``value`` at ``offset`` of ``segment``; OSError when the disk refuses it."""
-        view = memoryview(value).cast("B")
+        """Write ``value`` (one buffer, or :class:`Gathered` parts) at ``offset`` of ``segment``;
+        OSError when the disk refuses it."""
+        parts = value.parts if isinstance(value, Gathered) else [memoryview(value).cast("B")]
+        length = sum(len(p) for p in parts)
         if self.direct is not None:
-            padded = aligned(len(view))
+            padded = aligned(length)
             buf, array = self._buffer(padded)
-            array[: len(view)] = np.frombuffer(view, np.uint8)  # (numpy copies without the GIL)
-            array[len(view) : padded] = 0
+            at = 0
+            for part in parts:  # (numpy copies without the GIL)
+                array[at : at + len(part)] = np.frombuffer(part, np.uint8)
+                at += len(part)
+            array[length:padded] = 0
             with self.direct.use(segment, write=True) as fd:
-                _write_fully(fd, memoryview(buf)[:padded], offset, segment)
+                _write_fully(fd, [memoryview(buf)[:padded]], offset, segment)
             return
         with self.fds.use(segment, write=True) as fd:
-            _write_fully(fd, view, offset, segment)
+            _write_fully(fd, parts, offset, segment)
             if self.eager_writeback:
-                start_writeback(fd, offset, len(view))
+                start_writeback(fd, offset, length)
 
     def _buffer(self, length: int) -> tuple[mmap.mmap, np.ndarray]:
         staging = getattr(self._staging, "buf", None)
@@ -110,13 +116,19 @@ class SegmentWriter:
             self.direct.close()
 
 
-def _write_fully(fd: int, view: memoryview, offset: int, segment: int) -> None:
-    done = 0
-    while done < len(view):
-        n = os.pwrite(fd, view[done:], offset + done)
+def _write_fully(fd: int, parts: list[memoryview], offset: int, segment: int) -> None:
+    """``parts`` one after the other from ``offset``: one gathered write, continued after a
+    short one."""
+    while parts:
+        n = os.pwritev(fd, parts, offset)
         if n <= 0:
             raise OSError(errno.EIO, f"short write to segment {segment:016x}")
-        done += n
+        offset += n
+        while parts and n >= len(parts[0]):
+            n -= len(parts[0])
+            parts = parts[1:]
+        if parts and n:
+            parts = [parts[0][n:], *parts[1:]]
 
 
 @functools.cache

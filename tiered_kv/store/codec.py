@@ -46,6 +46,7 @@ from math import prod
 
 import xxhash
 
+from storage_backends.gathered import Gathered
 from tiered_kv.dtypes import ITEMSIZE, itemsize
 from tiered_kv.errors import ConfigError, CorruptBlock, NamespaceMismatch
 from tiered_kv.store.codec_body import (
@@ -122,7 +123,7 @@ class BlockCodec:
 
     # -- encode -----------------------------------------------------------------------------
     def encode(self, payload, *, dtype: str, shape: tuple[int, ...], namespace: bytes,
-               key: bytes, created: float | None = None, into=None, segments=None):
+               key: bytes, created: float | None = None, into=None, segments=None, gathered: bool = False):
         """One stored block (header + body) for ``payload`` (any C-contiguous buffer): new
         bytes, or with ``into`` (a writable buffer of at least ``max_stored_len(len(payload),
         len(segments))`` bytes) written there and returned as a view of it. A reused ``into`` is
@@ -132,7 +133,11 @@ class BlockCodec:
         ``segments``: raw byte lengths of consecutive segments (positive multiples of the item
         size summing to the payload's length; ValueError otherwise), each then stored, checked
         and decodable on its own (:meth:`segments`). None or one segment writes the unsegmented
-        block, byte for byte what this codec always wrote."""
+        block, byte for byte what this codec always wrote.
+
+        ``gathered`` (without ``into``): a block stored raw comes back as a
+        :class:`~storage_backends.gathered.Gathered` of its head and ``payload`` itself (no copy;
+        the caller keeps ``payload`` unchanged until it is written)."""
         raw = memoryview(payload).cast("B")
         size = itemsize(dtype)
         try:
@@ -159,8 +164,9 @@ class BlockCodec:
                 codec, raw, size, self.level, lengths, None if out is None else out[HEADER_BYTES:])
             header = self._header(codec, dtype, shape, namespace, key, len(raw), stored_len, checksum,
                                   check, created, SEGMENTED)
-            if out is None:
-                return b"".join((header, *parts))
+            if out is None:  # a raw block's segments are the payload's bytes, back to back
+                return (Gathered((header + parts[0], raw)) if gathered and codec == "raw"
+                        else b"".join((header, *parts)))
             out[:HEADER_BYTES] = header
             return out[: HEADER_BYTES + stored_len]
         body = compress_body(codec, raw, size, self.level)
@@ -175,7 +181,7 @@ class BlockCodec:
         check = checksum & 0xFFFFFFFF if codec == "raw" else body_check(stored)  # raw: the same hash
         header = self._header(codec, dtype, shape, namespace, key, len(raw), len(body), checksum, check, created)
         if out is None:
-            return b"".join((header, body))
+            return Gathered((header, raw)) if gathered and codec == "raw" else b"".join((header, body))
         out[:HEADER_BYTES] = header
         return out[: HEADER_BYTES + len(body)]
 

@@ -65,6 +65,10 @@ class EncodedTier:
         self.unavailable = f"{config.name}_unavailable"
         self.cipher = None if secret is None else TenantCipher(secret.reveal())  # None: blocks stay plain
         self.said: set[str] = set()  # KEY_REASONS already logged as a warning
+        # raw blocks go to the medium as head + payload where it lies, written with one gathered
+        # write (no copy next to the head), when the medium takes that and nothing is encrypted
+        self.gathers = (getattr(backend, "takes_gathered", False) and self.codec.codec == "raw"
+                        and self.cipher is None)  # (a duck-typed medium takes one buffer)
 
     def sealing(self, tenant: bytes) -> Sealing | None:
         """``tenant``'s cipher, or None when this tier's blocks are plain."""
@@ -84,9 +88,11 @@ class EncodedTier:
     # -- write -------------------------------------------------------------------------------
     def encode(self, key: bytes, payload, into=None):
         """The stored block of ``payload``: new bytes, or written into ``into`` (at least
-        ``stored_max`` bytes) and returned as a view of it."""
-        return self.codec.encode(payload, dtype=self.namespace.dtype, shape=self.shape,
-                                 namespace=self.ns, key=key, into=into, segments=self.segments)
+        ``stored_max`` bytes) and returned as a view of it; for a tier that :attr:`gathers`,
+        its head and ``payload`` itself (``into`` unused: keep ``payload`` until it is put)."""
+        return self.codec.encode(payload, dtype=self.namespace.dtype, shape=self.shape, namespace=self.ns,
+                                 key=key, into=None if self.gathers else into, segments=self.segments,
+                                 gathered=self.gathers)
 
     def put_blobs(self, items: Sequence[tuple[bytes, bytes]], raw_bytes: int,
                   start: float | None = None, tenant: bytes = b"") -> list[bool]:

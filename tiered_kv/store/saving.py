@@ -235,7 +235,7 @@ class Saver:
     def _write_chunk(self, items: list[tuple[bytes, object]], targets: list[EncodedTier], tenant: bytes) -> int:
         """Blocks are encoded into this thread's arena (memory touched once and reused: a fresh
         object per block costs its page faults), which outlives every put of the chunk."""
-        settings = list(dict.fromkeys((t.codec.codec, t.codec.level) for t in targets))
+        settings = list(dict.fromkeys((t.codec.codec, t.codec.level, t.gathers) for t in targets))
         room = _arena.views(len(items) * len(settings), max(t.stored_max for t in targets))
         position = {k: i for i, (k, _) in enumerate(items)}
         encoded: dict[tuple[str, int], dict[bytes, memoryview]] = {}
@@ -247,7 +247,7 @@ class Saver:
                 continue
             self.records.keep(tier)
             start = time.perf_counter()
-            setting = (tier.codec.codec, tier.codec.level)
+            setting = (tier.codec.codec, tier.codec.level, tier.gathers)
             base = settings.index(setting) * len(items)
             cache = encoded.setdefault(setting, {})
             for k, p in todo:
