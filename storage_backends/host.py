@@ -23,7 +23,7 @@ import torch
 from storage_backends.base import Backend, BackendStats, TenantTotal, Visitor
 from storage_backends.eviction import Eviction, Plan
 from storage_backends.eviction_lru import LRU
-from storage_backends.host_entries import HostEntry as _Entry
+from storage_backends.host_entries import HostEntry
 from storage_backends.options import split_options
 from storage_backends.quotas import Quotas, as_tenant
 from storage_backends.recency import RecencyIndex
@@ -63,7 +63,7 @@ class HostBackend(Backend):
                  format_size(self.capacity), "pinned" if self.pinned else "pageable")
         self._np = self.slab.numpy()
         self._lock = threading.Lock()
-        self._entries: dict[bytes, _Entry] = {}
+        self._entries: dict[bytes, HostEntry] = {}
         self._recency = RecencyIndex(self._held)  # every entry, reserved ones included
         self._eviction = Eviction(LRU, None, self.quotas)  # capacity: the slots
         self._counters.extra["quota_evictions"] = 0
@@ -116,7 +116,7 @@ class HostBackend(Backend):
                     slot, by_quota = self._take_slot(tenant, length, evicted, gone)
                     quota_gone += by_quota
                 if slot is not None:
-                    self._entries[key] = _Entry(slot, length, tenant)
+                    self._entries[key] = HostEntry(slot, length, tenant)
                     self._recency.add(key, length, tenant)
                 out.append(slot)
             self._tell("removed", gone)  # under the lock: told in the order it happened
@@ -302,7 +302,7 @@ class HostBackend(Backend):
             return None
         taken = free[len(free) - len(new):][::-1]  # the order pop() hands them out
         del free[len(free) - len(new):]
-        self._entries.update(zip(new, [_Entry(s, self.slot_bytes, tenant) for s in taken]))
+        self._entries.update(zip(new, [HostEntry(s, self.slot_bytes, tenant) for s in taken]))
         self._recency.add_new(new, self.slot_bytes, tenant)
         slot_of = dict(zip(new, taken))
         return [slot_of.pop(k, None) for k in keys]  # a key twice: a slot the first time only
@@ -330,7 +330,7 @@ class HostBackend(Backend):
             self._drop(key, entry)
         return self._free.pop(), len(plan.quota)
 
-    def _drop(self, key: bytes, entry: _Entry) -> None:
+    def _drop(self, key: bytes, entry: HostEntry) -> None:
         del self._entries[key]
         self._recency.remove(key)
         if entry.ready:

@@ -38,10 +38,9 @@ class LmdbWrites:
             key = as_key(key)
             if not fits(key):
                 raise InvalidKey(f"lmdb keys must be 1..{MAX_KEY} bytes, got {len(key)}")
-            batch.append((key, value, nbytes_of(value)))
+            n = nbytes_of(value)  # a value for LMDB's pages (not a segment's) must be one buffer
+            batch.append((key, value if self.values.wanted(n) else joined(value), n))
         large = [i for i, (_, _, n) in enumerate(batch) if self.values.wanted(n)]
-        placed = set(large)  # the others go to LMDB's pages, which take one buffer
-        batch = [(k, v if i in placed else joined(v), n) for i, (k, v, n) in enumerate(batch)]
         if large:
             return self._put_placed(batch, large, tenant)
         return self._put_inline(batch, tenant)

@@ -25,10 +25,7 @@ class RecencyIndex:
     def add(self, key: bytes, size: int, tenant: bytes = b"") -> None:
         """``key`` as the most recently used entry (replacing what it was)."""
         self.remove(key)
-        self._all[key] = (size, tenant)
-        self._tenants.setdefault(tenant, OrderedDict())[key] = size
-        self._used[tenant] = self._used.get(tenant, 0) + size
-        self._total += size
+        self.add_new((key,), size, tenant)
 
     def add_new(self, keys: Sequence[bytes], size: int, tenant: bytes = b"") -> None:
         """``keys`` (none of them here, no duplicates) as the most recently used entries, in

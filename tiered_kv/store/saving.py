@@ -235,10 +235,11 @@ class Saver:
     def _write_chunk(self, items: list[tuple[bytes, object]], targets: list[EncodedTier], tenant: bytes) -> int:
         """Blocks are encoded into this thread's arena (memory touched once and reused: a fresh
         object per block costs its page faults), which outlives every put of the chunk."""
-        settings = list(dict.fromkeys((t.codec.codec, t.codec.level, t.gathers) for t in targets))
-        room = _arena.views(len(items) * len(settings), max(t.stored_max for t in targets))
+        # codec settings encoded into the arena (a tier that gathers writes from the slot itself)
+        settings = list(dict.fromkeys((t.codec.codec, t.codec.level) for t in targets if not t.gathers))
+        room = _arena.views(len(items) * len(settings), max(t.stored_max for t in targets)) if settings else []
         position = {k: i for i, (k, _) in enumerate(items)}
-        encoded: dict[tuple[str, int], dict[bytes, memoryview]] = {}
+        encoded: dict[tuple[str, int, bool], dict[bytes, object]] = {}
         stored = 0
         for tier in targets:
             have = tier.contains([k for k, _ in items])
@@ -248,11 +249,11 @@ class Saver:
             self.records.keep(tier)
             start = time.perf_counter()
             setting = (tier.codec.codec, tier.codec.level, tier.gathers)
-            base = settings.index(setting) * len(items)
+            base = None if tier.gathers else settings.index(setting[:2]) * len(items)
             cache = encoded.setdefault(setting, {})
             for k, p in todo:
                 if k not in cache:
-                    cache[k] = tier.encode(k, p, into=room[base + position[k]])
+                    cache[k] = tier.encode(k, p, into=None if base is None else room[base + position[k]])
             stored += sum(tier.put_blobs([(k, cache[k]) for k, _ in todo], len(todo) * self.block_nbytes,
                                          start, tenant))
         return stored
