@@ -192,13 +192,13 @@ class SegmentFiles:
     def _needs_new(self, length: int) -> bool:
         if self._closed:
             raise OSError(errno.EBADF, "segment files closed")
-        return self.current is None or (self._next + self.writer.stride(length) > self.segment_bytes
-                                        and self._next > 0) \
+        end = self.writer.start(self._next, length) + self.writer.stride(length)
+        return self.current is None or (end > self.segment_bytes and self._next > 0) \
             or self.fds.deleted(self.current)  # (deleted behind our back: start another)
 
     def _take(self, length: int) -> tuple[int, int]:
-        offset = self._next
-        self._next += self.writer.stride(length)
+        offset = self.writer.start(self._next, length)
+        self._next = offset + self.writer.stride(length)
         self._pending[self.current] = self._pending.get(self.current, 0) + 1
         return self.current, offset
 

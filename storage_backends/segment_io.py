@@ -27,6 +27,7 @@ from storage_backends.segment_fds import Descriptors
 log = logging.getLogger(__name__)
 
 ALIGN = 4096  # direct values' offsets and lengths are multiples of this
+VALUE_END_ALIGN = 64  # buffered values end on a multiple of this (see SegmentWriter.start)
 PROBE_NAME = ".direct-probe"
 
 
@@ -78,6 +79,16 @@ class SegmentWriter:
 
     def stride(self, length: int) -> int:
         return aligned(length) if self.direct is not None else length
+
+    def start(self, end: int, length: int) -> int:
+        """Where a value of ``length`` bytes goes when its segment ends at ``end``: direct
+        values on the next page (``end`` is one); buffered ones so that they end on a multiple
+        of ``VALUE_END_ALIGN``, which puts a raw block's payload (its last bytes, a multiple of
+        64 long) on a cache line of the file, as it is on a cache line of a host slot or a torch
+        tensor: the kernel copies between the page cache and user memory at a third to two
+        thirds of its pace when the two are misaligned against each other (here 3.2-8.5
+        against 12.5-13 GB/s, by the offset between them)."""
+        return end if self.direct is not None else end + (-(end + length)) % VALUE_END_ALIGN
 
     def write(self, segment: int, offset: int, value) -> None:
         """Write ``value`` (one buffer, or :class:`Gathered` parts) at ``offset`` of ``segment``;
