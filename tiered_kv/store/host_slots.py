@@ -4,6 +4,7 @@ worker (which never touches the slab itself)."""
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 
 import numpy as np
@@ -17,6 +18,8 @@ from tiered_kv.store.host_copy import HostCopier
 SMALL_BLOCK_ITEMS = 32768  # blocks of at most this many elements are copied by torch in batches:
 # torch copies them on the calling thread (larger copies go to its OpenMP pool, which stalls
 # whenever another thread holds a core: see HostSlots.plain); 64 KiB of bf16
+RUN_PIECE_BYTES = 1 << 20  # a run of small blocks adjacent on both sides is copied in pieces of
+# this size (one memcpy each, spread over the copier's threads like large blocks)
 
 
 def bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -70,11 +73,14 @@ class HostSlots:
         (asynchronous from and into the pinned slab), then waited for once, so no copy still reads
         or writes a slot when this returns."""
         if self.small and all(b.device.type == "cpu" for b in blocks):
-            views = [self.slot_tensor(s) for s in slots]
+            pairs, alone = self._joined_runs(slots, blocks, into_slots)
+            views = [self.slot_tensor(slots[i]) for i in alone]
+            singles = [blocks[i] for i in alone]
+            self.copier.copy(pairs)
             if into_slots:
-                self.copier.copy_tensors(views, blocks)
+                self.copier.copy_tensors(views, singles)
             else:
-                self.copier.copy_tensors(blocks, views)
+                self.copier.copy_tensors(singles, views)
             return
         plain, devices = [], set()
         try:
@@ -94,6 +100,41 @@ class HostSlots:
         finally:  # also when a copy failed: the caller frees these slots next
             for device in devices:
                 torch.cuda.current_stream(device).synchronize()
+
+    def _joined_runs(self, slots: Sequence[int], blocks: Sequence[torch.Tensor],
+                     into_slots: bool) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[int]]:
+        """Runs of small blocks that lie back to back both in the caller's memory and in
+        consecutive slots (views of one engine pool, say, into a fresh stretch of the slab), as
+        ``(destination, source)`` byte arrays of at most ``RUN_PIECE_BYTES`` each: one memcpy
+        per piece instead of one copy per block. The indices of the other blocks come back to
+        be copied one by one."""
+        nb = self.block_nbytes
+        if self.host.slot_bytes != nb or len(blocks) < 2:
+            return [], list(range(len(blocks)))
+        runs: list[tuple[int, int]] = []  # (first index, count)
+        ptr = prev = -1
+        for i, block in enumerate(blocks):
+            ptr = block.data_ptr() if self.plain(block) else -1
+            if ptr >= 0 and prev >= 0 and ptr == prev + nb and slots[i] == slots[i - 1] + 1:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((i, 1))
+            prev = ptr
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+        alone: list[int] = []
+        per_piece = max(1, RUN_PIECE_BYTES // nb)
+        for first, count in runs:
+            if count == 1:
+                alone.append(first)
+                continue
+            for lo in range(first, first + count, per_piece):
+                n = min(per_piece, first + count - lo)
+                rows = self._rows[slots[lo] : slots[lo] + n].reshape(-1)
+                # the caller's n blocks are one stretch of memory (checked above, block by
+                # block); the list of blocks keeps it alive until the copy has run
+                mem = np.ctypeslib.as_array((ctypes.c_uint8 * (n * nb)).from_address(blocks[lo].data_ptr()))
+                pairs.append((rows, mem) if into_slots else (mem, rows))
+        return pairs, alone
 
     def span(self, first: int, count: int, layers: tuple[int, int] | None = None) -> torch.Tensor:
         """Slots ``first .. first + count - 1`` as one ``[count, k, 2, bs, H, D]`` view of the
