@@ -85,9 +85,9 @@ class SegmentWriter:
         values on the next page (``end`` is one); buffered ones so that they end on a multiple
         of ``VALUE_END_ALIGN``, which puts a raw block's payload (its last bytes, a multiple of
         64 long) on a cache line of the file, as it is on a cache line of a host slot or a torch
-        tensor: the kernel copies between the page cache and user memory at a third to two
-        thirds of its pace when the two are misaligned against each other (here 3.2-8.5
-        against 12.5-13 GB/s, by the offset between them)."""
+        tensor: on some CPUs the kernel copies between the page cache and user memory at a
+        quarter to three quarters of its pace unless the two sit a multiple of 32 bytes apart
+        (this VM: 3.3-11 against 13-15 GB/s, by the offset; tools/probe_vm_memory.py)."""
         return end if self.direct is not None else end + (-(end + length)) % VALUE_END_ALIGN
 
     def write(self, segment: int, offset: int, value) -> None:
