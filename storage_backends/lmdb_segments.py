@@ -261,7 +261,8 @@ class SegmentFiles:
         else:
             views = [memoryview(buffers).cast("B")[: place.length]]
         try:
-            with self.fds.use(place.segment) as fd:
+            fd = self.fds.hold(place.segment)
+            try:
                 done = 0
                 while done < place.length:
                     n = os.preadv(fd, views, place.offset + done)
@@ -273,6 +274,8 @@ class SegmentFiles:
                         views.pop(0)
                     if views and n:
                         views[0] = views[0][n:]
+            finally:
+                self.fds.release(place.segment)
         except OSError as exc:  # gone (a miss), or unreadable: a miss too, said once in a while
             if not isinstance(exc, FileNotFoundError):
                 self._failures.warning("segment %s unreadable: %s", self.path_of(place.segment), exc)

@@ -45,11 +45,19 @@ class Descriptors:
     def use(self, segment: int, write: bool = False):
         """``segment``'s descriptor (opened for writing with ``write``), held for the block
         (FileNotFoundError: no such file)."""
-        fd = self._acquire(segment, write)
+        fd = self.hold(segment, write)
         try:
             yield fd
         finally:
-            self._release(segment)
+            self.release(segment)
+
+    def hold(self, segment: int, write: bool = False) -> int:
+        """:meth:`use` without the context manager (the read path's per-block cost): the
+        descriptor, held until :meth:`release` of ``segment``."""
+        return self._acquire(segment, write)
+
+    def release(self, segment: int) -> None:
+        self._release(segment)
 
     def deleted(self, segment: int) -> bool:
         """Whether ``segment``'s file, open here, was deleted (by anyone)."""
@@ -104,7 +112,8 @@ class Descriptors:
             closing = self._forgotten.pop(segment, [])
         for fd in closing:
             os.close(fd)
-        self._close_idle(self.max_idle)
+        if len(self._fds) > self.max_idle:  # (unlocked look: at worst one sweep late)
+            self._close_idle(self.max_idle)
 
     def _retire(self, segment: int, fd: int) -> None:
         """(under the lock) close ``fd`` now or once ``segment`` is unused."""

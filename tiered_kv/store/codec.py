@@ -224,7 +224,7 @@ class BlockCodec:
             raise CorruptBlock(f"unsupported format version {version}")
         if codec not in CODEC_NAMES or dtype not in DTYPE_NAMES or flags & ~FLAGS:
             raise CorruptBlock(f"unknown codec {codec} / dtype {dtype} / flags {flags}")
-        if not 1 <= ndim <= MAX_NDIM or any(d == 0 for d in dims[:ndim]) or any(dims[ndim:]):
+        if not 1 <= ndim <= MAX_NDIM or 0 in dims[:ndim] or any(dims[ndim:]):
             raise CorruptBlock(f"bad shape {dims} with ndim {ndim}")
         shape = tuple(dims[:ndim])
         dtype_name = DTYPE_NAMES[dtype]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
@@ -32,9 +32,9 @@ DTYPE_CODES: dict[str, int] = {
 DTYPE_NAMES = {code: name for name, code in DTYPE_CODES.items()}
 
 
-@dataclass(frozen=True)
-class BlockHeader:
-    """The decoded header of one stored block."""
+class BlockHeader(NamedTuple):
+    """The decoded header of one stored block (a named tuple: one is built per block read, and
+    a frozen dataclass took 1.4 us of a 64 KiB block's ~30 us read)."""
 
     codec: str
     dtype: str

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import xxhash
@@ -132,8 +132,8 @@ def open_sealed(header: Any, body: memoryview, size: int, sealing: Sealing | Non
         raise CorruptBlock("sealed frame 0 is shorter than its fixed fields")
     checksum, check = INNER.unpack_from(first)
     inner_len = sum(hi - lo - OVERHEAD for lo, hi, _ in frames) - INNER.size
-    plain = replace(header, flags=header.flags & ~SEALED, stored_len=inner_len, checksum=checksum,
-                    body_check=check)
+    plain = header._replace(flags=header.flags & ~SEALED, stored_len=inner_len, checksum=checksum,
+                            body_check=check)
     check_body(plain, size)
     if not plain.segmented:
         if len(frames) != 1:
