@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 
 CLOSE_WAIT_S = 30.0  # how long closing waits for running puts before sealing what it can
 PAGE = 4096  # reads land in a buffer at their file offset's place within a page: the kernel's
-# copy out of the page cache runs at a third of its pace on some CPUs (AMD EPYC here: 2.7
-# against 9 GB/s) when the destination sits 1-31 bytes past the source's place in its page
+# copy out of the page cache runs at a quarter to three quarters of its pace on some CPUs (AMD
+# EPYC here) unless destination and source sit a multiple of 32 bytes apart
+# (tools/probe_vm_memory.py)
 
 
 class SegmentValues:

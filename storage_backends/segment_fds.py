@@ -51,14 +51,6 @@ class Descriptors:
         finally:
             self.release(segment)
 
-    def hold(self, segment: int, write: bool = False) -> int:
-        """:meth:`use` without the context manager (the read path's per-block cost): the
-        descriptor, held until :meth:`release` of ``segment``."""
-        return self._acquire(segment, write)
-
-    def release(self, segment: int) -> None:
-        self._release(segment)
-
     def deleted(self, segment: int) -> bool:
         """Whether ``segment``'s file, open here, was deleted (by anyone)."""
         with self._lock:
@@ -70,7 +62,9 @@ class Descriptors:
         except OSError:
             return True
 
-    def _acquire(self, segment: int, write: bool) -> int:
+    def hold(self, segment: int, write: bool = False) -> int:
+        """:meth:`use` without the context manager (the read path's per-block cost): the
+        descriptor, held until :meth:`release` of ``segment``."""
         if self._closed:
             raise OSError(errno.EBADF, "segment descriptors closed")
         self._maybe_prune()
@@ -103,7 +97,7 @@ class Descriptors:
         self._close_idle(0)  # out of descriptors: let the idle ones go, and try once more
         return os.open(self.path_of(segment), flags | self.extra_flags | os.O_CLOEXEC, 0o644)
 
-    def _release(self, segment: int) -> None:
+    def release(self, segment: int) -> None:
         with self._lock:
             self._users[segment] -= 1
             if self._users[segment]:

@@ -112,7 +112,7 @@ class HostSlots:
         if self.host.slot_bytes != nb or len(blocks) < 2:
             return [], list(range(len(blocks)))
         runs: list[tuple[int, int]] = []  # (first index, count)
-        ptr = prev = -1
+        prev = -1  # the previous block's address (-1: not plain, so no run goes on from it)
         for i, block in enumerate(blocks):
             ptr = block.data_ptr() if self.plain(block) else -1
             if ptr >= 0 and prev >= 0 and ptr == prev + nb and slots[i] == slots[i - 1] + 1:
