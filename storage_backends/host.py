@@ -24,22 +24,16 @@ from storage_backends.base import Backend, BackendStats, TenantTotal, Visitor
 from storage_backends.eviction import Eviction, Plan
 from storage_backends.eviction_lru import LRU
 from storage_backends.host_entries import HostEntry
+from storage_backends.host_slab import new_slab, no_slab, want_pinned
 from storage_backends.options import split_options
 from storage_backends.quotas import Quotas, as_tenant
 from storage_backends.recency import RecencyIndex
 from tiered_kv.errors import ConfigError
-from tiered_kv.units import as_bool, format_size, parse_size
+from tiered_kv.units import format_size, parse_size
 
 log = logging.getLogger(__name__)
 
 EvictHook = Callable[[bytes, memoryview, bytes], None]  # (key, value, tenant)
-
-
-def _want_pinned(pinned: str | bool) -> bool:
-    """Page-locked memory: "auto" (when CUDA is there) or a bool setting (only with CUDA)."""
-    if isinstance(pinned, str) and pinned.strip().lower() == "auto":
-        return torch.cuda.is_available()
-    return as_bool(pinned, "host pinned (auto, or true / false)") and torch.cuda.is_available()
 
 
 class HostBackend(Backend):
@@ -56,9 +50,8 @@ class HostBackend(Backend):
         self.slot_bytes = slot_bytes
         self.num_slots = capacity // slot_bytes
         self.capacity = self.num_slots * slot_bytes
-        self.pinned = _want_pinned(pinned)
-        self.slab = torch.empty((self.num_slots, slot_bytes), dtype=torch.uint8, pin_memory=self.pinned)
-        self.slab.zero_()  # touch every page now, not in the hot path
+        self.pinned = want_pinned(pinned)
+        self.slab = new_slab(self.num_slots, slot_bytes, self.pinned)
         log.info("host tier: %d slots x %s = %s (%s)", self.num_slots, format_size(slot_bytes),
                  format_size(self.capacity), "pinned" if self.pinned else "pageable")
         self._np = self.slab.numpy()
@@ -282,11 +275,17 @@ class HostBackend(Backend):
                                      "pinned_memory": self.pinned, "leased": pinned})
 
     def close(self) -> None:
+        """Forget every block and hand the slab's memory back now (who made views of it, as
+        :class:`~tiered_kv.store.host_slots.HostSlots` does, drops them on its close): a store
+        in a reference cycle kept it until the collector ran, which then freed a GiB inside
+        whatever ran at that moment."""
         with self._lock:
             self._closed = True
             self._entries.clear()
             self._recency = RecencyIndex(self._held)
             self._free = []
+            self.slab = no_slab(self.slot_bytes)
+            self._np = self.slab.numpy()
 
     # -- internals -----------------------------------------------------------------------------
     def _held(self, key: bytes) -> bool:

@@ -7,7 +7,7 @@ GETs sized by the value size seen so far, so 2 MiB values travel two at a time a
 64 at a time. Against one command per value that made GETs 1.8x (2 MiB) to 3.5x (64 KiB) and
 64 KiB SETs 2x faster (2 MiB SETs: the same); 32-deep pipelines of 2 MiB values and MGET (one
 multi-value reply) are slower. Commands are packed without copying large values
-(``storage_backends.redis_packer``); URL options are read by ``storage_backends.redis_options``.
+(``storage_backends.redis_packer``), a raw block's payload straight from its host slot; URL options are read by ``storage_backends.redis_options``.
 
 Failures are misses: refused or dropped connections are retried with exponential backoff
 (redis-py's ``Retry``: at most ``retries`` more tries), a timeout is not (a server that did not
@@ -96,6 +96,9 @@ class RedisBackend(Backend):
         common: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout,
                                       retry=retry, max_connections=max_connections)
         target = url.replace("redis+cluster://", "redis://", 1)
+        # raw blocks come as head + host slot (no copy next to the head) where our packer sends
+        # the commands: everywhere but the TLS cluster client, which brings its own connections
+        self.takes_gathered = not (self.cluster and target.startswith("rediss://"))
         try:
             if not self.cluster:  # makes no connection yet
                 self._client = redis.Redis.from_url(target, command_packer=PACKER, **common)

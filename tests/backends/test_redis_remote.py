@@ -6,6 +6,7 @@ from __future__ import annotations
 import array
 import contextlib
 import logging
+import os
 import shutil
 import subprocess
 import time
@@ -15,6 +16,8 @@ import pytest
 import redis
 
 import storage_backends.redis_remote as redis_remote
+from storage_backends.gathered import Gathered
+from storage_backends.redis_packer import PACKER
 from storage_backends.registry import open_backend
 from tests.redis_server import free_port
 from tiered_kv.errors import BackendUnavailable, ConfigError
@@ -78,6 +81,9 @@ def test_rediss_url_configures_tls_without_connecting():
     assert pool.connection_class is redis.SSLConnection and b.prefix == b"t:"
     assert pool.connection_kwargs["ssl_cert_reqs"] == "none"
     b.close()
+    tls_cluster = open_backend("rediss://127.0.0.1:1/0?cluster=true")  # (connects on first use)
+    assert tls_cluster.cluster and not tls_cluster.takes_gathered  # its own connections: joined values
+    tls_cluster.close()
 
 
 def test_tls_round_trip(tmp_path):
@@ -94,6 +100,8 @@ def test_tls_round_trip(tmp_path):
         items = [(b"small", b"s" * 100), (b"large", bytes(range(256)) * 4096)]
         assert b.put_many(items) == [True, True]
         assert b.get_many([b"small", b"large"]) == [v for _, v in items]
+        assert b.takes_gathered and b.put_many([(b"parts", Gathered((b"h" * 300, items[1][1])))]) == [True]
+        assert b.get_many([b"parts"]) == [b"h" * 300 + items[1][1]]
         b.close()
 
 
@@ -125,7 +133,8 @@ def test_redis_cluster_url(tmp_path):
             assert time.monotonic() < deadline, "the cluster never became writable"
             time.sleep(0.2)
         items = [(bytes([i]) * 32, bytes([i]) * n) for i, n in enumerate([10, 70_000, 3 << 20, 100])]
-        assert b.put_many(items) == [True] * 4
+        assert b.takes_gathered  # a raw block goes out as its head and its host slot
+        assert b.put_many(items[:3] + [(items[3][0], Gathered((b"\3" * 40, b"\3" * 60)))]) == [True] * 4
         keys = [k for k, _ in items]
         assert b.get_many(keys + [b"nope"]) == [v for _, v in items] + [None]
         assert b.contains_many([keys[0], b"nope"]) == [True, False]
@@ -206,6 +215,25 @@ def test_values_of_any_buffer_type_and_binary_content(redis_url):
     assert b.put_many(items) == [True] * 4
     assert b.get_many([k for k, _ in items]) == [bytes(v) for _, v in items]
     b.close()
+
+
+@pytest.mark.parametrize("sizes", [(344, 2 << 20), (2 << 20, 10), (70_000, 3 << 20), (5, 7, 9), (0, 20_000)])
+def test_a_gathered_value_is_stored_as_its_parts_joined(redis_url, sizes):
+    b = open_backend(redis_url)
+    parts = [os.urandom(n) for n in sizes]
+    items = [(b"before", b"b" * 10), (b"parts", Gathered(parts)), (b"after", b"a" * 70_000)]
+    assert b.put_many(items) == [True] * 3
+    assert b.get_many([b"before", b"parts", b"after"]) == [b"b" * 10, b"".join(parts), b"a" * 70_000]
+    assert b.stats().bytes_in == 10 + sum(sizes) + 70_000
+    b.close()
+
+
+def test_the_packer_sends_a_large_part_as_it_is_and_joins_small_ones():
+    big = memoryview(bytearray(b"p" * (64 << 10)))
+    chunks = PACKER.pack("SET", b"k", Gathered((b"head", big, b"tail")))
+    assert b"".join(bytes(c) for c in chunks) == (b"*3\r\n$3\r\nSET\r\n$1\r\nk\r\n$%d\r\nhead" % (len(big) + 8)
+                                                  + bytes(big) + b"tail\r\n")
+    assert any(isinstance(c, memoryview) and c.obj is big.obj for c in chunks)  # not copied
 
 
 def test_stats_report_server_figures(redis_url):

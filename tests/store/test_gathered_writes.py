@@ -3,7 +3,8 @@ block's head and the host slot's bytes (:class:`storage_backends.gathered.Gather
 with one ``pwritev``, instead of first copying the payload next to its head. The stored bytes
 must be exactly what the one-buffer path writes, every path that cannot take parts (LMDB's
 pages, encryption, compressed codecs, direct I/O staging) must get the joined bytes, and a
-short gathered write must continue where it stopped. Real LMDB files under tmp_path."""
+short gathered write must continue where it stopped. The Redis tier sends the same parts as
+one bulk string. Real LMDB files under tmp_path, a real redis-server."""
 
 from __future__ import annotations
 
@@ -103,3 +104,27 @@ def test_a_short_gathered_write_continues_where_it_stopped(tmp_path, monkeypatch
     assert b.put_many([(b"k", value)]) == [True]
     assert b.get_many([b"k"]) == [bytes(value)] and len(calls) == 101
     b.close()
+
+
+def test_the_store_sends_raw_blocks_to_redis_from_the_host_slot_and_they_read_back(redis_url):
+    store = make_store(ns=BIG, host="4MiB", disk=None, remote_url=redis_url, remote={"codec": "raw"})
+    try:
+        tier = store.tiers[0]
+        assert tier.name == "remote" and tier.gathers
+        blocks = payloads(store, 12)
+        keys = keys_for(12, BIG)
+        store.save(keys, blocks).result(timeout=30)
+        for k, b, s in zip(keys, blocks, tier.backend.get_many([tier.ns + k for k in keys])):
+            raw = b.view(torch.uint8).numpy().reshape(-1)
+            assert s[-len(raw):] == raw.tobytes()
+            out = np.zeros_like(raw)
+            tier.codec.decode(s, namespace=tier.ns, key=k, out=out, expect=tier.layout)
+            assert np.array_equal(out, raw)
+    finally:
+        store.close()
+    again = make_store(ns=BIG, host="4MiB", disk=None, remote_url=redis_url, remote={"codec": "raw"})
+    try:
+        ok, outs = load(again, keys)
+        assert ok == [True] * 12 and all(torch.equal(a, b) for a, b in zip(outs, blocks))
+    finally:
+        again.close()

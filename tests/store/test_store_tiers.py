@@ -181,3 +181,23 @@ def test_large_batches_are_copied_by_several_threads_and_land_byte_identical(tmp
         assert store.load_into(keys, outs) == [True] * 256
         assert all(torch.equal(o, d) for o, d in zip(outs, data))
         assert len(submitted) == 2 * store.copier.helpers  # both copies were offered to helpers
+
+
+def test_a_closed_store_hands_its_host_slab_back_without_waiting_for_the_collector(tmp_path):
+    """A store is in reference cycles (callbacks, threads): its slab stayed resident after close()
+    until a collection ran, which then freed a GiB inside whatever the process timed next."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    store = make_store(tmp_path, host="8MiB")
+    keys = keys_for(4)
+    store.save(keys, payloads(store, 4))
+    assert load(store, keys)[0] == [True] * 4 and load_staged(store, keys)[0] == [True] * 4
+    slab = StorageWeakRef(store.host.slab.untyped_storage())
+    gc.disable()
+    try:
+        store.close()
+        assert slab.expired()
+    finally:
+        gc.enable()

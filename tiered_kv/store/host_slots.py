@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from storage_backends.host import HostBackend
+from storage_backends.host_slab import no_slab
 from tiered_kv.dtypes import torch_dtype
 from tiered_kv.keys import Namespace
 from tiered_kv.store.host_copy import HostCopier
@@ -44,6 +45,12 @@ class HostSlots:
         self._typed = torch.as_strided(host.slab.view(self.dtype), (host.num_slots, *self.shape),
                                        (host.slot_bytes // self.dtype.itemsize,
                                         *torch.empty(self.shape, device="meta").stride()))
+
+    def close(self) -> None:
+        """Drop every view of the slab (before the host tier closes and lets its memory go)."""
+        self._views = []
+        empty = no_slab(self.host.slot_bytes)
+        self._rows, self._blocks, self._typed = empty.numpy(), empty, empty.view(self.dtype)
 
     def slot_tensor(self, slot: int) -> torch.Tensor:
         """Host slot ``slot`` as a canonical block tensor (shares memory with the slab)."""

@@ -263,6 +263,8 @@ class TieredStore:
         self.copier.close()
         for tier in getattr(self, "tiers", []):
             tier.backend.close()
+        if hasattr(self, "slots"):
+            self.slots.close()
         self.host.close()
 
     def __enter__(self) -> TieredStore:
