@@ -84,3 +84,24 @@ def test_a_block_of_the_wrong_shape_inside_a_stretch_is_still_refused(tmp_path):
             pass
         else:
             raise AssertionError("a destination of the wrong shape was accepted")
+
+
+def test_a_strided_block_at_the_very_address_a_run_would_continue_from_is_copied_alone(tmp_path):
+    """Runs are found from the blocks' addresses first, then each block in one is checked: the
+    first and the last block of the batch, right where a stretch would begin or end, may lie
+    there without being plain."""
+    with make_store(tmp_path, host="4MiB", disk=None) as store:
+        stretches = spy_on_stretches(store)
+        pool = torch.stack(payloads(store, 13, seed=5))  # (the 13th: room for the last view's reach)
+        given = list(pool.unbind(0))[:12]
+        shape, stride = pool[0].shape, list(pool[0].stride())
+        stride[-1], stride[-2] = stride[-2], stride[-1]  # the last two dims' strides swapped
+        block = pool[0].numel()
+        for i in (0, 11):  # same address, same shape, other strides: not plain
+            given[i] = torch.as_strided(pool, shape, stride, storage_offset=i * block)
+        keys = keys_for(12)
+        store.save(keys, given)
+        assert stretches == [10 * pool[0].nbytes]
+        out = torch.zeros_like(pool[:12])
+        assert store.load_into(keys, list(out.unbind(0))) == [True] * 12
+        assert all(torch.equal(o, g) for o, g in zip(out.unbind(0), given))

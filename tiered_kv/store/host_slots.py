@@ -19,6 +19,7 @@ from tiered_kv.store.host_copy import HostCopier
 SMALL_BLOCK_ITEMS = 32768  # blocks of at most this many elements are copied by torch in batches:
 # torch copies them on the calling thread (larger copies go to its OpenMP pool, which stalls
 # whenever another thread holds a core: see HostSlots.plain); 64 KiB of bf16
+VIEW_CHUNK = 256  # slot tensors are made this many at a time, when the first of them is asked for
 RUN_PIECE_BYTES = 1 << 20  # a run of small blocks adjacent on both sides is copied in pieces of
 # this size (one memcpy each, spread over the copier's threads like large blocks)
 
@@ -55,9 +56,17 @@ class HostSlots:
     def slot_tensor(self, slot: int) -> torch.Tensor:
         """Host slot ``slot`` as a canonical block tensor (shares memory with the slab)."""
         view = self._views[slot]
-        if view is None:  # made once per slot (one index of the typed slab: ~1 us, not ~13)
-            view = self._views[slot] = self._typed[slot]
+        if view is None:  # made once per slot, VIEW_CHUNK at a time (an unbind: 0.7 us a view,
+            # against 1.6 for one index of the typed slab and ~13 for a view made per copy)
+            lo = slot - slot % VIEW_CHUNK
+            self._views[lo : lo + VIEW_CHUNK] = self._typed[lo : lo + VIEW_CHUNK].unbind(0)
+            view = self._views[slot]
         return view
+
+    def slot_tensors(self, slots: Sequence[int]) -> list[torch.Tensor]:
+        """:meth:`slot_tensor` of each of ``slots``."""
+        made = self._views
+        return [v if (v := made[s]) is not None else self.slot_tensor(s) for s in slots]
 
     def row(self, slot: int) -> np.ndarray:
         """The block bytes of ``slot`` as a uint8 array (shares memory; for codecs and media)."""
@@ -81,7 +90,7 @@ class HostSlots:
         or writes a slot when this returns."""
         if self.small and all(b.device.type == "cpu" for b in blocks):
             pairs, alone = self._joined_runs(slots, blocks, into_slots)
-            views = [self.slot_tensor(slots[i]) for i in alone]
+            views = self.slot_tensors(slots if len(alone) == len(slots) else [slots[i] for i in alone])
             singles = [blocks[i] for i in alone]
             self.copier.copy(pairs)
             if into_slots:
@@ -118,15 +127,25 @@ class HostSlots:
         nb = self.block_nbytes
         if self.host.slot_bytes != nb or len(blocks) < 2:
             return [], list(range(len(blocks)))
-        runs: list[tuple[int, int]] = []  # (first index, count)
-        prev = -1  # the previous block's address (-1: not plain, so no run goes on from it)
-        for i, block in enumerate(blocks):
-            ptr = block.data_ptr() if self.plain(block) else -1
-            if ptr >= 0 and prev >= 0 and ptr == prev + nb and slots[i] == slots[i - 1] + 1:
+        # block i + 1 goes on from block i on both sides (a batch without any: one numpy step,
+        # not a Python check per block); a block that is not plain ends the runs around it
+        ptrs = np.fromiter((b.data_ptr() for b in blocks), np.int64, len(blocks))
+        link = (np.diff(ptrs) == nb) & (np.diff(np.asarray(slots, np.int64)) == 1)
+        if not link.any():
+            return [], list(range(len(blocks)))
+        last = len(blocks) - 1
+        involved = np.zeros(len(blocks), bool)
+        involved[:-1] |= link
+        involved[1:] |= link
+        for i in np.flatnonzero(involved).tolist():
+            if not self.plain(blocks[i]):
+                link[max(i - 1, 0) : min(i, last - 1) + 1] = False  # the links on either side
+        runs: list[tuple[int, int]] = [(0, 1)]  # (first index, count)
+        for i, linked in enumerate(link.tolist(), start=1):
+            if linked:
                 runs[-1] = (runs[-1][0], runs[-1][1] + 1)
             else:
                 runs.append((i, 1))
-            prev = ptr
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
         alone: list[int] = []
         per_piece = max(1, RUN_PIECE_BYTES // nb)
