@@ -30,6 +30,8 @@ class HostCopier:
         self.min_bytes = min_bytes
         self._pool = (ThreadPoolExecutor(self.helpers, thread_name_prefix="tiered-kv-copy")
                       if self.helpers else None)
+        for _ in range(self.helpers):  # started now: the first batches must not wait for a thread
+            self._pool.submit(int)  # type: ignore[union-attr]  # (an executor starts one per submit)
 
     def copy(self, pairs: Sequence[tuple[np.ndarray, np.ndarray]]) -> None:
         """``np.copyto(dst, src)`` for every pair (large blocks: one memcpy each)."""
