@@ -7,7 +7,8 @@ GETs sized by the value size seen so far, so 2 MiB values travel two at a time a
 64 at a time. Against one command per value that made GETs 1.8x (2 MiB) to 3.5x (64 KiB) and
 64 KiB SETs 2x faster (2 MiB SETs: the same); 32-deep pipelines of 2 MiB values and MGET (one
 multi-value reply) are slower. Commands are packed without copying large values
-(``storage_backends.redis_packer``), a raw block's payload straight from its host slot; URL options are read by ``storage_backends.redis_options``.
+(``storage_backends.redis_packer``), a raw block's payload sent straight from its host slot;
+URL options are read by ``storage_backends.redis_options``.
 
 Failures are misses: refused or dropped connections are retried with exponential backoff
 (redis-py's ``Retry``: at most ``retries`` more tries), a timeout is not (a server that did not
