@@ -16,6 +16,19 @@ from storage_backends.gathered import Gathered
 INLINE_ARG = 16 << 10  # command arguments from this size are sent as they are, not copied
 
 
+def _as_bytes(arg: Any):
+    """One command argument as a byte buffer (RESP sends numbers as their text)."""
+    if isinstance(arg, str):
+        return arg.encode()
+    if isinstance(arg, memoryview):
+        return arg.cast("B") if arg.format != "B" or arg.ndim != 1 else arg
+    if isinstance(arg, (int, float)) and not isinstance(arg, bool):
+        return repr(arg).encode()
+    if not isinstance(arg, (bytes, bytearray)):
+        raise DataError(f"cannot send a {type(arg).__name__} to Redis")
+    return arg
+
+
 class Packer:
     """RESP command packer that hands large arguments to ``sendall`` without copying them."""
 
@@ -25,31 +38,15 @@ class Packer:
         out: list = []
         head = bytearray(b"*%d\r\n" % len(words))
         for arg in words:
-            if isinstance(arg, Gathered):
-                head += b"$%d\r\n" % arg.nbytes
-                for part in arg.parts:
-                    if len(part) >= INLINE_ARG:
-                        out += [bytes(head), part]
-                        head = bytearray()
-                    else:
-                        head += part
-                head += b"\r\n"
-                continue
-            if isinstance(arg, str):
-                arg = arg.encode()
-            elif isinstance(arg, memoryview):
-                arg = arg.cast("B") if arg.format != "B" or arg.ndim != 1 else arg
-            elif isinstance(arg, (int, float)) and not isinstance(arg, bool):
-                arg = repr(arg).encode()
-            elif not isinstance(arg, (bytes, bytearray)):
-                raise DataError(f"cannot send a {type(arg).__name__} to Redis")
-            head += b"$%d\r\n" % len(arg)
-            if len(arg) >= INLINE_ARG:
-                out += [bytes(head), arg]
-                head = bytearray(b"\r\n")
-            else:
-                head += arg
-                head += b"\r\n"
+            parts = arg.parts if isinstance(arg, Gathered) else [_as_bytes(arg)]
+            head += b"$%d\r\n" % sum(len(part) for part in parts)
+            for part in parts:  # one bulk string: large parts as they are, small ones inline
+                if len(part) >= INLINE_ARG:
+                    out += [bytes(head), part]
+                    head = bytearray()
+                else:
+                    head += part
+            head += b"\r\n"
         out.append(bytes(head))
         return out
 

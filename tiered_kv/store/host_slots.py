@@ -133,13 +133,15 @@ class HostSlots:
         link = (np.diff(ptrs) == nb) & (np.diff(np.asarray(slots, np.int64)) == 1)
         if not link.any():
             return [], list(range(len(blocks)))
-        last = len(blocks) - 1
         involved = np.zeros(len(blocks), bool)
         involved[:-1] |= link
         involved[1:] |= link
         for i in np.flatnonzero(involved).tolist():
-            if not self.plain(blocks[i]):
-                link[max(i - 1, 0) : min(i, last - 1) + 1] = False  # the links on either side
+            if not self.plain(blocks[i]):  # neither the link before it nor the one after holds
+                if i > 0:
+                    link[i - 1] = False
+                if i < len(link):
+                    link[i] = False
         runs: list[tuple[int, int]] = [(0, 1)]  # (first index, count)
         for i, linked in enumerate(link.tolist(), start=1):
             if linked:
