@@ -3,6 +3,10 @@ every page touched when it is made (not in the hot path) and handed back when th
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 import torch
 
 from tiered_kv.units import as_bool
@@ -15,11 +19,32 @@ def want_pinned(pinned: str | bool) -> bool:
     return as_bool(pinned, "host pinned (auto, or true / false)") and torch.cuda.is_available()
 
 
+TOUCH_THREADS = 8  # at most this many threads write the slab's pages when it is made
+TOUCH_PIECE_BYTES = 64 << 20  # the slab is touched in pieces of about this size
+
+
 def new_slab(num_slots: int, slot_bytes: int, pinned: bool) -> torch.Tensor:
     """``[num_slots, slot_bytes]`` uint8, every page touched now."""
     slab = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pinned)
-    slab.zero_()
+    touch(slab.numpy().reshape(-1))
     return slab
+
+
+def touch(flat: np.ndarray) -> None:
+    """Zero ``flat`` on short-lived threads of our own (NumPy releases the GIL while filling).
+    Not with torch's ``zero_()``: that runs on torch's OpenMP pool, whose threads then spin,
+    waiting for more work, for a good part of a second, on the cores the store's first
+    copies need. On 2 vCPUs the first saves after opening a store ran at 9.3 GB/s against
+    12.6 once those threads were left alone (1,024 blocks of 64 KiB on two threads)."""
+    count = max(1, -(-flat.nbytes // TOUCH_PIECE_BYTES))
+    threads = min(TOUCH_THREADS, count, len(os.sched_getaffinity(0)))
+    pieces = np.array_split(flat, count)
+    if threads == 1:
+        for piece in pieces:
+            piece.fill(0)
+        return
+    with ThreadPoolExecutor(threads, thread_name_prefix="tiered-kv-touch") as pool:
+        list(pool.map(lambda piece: piece.fill(0), pieces))
 
 
 def no_slab(slot_bytes: int) -> torch.Tensor:

@@ -56,6 +56,7 @@ from storage_backends.lmdb_warmup import warm_index
 from storage_backends.lmdb_writes import LmdbWrites
 from storage_backends.options import as_int, directory_of, existing_directory, split_options
 from storage_backends.quotas import Quotas
+from storage_backends.segment_writeback import writeback_mode
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError, InvalidKey
 from tiered_kv.units import as_bool, format_size, parse_size
 
@@ -64,8 +65,8 @@ __all__ = ["BackendClosed", "InvalidKey", "LmdbBackend", "path_of"]
 log = logging.getLogger(__name__)
 
 OPTIONS = ("capacity", "sync", "map_size", "readahead", "writemap", "max_readers", "batch_bytes",
-           "record_access", "tenant_quota", "tenant_quotas", "segment_min", "segment_bytes", "eager_writeback",
-           "direct_io")
+           "record_access", "tenant_quota", "tenant_quotas", "segment_min", "segment_bytes", "writeback",
+           "eager_writeback", "direct_io")
 
 
 def path_of(url: str) -> Path:
@@ -86,8 +87,8 @@ class LmdbBackend(Backend):
                  writemap: bool | str = False, max_readers: int | str = 512,
                  batch_bytes: int | str = 2 << 20, record_access: bool | str = True,
                  tenant_quota: int | str | None = None, tenant_quotas=None, segment_min: int | str = 64 << 10,
-                 segment_bytes: int | str = 128 << 20, eager_writeback: bool | str = False,
-                 direct_io: bool | str = False, url: str | None = None) -> None:
+                 segment_bytes: int | str = 128 << 20, writeback: str | None = None,
+                 eager_writeback: bool | str = False, direct_io: bool | str = False, url: str | None = None) -> None:
         self.path = Path(path)
         super().__init__(url or f"lmdb://{self.path.resolve()}")
         self.capacity = parse_size(capacity, name="lmdb capacity")
@@ -108,7 +109,8 @@ class LmdbBackend(Backend):
         if minimum < 1 or per_file < (1 << 20):
             raise ConfigError(f"lmdb segment_min must be >= 1 and segment_bytes >= 1 MiB, got {segment_min!r}, "
                               f"{segment_bytes!r}")
-        eager = as_bool(eager_writeback, "lmdb eager_writeback")
+        # when the disk is written behind the page cache (eager_writeback: the older spelling)
+        writeback = writeback_mode(writeback, as_bool(eager_writeback, "lmdb eager_writeback"))
         direct = as_bool(direct_io, "lmdb direct_io")  # segment values written with O_DIRECT
         if self.path.exists() and not self.path.is_dir():
             raise ConfigError(f"lmdb path {self.path} exists and is not a directory")
@@ -128,7 +130,7 @@ class LmdbBackend(Backend):
                                    batch_bytes=self.batch_bytes, count=self._count,
                                    evict=self._evict_beyond_capacity, record_access=self.record_access)
         self._db.on_changes = self._tell_in_order  # committed puts, evictions and deletes
-        self.values = SegmentValues(self._db, SegmentFiles(self.path, per_file, eager, direct), minimum, self.sync)
+        self.values = SegmentValues(self._db, SegmentFiles(self.path, per_file, writeback, direct), minimum, self.sync)
         self._reads = LmdbReads(self._db, self.values, self._count)
         self.compactor = Compactor(self._db, self.values, dead_limit=max(self.capacity // 4, 2 * per_file))
         self._writes = LmdbWrites(self._db, self.values, self._eviction, self._pinned, self._count, self.compactor)

@@ -115,7 +115,7 @@ class SegmentFiles:
     its own open segment (``reserve`` then ``write``), reads through cached descriptors, fsyncs
     what it wrote, deletes drained segments."""
 
-    def __init__(self, path: Path, segment_bytes: int, eager_writeback: bool = False,
+    def __init__(self, path: Path, segment_bytes: int, writeback: str = "later",
                  direct_io: bool = False) -> None:
         self.dir = path / DIRNAME
         self.segment_bytes = segment_bytes
@@ -126,7 +126,7 @@ class SegmentFiles:
         self._syncing = threading.Lock()  # a sync returns only once every earlier write is durable
         self._closed = False
         self.fds = Descriptors(self.path_of)
-        self.writer = SegmentWriter(self.dir, self.fds, direct_io, eager_writeback)
+        self.writer = SegmentWriter(self.dir, self.fds, direct_io, writeback)
         self._failures = LogThrottle(log)
         self.maps = SegmentMaps(self.path_of)
         self._dirty: set[int] = set()
@@ -301,8 +301,8 @@ class SegmentFiles:
     def close(self) -> None:
         with self._lock:
             self.current, self._closed = None, True
+        self.writer.close()  # (its writeback thread uses the descriptors)
         self.fds.close()
-        self.writer.close()
         self.maps.close()
 
 

@@ -1,6 +1,6 @@
 """How values reach segment files. Buffered (the default): ``pwrite`` into the page cache, so a
-restore soon after reads memory, and the kernel writes the disk later (``eager_writeback`` asks
-it to start at once). Direct (``direct_io``): ``O_DIRECT`` writes from page-aligned staging
+restore soon after reads memory, and the disk is written behind (``writeback``: see
+:mod:`storage_backends.segment_writeback`). Direct (``direct_io``): ``O_DIRECT`` writes from page-aligned staging
 buffers, so a value is on the disk when its write returns (an fsync then only flushes the
 file's size and the device's cache), at the disk's steady pace, and the page cache is left to
 other uses (a restore reads the disk; the host tier is the warm copy). A direct value starts
@@ -10,9 +10,7 @@ said once."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import functools
 import logging
 import mmap
 import os
@@ -23,6 +21,7 @@ import numpy as np
 
 from storage_backends.gathered import Gathered
 from storage_backends.segment_fds import Descriptors
+from storage_backends.segment_writeback import BackgroundWriteback, start_writeback
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +63,10 @@ class SegmentWriter:
     bytes moves the end of its segment."""
 
     def __init__(self, directory: Path, fds: Descriptors, direct: bool = False,
-                 eager_writeback: bool = False) -> None:
+                 writeback: str = "later") -> None:
         self.fds = fds
-        self.eager_writeback = eager_writeback
+        self.eager_writeback = writeback == "eager"
+        self.background = BackgroundWriteback(fds) if writeback == "background" else None
         self.direct: Descriptors | None = None
         if direct:
             directory.mkdir(parents=True, exist_ok=True)
@@ -110,6 +110,8 @@ class SegmentWriter:
             _write_fully(fd, parts, offset, segment)
             if self.eager_writeback:
                 start_writeback(fd, offset, length)
+        if self.background is not None:
+            self.background.wrote(segment, offset, length)
 
     def _buffer(self, length: int) -> tuple[mmap.mmap, np.ndarray]:
         staging = getattr(self._staging, "buf", None)
@@ -119,10 +121,14 @@ class SegmentWriter:
         return staging
 
     def forget(self, segment: int) -> None:
+        if self.background is not None:
+            self.background.forget(segment)
         if self.direct is not None:
             self.direct.forget(segment)
 
     def close(self) -> None:
+        if self.background is not None:
+            self.background.close()
         if self.direct is not None:
             self.direct.close()
 
@@ -140,22 +146,3 @@ def _write_fully(fd: int, parts: list[memoryview], offset: int, segment: int) ->
             parts = parts[1:]
         if parts and n:
             parts = [parts[0][n:], *parts[1:]]
-
-
-@functools.cache
-def _sync_file_range():
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return fn
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Start writing ``length`` bytes at ``offset`` of ``fd`` to the disk without waiting
-    (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``), so a later fsync has little left to do."""
-    fn = _sync_file_range()
-    if fn is not None:
-        fn(fd, offset, length, 2)  # SYNC_FILE_RANGE_WRITE

@@ -187,16 +187,26 @@ def test_segment_min_is_an_option_and_a_value_exactly_that_long_goes_to_a_segmen
 
 def test_segment_options_come_from_the_url_and_bad_ones_are_config_errors(tmp_path):
     b = open_backend(f"lmdb://{tmp_path}/db?capacity=8MiB&segment_min=1KiB&segment_bytes=2MiB&eager_writeback=yes")
-    assert (b.values.min_bytes, b.values.files.segment_bytes, b.values.files.writer.eager_writeback) == (KiB, 2 * MiB, True)
+    writer = b.values.files.writer
+    assert (b.values.min_bytes, b.values.files.segment_bytes, writer.eager_writeback) == (KiB, 2 * MiB, True)
+    assert writer.background is None
     b.close()
+    for query, (eager, background) in (("", (False, True)), ("&writeback=Later", (False, False)),
+                                       ("&writeback=eager", (True, False)), ("&writeback=background", (False, True))):
+        b = open_backend(f"lmdb://{tmp_path}/db?capacity=8MiB{query}")
+        writer = b.values.files.writer
+        assert (writer.eager_writeback, writer.background is not None) == (eager, background), query
+        b.close()
     for n, (query, match) in enumerate((("segment_min=0", "segment_min"), ("segment_bytes=512KiB", "segment_bytes"),
                                         ("segment_min=lots", "segment_min"), ("segment_bytes=x", "segment_bytes"),
-                                        ("eager_writeback=maybe", "eager_writeback"))):
+                                        ("eager_writeback=maybe", "eager_writeback"), ("writeback=soon", "writeback"),
+                                        ("writeback=later&eager_writeback=true", "contradicts"))):
         with pytest.raises(ConfigError, match=match):
             open_backend(f"lmdb://{tmp_path}/bad{n}?capacity=8MiB&{query}")
 
 
-@pytest.mark.parametrize("query", ["segment_min=lots", "segment_bytes=x", "eager_writeback=maybe", "direct_io=perhaps"])
+@pytest.mark.parametrize("query", ["segment_min=lots", "segment_bytes=x", "eager_writeback=maybe", "direct_io=perhaps",
+                                   "writeback=soon"])
 def test_a_segment_option_refused_at_open_leaves_the_directory_free_to_open_again(tmp_path, query):
     with pytest.raises(ConfigError):
         open_backend(f"lmdb://{tmp_path}/db?capacity=8MiB&{query}")
@@ -206,8 +216,9 @@ def test_a_segment_option_refused_at_open_leaves_the_directory_free_to_open_agai
 
 
 @pytest.mark.parametrize("options", [{"sync": True}, {"eager_writeback": True}, {"sync": True, "eager_writeback": True},
+                                     {"writeback": "later"}, {"writeback": "background", "sync": True},
                                      {"direct_io": True}, {"direct_io": True, "sync": True}])
-def test_sync_and_eager_writeback_store_the_same_bytes(tmp_path, options):
+def test_sync_and_writeback_modes_store_the_same_bytes(tmp_path, options):
     expected = {key(i): blob(i, (i + 1) * 100 * KiB) for i in range(4)}
     b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB", **options)
     assert b.put_many(list(expected.items())) == [True] * 4

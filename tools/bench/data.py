@@ -51,6 +51,15 @@ def keys_of(ns: Namespace, n: int, seed: int) -> list[bytes]:
     return block_keys(ns, tokens)
 
 
+def touched(shape: tuple[int, ...], dtype: torch.dtype = torch.uint8, value: int = 1) -> torch.Tensor:
+    """A new CPU tensor with every byte set to ``value`` (every page touched), filled by NumPy on
+    this thread. Not by torch's ``fill_``: that runs on torch's OpenMP threads, which then spin
+    for a few milliseconds waiting for more work, on the cores the next timed phase needs."""
+    t = torch.empty(shape, dtype=dtype)
+    t.view(torch.uint8).numpy().fill(value)
+    return t
+
+
 def as_np(t: torch.Tensor) -> np.ndarray:
     """A uint8 numpy view of a contiguous CPU tensor's bytes."""
     return t.reshape(-1).view(torch.uint8).numpy()

@@ -18,7 +18,7 @@ import torch
 import zstandard
 
 from .common import MiB, Stopwatch
-from .data import as_np
+from .data import as_np, touched
 from .figures import run_parallel, torch_threads
 from .internals import HEADER_BYTES, BlockCodec
 from .pagecache import files_under, resident_fraction
@@ -32,8 +32,7 @@ def memcpy(b: Bench, size: str) -> None:
     blocks = b.data[size]
     n, nb = len(blocks), blocks[0].numel() * 2
     src = [as_np(x) for x in blocks]
-    dst_t = torch.empty((n, nb), dtype=torch.uint8)
-    dst_t.fill_(1)  # touch every page
+    dst_t = touched((n, nb))
     dst = dst_t.numpy()
     for threads in (1, 2):
         secs = run_parallel(lambda i: np.copyto(dst[i], src[i]), n, threads)
@@ -63,8 +62,7 @@ def codec(b: Bench, size: str) -> list[memoryview]:
     ns = b"\x11" * 16
     keys = [i.to_bytes(16, "little") for i in range(n)]
     # encoded into memory touched once, as the store's write-behind encodes into its arenas
-    arena_t = torch.empty((n, HEADER_BYTES + nb), dtype=torch.uint8)
-    arena_t.fill_(1)
+    arena_t = touched((n, HEADER_BYTES + nb))
     arena = arena_t.numpy()
     blobs: list = [None] * n
 
@@ -72,8 +70,7 @@ def codec(b: Bench, size: str) -> list[memoryview]:
         blobs[i] = block_codec.encode(src[i], dtype="bfloat16", shape=shape, namespace=ns, key=keys[i],
                                       into=arena[i])
 
-    outs_t = torch.empty((n, nb), dtype=torch.uint8)
-    outs_t.fill_(1)
+    outs_t = touched((n, nb))
     outs = outs_t.numpy()
 
     def dec(i: int) -> None:
@@ -142,8 +139,7 @@ def raw_file(b: Bench, size: str) -> None:
               what=f"one file, {format(nb, ',')}-byte sequential writes (page cache, before fsync)")
     b.fig.add(size, "limits.file_write_fsync", synced, n * nb, n,
               what=f"one file, {format(nb, ',')}-byte sequential writes, then fsync (total)")
-    dst_t = torch.empty(n * nb, dtype=torch.uint8)
-    dst_t.fill_(1)
+    dst_t = touched((n * nb,))
     dst = memoryview(dst_t.numpy())
     step = max(nb, 8 * MiB)
 
@@ -191,8 +187,7 @@ def _naive(b: Bench, size: str) -> None:
               what="clone + torch.save per block, no fsync (torch 1 thread)")
     b.fig.add(size, "limits.naive_save_fsync", run_parallel(save_sync, n, 1), n * nb, n,
               what="clone + torch.save + fsync per block (torch 1 thread)")
-    dst = torch.empty((n, *blocks[0].shape), dtype=blocks[0].dtype)
-    dst.view(torch.uint8).fill_(1)
+    dst = touched((n, *blocks[0].shape), blocks[0].dtype)
 
     def load(i: int) -> None:
         dst[i].copy_(torch.load(os.path.join(d_sync, f"{i}.pt"), weights_only=True))

@@ -19,7 +19,7 @@ from tiered_kv.keys import Namespace
 from tiered_kv.store import TieredStore
 
 from .common import MiB, Stopwatch
-from .data import SIZES, keys_of, namespace
+from .data import SIZES, keys_of, namespace, touched
 from .pagecache import files_under, resident_fraction
 
 if TYPE_CHECKING:
@@ -55,9 +55,7 @@ def batches(b: Bench, size: str, keys: list[bytes]):
 
 def out_tensors(b: Bench, size: str) -> list[torch.Tensor]:
     n = min(SIZES[size]["batch"], len(b.data[size]))
-    t = torch.empty((n, *b.data[size][0].shape), dtype=b.data[size][0].dtype)
-    t.view(torch.uint8).fill_(1)
-    return list(t.unbind(0))
+    return list(touched((n, *b.data[size][0].shape), b.data[size][0].dtype).unbind(0))
 
 
 def restore(b: Bench, size: str, name: str, tier: str, keys: list[bytes], make: Callable[[], TieredStore],
