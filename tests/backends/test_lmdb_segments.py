@@ -191,7 +191,7 @@ def test_segment_options_come_from_the_url_and_bad_ones_are_config_errors(tmp_pa
     assert (b.values.min_bytes, b.values.files.segment_bytes, writer.eager_writeback) == (KiB, 2 * MiB, True)
     assert writer.background is None
     b.close()
-    for query, (eager, background) in (("", (False, True)), ("&writeback=Later", (False, False)),
+    for query, (eager, background) in (("", (False, False)), ("&writeback=Later", (False, False)),
                                        ("&writeback=eager", (True, False)), ("&writeback=background", (False, True))):
         b = open_backend(f"lmdb://{tmp_path}/db?capacity=8MiB{query}")
         writer = b.values.files.writer

@@ -85,8 +85,8 @@ def test_a_forgotten_segment_and_writes_after_close_hand_nothing_on(tmp_path):
 
 
 @pytest.mark.parametrize(("mode", "eager", "expected"), [
-    (None, False, "background"), (None, True, "eager"), (" Later ", False, "later"), ("eager", True, "eager")])
-def test_the_writeback_option_defaults_to_background_and_takes_the_older_eager_spelling(mode, eager, expected):
+    (None, False, "later"), (None, True, "eager"), (" Background ", False, "background"), ("eager", True, "eager")])
+def test_the_writeback_option_defaults_to_later_and_takes_the_older_eager_spelling(mode, eager, expected):
     assert writeback_mode(mode, eager) == expected
 
 
@@ -102,7 +102,7 @@ def test_a_tier_with_background_writeback_hands_its_segments_on_while_it_writes(
     started = Started()
     monkeypatch.setattr(segment_writeback, "start_writeback", started)  # what a tier's thread calls
     monkeypatch.setattr(segment_writeback, "WRITEBACK_CHUNK_BYTES", MiB)
-    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="4MiB")
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="4MiB", writeback="background")
     values = {i.to_bytes(16, "big"): os.urandom(300 * KiB) for i in range(12)}
     assert b.put_many(list(values.items())) == [True] * 12
     b.close()  # joins the thread: every stretch handed on has been started
