@@ -6,9 +6,9 @@
   ``WRITEBACK_CHUNK_BYTES`` a segment received (``sync_file_range(SYNC_FILE_RANGE_WRITE)``),
   while the writers go on filling the page cache: the disk works during the writes, and a
   flush waits only for the last stretch. The writers never wait for it, but the kernel's
-  writeback work then shares the cores with them: on this project's 2-vCPU VM it bought the
-  durable save +27-35 % in one A/B tool and nothing steady in the shared harness, and cost the
-  page-cache write 12-40 % (README, *Writeback*), so it is not the default.
+  writeback work then shares the cores with them: on this project's 2-vCPU VM no gain stood
+  out of the noise and the page-cache write was lower in every paired run (README,
+  *Writeback*), so it is not the default.
 - ``eager``: each writer asks it for every value it wrote, before its write returns.
 
 None of these makes a value durable; a flush (fsync) still does, and the kernel may write any

@@ -11,7 +11,10 @@ bf16 KV) until every one is committed to LMDB (*write*), then until ``flush`` an
 returned (*write+sync*); a new store loads them all into preallocated tensors, page cache warm
 (*warm restore*), then again after the store's files left the page cache (*cold restore*), each
 checked byte for byte outside the timing. Reported: GB/s medians per side and
-the ratio B / A. A benchmark, not a test: run it on a quiet machine.
+the ratio B / A. A benchmark, not a test: run it on a quiet machine. Two identical sides
+(an A/A run) differed by up to 1.8x in write and 1.4x in write+sync medians over 8 rounds
+in one hour of this 2-vCPU VM (tools/bench/results/disk-ab-writeback-2026-11-24-ninth.json):
+run an A/A beside any A/B whose difference is under that.
 """
 
 import argparse
@@ -107,11 +110,16 @@ def main() -> None:
     parser.add_argument("--a", default="pages=?segment_min=1GiB", help="side A: name=URL options")
     parser.add_argument("--b", default="segments=", help="side B: name=URL options")
     parser.add_argument("--dir", default=None, help="where the stores go (default: the temp dir)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="unrecorded rounds of side A first (default 1: a process's first store pays "
+                             "first-use costs, which went to side A's first round alone)")
     args = parser.parse_args()
     sides = [tuple(s.split("=", 1)) for s in (args.a, args.b)]
     blocks = kv_like_blocks(args.blocks, shape_of("2MiB"), seed=1234)
     dst = torch.stack(blocks).clone()
     runs: dict[str, list[dict[str, float]]] = {name: [] for name, _ in sides}
+    for r in range(args.warmup):
+        one_round("warmup", sides[0][1], blocks, dst, args.rounds + r, args.dir)
     for r in range(args.rounds):
         for name, options in sides if r % 2 == 0 else sides[::-1]:
             runs[name].append(one_round(name, options, blocks, dst, r, args.dir))
