@@ -1,12 +1,12 @@
 """How values reach segment files. Buffered (the default): ``pwrite`` into the page cache, so a
 restore soon after reads memory, and the disk is written behind (``writeback``: see
-:mod:`storage_backends.segment_writeback`). Direct (``direct_io``): ``O_DIRECT`` writes from page-aligned staging
-buffers, so a value is on the disk when its write returns (an fsync then only flushes the
-file's size and the device's cache), at the disk's steady pace, and the page cache is left to
-other uses (a restore reads the disk; the host tier is the warm copy). A direct value starts
-and ends on an ``ALIGN`` boundary (the pad after it is zeros, counted as dead bytes), so no
-page is shared by two values. A file system without ``O_DIRECT`` (tmpfs) gets buffered writes,
-said once."""
+:mod:`storage_backends.segment_writeback`). Direct (``direct_io``): ``O_DIRECT`` writes from
+page-aligned staging buffers, so a value is on the disk when its write returns (an fsync then
+only flushes the file's size and the device's cache), at the disk's steady pace, and the page
+cache is left to other uses (a restore reads the disk; the host tier is the warm copy). A
+direct value starts and ends on an ``ALIGN`` boundary (the pad after it is zeros, counted as
+dead bytes), so no page is shared by two values. A file system without ``O_DIRECT`` (tmpfs)
+gets buffered writes, said once."""
 
 from __future__ import annotations
 

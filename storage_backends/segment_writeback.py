@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 MODES = ("later", "background", "eager")
 WRITEBACK_CHUNK_BYTES = 64 << 20  # background: a segment's writes are handed on in stretches of this
+MAX_SPANS = 64  # segments with writes not handed on yet (older ones' rests are left to a flush)
 SYNC_FILE_RANGE_WRITE = 2
 
 
@@ -88,6 +89,8 @@ class BackgroundWriteback:
             lo, hi = self._spans.get(segment, (offset, offset))
             lo, hi = min(lo, offset), max(hi, offset + length)
             if hi - lo < self.chunk_bytes:
+                if segment not in self._spans and len(self._spans) >= MAX_SPANS:
+                    del self._spans[next(iter(self._spans))]  # a segment left long ago
                 self._spans[segment] = (lo, hi)
                 return
             self._spans.pop(segment, None)

@@ -110,3 +110,16 @@ def test_a_tier_with_background_writeback_hands_its_segments_on_while_it_writes(
     again = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
     assert again.get_many(list(values)) == list(values.values()) and again.check() == []
     again.close()
+
+
+def test_the_rests_of_segments_left_long_ago_are_not_kept_forever(tmp_path, monkeypatch):
+    import storage_backends.segment_writeback as segment_writeback
+
+    monkeypatch.setattr(segment_writeback, "MAX_SPANS", 4)
+    fds, started = segment_files(tmp_path), Started()
+    wb = BackgroundWriteback(fds, chunk_bytes=MiB, start=started)
+    for segment in range(1, 11):  # ten segments, each left with a rest under a stretch
+        wb.wrote(segment, 0, 512 * KiB)
+    assert sorted(wb._spans) == [7, 8, 9, 10]
+    wb.close()
+    fds.close()
