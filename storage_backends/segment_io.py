@@ -66,7 +66,6 @@ class SegmentWriter:
                  writeback: str = "later") -> None:
         self.fds = fds
         self.eager_writeback = writeback == "eager"
-        self.background = BackgroundWriteback(fds) if writeback == "background" else None
         self.direct: Descriptors | None = None
         if direct:
             directory.mkdir(parents=True, exist_ok=True)
@@ -75,6 +74,8 @@ class SegmentWriter:
             else:
                 log.warning("segment files in %s: the file system refuses O_DIRECT; writes are buffered",
                             directory)
+        # (direct values are on the disk when written: nothing to write behind)
+        self.background = BackgroundWriteback(fds) if writeback == "background" and self.direct is None else None
         self._staging = threading.local()  # per thread: one page-aligned buffer, grown as needed
 
     def stride(self, length: int) -> int:

@@ -142,12 +142,8 @@ class HostSlots:
                     link[i - 1] = False
                 if i < len(link):
                     link[i] = False
-        runs: list[tuple[int, int]] = [(0, 1)]  # (first index, count)
-        for i, linked in enumerate(link.tolist(), start=1):
-            if linked:
-                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-            else:
-                runs.append((i, 1))
+        starts = np.concatenate(([0], np.flatnonzero(~link) + 1))  # where each run begins
+        runs = zip(starts.tolist(), np.diff(starts, append=len(blocks)).tolist())  # (first index, count)
         pairs: list[tuple[np.ndarray, np.ndarray]] = []
         alone: list[int] = []
         per_piece = max(1, RUN_PIECE_BYTES // nb)
