@@ -56,6 +56,22 @@ class HostCopier:
 
         self._spread(len(shares), sum(d.nbytes for d in dsts), run)
 
+    def copy_runs(self, runs: Sequence[tuple[torch.Tensor, Sequence[torch.Tensor]]], *, into_slots: bool) -> None:
+        """For each ``(rows, blocks)``: ``torch.stack(blocks, out=rows)`` (into the slab's run
+        of slots ``rows``), or with ``into_slots`` false ``torch.unbind_copy(rows, out=blocks)``.
+        One C++ call per run, with the GIL released: no per-block Python work and no view of
+        each slot. The caller has checked that every block has the slab's dtype and shape (both
+        calls would resize ``rows`` or a block to fit, not refuse)."""
+        def run(i: int) -> None:
+            rows, blocks = runs[i]
+            with torch.inference_mode():  # as in copy_tensors: a helper's mode is its own
+                if into_slots:
+                    torch.stack(list(blocks), out=rows)
+                else:
+                    torch.unbind_copy(rows, 0, out=list(blocks))
+
+        self._spread(len(runs), sum(rows.nbytes for rows, _ in runs), run)
+
     def _spread(self, count: int, nbytes: int, run: Callable[[int], None]) -> None:
         """``run(i)`` for i in range(count), on this thread and the helpers when it is worth it."""
         pool = self._pool  # read once: close() may run concurrently

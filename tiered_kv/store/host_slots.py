@@ -4,7 +4,7 @@ worker (which never touches the slab itself)."""
 
 from __future__ import annotations
 
-import ctypes
+import operator
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,8 +20,9 @@ SMALL_BLOCK_ITEMS = 32768  # blocks of at most this many elements are copied by 
 # torch copies them on the calling thread (larger copies go to its OpenMP pool, which stalls
 # whenever another thread holds a core: see HostSlots.plain); 64 KiB of bf16
 VIEW_CHUNK = 256  # slot tensors are made this many at a time, when the first of them is asked for
-RUN_PIECE_BYTES = 1 << 20  # a run of small blocks adjacent on both sides is copied in pieces of
-# this size (one memcpy each, spread over the copier's threads like large blocks)
+RUN_PIECE_BLOCKS = 64  # small blocks in consecutive slots are copied this many per torch call
+# (one share of a batch for the copier's threads)
+_KIND = operator.attrgetter("is_cpu", "dtype", "shape")  # what a block must match to join a run
 
 
 def bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -83,20 +84,25 @@ class HostSlots:
 
     def copy_blocks(self, slots: Sequence[int], blocks: Sequence[torch.Tensor], *, into_slots: bool) -> None:
         """Copy canonical block tensors into (or out of) host ``slots``. Small CPU blocks (at
-        most SMALL_BLOCK_ITEMS elements) go to torch a batch at a time (``_foreach_copy_``: ~10
-        against ~17 us a 64 KiB block for a checked memcpy each); large plain CPU blocks as one
-        batch of memcpys; device blocks (a GPU's) are all queued on their device's current stream
-        (asynchronous from and into the pinned slab), then waited for once, so no copy still reads
-        or writes a slot when this returns."""
-        if self.small and all(b.device.type == "cpu" for b in blocks):
-            pairs, alone = self._joined_runs(slots, blocks, into_slots)
-            views = self.slot_tensors(slots if len(alone) == len(slots) else [slots[i] for i in alone])
-            singles = [blocks[i] for i in alone]
-            self.copier.copy(pairs)
-            if into_slots:
-                self.copier.copy_tensors(views, singles)
-            else:
-                self.copier.copy_tensors(singles, views)
+        most SMALL_BLOCK_ITEMS elements): each run of consecutive slots is one ``torch.stack``
+        (or ``unbind_copy``) per RUN_PIECE_BLOCKS blocks, whatever lies where in the caller's
+        memory (one C++ call and no slot view per block: ~5.3 against ~6.5-8 us a 64 KiB block
+        with a ``_foreach_copy_`` over per-slot views, 2 threads), the blocks in no run a
+        ``_foreach_copy_`` batch at a time; large plain CPU blocks as one batch of memcpys;
+        device blocks (a GPU's) are all queued on their device's current stream (asynchronous
+        from and into the pinned slab), then waited for once, so no copy still reads or writes
+        a slot when this returns."""
+        if self.small and self.canonical(blocks):
+            pieces, alone = self.slot_pieces(slots)
+            self.copier.copy_runs([(self._typed[first : first + count], blocks[pos : pos + count])
+                                   for pos, first, count in pieces], into_slots=into_slots)
+            if alone:
+                views = self.slot_tensors([slots[i] for i in alone])
+                singles = [blocks[i] for i in alone]
+                if into_slots:
+                    self.copier.copy_tensors(views, singles)
+                else:
+                    self.copier.copy_tensors(singles, views)
             return
         plain, devices = [], set()
         try:
@@ -117,48 +123,31 @@ class HostSlots:
             for device in devices:
                 torch.cuda.current_stream(device).synchronize()
 
-    def _joined_runs(self, slots: Sequence[int], blocks: Sequence[torch.Tensor],
-                     into_slots: bool) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[int]]:
-        """Runs of small blocks that lie back to back both in the caller's memory and in
-        consecutive slots (views of one engine pool, say, into a fresh stretch of the slab), as
-        ``(destination, source)`` byte arrays of at most ``RUN_PIECE_BYTES`` each: one memcpy
-        per piece instead of one copy per block. The indices of the other blocks come back to
-        be copied one by one."""
-        nb = self.block_nbytes
-        if self.host.slot_bytes != nb or len(blocks) < 2:
-            return [], list(range(len(blocks)))
-        # block i + 1 goes on from block i on both sides (a batch without any: one numpy step,
-        # not a Python check per block); a block that is not plain ends the runs around it
-        ptrs = np.fromiter((b.data_ptr() for b in blocks), np.int64, len(blocks))
-        link = (np.diff(ptrs) == nb) & (np.diff(np.asarray(slots, np.int64)) == 1)
-        if not link.any():
-            return [], list(range(len(blocks)))
-        involved = np.zeros(len(blocks), bool)
-        involved[:-1] |= link
-        involved[1:] |= link
-        for i in np.flatnonzero(involved).tolist():
-            if not self.plain(blocks[i]):  # neither the link before it nor the one after holds
-                if i > 0:
-                    link[i - 1] = False
-                if i < len(link):
-                    link[i] = False
-        starts = np.concatenate(([0], np.flatnonzero(~link) + 1))  # where each run begins
-        runs = zip(starts.tolist(), np.diff(starts, append=len(blocks)).tolist())  # (first index, count)
-        pairs: list[tuple[np.ndarray, np.ndarray]] = []
+    def canonical(self, blocks: Sequence[torch.Tensor]) -> bool:
+        """Whether every one of ``blocks`` is a CPU tensor of our dtype and exact shape (any
+        strides): what ``torch.stack`` / ``unbind_copy`` may take with a slab run as ``out``.
+        Checked here because both would silently resize ``out`` to another shape, and a
+        resized view of the slab reaches into the slots after it."""
+        return len(blocks) > 0 and set(map(_KIND, blocks)) == {(True, self.dtype, self.shape)}
+
+    def slot_pieces(self, slots: Sequence[int]) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """Runs of at least two consecutive slots, cut into pieces of at most RUN_PIECE_BLOCKS,
+        as ``(position in slots, first slot, count)``; and the positions of the slots in no run
+        (found with one numpy step over the batch, not a Python check per slot)."""
+        n = len(slots)
+        if n < 2:
+            return [], list(range(n))
+        starts = np.flatnonzero(np.diff(np.asarray(slots, np.int64)) != 1) + 1
+        starts = np.concatenate(([0], starts))
+        pieces: list[tuple[int, int, int]] = []
         alone: list[int] = []
-        per_piece = max(1, RUN_PIECE_BYTES // nb)
-        for first, count in runs:
+        for pos, count in zip(starts.tolist(), np.diff(starts, append=n).tolist()):
             if count == 1:
-                alone.append(first)
+                alone.append(pos)
                 continue
-            for lo in range(first, first + count, per_piece):
-                n = min(per_piece, first + count - lo)
-                rows = self._rows[slots[lo] : slots[lo] + n].reshape(-1)
-                # the caller's n blocks are one stretch of memory (checked above, block by
-                # block); the list of blocks keeps it alive until the copy has run
-                mem = np.ctypeslib.as_array((ctypes.c_uint8 * (n * nb)).from_address(blocks[lo].data_ptr()))
-                pairs.append((rows, mem) if into_slots else (mem, rows))
-        return pairs, alone
+            for lo in range(pos, pos + count, RUN_PIECE_BLOCKS):
+                pieces.append((lo, slots[lo], min(RUN_PIECE_BLOCKS, pos + count - lo)))
+        return pieces, alone
 
     def span(self, first: int, count: int, layers: tuple[int, int] | None = None) -> torch.Tensor:
         """Slots ``first .. first + count - 1`` as one ``[count, k, 2, bs, H, D]`` view of the

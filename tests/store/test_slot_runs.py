@@ -1,0 +1,113 @@
+"""Small blocks saved into (or loaded from) consecutive host slots are copied a run of slots at
+a time, one torch call per piece of a run, wherever the blocks lie in the caller's memory; the
+blocks in no run still one by one; the bytes are the same either way, and a block of another
+shape never reaches past its own slot."""
+
+import pytest
+import torch
+
+from tests.store.helpers import keys_for, make_store, payloads
+from tiered_kv.store.host_slots import RUN_PIECE_BLOCKS
+
+
+def spy_on_runs(store) -> list[int]:
+    """The block counts of the runs the store's copier is handed (recorded, then copied)."""
+    counts: list[int] = []
+    real = store.copier.copy_runs
+
+    def copy_runs(runs, **kw):
+        counts.extend(len(blocks) for _, blocks in runs)
+        return real(runs, **kw)
+
+    store.copier.copy_runs = copy_runs
+    return counts
+
+
+def test_blocks_scattered_in_the_callers_memory_go_to_and_from_consecutive_slots_a_run_at_a_time(tmp_path):
+    with make_store(tmp_path, host="4MiB", disk=None) as store:
+        runs = spy_on_runs(store)
+        pool = torch.stack(payloads(store, 160, seed=3))
+        blocks = list(pool.unbind(0))
+        # reversed pairs, a gap, a strided view (not contiguous) and separate tensors
+        given = [blocks[i] for i in [1, 0, 3, 2] + list(range(6, 160))]
+        given[10] = blocks[16].transpose(-1, -2).contiguous().transpose(-1, -2)  # other strides
+        given[30] = given[30].clone()  # the same bytes elsewhere
+        keys = keys_for(len(given))
+        store.save(keys, given)
+        assert sum(runs) == len(given), "some blocks were not copied in runs"
+        assert max(runs) == RUN_PIECE_BLOCKS
+        runs.clear()
+        out = torch.zeros((len(given), *store.shape), dtype=store.dtype)
+        dests = list(out.unbind(0))[::-1]  # destinations in reverse order: still one run of slots
+        assert store.load_into(keys, dests) == [True] * len(given)
+        assert sum(runs) == len(given), "some blocks were not loaded in runs"
+        assert all(torch.equal(d, g) for d, g in zip(dests, given))
+
+
+def test_a_run_ends_where_the_slots_stop_being_consecutive(tmp_path):
+    with make_store(tmp_path, host="1MiB", disk=None) as store:  # 64 slots of 16 KiB
+        first = keys_for(64)
+        store.save(first, payloads(store, 64, seed=1))
+        # two holes in the slab, freed so that they are handed out lowest slot first
+        store.host.delete_many(first[40:45][::-1] + first[10:20][::-1])
+        given = payloads(store, 15, seed=2)
+        keys = keys_for(15, first_token=64 * 16)
+        runs = spy_on_runs(store)
+        store.save(keys, given)
+        assert sorted(runs) == [5, 10], "a run went across a hole"
+        out = [torch.zeros(store.shape, dtype=store.dtype) for _ in given]
+        assert store.load_into(keys, out) == [True] * 15
+        assert all(torch.equal(o, g) for o, g in zip(out, given))
+        assert store.load_into(first[20:40], [torch.zeros(store.shape, dtype=store.dtype)] * 20) == [True] * 20
+
+
+def test_slots_larger_than_a_block_are_filled_a_run_at_a_time_and_read_back_right():
+    from storage_backends.host import HostBackend
+    from tests.store.helpers import NS
+    from tiered_kv.store.host_copy import HostCopier
+    from tiered_kv.store.host_slots import HostSlots
+
+    block = 16 << 10
+    host = HostBackend(capacity=40 * (block + 4096), slot_bytes=block + 4096, pinned=False)  # wider slots
+    slots = HostSlots(host, NS, HostCopier(2, min_bytes=0))
+    runs = spy_on_runs(slots)
+    g = torch.Generator().manual_seed(4)
+    given = [torch.randn(slots.shape, generator=g).to(slots.dtype) for _ in range(30)]
+    host.slab.numpy().fill(0x5A)  # the slots' tails: must stay as they were
+    slots.copy_blocks(list(range(5, 35)), given, into_slots=True)
+    assert sum(runs) == 30
+    out = [torch.zeros(slots.shape, dtype=slots.dtype) for _ in given]
+    slots.copy_blocks(list(range(5, 35)), out, into_slots=False)
+    assert all(torch.equal(o, g) for o, g in zip(out, given))
+    tails = host.slab[5:35, block:]
+    assert bool((tails == 0x5A).all()), "a run wrote into the gap after a block"
+    assert bool((host.slab[:5] == 0x5A).all()) and bool((host.slab[35:] == 0x5A).all())
+
+
+def test_a_destination_of_the_wrong_shape_inside_a_run_is_refused(tmp_path):
+    with make_store(tmp_path, host="1MiB", disk=None) as store:
+        given = payloads(store, 8)
+        keys = keys_for(8)
+        store.save(keys, given)
+        outs = [torch.zeros(store.shape, dtype=store.dtype) for _ in given]
+        outs[4] = torch.zeros(3, dtype=store.dtype)  # the caller's bug
+        with pytest.raises(RuntimeError):
+            store.load_into(keys, outs)
+        assert outs[4].shape == (3,), "the caller's tensor was resized"
+
+
+def test_a_block_larger_than_the_slot_never_overwrites_the_next_slots_block(tmp_path):
+    """torch.stack into a run of slots resizes its ``out`` to fit the blocks it is given: a
+    batch of blocks of twice the elements would have been written across the next slots, which
+    hold other keys' blocks. Such a batch is copied block by block, and the copy is refused."""
+    with make_store(tmp_path, host="1MiB", disk=None) as store:
+        first = keys_for(8)
+        kept = payloads(store, 8, seed=1)
+        store.save(first, kept)
+        store.host.delete_many(first[2:4][::-1])  # slots 2 and 3 free, slot 4 still held
+        wrong = [torch.ones((2 * store.shape[0], *store.shape[1:]), dtype=store.dtype)] * 2  # the caller's bug
+        with pytest.raises(RuntimeError):
+            store.save(keys_for(2, first_token=8 * 16), wrong)
+        out = [torch.zeros(store.shape, dtype=store.dtype) for _ in range(4)]
+        assert store.load_into(first[4:], out) == [True] * 4
+        assert all(torch.equal(o, k) for o, k in zip(out, kept[4:])), "a neighbouring slot was overwritten"
