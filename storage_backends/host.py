@@ -121,19 +121,21 @@ class HostBackend(Backend):
     def commit_many(self, keys: Sequence[bytes], *, pin: bool = False) -> None:
         """Phase two: the reserved keys become visible (most recently used); with ``pin`` they
         are leased in the same step, so no other thread can evict them in between."""
-        shown = []
+        shown, touched, refs = [], [], int(pin)
         with self._lock:
+            entries = self._entries
             for key in keys:
-                entry = self._entries.get(key)
+                entry = entries.get(key)
                 if entry is not None and not entry.ready:
                     entry.ready = True
-                    entry.refs += int(pin)
-                    self._ready += 1
-                    self._recency.touch(key)
+                    entry.refs += refs
+                    touched.append(key)
                     if entry.retired and entry.refs == 0:  # retired while being filled
                         self._drop(key, entry)
                     elif not entry.retired:
                         shown.append(key)
+            self._ready += len(touched)
+            self._recency.touch_many(touched)  # (a key dropped above is no longer there)
             self._tell("stored", shown)
 
     def abort_many(self, keys: Sequence[bytes]) -> None:
@@ -147,15 +149,18 @@ class HostBackend(Backend):
     def pin_many(self, keys: Sequence[bytes]) -> list[int | None]:  # type: ignore[override]
         """Lease committed entries (they are neither evicted nor deleted); their slots or None."""
         out: list[int | None] = []
+        pinned = []
         with self._lock:
+            entries = self._entries
             for key in keys:
-                entry = self._entries.get(key)
+                entry = entries.get(key)
                 if entry is None or not entry.ready or entry.retired:
                     out.append(None)
                     continue
                 entry.refs += 1
-                self._recency.touch(key)
+                pinned.append(key)
                 out.append(entry.slot)
+            self._recency.touch_many(pinned)
         return out
 
     def unpin_many(self, keys: Sequence[bytes]) -> None:

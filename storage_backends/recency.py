@@ -41,6 +41,15 @@ class RecencyIndex:
             self._all.move_to_end(key)
             self._tenants[self._all[key][1]].move_to_end(key)
 
+    def touch_many(self, keys: Sequence[bytes]) -> None:
+        """:meth:`touch` of each of ``keys``, in their order (one call for a batch)."""
+        everyone, tenants = self._all, self._tenants
+        for key in keys:
+            found = everyone.get(key)
+            if found is not None:
+                everyone.move_to_end(key)
+                tenants[found[1]].move_to_end(key)
+
     def remove(self, key: bytes) -> tuple[int, bytes] | None:
         """Forget ``key``; its (size, tenant), or None when it was not here."""
         found = self._all.pop(key, None)

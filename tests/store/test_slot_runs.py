@@ -111,3 +111,16 @@ def test_a_block_larger_than_the_slot_never_overwrites_the_next_slots_block(tmp_
         out = [torch.zeros(store.shape, dtype=store.dtype) for _ in range(4)]
         assert store.load_into(first[4:], out) == [True] * 4
         assert all(torch.equal(o, k) for o, k in zip(out, kept[4:])), "a neighbouring slot was overwritten"
+
+
+def test_a_save_whose_keys_are_partly_stored_already_puts_each_new_block_under_its_own_key(tmp_path):
+    with make_store(tmp_path, host="1MiB", disk=None) as store:
+        keys = keys_for(12)
+        given = payloads(store, 12, seed=6)
+        store.save(keys[3:6] + keys[9:], given[3:6] + given[9:])
+        runs = spy_on_runs(store)
+        store.save(keys, [torch.zeros_like(g) if i in (3, 4, 5, 9, 10, 11) else g for i, g in enumerate(given)])
+        assert sum(runs) == 6  # only the new keys' blocks were copied (slots 6..11: one run)
+        out = [torch.zeros(store.shape, dtype=store.dtype) for _ in keys]
+        assert store.load_into(keys, out) == [True] * 12
+        assert all(torch.equal(o, g) for o, g in zip(out, given)), "a block went under another key"

@@ -79,6 +79,8 @@ class Saver:
         tenant = self.tenant if tenant is None else tenant
         counts = self.requests.request(keys)
         slots = self.host.reserve_many(list(keys), tenant=tenant)
+        if None not in slots:  # every key got a slot (the common case): nothing to sort out
+            return SaveBatch(list(keys), slots, 0, tenant, counts)
         kept = [(k, s) for k, s in zip(keys, slots) if s is not None]
         skipped = len(keys) - len(kept)
         if skipped:
@@ -111,7 +113,7 @@ class Saver:
 
         More blocks than the host tier holds at once are staged in chunks; a chunk waits for
         the write-behind of earlier ones when their leased slots are all the room there is."""
-        index = {k: i for i, k in enumerate(keys)}
+        index: dict[bytes, int] | None = None  # made when a batch skipped some keys
         chunk = max(1, self.host.num_slots // 2)
         futures: list[Future] = []
         for start in range(0, len(keys), chunk):
@@ -120,8 +122,13 @@ class Saver:
                 for f in futures:
                     f.exception()
             batch = self.prepare_save(part, tenant)
+            if batch.skipped:
+                index = index or {k: i for i, k in enumerate(keys)}
+                blocks = [payloads[index[k]] for k in batch.keys]
+            else:
+                blocks = payloads[start : start + chunk]
             try:
-                self.slots.copy_blocks(batch.slots, [payloads[index[k]] for k in batch.keys], into_slots=True)
+                self.slots.copy_blocks(batch.slots, blocks, into_slots=True)
             except Exception:
                 self.commit_save(batch, ok=False)
                 raise
