@@ -76,18 +76,18 @@ class DirectLoads:
         keys = [plan.keys[i] for i in idx]
         reading: Future = Future()
         self.loader.invalidations.track_write(keys, reading)
+        dests = [bytes_of(outs[i]) for i in idx]
         try:
             try:
-                reasons, served = self.loader.reader.read(keys, [bytes_of(outs[i]) for i in idx],
-                                                   [plan.counts[i] for i in idx], plan.tenant)
+                reasons, served = self.loader.reader.read(keys, dests, [plan.counts[i] for i in idx], plan.tenant)
             except Exception:  # a bug, not a bad block (those are per-block reasons)
                 log.exception("load of %d blocks failed; they are counted as %s misses", len(idx), LOAD_ERROR)
                 self.loader.metrics.miss("host", LOAD_ERROR, len(idx))
                 reasons, served = [LOAD_ERROR] * len(idx), [None] * len(idx)
             loaded = [i for i, r in zip(idx, reasons) if r is None]
             try:  # the tiers below may have been earned (queued while the read is a tracked write)
-                self.loader.saver.write_earned_copies([(plan.keys[i], plan.counts[i], bytes_of(outs[i]))
-                                                for i in loaded], plan.tenant)
+                self.loader.saver.write_earned_copies([(plan.keys[i], plan.counts[i], dest) for i, dest, r
+                                                       in zip(idx, dests, reasons) if r is None], plan.tenant)
             except Exception:  # the blocks were loaded; only their copies below are lost
                 log.exception("queueing copies of %d loaded blocks failed", len(loaded))
         finally:
