@@ -124,3 +124,16 @@ def test_a_save_whose_keys_are_partly_stored_already_puts_each_new_block_under_i
         out = [torch.zeros(store.shape, dtype=store.dtype) for _ in keys]
         assert store.load_into(keys, out) == [True] * 12
         assert all(torch.equal(o, g) for o, g in zip(out, given)), "a block went under another key"
+
+
+def test_a_save_with_fewer_blocks_than_keys_is_refused_and_stores_nothing(tmp_path):
+    """A run copies ``blocks[pos:pos + count]``: one block short, and torch.stack would have
+    filled one slot less than the run and the last key would have been published over whatever
+    its slot held before."""
+    with make_store(tmp_path, host="1MiB", disk=None) as store:
+        keys = keys_for(8)
+        with pytest.raises(ValueError):
+            store.save(keys, payloads(store, 7))
+        assert store.lookup(keys) == 0
+        with pytest.raises(ValueError):
+            store.slots.copy_blocks([0, 1, 2], payloads(store, 2), into_slots=True)

@@ -92,6 +92,8 @@ class HostSlots:
         device blocks (a GPU's) are all queued on their device's current stream (asynchronous
         from and into the pinned slab), then waited for once, so no copy still reads or writes
         a slot when this returns."""
+        if len(slots) != len(blocks):  # a run copies blocks[pos:pos + count] into its slots
+            raise ValueError(f"{len(blocks)} blocks for {len(slots)} slots")
         if self.small and self.canonical(blocks):
             pieces, alone = self.slot_pieces(slots)
             self.copier.copy_runs([(self._typed[first : first + count], blocks[pos : pos + count])

@@ -113,6 +113,8 @@ class Saver:
 
         More blocks than the host tier holds at once are staged in chunks; a chunk waits for
         the write-behind of earlier ones when their leased slots are all the room there is."""
+        if len(payloads) != len(keys):  # a block per key, or which block is whose is a guess
+            raise ValueError(f"save of {len(keys)} keys with {len(payloads)} blocks")
         index: dict[bytes, int] | None = None  # made when a batch skipped some keys
         chunk = max(1, self.host.num_slots // 2)
         futures: list[Future] = []
