@@ -123,9 +123,8 @@ class HostBackend(Backend):
         are leased in the same step, so no other thread can evict them in between."""
         shown, touched, refs = [], [], int(pin)
         with self._lock:
-            entries = self._entries
             for key in keys:
-                entry = entries.get(key)
+                entry = self._entries.get(key)
                 if entry is not None and not entry.ready:
                     entry.ready = True
                     entry.refs += refs
@@ -149,18 +148,15 @@ class HostBackend(Backend):
     def pin_many(self, keys: Sequence[bytes]) -> list[int | None]:  # type: ignore[override]
         """Lease committed entries (they are neither evicted nor deleted); their slots or None."""
         out: list[int | None] = []
-        pinned = []
         with self._lock:
-            entries = self._entries
             for key in keys:
-                entry = entries.get(key)
+                entry = self._entries.get(key)
                 if entry is None or not entry.ready or entry.retired:
                     out.append(None)
                     continue
                 entry.refs += 1
-                pinned.append(key)
                 out.append(entry.slot)
-            self._recency.touch_many(pinned)
+            self._recency.touch_many([k for k, s in zip(keys, out) if s is not None])
         return out
 
     def unpin_many(self, keys: Sequence[bytes]) -> None:
