@@ -91,7 +91,7 @@ def test_a_destination_of_the_wrong_shape_inside_a_run_is_refused(tmp_path):
         store.save(keys, given)
         outs = [torch.zeros(store.shape, dtype=store.dtype) for _ in given]
         outs[4] = torch.zeros(3, dtype=store.dtype)  # the caller's bug
-        with pytest.raises(RuntimeError):
+        with pytest.raises(ValueError):
             store.load_into(keys, outs)
         assert outs[4].shape == (3,), "the caller's tensor was resized"
 
@@ -106,7 +106,7 @@ def test_a_block_larger_than_the_slot_never_overwrites_the_next_slots_block(tmp_
         store.save(first, kept)
         store.host.delete_many(first[2:4][::-1])  # slots 2 and 3 free, slot 4 still held
         wrong = [torch.ones((2 * store.shape[0], *store.shape[1:]), dtype=store.dtype)] * 2  # the caller's bug
-        with pytest.raises(RuntimeError):
+        with pytest.raises(ValueError):
             store.save(keys_for(2, first_token=8 * 16), wrong)
         out = [torch.zeros(store.shape, dtype=store.dtype) for _ in range(4)]
         assert store.load_into(first[4:], out) == [True] * 4
@@ -137,3 +137,14 @@ def test_a_save_with_fewer_blocks_than_keys_is_refused_and_stores_nothing(tmp_pa
         assert store.lookup(keys) == 0
         with pytest.raises(ValueError):
             store.slots.copy_blocks([0, 1, 2], payloads(store, 2), into_slots=True)
+
+
+def test_a_block_of_a_shape_that_broadcasts_is_refused_not_spread_over_its_slot(tmp_path):
+    """``copy_`` broadcasts: a block holding only K (``[L, 1, ...]``) would have been stored
+    with its K copied over V, and served as a whole block."""
+    with make_store(tmp_path, host="1MiB", disk=None) as store:
+        half = torch.ones((store.shape[0], 1, *store.shape[2:]), dtype=store.dtype)
+        keys = keys_for(2)
+        with pytest.raises(ValueError):
+            store.save(keys, [half, half.clone()])
+        assert store.lookup(keys) == 0

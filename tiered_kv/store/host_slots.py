@@ -109,6 +109,8 @@ class HostSlots:
         plain, devices = [], set()
         try:
             for slot, block in zip(slots, blocks):
+                if block.shape != self.shape:  # copy_ would broadcast one that fits (K into V too)
+                    raise ValueError(f"a block of shape {list(block.shape)} for slots of {list(self.shape)}")
                 if self.plain(block):
                     row, mem = self.row(slot), bytes_of(block)
                     plain.append((row, mem) if into_slots else (mem, row))
