@@ -37,9 +37,7 @@ class RecencyIndex:
 
     def touch(self, key: bytes) -> None:
         """``key`` (if here) becomes the most recently used."""
-        if key in self._all:
-            self._all.move_to_end(key)
-            self._tenants[self._all[key][1]].move_to_end(key)
+        self.touch_many((key,))
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
         """:meth:`touch` of each of ``keys``, in their order (one call for a batch)."""

@@ -136,16 +136,10 @@ class HostSlots:
 
     def slot_pieces(self, slots: Sequence[int]) -> tuple[list[tuple[int, int, int]], list[int]]:
         """Runs of at least two consecutive slots, cut into pieces of at most RUN_PIECE_BLOCKS,
-        as ``(position in slots, first slot, count)``; and the positions of the slots in no run
-        (found with one numpy step over the batch, not a Python check per slot)."""
-        n = len(slots)
-        if n < 2:
-            return [], list(range(n))
-        starts = np.flatnonzero(np.diff(np.asarray(slots, np.int64)) != 1) + 1
-        starts = np.concatenate(([0], starts))
+        as ``(position in slots, first slot, count)``; and the positions of the slots in no run."""
         pieces: list[tuple[int, int, int]] = []
         alone: list[int] = []
-        for pos, count in zip(starts.tolist(), np.diff(starts, append=n).tolist()):
+        for pos, count in _consecutive(slots):
             if count == 1:
                 alone.append(pos)
                 continue
@@ -200,12 +194,16 @@ class HostSlots:
         """``(position in slots, first slot, count)`` for each run of consecutive slots, whose
         blocks lie back to back in the slab (only when a slot holds exactly one block's bytes;
         otherwise every slot is a run of its own)."""
-        joinable = self.host.slot_bytes == self.block_nbytes
-        runs: list[tuple[int, int, int]] = []
-        for pos, slot in enumerate(slots):
-            if runs and joinable and runs[-1][1] + runs[-1][2] == slot:
-                start, first, count = runs[-1]
-                runs[-1] = (start, first, count + 1)
-            else:
-                runs.append((pos, slot, 1))
-        return runs
+        if self.host.slot_bytes != self.block_nbytes:
+            return [(pos, slot, 1) for pos, slot in enumerate(slots)]
+        return [(pos, slots[pos], count) for pos, count in _consecutive(slots)]
+
+
+def _consecutive(slots: Sequence[int]) -> list[tuple[int, int]]:
+    """``(position, count)`` of each run of consecutive slot numbers in ``slots``, found with one
+    numpy step over the batch (not a Python check per slot)."""
+    n = len(slots)
+    if n == 0:
+        return []
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(np.asarray(slots, np.int64)) != 1) + 1))
+    return list(zip(starts.tolist(), np.diff(starts, append=n).tolist()))
