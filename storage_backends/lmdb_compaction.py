@@ -2,7 +2,8 @@
 leaves its bytes there until the whole segment drains; a segment held by a few long-lived
 values (a shared prefix's first blocks) would keep the rest of its file forever. When the dead
 bytes of sealed segments exceed ``dead_limit``, the live values of the sparsest sealed segment
-(the one with the smallest live share) are copied to this process's open segment and their places swapped in one transaction, each
+(the one with the smallest live share) are copied to an open segment of this process (the
+compacting writer's lane) and their places swapped in one transaction, each
 only if the value still lies where it was read (a value overwritten, deleted or moved by another
 process meanwhile keeps its new place; the copy is dead bytes). The old segment then drains and
 its file goes. Disk use stays within the capacity plus ``dead_limit`` plus the open segments."""

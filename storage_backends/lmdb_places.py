@@ -10,12 +10,12 @@ from storage_backends.lmdb_segments import (
     Place,
     SegmentFiles,
     SegmentRecord,
-    owner_alive,
     segment_key,
     unpack_place,
     unpack_segment,
 )
 from storage_backends.lmdb_tables import Tables, Write
+from storage_backends.segment_owners import owner_alive
 
 log = logging.getLogger(__name__)
 

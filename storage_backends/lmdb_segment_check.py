@@ -11,12 +11,12 @@ from storage_backends.lmdb_places import register_segment
 from storage_backends.lmdb_segments import (
     SegmentFiles,
     SegmentRecord,
-    owner_alive,
     segment_key,
     unpack_place,
     unpack_segment,
 )
 from storage_backends.lmdb_tables import Tables, Write
+from storage_backends.segment_owners import owner_alive
 
 
 def check_segments(tables: Tables, txn, w: Write | None, files: SegmentFiles) -> tuple[list[str], dict[bytes, int]]:

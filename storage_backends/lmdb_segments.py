@@ -4,7 +4,8 @@ with the GIL released, instead of through LMDB's single writer and its dirty pag
 
 ``DIR/segments/<id as 16 hex>.seg``. A segment is append-only: an offset is never written twice,
 so a reader holding a place reads the value that was committed there or (once the segment is
-gone) nothing, never another value. Each process appends to a segment of its own, registered in
+gone) nothing, never another value. Each writer appends to a segment of its own (a lane of its
+process: :meth:`SegmentFiles.appending`), registered in
 the ``segments`` table before the file exists (a file without a record is an orphan); the table
 counts each segment's live bytes and entries, and a sealed segment with none left is deleted
 after the transaction that emptied it commits. A value is written before the transaction that
@@ -20,6 +21,7 @@ import logging
 import os
 import struct
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,6 +29,7 @@ from storage_backends.log_throttle import LogThrottle
 from storage_backends.segment_fds import Descriptors
 from storage_backends.segment_io import SegmentWriter
 from storage_backends.segment_maps import SegmentMaps
+from storage_backends.segment_owners import pid_namespace, process_start
 
 log = logging.getLogger(__name__)
 
@@ -77,43 +80,21 @@ def segment_key(segment: int) -> bytes:
     return SEGMENT_ID.pack(segment)
 
 
-def process_start(pid: int) -> int | None:
-    """``pid``'s start time in clock ticks after boot; None when no such process runs (a
-    zombie, killed and not yet reaped, runs no more)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    try:  # the command name may hold spaces and parentheses: fields follow the last ")"
-        fields = stat[stat.rindex(b")") + 2 :].split()
-        return None if fields[0] in (b"Z", b"X") else int(fields[19])
-    except (ValueError, IndexError):
-        return None
+class Lane:
+    """One writer's way into the segment files: the segment it appends to (None before its
+    first append) and that segment's next free offset. Held by one writer at a time."""
 
+    __slots__ = ("segment", "next")
 
-def pid_namespace() -> int:
-    """The inode of this process's pid namespace (0 when unknown)."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def owner_alive(record: SegmentRecord) -> bool:
-    """Whether the process appending to a segment may still run: a process of another pid
-    namespace (another container on this host) cannot be looked up, so it is taken to run."""
-    if record.owner_pid <= 0:
-        return False
-    if record.owner_ns != pid_namespace():
-        return True
-    return process_start(record.owner_pid) == record.owner_start
+    def __init__(self) -> None:
+        self.segment: int | None = None
+        self.next = 0
 
 
 class SegmentFiles:
     """The segment files of one environment directory, as this process uses them: appends to
-    its own open segment (``reserve`` then ``write``), reads through cached descriptors, fsyncs
-    what it wrote, deletes drained segments."""
+    its own open segments, one per lane (``appending``, ``reserve`` then ``write``), reads
+    through cached descriptors, fsyncs what it wrote, deletes drained segments."""
 
     def __init__(self, path: Path, segment_bytes: int, writeback: str = "later",
                  direct_io: bool = False) -> None:
@@ -121,7 +102,7 @@ class SegmentFiles:
         self.segment_bytes = segment_bytes
         self.pid = os.getpid()
         self.start = process_start(self.pid) or 0
-        self._lock = threading.Lock()  # the open segment, reservations, what awaits an fsync
+        self._lock = threading.Lock()  # the lanes, reservations, what awaits an fsync
         self._rolling = threading.Lock()  # taken (before _lock) to open a new segment
         self._syncing = threading.Lock()  # a sync returns only once every earlier write is durable
         self._closed = False
@@ -130,8 +111,8 @@ class SegmentFiles:
         self._failures = LogThrottle(log)
         self.maps = SegmentMaps(self.path_of)
         self._dirty: set[int] = set()
-        self.current: int | None = None  # this process's open segment
-        self._next = 0  # its next free offset
+        self._lanes: list[Lane] = []  # every lane of this process (a writer's open segment)
+        self._idle: list[Lane] = []  # the lanes no writer holds now
         self._pending: dict[int, int] = {}  # segment -> values reserved, not yet settled
         self._retired: dict[int, int] = {}  # segments this process stopped appending to -> end
 
@@ -165,42 +146,63 @@ class SegmentFiles:
         """The record a segment this process opens starts with."""
         return SegmentRecord(0, 0, 0, self.pid, self.start, False, pid_namespace())
 
-    def reserve(self, length: int, register) -> tuple[int, int]:
-        """(segment, offset) of ``length`` fresh bytes in this process's open segment; a new
-        segment is opened first when there is none or it is full: ``register(segment_id)``
-        records it (a write transaction) before its file is created. Every reservation is
-        :meth:`settle`-d once its transaction ended. OSError when there is no room."""
+    @contextmanager
+    def appending(self):
+        """A lane of this process for one writer's appends, from :meth:`reserve` to its last
+        write: writers at once append to segments of their own. The kernel takes one file's
+        lock for each buffered write to it, so two threads appending to one file wait for each
+        other (this VM, 2 threads of 2 MiB writes into fresh page cache: 4.2 GB/s to one file,
+        8.5 to a file each)."""
         with self._lock:
-            if not self._needs_new(length):
-                return self._take(length)
+            lane = self._idle.pop() if self._idle else None
+            if lane is None:
+                lane = Lane()
+                self._lanes.append(lane)
+        try:
+            yield lane
+        finally:
+            with self._lock:
+                self._idle.append(lane)
+
+    def open_segments(self) -> list[int]:
+        """The segments this process's lanes append to now."""
+        with self._lock:
+            return [lane.segment for lane in self._lanes if lane.segment is not None]
+
+    def reserve(self, lane: Lane, length: int, register) -> tuple[int, int]:
+        """(segment, offset) of ``length`` fresh bytes in ``lane``'s open segment (a lane held
+        through :meth:`appending`); a new segment is opened first when there is none or it is
+        full: ``register(segment_id)`` records it (a write transaction) before its file is
+        created. Every reservation is :meth:`settle`-d once its transaction ended. OSError when
+        there is no room."""
+        with self._lock:
+            if not self._needs_new(lane, length):
+                return self._take(lane, length)
         with self._rolling:  # one new segment at a time, registered outside the lock (it waits
-            with self._lock:  # for LMDB's writer and the remap gate; a close holds the gate)
-                if not self._needs_new(length):
-                    return self._take(length)
-            segment = int.from_bytes(os.urandom(8), "little") or 1
-            register(segment)
+            segment = int.from_bytes(os.urandom(8), "little") or 1  # for LMDB's writer and the
+            register(segment)  # remap gate; a close holds the gate)
             self.dir.mkdir(exist_ok=True)
             self.fds.create(segment)
             with self._lock:
                 if self._closed:
                     raise OSError(errno.EBADF, "segment files closed")
-                if self.current is not None:
-                    self._retired[self.current] = self._next
-                self.current, self._next = segment, 0
-                return self._take(length)
+                if lane.segment is not None:
+                    self._retired[lane.segment] = lane.next
+                lane.segment, lane.next = segment, 0
+                return self._take(lane, length)
 
-    def _needs_new(self, length: int) -> bool:
+    def _needs_new(self, lane: Lane, length: int) -> bool:
         if self._closed:
             raise OSError(errno.EBADF, "segment files closed")
-        end = self.writer.start(self._next, length) + self.writer.stride(length)
-        return self.current is None or (end > self.segment_bytes and self._next > 0) \
-            or self.fds.deleted(self.current)  # (deleted behind our back: start another)
+        end = self.writer.start(lane.next, length) + self.writer.stride(length)
+        return lane.segment is None or (end > self.segment_bytes and lane.next > 0) \
+            or self.fds.deleted(lane.segment)  # (deleted behind our back: start another)
 
-    def _take(self, length: int) -> tuple[int, int]:
-        offset = self.writer.start(self._next, length)
-        self._next = offset + self.writer.stride(length)
-        self._pending[self.current] = self._pending.get(self.current, 0) + 1
-        return self.current, offset
+    def _take(self, lane: Lane, length: int) -> tuple[int, int]:
+        offset = self.writer.start(lane.next, length)
+        lane.next = offset + self.writer.stride(length)
+        self._pending[lane.segment] = self._pending.get(lane.segment, 0) + 1
+        return lane.segment, offset
 
     def settle(self, segments) -> dict[int, int]:
         """One reservation in each of ``segments`` ended (its value recorded or given up); the
@@ -215,12 +217,13 @@ class SegmentFiles:
                 del self._retired[segment]
             return done
 
-    def retire_current(self) -> dict[int, int]:
+    def retire_open(self) -> dict[int, int]:
         """Stop appending (closing): the segments that may be sealed now, with their ends."""
         with self._lock:
-            if self.current is not None:
-                self._retired[self.current] = self._next
-                self.current, self._next = None, 0
+            for lane in self._lanes:
+                if lane.segment is not None:
+                    self._retired[lane.segment] = lane.next
+                    lane.segment, lane.next = None, 0
             done = {s: end for s, end in self._retired.items() if s not in self._pending}
             for segment in done:
                 del self._retired[segment]
@@ -300,7 +303,9 @@ class SegmentFiles:
 
     def close(self) -> None:
         with self._lock:
-            self.current, self._closed = None, True
+            self._closed = True
+            for lane in self._lanes:
+                lane.segment = None
         self.writer.close()  # (its writeback thread uses the descriptors)
         self.fds.close()
         self.maps.close()

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from storage_backends.gathered import nbytes_of
 from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
 from storage_backends.lmdb_places import recover_segments, register_segment, seal_segments
-from storage_backends.lmdb_segments import Place, SegmentFiles, unpack_place
+from storage_backends.lmdb_segments import Lane, Place, SegmentFiles, unpack_place
 from storage_backends.log_throttle import LogThrottle
 from tiered_kv.errors import BackendClosed, BackendUnavailable
 
@@ -60,8 +60,8 @@ class SegmentValues:
 
     # -- writes --------------------------------------------------------------------------------
     def write(self, values: Sequence) -> list[Place | None]:
-        """Append each value to this process's segment; its place, or None when it could not
-        be written (no room on the disk, an I/O error: logged, counted by the caller). Every
+        """Append each value to a segment of this writer's own; its place, or None when it could
+        not be written (no room on the disk, an I/O error: logged, counted by the caller). Every
         place (and None) must be :meth:`settle`-d once its transaction ended."""
         places: list[Place | None] = []
         try:
@@ -79,23 +79,27 @@ class SegmentValues:
         return places
 
     def _write_all(self, values: Sequence, places: list[Place | None]) -> None:
-        for value in values:
-            nbytes = nbytes_of(value)
-            try:
-                segment, offset = self.files.reserve(nbytes, self._register)
-            except (OSError, NoSpace, BackendUnavailable) as exc:
-                self._failures.warning("lmdb tier at %s: no segment to write to: %s", self.db.path, exc)
-                places.append(None)
-                continue
-            place = Place(segment, offset, nbytes)
-            try:
-                self.files.write(segment, offset, value)
-            except OSError as exc:
-                self._failures.warning("lmdb tier at %s: segment write failed: %s", self.db.path, exc)
-                self.settle([place])
-                places.append(None)
-                continue
-            places.append(place)
+        with self.files.appending() as lane:  # a segment of this writer's own
+            for value in values:
+                self._write_one(lane, value, places)
+
+    def _write_one(self, lane: Lane, value, places: list[Place | None]) -> None:
+        nbytes = nbytes_of(value)
+        try:
+            segment, offset = self.files.reserve(lane, nbytes, self._register)
+        except (OSError, NoSpace, BackendUnavailable) as exc:
+            self._failures.warning("lmdb tier at %s: no segment to write to: %s", self.db.path, exc)
+            places.append(None)
+            return
+        place = Place(segment, offset, nbytes)
+        try:
+            self.files.write(segment, offset, value)
+        except OSError as exc:
+            self._failures.warning("lmdb tier at %s: segment write failed: %s", self.db.path, exc)
+            self.settle([place])
+            places.append(None)
+            return
+        places.append(place)
 
     def _register(self, segment: int) -> None:
         record = self.files.new_record()
@@ -163,7 +167,7 @@ class SegmentValues:
             self._closing = True
             if not self._writers.wait_for(lambda: not self._inflight, CLOSE_WAIT_S):
                 log.warning("lmdb tier at %s: closing while %d puts still run", self.db.path, self._inflight)
-        done = self.files.retire_current()
+        done = self.files.retire_open()
         if done:
             try:
                 self.seal(done)

@@ -309,7 +309,7 @@ def test_a_writer_killed_after_its_puts_leaves_an_open_segment_the_next_writer_s
         b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB, direct_io={direct_io})
         for i in range(5):
             assert b.put_many([(key(i), blob(i, 200 * KiB))]) == [True]
-        print(b.values.files.current, flush=True)
+        print(*b.values.files.open_segments(), flush=True)
         time.sleep(600)  # killed here, with its segment open
     """)
     try:
@@ -430,7 +430,8 @@ def test_a_segment_deleted_under_the_writer_that_still_holds_it_open_never_yield
 def test_after_check_fix_of_its_deleted_open_segment_a_writers_next_puts_land_in_a_file_that_exists(tmp_path):
     b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
     assert b.put_many([(key(0), blob(0, 100 * KiB))]) == [True]
-    os.unlink(b.values.files.path_of(b.values.files.current))  # the segment it appends to
+    [segment] = b.values.files.open_segments()  # the segment it appends to
+    os.unlink(b.values.files.path_of(segment))
     assert b.check(fix=True) != [] and b.check() == []
     assert b.put_many([(key(1), blob(1, 100 * KiB))]) == [True]
     assert b.check() == [], "the value just put lies in a file that is gone"
@@ -708,6 +709,48 @@ def test_two_processes_appending_at_once_each_use_segments_of_their_own(tmp_path
     assert all(r.sealed for r in segment_records(reader).values()), "each closed, sealing its segments"
     assert reader.check() == []
     reader.close()
+
+
+def test_two_threads_putting_at_once_append_to_segments_of_their_own_and_close_seals_both(tmp_path):
+    """The kernel takes a file's lock for each buffered write to it: two writers sharing one
+    segment file would write one after the other."""
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes=4 * MiB)
+    files = b.values.files
+    first_write, release = threading.Event(), threading.Event()
+    write = files.write
+
+    def held_write(segment, offset, value):  # the first writer stops inside its first write
+        if not first_write.is_set():
+            first_write.set()
+            assert release.wait(30)
+        write(segment, offset, value)
+
+    files.write = held_write
+    expected = {key(i, t): blob(i + 100 * len(t), 100 * KiB) for t in ("a", "bb") for i in range(3)}
+
+    def writer(tag):
+        return lambda: [b.put_many([(key(i, tag), expected[key(i, tag)])]) for i in range(3)]
+
+    first = threading.Thread(target=writer("a"))
+    first.start()
+    assert first_write.wait(30)
+    writer("bb")()  # while the first is still inside its write
+    release.set()
+    first.join(30)
+    assert not first.is_alive()
+    assert_reads(b, expected)
+    ours = {t: {segment_of(b, key(i, t)) for i in range(3)} for t in ("a", "bb")}
+    assert len(ours["a"]) == len(ours["bb"]) == 1 and not ours["a"] & ours["bb"]
+    assert sorted(files.open_segments()) == sorted(ours["a"] | ours["bb"])
+    later = []
+    run_threads_60(*[lambda t=t: later.append(b.put_many([(key(9, t), blob(9, 100 * KiB))])) for t in "xy"])
+    assert later == [[True], [True]] and len(files.open_segments()) == 2, "lanes are reused, not added"
+    b.close()
+    again = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
+    assert all(r.sealed for r in segment_records(again).values()), "close sealed every lane's segment"
+    assert again.check() == []
+    assert_reads(again, expected)
+    again.close()
 
 
 # -- 10. reads split between a head and the caller's buffer ---------------------------------------
