@@ -12,9 +12,12 @@ from storage_backends.base import Visitor
 from storage_backends.lmdb_environment import LmdbEnvironment
 from storage_backends.lmdb_segments import Place
 from storage_backends.lmdb_tables import as_key, fits
-from storage_backends.lmdb_values import SegmentValues
+from storage_backends.lmdb_values import MAX_GAP, SegmentValues
 
 MAX_SPLIT_HEAD = 64 << 10  # visit_split: the most bytes read ahead of a value's part that goes to its out
+RUN_BYTES = 1 << 20  # visit_split: values read with one gathered read, at most this many bytes
+RUN_VALUES = 256  # ... and this many values (three pieces each: the limit is 1024, IOV_MAX)
+UNREAD = object()  # _visit_split_one: the value's head is not read yet
 
 
 class LmdbReads:
@@ -61,26 +64,42 @@ class LmdbReads:
     def visit_split(self, keys: Sequence[bytes], outs: Sequence[object], visitor) -> list[bool]:
         """Values in segment files longer than their ``outs[i]`` by at most ``MAX_SPLIT_HEAD``
         bytes are read in two pieces, the rest straight into ``outs[i]`` (one copy, made by the
-        kernel); values in LMDB's pages are visited there, zero-copy."""
+        kernel); values in LMDB's pages are visited there, zero-copy. Such values lying one
+        after the other in a segment (as a batch written by one writer does) are read with one
+        gathered read per ``RUN_BYTES``: small blocks cost a system call (and a release of the
+        GIL) per run, not per block."""
         keys = [as_key(k) for k in keys]
         sizes: list[int | None] = [None] * len(keys)
         with self.db.guard("read"), self.db.txn() as txn:
-            for i, key in enumerate(keys):
-                value, place = self._locate(txn, key)
-                if place is not None:
-                    head = self.values.read_split(place, outs[i], MAX_SPLIT_HEAD)
-                    if head is False:  # its segment no longer holds it: a miss
-                        continue
-                    if head is not None and visitor(i, head, None) is not False:
-                        sizes[i] = place.length
-                    else:  # not split, or not wanted split: the whole value
-                        value = self.values.read(place)
-                        if value is None:
-                            continue
-                if value is not None:
-                    visitor(i, None, value)
-                    sizes[i] = len(value)
+            located = [self._locate(txn, key) for key in keys]
+            for run in _runs([place for _, place in located], outs):
+                heads = None
+                if len(run) > 1:
+                    heads = self.values.read_split_run([located[i][1] for i in run], [outs[i] for i in run])
+                for j, i in enumerate(run):
+                    value, place = located[i]
+                    self._visit_split_one(i, value, place, outs[i], visitor, sizes,
+                                          UNREAD if heads is None else heads[j])
         return self._counted(keys, sizes)
+
+    def _visit_split_one(self, i: int, value, place: Place | None, out, visitor, sizes: list[int | None],
+                         head=UNREAD) -> None:
+        """Visit the ``i``-th value: its head (read now unless given) and ``out`` holding the
+        rest, or the whole value; ``sizes[i]`` set when it was there."""
+        if place is not None:
+            if head is UNREAD:
+                head = self.values.read_split(place, out, MAX_SPLIT_HEAD)
+            if head is False:  # its segment no longer holds it: a miss
+                return
+            if head is not None and visitor(i, head, None) is not False:
+                sizes[i] = place.length
+                return
+            value = self.values.read(place)  # not split, or not wanted split: the whole value
+            if value is None:
+                return
+        if value is not None:
+            visitor(i, None, value)
+            sizes[i] = len(value)
 
     def _counted(self, keys: Sequence[bytes], sizes: Sequence[int | None]) -> list[bool]:
         """Record the reads of the keys found (``sizes[i]``: bytes read, None when absent; applied
@@ -113,3 +132,28 @@ class LmdbReads:
             return None if value is None else (value, None)
         view = self.values.files.maps.view(place.segment, place.offset, place.length)
         return None if view is None else (view, place)
+
+
+def _runs(places: Sequence[Place | None], outs: Sequence[object]) -> list[list[int]]:
+    """Indices of ``places`` in order, grouped: values that can be read split lying one after
+    the other in a segment (a gap of under ``MAX_GAP`` bytes, ``RUN_BYTES`` and ``RUN_VALUES``
+    at most) form a run; every other index is a group of its own."""
+    runs: list[list[int]] = []
+    last: Place | None = None
+    size = 0
+    for i, place in enumerate(places):
+        head = None if place is None else place.length - memoryview(outs[i]).nbytes
+        if head is None or not 0 < head <= MAX_SPLIT_HEAD or place.length > RUN_BYTES:
+            runs.append([i])
+            last = None
+            continue
+        if last is not None and place.segment == last.segment and \
+                0 <= place.offset - (last.offset + last.length) < MAX_GAP and \
+                size + place.length <= RUN_BYTES and len(runs[-1]) < RUN_VALUES:
+            runs[-1].append(i)
+            size += place.length
+        else:
+            runs.append([i])
+            size = place.length
+        last = place
+    return runs

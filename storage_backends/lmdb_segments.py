@@ -263,12 +263,18 @@ class SegmentFiles:
             views = [memoryview(b).cast("B") for b in buffers]
         else:
             views = [memoryview(buffers).cast("B")[: place.length]]
+        return self.read_at(place.segment, place.offset, views)
+
+    def read_at(self, segment: int, offset: int, views: list[memoryview]) -> bool:
+        """Fill byte views ``views`` in turn from ``offset`` of ``segment`` (one gathered read
+        for values lying one after the other); False when the segment is gone or ends first."""
+        length = sum(len(v) for v in views)
         try:
-            fd = self.fds.hold(place.segment)
+            fd = self.fds.hold(segment)
             try:
                 done = 0
-                while done < place.length:
-                    n = os.preadv(fd, views, place.offset + done)
+                while done < length:
+                    n = os.preadv(fd, views, offset + done)
                     if n <= 0:
                         return False
                     done += n
@@ -278,10 +284,10 @@ class SegmentFiles:
                     if views and n:
                         views[0] = views[0][n:]
             finally:
-                self.fds.release(place.segment)
+                self.fds.release(segment)
         except OSError as exc:  # gone (a miss), or unreadable: a miss too, said once in a while
             if not isinstance(exc, FileNotFoundError):
-                self._failures.warning("segment %s unreadable: %s", self.path_of(place.segment), exc)
+                self._failures.warning("segment %s unreadable: %s", self.path_of(segment), exc)
             return False
         return True
 

@@ -25,6 +25,8 @@ PAGE = 4096  # reads land in a buffer at their file offset's place within a page
 # copy out of the page cache runs at a quarter to three quarters of its pace on some CPUs (AMD
 # EPYC here) unless destination and source sit a multiple of 32 bytes apart
 # (tools/probe_vm_memory.py)
+MAX_GAP = PAGE  # read_split_run: the most bytes between two values of a run (a direct value's pad)
+RUN_SLOT = 1  # the thread buffer holding a run's heads (whole values are read into buffer 0)
 
 
 class SegmentValues:
@@ -38,6 +40,7 @@ class SegmentValues:
         self._inflight = 0  # puts (and compactions) between their first write and their settling
         self._closing = False
         self._local = threading.local()
+        self._gap = memoryview(bytearray(MAX_GAP))  # where the bytes between values of a run go
         self._failures = LogThrottle(log)
 
     @contextmanager
@@ -137,6 +140,30 @@ class SegmentValues:
             return None
         head = self._buffer(0, head_len, place.offset % PAGE)
         return head.toreadonly() if self.files.read_into(place, (head, dst)) else False
+
+    def read_split_run(self, places: Sequence[Place], outs: Sequence) -> list[memoryview] | None:
+        """Values lying one after the other in one segment (gaps of under ``MAX_GAP`` bytes),
+        each longer than its ``outs[i]``, read with one gathered read: each one's head into
+        this thread's buffer ``RUN_SLOT`` and its rest straight into its out. The heads (valid
+        until the thread reads another run), or None when the run could not be read whole: the
+        caller reads its values one at a time."""
+        dsts = [memoryview(o).cast("B") for o in outs]
+        heads_len = [place.length - len(dst) for place, dst in zip(places, dsts)]
+        room = self._buffer(RUN_SLOT, sum(heads_len))
+        views: list[memoryview] = []
+        heads: list[memoryview] = []
+        at, end = 0, places[0].offset
+        for place, dst, n in zip(places, dsts, heads_len):
+            if not 0 <= place.offset - end < MAX_GAP or n <= 0:
+                raise ValueError(f"not a run of values: {place} after {end}")
+            if place.offset > end:
+                views.append(self._gap[: place.offset - end])
+            heads.append(room[at : at + n])
+            views += [heads[-1], dst]
+            at, end = at + n, place.offset + place.length
+        if not self.files.read_at(places[0].segment, places[0].offset, views):
+            return None
+        return [head.toreadonly() for head in heads]
 
     def _buffer(self, slot: int, length: int, phase: int = 0) -> memoryview:
         """``length`` bytes of this thread's buffer ``slot``, starting ``phase`` bytes into a

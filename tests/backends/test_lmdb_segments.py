@@ -800,6 +800,59 @@ def test_a_visitor_refusing_the_split_is_called_again_with_the_whole_value(tmp_p
     b.close()
 
 
+def counted_reads(b: LmdbBackend) -> list[int]:
+    """Each gathered read of a segment from now on, by its byte count."""
+    files, reads = b.values.files, []
+    read_at = files.read_at
+
+    def counting(segment, offset, views):
+        reads.append(sum(len(v) for v in views))
+        return read_at(segment, offset, views)
+
+    files.read_at = counting
+    return reads
+
+
+@pytest.mark.parametrize("direct_io", [False, True])
+def test_small_values_written_together_are_read_split_with_one_gathered_read_per_segment(tmp_path, direct_io):
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes=MiB, direct_io=direct_io)
+    n = 64 * KiB + 100  # (direct values are padded to a page: gaps between them)
+    values = {key(i): blob(i, n) for i in range(40)}
+    assert b.put_many(list(values.items())) == [True] * 40
+    segments = {segment_of(b, k) for k in values}
+    assert len(segments) >= 3, "a run never crosses from one segment to the next"
+    reads = counted_reads(b)
+    outs = [bytearray(n - 64) for _ in values]
+    heads: dict[int, bytes] = {}
+    found = b.visit_split(list(values), outs, lambda i, head, whole: heads.__setitem__(i, bytes(head)))
+    assert found == [True] * 40
+    assert all(heads[i] + outs[i] == v for i, v in enumerate(values.values()))
+    assert len(reads) == len(segments)
+    order = random.Random(3).sample(range(40), 40)  # any order: runs are what lies one after the other
+    outs = [bytearray(n - 64) for _ in order]
+    heads.clear()
+    assert b.visit_split([key(i) for i in order], outs, lambda j, head, whole: heads.__setitem__(j, bytes(head))) \
+        == [True] * 40
+    assert all(heads[j] + outs[j] == values[key(i)] for j, i in enumerate(order))
+    b.close()
+
+
+def test_a_run_cut_short_by_a_truncated_segment_still_reads_the_values_before_the_cut(tmp_path):
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes=4 * MiB)
+    values = {key(i): blob(i, 64 * KiB) for i in range(8)}
+    b.put_many(list(values.items()))
+    cut = place_of(b, key(5))
+    assert {segment_of(b, k) for k in values} == {cut.segment}
+    os.truncate(b.values.files.path_of(cut.segment), cut.offset + cut.length // 2)
+    outs = [bytearray(b"\x55" * (64 * KiB - 64)) for _ in values]
+    heads: dict[int, bytes] = {}
+    found = b.visit_split(list(values), outs, lambda i, head, whole: heads.__setitem__(i, bytes(head)))
+    assert found == [True] * 5 + [False] * 3
+    assert all(heads[i] + outs[i] == values[key(i)] for i in range(5))
+    assert sorted(heads) == [0, 1, 2, 3, 4], "the visitor never sees a value its segment does not hold"
+    b.close()
+
+
 def test_visit_split_visits_values_in_lmdb_pages_whole_and_skips_absent_keys(tmp_path):
     b = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
     small, large = blob(1, 40 * KiB), blob(2, 100 * KiB)
