@@ -231,7 +231,12 @@ class SegmentFiles:
 
     def write(self, segment: int, offset: int, value) -> None:
         """Write ``value`` at ``offset`` of ``segment`` (reserved by this process)."""
-        self.writer.write(segment, offset, value)
+        self.write_many(segment, [(offset, value)])
+
+    def write_many(self, segment: int, items: list[tuple[int, object]]) -> None:
+        """Write values reserved one after the other in ``segment`` (``(offset, value)``) with
+        one gathered write (:meth:`SegmentWriter.write_many`)."""
+        self.writer.write_many(segment, items)
         with self._lock:
             self._dirty.add(segment)
 

@@ -16,6 +16,7 @@ from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
 from storage_backends.lmdb_places import recover_segments, register_segment, seal_segments
 from storage_backends.lmdb_segments import Lane, Place, SegmentFiles, unpack_place
 from storage_backends.log_throttle import LogThrottle
+from storage_backends.segment_io import VALUE_END_ALIGN
 from tiered_kv.errors import BackendClosed, BackendUnavailable
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ PAGE = 4096  # reads land in a buffer at their file offset's place within a page
 # (tools/probe_vm_memory.py)
 MAX_GAP = PAGE  # read_split_run: the most bytes between two values of a run (a direct value's pad)
 RUN_SLOT = 1  # the thread buffer holding a run's heads (whole values are read into buffer 0)
+WRITE_RUN_BYTES = 1 << 20  # values written with one gathered write, at most this many bytes
+RUN_VALUES = 256  # ... and this many values (up to three pieces each: the limit is 1024, IOV_MAX)
 
 
 class SegmentValues:
@@ -82,27 +85,30 @@ class SegmentValues:
         return places
 
     def _write_all(self, values: Sequence, places: list[Place | None]) -> None:
+        """Reserve every value's place in this writer's lane (``places``, in order), then write
+        the values reserved one after the other with one gathered write per ``WRITE_RUN_BYTES``
+        (small blocks cost a system call per run, not per block); the places of values not
+        written are settled and become None."""
         with self.files.appending() as lane:  # a segment of this writer's own
             for value in values:
-                self._write_one(lane, value, places)
+                places.append(self._reserve(lane, value))
+            for run in _write_runs(places):
+                try:
+                    self.files.write_many(places[run[0]].segment, [(places[i].offset, values[i]) for i in run])
+                except OSError as exc:
+                    self._failures.warning("lmdb tier at %s: segment write failed: %s", self.db.path, exc)
+                    self.settle([places[i] for i in run])
+                    for i in run:
+                        places[i] = None
 
-    def _write_one(self, lane: Lane, value, places: list[Place | None]) -> None:
+    def _reserve(self, lane: Lane, value) -> Place | None:
         nbytes = nbytes_of(value)
         try:
             segment, offset = self.files.reserve(lane, nbytes, self._register)
         except (OSError, NoSpace, BackendUnavailable) as exc:
             self._failures.warning("lmdb tier at %s: no segment to write to: %s", self.db.path, exc)
-            places.append(None)
-            return
-        place = Place(segment, offset, nbytes)
-        try:
-            self.files.write(segment, offset, value)
-        except OSError as exc:
-            self._failures.warning("lmdb tier at %s: segment write failed: %s", self.db.path, exc)
-            self.settle([place])
-            places.append(None)
-            return
-        places.append(place)
+            return None
+        return Place(segment, offset, nbytes)
 
     def _register(self, segment: int) -> None:
         record = self.files.new_record()
@@ -200,3 +206,25 @@ class SegmentValues:
                 self.seal(done)
             except Exception as exc:  # the next writer's recovery seals them
                 log.warning("lmdb tier at %s: segments not sealed at close: %s", self.db.path, exc)
+
+
+def _write_runs(places: Sequence[Place | None]) -> list[list[int]]:
+    """Indices of the reserved ``places``, grouped into runs lying one after the other in a
+    segment (under ``VALUE_END_ALIGN`` bytes apart, ``WRITE_RUN_BYTES`` and ``RUN_VALUES`` at
+    most)."""
+    runs: list[list[int]] = []
+    last: Place | None = None
+    size = 0
+    for i, place in enumerate(places):
+        if place is None:
+            continue
+        if last is not None and place.segment == last.segment and \
+                0 <= place.offset - (last.offset + last.length) < VALUE_END_ALIGN and \
+                size + place.length <= WRITE_RUN_BYTES and len(runs[-1]) < RUN_VALUES:
+            runs[-1].append(i)
+            size += place.length
+        else:
+            runs.append([i])
+            size = place.length
+        last = place
+    return runs

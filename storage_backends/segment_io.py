@@ -94,25 +94,46 @@ class SegmentWriter:
     def write(self, segment: int, offset: int, value) -> None:
         """Write ``value`` (one buffer, or :class:`Gathered` parts) at ``offset`` of ``segment``;
         OSError when the disk refuses it."""
-        parts = value.parts if isinstance(value, Gathered) else [memoryview(value).cast("B")]
-        length = sum(len(p) for p in parts)
+        self.write_many(segment, [(offset, value)])
+
+    def write_many(self, segment: int, items: list[tuple[int, object]]) -> None:
+        """Write values (``(offset, value)``, one after the other, as :meth:`start` places
+        them) to ``segment``: buffered ones with one gathered write, the pad between them
+        zeros; direct ones one at a time. OSError when the disk refuses it (any of them may
+        then be unwritten)."""
         if self.direct is not None:
-            padded = aligned(length)
-            buf, array = self._buffer(padded)
-            at = 0
-            for part in parts:  # (numpy copies without the GIL)
-                array[at : at + len(part)] = np.frombuffer(part, np.uint8)
-                at += len(part)
-            array[length:padded] = 0
-            with self.direct.use(segment, write=True) as fd:
-                _write_fully(fd, [memoryview(buf)[:padded]], offset, segment)
+            for offset, value in items:
+                self._write_direct(segment, offset, _parts(value))
             return
+        parts: list[memoryview] = []
+        start = end = items[0][0]
+        for offset, value in items:
+            if not 0 <= offset - end < VALUE_END_ALIGN:
+                raise ValueError(f"segment values not one after the other: {offset} after {end}")
+            if offset > end:
+                parts.append(_ZEROS[: offset - end])
+            value_parts = _parts(value)
+            parts += value_parts
+            end = offset + sum(len(p) for p in value_parts)
         with self.fds.use(segment, write=True) as fd:
-            _write_fully(fd, parts, offset, segment)
+            _write_fully(fd, parts, start, segment)
             if self.eager_writeback:
-                start_writeback(fd, offset, length)
+                start_writeback(fd, start, end - start)
         if self.background is not None:
-            self.background.wrote(segment, offset, length)
+            self.background.wrote(segment, start, end - start)
+
+    def _write_direct(self, segment: int, offset: int, parts: list[memoryview]) -> None:
+        """One value through this thread's page-aligned staging buffer, padded with zeros."""
+        length = sum(len(p) for p in parts)
+        padded = aligned(length)
+        buf, array = self._buffer(padded)
+        at = 0
+        for part in parts:  # (numpy copies without the GIL)
+            array[at : at + len(part)] = np.frombuffer(part, np.uint8)
+            at += len(part)
+        array[length:padded] = 0
+        with self.direct.use(segment, write=True) as fd:
+            _write_fully(fd, [memoryview(buf)[:padded]], offset, segment)
 
     def _buffer(self, length: int) -> tuple[mmap.mmap, np.ndarray]:
         staging = getattr(self._staging, "buf", None)
@@ -132,6 +153,14 @@ class SegmentWriter:
             self.background.close()
         if self.direct is not None:
             self.direct.close()
+
+
+_ZEROS = memoryview(bytes(VALUE_END_ALIGN))  # the pad between buffered values written together
+
+
+def _parts(value) -> list[memoryview]:
+    """A value's byte views: its :class:`Gathered` parts, or the one buffer."""
+    return list(value.parts) if isinstance(value, Gathered) else [memoryview(value).cast("B")]
 
 
 def _write_fully(fd: int, parts: list[memoryview], offset: int, segment: int) -> None:

@@ -8,6 +8,7 @@ nothing is mocked and nothing depends on how fast this machine is."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import signal
@@ -717,15 +718,15 @@ def test_two_threads_putting_at_once_append_to_segments_of_their_own_and_close_s
     b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes=4 * MiB)
     files = b.values.files
     first_write, release = threading.Event(), threading.Event()
-    write = files.write
+    write = files.write_many
 
-    def held_write(segment, offset, value):  # the first writer stops inside its first write
+    def held_write(segment, items):  # the first writer stops inside its first write
         if not first_write.is_set():
             first_write.set()
             assert release.wait(30)
-        write(segment, offset, value)
+        write(segment, items)
 
-    files.write = held_write
+    files.write_many = held_write
     expected = {key(i, t): blob(i + 100 * len(t), 100 * KiB) for t in ("a", "bb") for i in range(3)}
 
     def writer(tag):
@@ -751,6 +752,41 @@ def test_two_threads_putting_at_once_append_to_segments_of_their_own_and_close_s
     assert again.check() == []
     assert_reads(again, expected)
     again.close()
+
+
+def test_small_values_put_together_are_written_with_one_gathered_write_per_segment(tmp_path):
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes=MiB)
+    writes = []
+    write_many = b.values.files.write_many
+    b.values.files.write_many = lambda segment, items: (writes.append(len(items)), write_many(segment, items))
+    values = {key(i): blob(i, 64 * KiB + 100) for i in range(40)}
+    assert b.put_many(list(values.items())) == [True] * 40
+    assert sum(writes) == 40 and len(writes) == len({segment_of(b, k) for k in values})
+    assert_reads(b, values)
+    assert b.check() == []
+    b.close()
+
+
+def test_a_run_the_disk_refuses_is_refused_whole_and_no_place_names_bytes_never_written(tmp_path):
+    """A file-size limit stands in for a full disk: the gathered write that crosses it fails
+    (after writing part of its values), and every value of that run is refused."""
+    db, limit, n = tmp_path / "db", 3 * MiB // 2, 64 * KiB + 100
+    out = finish(child(f"""
+        import json, resource, signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+        b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=8 * MiB)
+        resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))
+        print(json.dumps(b.put_many([(key(i), blob(i, {n})) for i in range(40)])))
+        b.close()
+    """))
+    stored = json.loads(out.strip().splitlines()[-1])
+    kept = sum(stored)
+    assert 0 < kept < 40 and stored == [True] * kept + [False] * (40 - kept)
+    b = LmdbBackend(db, capacity=64 * MiB)
+    assert all(place_of(b, key(i)).offset + n <= limit for i in range(kept))
+    assert_reads(b, {key(i): blob(i, n) if i < kept else None for i in range(40)})
+    assert b.check() == []
+    b.close()
 
 
 # -- 10. reads split between a head and the caller's buffer ---------------------------------------

@@ -106,7 +106,7 @@ def test_a_tier_with_background_writeback_hands_its_segments_on_while_it_writes(
     values = {i.to_bytes(16, "big"): os.urandom(300 * KiB) for i in range(12)}
     assert b.put_many(list(values.items())) == [True] * 12
     b.close()  # joins the thread: every stretch handed on has been started
-    assert len(started.spans) >= 3 and all(length >= MiB for _, length in started.spans)
+    assert len(started.spans) >= 2 and all(length >= MiB for _, length in started.spans)
     again = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
     assert again.get_many(list(values)) == list(values.values()) and again.check() == []
     again.close()
