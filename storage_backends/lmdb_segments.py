@@ -158,6 +158,10 @@ class SegmentFiles:
             if lane is None:
                 lane = Lane()
                 self._lanes.append(lane)
+        if lane.segment is not None and self.fds.deleted(lane.segment):  # (behind our back)
+            with self._lock:  # start another: the next reserve opens one
+                self._retired[lane.segment] = lane.next
+                lane.segment, lane.next = None, 0
         try:
             yield lane
         finally:
@@ -195,8 +199,7 @@ class SegmentFiles:
         if self._closed:
             raise OSError(errno.EBADF, "segment files closed")
         end = self.writer.start(lane.next, length) + self.writer.stride(length)
-        return lane.segment is None or (end > self.segment_bytes and lane.next > 0) \
-            or self.fds.deleted(lane.segment)  # (deleted behind our back: start another)
+        return lane.segment is None or (end > self.segment_bytes and lane.next > 0)
 
     def _take(self, lane: Lane, length: int) -> tuple[int, int]:
         offset = self.writer.start(lane.next, length)
