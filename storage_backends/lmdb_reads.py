@@ -9,14 +9,14 @@ import time
 from collections.abc import Callable, Sequence
 
 from storage_backends.base import Visitor
+from storage_backends.gathered import nbytes_of
 from storage_backends.lmdb_environment import LmdbEnvironment
 from storage_backends.lmdb_segments import Place
 from storage_backends.lmdb_tables import as_key, fits
 from storage_backends.lmdb_values import MAX_GAP, SegmentValues
+from storage_backends.segment_runs import runs
 
 MAX_SPLIT_HEAD = 64 << 10  # visit_split: the most bytes read ahead of a value's part that goes to its out
-RUN_BYTES = 1 << 20  # visit_split: values read with one gathered read, at most this many bytes
-RUN_VALUES = 256  # ... and this many values (three pieces each: the limit is 1024, IOV_MAX)
 UNREAD = object()  # _visit_split_one: the value's head is not read yet
 
 
@@ -65,14 +65,18 @@ class LmdbReads:
         """Values in segment files longer than their ``outs[i]`` by at most ``MAX_SPLIT_HEAD``
         bytes are read in two pieces, the rest straight into ``outs[i]`` (one copy, made by the
         kernel); values in LMDB's pages are visited there, zero-copy. Such values lying one
-        after the other in a segment (as a batch written by one writer does) are read with one
-        gathered read per ``RUN_BYTES``: small blocks cost a system call (and a release of the
-        GIL) per run, not per block."""
+        after the other in a segment (as a batch written by one writer does) are read a run at a
+        time (:mod:`storage_backends.segment_runs`)."""
         keys = [as_key(k) for k in keys]
         sizes: list[int | None] = [None] * len(keys)
         with self.db.guard("read"), self.db.txn() as txn:
             located = [self._locate(txn, key) for key in keys]
-            for run in _runs([place for _, place in located], outs):
+            places = [place for _, place in located]
+
+            def split(i: int) -> bool:  # read in two pieces, the second straight into outs[i]
+                return 0 < places[i].length - nbytes_of(outs[i]) <= MAX_SPLIT_HEAD
+
+            for run in runs(places, MAX_GAP, split):
                 heads = None
                 if len(run) > 1:
                     heads = self.values.read_split_run([located[i][1] for i in run], [outs[i] for i in run])
@@ -133,27 +137,3 @@ class LmdbReads:
         view = self.values.files.maps.view(place.segment, place.offset, place.length)
         return None if view is None else (view, place)
 
-
-def _runs(places: Sequence[Place | None], outs: Sequence[object]) -> list[list[int]]:
-    """Indices of ``places`` in order, grouped: values that can be read split lying one after
-    the other in a segment (a gap of under ``MAX_GAP`` bytes, ``RUN_BYTES`` and ``RUN_VALUES``
-    at most) form a run; every other index is a group of its own."""
-    runs: list[list[int]] = []
-    last: Place | None = None
-    size = 0
-    for i, place in enumerate(places):
-        head = None if place is None else place.length - memoryview(outs[i]).nbytes
-        if head is None or not 0 < head <= MAX_SPLIT_HEAD or place.length > RUN_BYTES:
-            runs.append([i])
-            last = None
-            continue
-        if last is not None and place.segment == last.segment and \
-                0 <= place.offset - (last.offset + last.length) < MAX_GAP and \
-                size + place.length <= RUN_BYTES and len(runs[-1]) < RUN_VALUES:
-            runs[-1].append(i)
-            size += place.length
-        else:
-            runs.append([i])
-            size = place.length
-        last = place
-    return runs

@@ -5,12 +5,12 @@ with the GIL released, instead of through LMDB's single writer and its dirty pag
 ``DIR/segments/<id as 16 hex>.seg``. A segment is append-only: an offset is never written twice,
 so a reader holding a place reads the value that was committed there or (once the segment is
 gone) nothing, never another value. Each writer appends to a segment of its own (a lane of its
-process: :meth:`SegmentFiles.appending`), registered in
-the ``segments`` table before the file exists (a file without a record is an orphan); the table
-counts each segment's live bytes and entries, and a sealed segment with none left is deleted
-after the transaction that emptied it commits. A value is written before the transaction that
-records its place: a crash leaves unreferenced bytes, never a place over bytes never written
-(with ``sync``, the data is fsync'd before that commit). Stored blocks check themselves (their
+process: :meth:`SegmentFiles.appending`), registered in the ``segments`` table before the file
+exists (a file without a record is an orphan); the table counts each segment's live bytes and
+entries, and a sealed segment with none left is deleted after the transaction that emptied it
+commits. A value is written before the transaction that records its place: a crash leaves
+unreferenced bytes, never a place over bytes never written (with ``sync``, the data is fsync'd
+before that commit). Stored blocks check themselves (their
 header and body checksums); this module checks that a place lies inside its file.
 """
 
@@ -182,9 +182,11 @@ class SegmentFiles:
         with self._lock:
             if not self._needs_new(lane, length):
                 return self._take(lane, length)
-        with self._rolling:  # one new segment at a time, registered outside the lock (it waits
-            segment = int.from_bytes(os.urandom(8), "little") or 1  # for LMDB's writer and the
-            register(segment)  # remap gate; a close holds the gate)
+        # a new segment, registered outside the lock (that waits for LMDB's writer and the remap
+        # gate; a close holds the gate), one at a time
+        with self._rolling:
+            segment = int.from_bytes(os.urandom(8), "little") or 1
+            register(segment)
             self.dir.mkdir(exist_ok=True)
             self.fds.create(segment)
             with self._lock:

@@ -17,6 +17,7 @@ from storage_backends.lmdb_places import recover_segments, register_segment, sea
 from storage_backends.lmdb_segments import Lane, Place, SegmentFiles, unpack_place
 from storage_backends.log_throttle import LogThrottle
 from storage_backends.segment_io import VALUE_END_ALIGN
+from storage_backends.segment_runs import runs
 from tiered_kv.errors import BackendClosed, BackendUnavailable
 
 log = logging.getLogger(__name__)
@@ -28,8 +29,6 @@ PAGE = 4096  # reads land in a buffer at their file offset's place within a page
 # (tools/probe_vm_memory.py)
 MAX_GAP = PAGE  # read_split_run: the most bytes between two values of a run (a direct value's pad)
 RUN_SLOT = 1  # the thread buffer holding a run's heads (whole values are read into buffer 0)
-WRITE_RUN_BYTES = 1 << 20  # values written with one gathered write, at most this many bytes
-RUN_VALUES = 256  # ... and this many values (up to three pieces each: the limit is 1024, IOV_MAX)
 
 
 class SegmentValues:
@@ -86,13 +85,15 @@ class SegmentValues:
 
     def _write_all(self, values: Sequence, places: list[Place | None]) -> None:
         """Reserve every value's place in this writer's lane (``places``, in order), then write
-        the values reserved one after the other with one gathered write per ``WRITE_RUN_BYTES``
-        (small blocks cost a system call per run, not per block); the places of values not
-        written are settled and become None."""
+        the values reserved one after the other a run at a time
+        (:mod:`storage_backends.segment_runs`); the places of values not written are settled
+        and become None."""
         with self.files.appending() as lane:  # a segment of this writer's own
             for value in values:
                 places.append(self._reserve(lane, value))
-            for run in _write_runs(places):
+            for run in runs(places, VALUE_END_ALIGN):
+                if places[run[0]] is None:  # (not reserved: a group of its own)
+                    continue
                 try:
                     self.files.write_many(places[run[0]].segment, [(places[i].offset, values[i]) for i in run])
                 except OSError as exc:
@@ -207,24 +208,3 @@ class SegmentValues:
             except Exception as exc:  # the next writer's recovery seals them
                 log.warning("lmdb tier at %s: segments not sealed at close: %s", self.db.path, exc)
 
-
-def _write_runs(places: Sequence[Place | None]) -> list[list[int]]:
-    """Indices of the reserved ``places``, grouped into runs lying one after the other in a
-    segment (under ``VALUE_END_ALIGN`` bytes apart, ``WRITE_RUN_BYTES`` and ``RUN_VALUES`` at
-    most)."""
-    runs: list[list[int]] = []
-    last: Place | None = None
-    size = 0
-    for i, place in enumerate(places):
-        if place is None:
-            continue
-        if last is not None and place.segment == last.segment and \
-                0 <= place.offset - (last.offset + last.length) < VALUE_END_ALIGN and \
-                size + place.length <= WRITE_RUN_BYTES and len(runs[-1]) < RUN_VALUES:
-            runs[-1].append(i)
-            size += place.length
-        else:
-            runs.append([i])
-            size = place.length
-        last = place
-    return runs
