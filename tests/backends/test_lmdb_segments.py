@@ -3,9 +3,9 @@ segments opening, sealing and draining, recovery after a writer was killed, orph
 truncated files, compaction, readers racing writers and compaction, two writer processes and
 two writer threads (a segment each), reads split between a head and the caller's buffer, runs of
 values read and written with one call (a run cut short, a run the disk refuses), and the
-descriptors kept for reads. Real
-LMDB environments and segment files under tmp_path, real threads and child interpreters;
-nothing is mocked and nothing depends on how fast this machine is."""
+descriptors kept for reads. Real LMDB environments and segment files under tmp_path, real
+threads and child interpreters; nothing is mocked and nothing depends on how fast this machine
+is."""
 
 from __future__ import annotations
 
