@@ -9,11 +9,10 @@ import time
 from collections.abc import Callable, Sequence
 
 from storage_backends.base import Visitor
-from storage_backends.gathered import nbytes_of
 from storage_backends.lmdb_environment import LmdbEnvironment
 from storage_backends.lmdb_segments import Place
 from storage_backends.lmdb_tables import as_key, fits
-from storage_backends.lmdb_values import MAX_GAP, SegmentValues
+from storage_backends.lmdb_values import MAX_GAP, SegmentValues, splits
 from storage_backends.segment_runs import runs
 
 MAX_SPLIT_HEAD = 64 << 10  # visit_split: the most bytes read ahead of a value's part that goes to its out
@@ -72,11 +71,7 @@ class LmdbReads:
         with self.db.guard("read"), self.db.txn() as txn:
             located = [self._locate(txn, key) for key in keys]
             places = [place for _, place in located]
-
-            def split(i: int) -> bool:  # read in two pieces, the second straight into outs[i]
-                return 0 < places[i].length - nbytes_of(outs[i]) <= MAX_SPLIT_HEAD
-
-            for run in runs(places, MAX_GAP, split):
+            for run in runs(places, MAX_GAP, lambda i: splits(places[i], outs[i], MAX_SPLIT_HEAD)):
                 heads = None
                 if len(run) > 1:
                     heads = self.values.read_split_run([located[i][1] for i in run], [outs[i] for i in run])

@@ -93,7 +93,7 @@ class Lane:
 
 class SegmentFiles:
     """The segment files of one environment directory, as this process uses them: appends to
-    its own open segments, one per lane (``appending``, ``reserve`` then ``write``), reads
+    its own open segments, one per lane (``appending``, ``reserve`` then ``write_many``), reads
     through cached descriptors, fsyncs what it wrote, deletes drained segments."""
 
     def __init__(self, path: Path, segment_bytes: int, writeback: str = "later",
@@ -234,10 +234,6 @@ class SegmentFiles:
                 del self._retired[segment]
             return done
 
-    def write(self, segment: int, offset: int, value) -> None:
-        """Write ``value`` at ``offset`` of ``segment`` (reserved by this process)."""
-        self.write_many(segment, [(offset, value)])
-
     def write_many(self, segment: int, items: list[tuple[int, object]]) -> None:
         """Write values reserved one after the other in ``segment`` (``(offset, value)``) with
         one gathered write (:meth:`SegmentWriter.write_many`)."""
@@ -265,15 +261,10 @@ class SegmentFiles:
                 _sync_dir(self.dir)
 
     # -- reading -------------------------------------------------------------------------------
-    def read_into(self, place: Place, buffers) -> bool:
-        """Read the value at ``place`` into ``buffers`` (one buffer of at least its length, or a
-        tuple of buffers it fills in turn, exactly its length in all); False when its segment is
-        gone or does not hold that many bytes there."""
-        if isinstance(buffers, tuple):
-            views = [memoryview(b).cast("B") for b in buffers]
-        else:
-            views = [memoryview(buffers).cast("B")[: place.length]]
-        return self.read_at(place.segment, place.offset, views)
+    def read_into(self, place: Place, buffer) -> bool:
+        """Read the value at ``place`` into ``buffer`` (at least its length); False when its
+        segment is gone or does not hold that many bytes there."""
+        return self.read_at(place.segment, place.offset, [memoryview(buffer).cast("B")[: place.length]])
 
     def read_at(self, segment: int, offset: int, views: list[memoryview]) -> bool:
         """Fill byte views ``views`` in turn from ``offset`` of ``segment`` (one gathered read

@@ -137,23 +137,20 @@ class SegmentValues:
         return view.toreadonly() if self.files.read_into(place, view) else None
 
     def read_split(self, place: Place, out, max_head: int):
-        """Read the value at ``place`` as a head (into this thread's buffer 0) and its last
-        ``len(out)`` bytes straight into ``out``: the head, None when the value is not longer
-        than ``out`` by 1..``max_head`` bytes (read it whole), False when its segment no longer
-        holds it."""
-        dst = memoryview(out).cast("B")
-        head_len = place.length - len(dst)
-        if not 0 < head_len <= max_head:
+        """Read the value at ``place`` as a head (into this thread's buffer) and its last
+        ``len(out)`` bytes straight into ``out``: the head, None when the value does not
+        :func:`split` (read it whole), False when its segment no longer holds it."""
+        if not splits(place, out, max_head):
             return None
-        head = self._buffer(0, head_len, place.offset % PAGE)
-        return head.toreadonly() if self.files.read_into(place, (head, dst)) else False
+        heads = self.read_split_run([place], [out])
+        return False if heads is None else heads[0]
 
     def read_split_run(self, places: Sequence[Place], outs: Sequence) -> list[memoryview] | None:
         """Values lying one after the other in one segment (gaps of under ``MAX_GAP`` bytes),
         each longer than its ``outs[i]``, read with one gathered read: each one's head into
         this thread's buffer ``RUN_SLOT`` and its rest straight into its out. The heads (valid
-        until the thread reads another run), or None when the run could not be read whole: the
-        caller reads its values one at a time."""
+        until the thread reads another run), or None when the run could not be read whole (a
+        segment gone or cut short): the caller reads its values one at a time."""
         dsts = [memoryview(o).cast("B") for o in outs]
         heads_len = [place.length - len(dst) for place, dst in zip(places, dsts)]
         room = self._buffer(RUN_SLOT, sum(heads_len))
@@ -208,3 +205,8 @@ class SegmentValues:
             except Exception as exc:  # the next writer's recovery seals them
                 log.warning("lmdb tier at %s: segments not sealed at close: %s", self.db.path, exc)
 
+
+def splits(place: Place, out, max_head: int) -> bool:
+    """Whether the value at ``place`` is read in two pieces with ``out``: it is longer than
+    ``out`` by 1..``max_head`` bytes (its head), and the rest goes straight into ``out``."""
+    return 0 < place.length - nbytes_of(out) <= max_head

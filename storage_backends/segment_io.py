@@ -91,14 +91,9 @@ class SegmentWriter:
         (this VM: 3.3-11 against 13-15 GB/s, by the offset; tools/probe_vm_memory.py)."""
         return end if self.direct is not None else end + (-(end + length)) % VALUE_END_ALIGN
 
-    def write(self, segment: int, offset: int, value) -> None:
-        """Write ``value`` (one buffer, or :class:`Gathered` parts) at ``offset`` of ``segment``;
-        OSError when the disk refuses it."""
-        self.write_many(segment, [(offset, value)])
-
     def write_many(self, segment: int, items: list[tuple[int, object]]) -> None:
-        """Write values (``(offset, value)``, one after the other, as :meth:`start` places
-        them) to ``segment``: buffered ones with one gathered write, the pad between them
+        """Write values (``(offset, value)``, each one buffer or :class:`Gathered` parts, one
+        after the other as :meth:`start` places them) to ``segment``: buffered ones with one gathered write, the pad between them
         zeros; direct ones one at a time. OSError when the disk refuses it (any of them may
         then be unwritten)."""
         if self.direct is not None:
