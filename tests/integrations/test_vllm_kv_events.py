@@ -2,7 +2,11 @@
 ``tools/check_vllm.sh`` runs it): a router subscribed to the engine's ``--kv-events-config``
 publisher learns from the connector which tier holds which block (``BlockStored`` with
 ``medium`` "host" and "disk" for the served prompts), and that the host tier let blocks go
-(``BlockRemoved``, "host") when it ran out of room."""
+(``BlockRemoved``, "host") when it ran out of room. The disk tier is written as the host lets
+blocks go (``on_evict``), so which blocks the host evicts follows from its LRU alone: with a
+write-through disk it also hung on how far the write-behind had got (a slot still being written
+is not evicted, and a save finding every slot so leased is dropped), and some runs evicted
+nothing."""
 
 from __future__ import annotations
 
@@ -72,8 +76,12 @@ def test_a_router_learns_which_tier_holds_each_block_and_what_the_host_let_go(tm
 
     port = free_port()
     router = Router(port)
-    try:  # a host tier of eight blocks (32 KiB each): the served prompts do not fit in it
-        run = result(tmp_path, "--kv-events", f"tcp://*:{port}", extra={"host": {"capacity": "256KiB"}})
+    # a host tier of eight blocks (32 KiB each), which the served prompts overflow, and a disk
+    # tier written as the host lets blocks go (``on_evict``): what the host evicts is decided by
+    # its LRU alone, not by how far the write-behind of a write-through disk has got
+    extra = {"host": {"capacity": "256KiB"}, "disk": {"policy": "on_evict"}}
+    try:
+        run = result(tmp_path, "--kv-events", f"tcp://*:{port}", extra=extra)
     finally:
         events = router.close()
     stored = [e for e in events if isinstance(e, BlockStored)]
@@ -86,4 +94,5 @@ def test_a_router_learns_which_tier_holds_each_block_and_what_the_host_let_go(tm
                               for e in stored)
     gone = {h for e in removed if e.medium == "host" for h in e.block_hashes}
     assert gone and gone <= on["host"]
+    assert on["disk"] <= gone  # the disk was written what the host let go, nothing else
     assert not any(e.medium == "disk" for e in removed)  # the disk tier kept every block
