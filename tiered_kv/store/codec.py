@@ -48,7 +48,7 @@ import xxhash
 
 from storage_backends.gathered import Gathered
 from tiered_kv.dtypes import ITEMSIZE, itemsize
-from tiered_kv.errors import ConfigError, CorruptBlock, NamespaceMismatch
+from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.store.codec_body import (
     CODEC_NAMES,
     CODECS,
@@ -56,13 +56,11 @@ from tiered_kv.store.codec_body import (
     body_check,
     compress_body,
     copy_bytes,
-    room,
     undecodable,
 )
 from tiered_kv.store.codec_header import (
     DTYPE_CODES,
     DTYPE_NAMES,
-    FLAGS,
     HEADER,
     HEADER_BYTES,
     MAGIC,
@@ -73,10 +71,10 @@ from tiered_kv.store.codec_header import (
     BlockHeader,
     pack_header,
 )
-from tiered_kv.store.codec_sealed import MIN_SEALED, Sealing, open_sealed, seal_block
+from tiered_kv.store.codec_header_check import read_header
+from tiered_kv.store.codec_sealed import Sealing, open_sealed, seal_block
 from tiered_kv.store.codec_segments import (
     BlockSegments,
-    check_body,
     encode_segments,
     open_segments,
     segment_lengths,
@@ -209,55 +207,7 @@ class BlockCodec:
         ``expect`` the header must describe exactly that block; without it, ``max_raw`` bounds
         the raw length it may declare. ``total_len``: the whole block's length when ``blob`` is
         only its first bytes."""
-        view = memoryview(blob).cast("B")
-        if len(view) < HEADER_BYTES:
-            raise CorruptBlock(f"truncated header: {len(view)} < {HEADER_BYTES} bytes")
-        head = view[:HEADER_BYTES]
-        (magic, version, codec, dtype, level, ndim, flags, *rest) = HEADER.unpack(head)
-        dims, (ns, k, raw_len, stored_len, checksum, body_check, created, check) = (
-            rest[:MAX_NDIM], rest[MAX_NDIM:])
-        if magic != MAGIC:
-            raise CorruptBlock(f"bad magic {bytes(magic)!r}")
-        if xxhash.xxh32_intdigest(head[:-4]) != check:
-            raise CorruptBlock("header checksum mismatch")
-        if version != VERSION:
-            raise CorruptBlock(f"unsupported format version {version}")
-        if codec not in CODEC_NAMES or dtype not in DTYPE_NAMES or flags & ~FLAGS:
-            raise CorruptBlock(f"unknown codec {codec} / dtype {dtype} / flags {flags}")
-        if not 1 <= ndim <= MAX_NDIM or 0 in dims[:ndim] or any(dims[ndim:]):
-            raise CorruptBlock(f"bad shape {dims} with ndim {ndim}")
-        shape = tuple(dims[:ndim])
-        dtype_name = DTYPE_NAMES[dtype]
-        if prod(shape) * ITEMSIZE[dtype_name] != raw_len:
-            raise CorruptBlock(f"raw length {raw_len} does not match shape {shape} x {dtype_name}")
-        length = len(view) if total_len is None else total_len
-        if length != HEADER_BYTES + stored_len:
-            raise CorruptBlock(f"stored length {stored_len} but body has {length - HEADER_BYTES} bytes")
-        codec_name, size = CODEC_NAMES[codec], ITEMSIZE[dtype_name]
-        header = BlockHeader(codec_name, dtype_name, level, shape, ns, k, raw_len,
-                             stored_len, checksum, body_check, created, version, flags)
-        if header.sealed:  # the plain block's body is checked once decrypted
-            if stored_len < MIN_SEALED:
-                raise CorruptBlock(f"sealed block of {stored_len} stored bytes")
-        else:
-            check_body(header, size, with_room=False)
-        if namespace is not None and ns != namespace:
-            raise NamespaceMismatch(f"block of namespace {ns.hex()} read under {namespace.hex()}")
-        if key is not None and k != key:
-            raise CorruptBlock(f"block carries key {k.hex()} but was stored under {key.hex()}")
-        if expect is not None and (dtype_name != expect.dtype or shape != expect.shape):
-            raise CorruptBlock(f"block declares {dtype_name} {list(shape)} ({raw_len} bytes), "
-                               f"the namespace's block is {expect.describe()}")
-        if codec_name == "zstd+shuffle" and size == 1:
-            raise CorruptBlock("zstd+shuffle declared for a 1-byte dtype (never written)")
-        # a segmented body holds at most this much too: its segments are raw or of this codec
-        if raw_len > room(codec_name, size, stored_len):
-            raise CorruptBlock(f"block declares {raw_len} raw bytes, more than a {codec_name} body "
-                               f"of {stored_len} bytes can hold")
-        if expect is None and max_raw is not None and raw_len > max_raw:
-            raise CorruptBlock(f"block declares {raw_len} raw bytes, over the {max_raw}-byte limit "
-                               "for a block of unknown namespace")
-        return header
+        return read_header(blob, namespace=namespace, key=key, expect=expect, max_raw=max_raw, total_len=total_len)
 
     @classmethod
     def segments(cls, blob, *, namespace: bytes | None = None, key: bytes | None = None,

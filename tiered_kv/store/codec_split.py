@@ -13,9 +13,10 @@ import xxhash
 
 from tiered_kv.dtypes import ITEMSIZE
 from tiered_kv.errors import CorruptBlock
-from tiered_kv.store.codec import BlockCodec, BlockLayout
+from tiered_kv.store.codec import BlockLayout
 from tiered_kv.store.codec_body import clear, undecodable
 from tiered_kv.store.codec_header import HEADER_BYTES
+from tiered_kv.store.codec_header_check import read_header
 from tiered_kv.store.codec_sealed import Sealing
 from tiered_kv.store.codec_segments import read_table
 
@@ -30,8 +31,8 @@ def check_split(head, out, *, namespace: bytes, key: bytes, expect: BlockLayout 
     CorruptBlock when a check fails; ``out`` is then cleared."""
     head, dst = memoryview(head).cast("B"), memoryview(out).cast("B")
     try:
-        header = BlockCodec.read_header(head, namespace=namespace, key=key, expect=expect,
-                                        total_len=len(head) + len(dst))
+        header = read_header(head, namespace=namespace, key=key, expect=expect,
+                             total_len=len(head) + len(dst))
         if header.sealed or header.codec != "raw":
             return False
         if sealing is not None:
