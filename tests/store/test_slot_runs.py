@@ -3,6 +3,7 @@ a time, one torch call per piece of a run, wherever the blocks lie in the caller
 blocks in no run still one by one; the bytes are the same either way, and a block of another
 shape never reaches past its own slot."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,3 +149,21 @@ def test_a_block_of_a_shape_that_broadcasts_is_refused_not_spread_over_its_slot(
         with pytest.raises(ValueError):
             store.save(keys, [half, half.clone()])
         assert store.lookup(keys) == 0
+
+
+def test_the_bytes_of_a_batch_of_destinations_are_their_own_memory_wherever_each_lies():
+    from tiered_kv.store.host_slots import bytes_of, bytes_of_each
+
+    pool = torch.zeros(6, 2, 8, dtype=torch.bfloat16)
+    with torch.inference_mode():  # an engine's pool is often made in inference mode
+        other = torch.zeros(2, 8, dtype=torch.bfloat16)
+    outs = [pool[4], pool[1], other, pool[5]]  # out of order, one from elsewhere
+    rows = bytes_of_each(outs)
+    assert [r.nbytes for r in rows] == [o.nbytes for o in outs]
+    for i, row in enumerate(rows):
+        row[:] = i + 1  # written through to each destination's own bytes, nowhere else
+    for i, out in enumerate(outs):
+        assert (out.view(torch.uint8) == i + 1).all()
+        assert np.array_equal(bytes_of(out), rows[i])
+    assert (pool[[0, 2, 3]].view(torch.uint8) == 0).all()
+    assert bytes_of_each([]) == []

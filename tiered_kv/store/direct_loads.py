@@ -11,7 +11,7 @@ from concurrent.futures import Future
 
 import torch
 
-from tiered_kv.store.host_slots import bytes_of
+from tiered_kv.store.host_slots import bytes_of_each
 
 LOAD_ERROR = "load_error"  # miss reason of blocks whose load job failed in an unexpected way
 
@@ -76,7 +76,7 @@ class DirectLoads:
         keys = [plan.keys[i] for i in idx]
         reading: Future = Future()
         self.loader.invalidations.track_write(keys, reading)
-        dests = [bytes_of(outs[i]) for i in idx]
+        dests = bytes_of_each([outs[i] for i in idx])
         try:
             try:
                 reasons, served = self.loader.reader.read(keys, dests, [plan.counts[i] for i in idx], plan.tenant)
