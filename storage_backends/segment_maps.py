@@ -30,8 +30,22 @@ class SegmentMaps:
     def view(self, segment: int, offset: int, length: int) -> memoryview | None:
         """A read-only view of ``length`` bytes at ``offset`` of ``segment``; None when the
         file is gone or shorter than that. Nothing is read until the view is touched (or
-        :meth:`advise` asks for it)."""
+        :meth:`advise` asks for it).
+
+        The file's size is asked for each time: a map outlives a file cut short behind its
+        back (damage, a tool), and touching a page of a map past its file's end kills the
+        process (SIGBUS), where a read would only come back short. A value past the end is a
+        miss. (A file cut while a view of it is being read can still do that: the window is
+        the visit, not the life of the map.) A file deleted after it was mapped keeps its pages
+        for the map, and reading them is safe."""
         self._maybe_prune()
+        try:
+            if os.stat(self.path_of(segment)).st_size < offset + length:
+                return None
+        except FileNotFoundError:
+            pass
+        except OSError:  # unreadable: a miss
+            return None
         with self._lock:
             entry = self._maps.get(segment)
         if entry is None or len(entry[0]) < offset + length:

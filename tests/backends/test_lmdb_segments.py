@@ -489,6 +489,30 @@ def test_visit_split_of_a_value_its_segment_no_longer_holds_is_a_miss_the_visito
     b.close()
 
 
+def test_regression_a_segment_cut_short_after_it_was_mapped_killed_the_reader_with_sigbus(tmp_path):
+    # visit_all hands out views of a segment's memory map (layer-wise loads); the map outlived
+    # a file cut short behind the backend's back, and the next visit touched pages past the
+    # file's end: SIGBUS, the engine gone. Now a value past the end is a miss. In a child, so a
+    # regression fails this test instead of killing the test run.
+    out = finish(child("""
+        n = 300 * KiB
+        b = LmdbBackend(sys.argv[1], capacity=64 * MiB, segment_bytes="1MiB")
+        keys = [key(i) for i in range(3)]
+        for i, k in enumerate(keys):
+            b.put_many([(k, blob(i, n))])
+        seen = []
+        def visitor(values, read_ahead):
+            seen.append([None if v is None else bytes(v) == blob(i, n) for i, v in enumerate(values)])
+        assert b.visit_all(keys, visitor) == [True, True, True]
+        (segment,) = b.values.files.files()
+        os.truncate(b.values.files.path_of(segment), n + n // 2)  # value 1 cut in half, value 2 gone
+        import json
+        print(json.dumps([b.visit_all(keys, visitor), seen]))
+        b.close()
+    """, str(tmp_path / "db")))
+    assert json.loads(out) == [[True, False, False], [[True, True, True], [True, None, None]]]
+
+
 def test_a_value_overwritten_during_a_visit_split_is_the_old_value_or_a_miss(tmp_path):
     b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
     old, new = blob(1, 900 * KiB), blob(2, 900 * KiB)
