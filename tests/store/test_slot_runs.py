@@ -167,3 +167,13 @@ def test_the_bytes_of_a_batch_of_destinations_are_their_own_memory_wherever_each
         assert np.array_equal(bytes_of(out), rows[i])
     assert (pool[[0, 2, 3]].view(torch.uint8) == 0).all()
     assert bytes_of_each([]) == []
+
+
+def test_a_strided_destination_never_gets_the_bytes_that_follow_its_first_element():
+    from tiered_kv.store.host_slots import bytes_of_each
+
+    pool = torch.zeros(6, 2, 8, dtype=torch.bfloat16)
+    column = pool[:, 0]  # in the pool's storage, but not its nbytes from its first element on
+    rows = bytes_of_each([pool[0], column])
+    rows[1][:] = 9
+    assert (pool.view(torch.uint8) == 0).all(), "a write meant for the column landed in pool[0]"

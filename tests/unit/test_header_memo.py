@@ -53,13 +53,17 @@ def fresh_memo():
     codec_header_check._valid.clear()
 
 
-def test_a_remembered_header_still_checks_the_key_checksum_and_length_of_each_block():
+def test_a_remembered_header_still_checks_the_key_checksum_and_length_of_each_block(monkeypatch):
     a, b = block(KEYS[0], seed=1), block(KEYS[1], seed=2)
     assert BlockCodec.read_header(a, namespace=NS, key=KEYS[0], expect=LAYOUT).key == KEYS[0]
     assert codec_header_check._valid, "the raw block's fixed fields are remembered"
 
     # b shares every fixed byte with a: only its own fields are checked now
+    full_checks = []
+    real = codec_header_check._check_all
+    monkeypatch.setattr(codec_header_check, "_check_all", lambda *a: full_checks.append(a) or real(*a))
     header = BlockCodec.read_header(b, namespace=NS, key=KEYS[1], expect=LAYOUT)
+    assert full_checks == [], "a header whose fixed fields were validated is not checked in full again"
     assert (header.key, header.raw_len, header.shape) == (KEYS[1], LAYOUT.raw_len, LAYOUT.shape)
     with pytest.raises(CorruptBlock, match="carries key"):
         BlockCodec.read_header(b, namespace=NS, key=KEYS[0], expect=LAYOUT)

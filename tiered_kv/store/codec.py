@@ -207,7 +207,8 @@ class BlockCodec:
         ``expect`` the header must describe exactly that block; without it, ``max_raw`` bounds
         the raw length it may declare. ``total_len``: the whole block's length when ``blob`` is
         only its first bytes."""
-        return read_header(blob, namespace=namespace, key=key, expect=expect, max_raw=max_raw, total_len=total_len)
+        return read_header(blob, namespace=namespace, key=key, expect=expect, max_raw=max_raw,
+                           total_len=total_len)
 
     @classmethod
     def segments(cls, blob, *, namespace: bytes | None = None, key: bytes | None = None,
