@@ -45,7 +45,8 @@ class LmdbReads:
         reader has every block's first layer group read first, then the second, ...)."""
         keys = [as_key(k) for k in keys]
         with self.db.guard("read"), self.db.txn() as txn:
-            found = [self._mapped(txn, k) for k in keys]
+            sizes: dict[int, int | None] = {}  # segment files' sizes, asked once in this visit
+            found = [self._mapped(txn, k, sizes) for k in keys]
             values = [None if f is None else f[0] for f in found]
             places = [None if f is None else f[1] for f in found]
             maps = self.values.files.maps
@@ -123,12 +124,11 @@ class LmdbReads:
         value, place = self._locate(txn, key)
         return value if place is None else self.values.read(place)
 
-    def _mapped(self, txn, key: bytes):
+    def _mapped(self, txn, key: bytes, sizes: dict[int, int | None]):
         """``(value, place)`` of ``key``: LMDB's page (place None), or a view of its segment's
         memory map and where it lies; None when absent (or its segment no longer holds it)."""
         value, place = self._locate(txn, key)
         if place is None:
             return None if value is None else (value, None)
-        view = self.values.files.maps.view(place.segment, place.offset, place.length)
+        view = self.values.files.maps.view(place.segment, place.offset, place.length, sizes)
         return None if view is None else (view, place)
-

@@ -93,9 +93,9 @@ class SegmentWriter:
 
     def write_many(self, segment: int, items: list[tuple[int, object]]) -> None:
         """Write values (``(offset, value)``, each one buffer or :class:`Gathered` parts, one
-        after the other as :meth:`start` places them) to ``segment``: buffered ones with one gathered write, the pad between them
-        zeros; direct ones one at a time. OSError when the disk refuses it (any of them may
-        then be unwritten)."""
+        after the other as :meth:`start` places them) to ``segment``: buffered ones with one
+        gathered write, the pad between them zeros; direct ones one at a time. OSError when the
+        disk refuses it (any of them may then be unwritten)."""
         if self.direct is not None:
             for offset, value in items:
                 self._write_direct(segment, offset, _parts(value))

@@ -27,24 +27,24 @@ class SegmentMaps:
         self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # segment -> (map, inode)
         self._pruning = Pruning()
 
-    def view(self, segment: int, offset: int, length: int) -> memoryview | None:
+    def view(self, segment: int, offset: int, length: int, sizes: dict[int, int | None] | None = None
+             ) -> memoryview | None:
         """A read-only view of ``length`` bytes at ``offset`` of ``segment``; None when the
         file is gone or shorter than that. Nothing is read until the view is touched (or
         :meth:`advise` asks for it).
 
-        The file's size is asked for each time: a map outlives a file cut short behind its
-        back (damage, a tool), and touching a page of a map past its file's end kills the
-        process (SIGBUS), where a read would only come back short. A value past the end is a
-        miss. (A file cut while a view of it is being read can still do that: the window is
-        the visit, not the life of the map.) A file deleted after it was mapped keeps its pages
-        for the map, and reading them is safe."""
+        The file's size is asked for (once per segment in ``sizes``, a reader's dict for one
+        visit): a map outlives a file cut short behind its back (damage, a tool), and touching
+        a page of a map past its file's end kills the process (SIGBUS), where a read would only
+        come back short. A value past the end is a miss. (A file cut while a view of it is being
+        read can still do that: the window is the visit, not the life of the map.) A file
+        deleted after it was mapped keeps its pages for the map, and reading them is safe."""
         self._maybe_prune()
-        try:
-            if os.stat(self.path_of(segment)).st_size < offset + length:
-                return None
-        except FileNotFoundError:
-            pass
-        except OSError:  # unreadable: a miss
+        sizes = {} if sizes is None else sizes
+        if segment not in sizes:
+            sizes[segment] = self._size(segment)
+        size = sizes[segment]
+        if size is not None and size < offset + length:
             return None
         with self._lock:
             entry = self._maps.get(segment)
@@ -53,6 +53,16 @@ class SegmentMaps:
             if entry is None or len(entry[0]) < offset + length:
                 return None
         return memoryview(entry[0])[offset : offset + length].toreadonly()
+
+    def _size(self, segment: int) -> int | None:
+        """The file's size now; None when it is deleted (a map made before keeps its pages);
+        -1 when it cannot be asked (unreadable: every value in it is a miss)."""
+        try:
+            return os.stat(self.path_of(segment)).st_size
+        except FileNotFoundError:
+            return None
+        except OSError:
+            return -1
 
     def advise(self, segment: int, offset: int, length: int) -> None:
         """Have the kernel start reading ``length`` bytes at ``offset`` of ``segment``'s map now
