@@ -5,17 +5,72 @@ block was read from the disk. A map covers the file as long as it was when mappe
 still being appended to is mapped again once a value lies beyond it); a view keeps its map
 alive however long the caller holds it. A reader asks for the parts it uses next
 (:meth:`SegmentMaps.advise`), so those arrive before the rest. Maps of files another process
-deleted are dropped (at most once a second), so their disk space goes once no view is left."""
+deleted are dropped (at most once a second), so their disk space goes once no view is left.
+
+A map holds no descriptor (:class:`FileMap`): ``mmap.mmap`` before Python 3.13 keeps a duplicate
+of the file's descriptor for as long as it lives, so a reader that had visited as many segments
+as the process may open files held every descriptor the process had (the engine's own opens
+then fail), and the segments after those were misses. At most ``MAX_MAPS`` maps are kept (the
+least recently used go first): each is one of the process's ``vm.max_map_count`` mappings."""
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
 from storage_backends.segment_pruning import Pruning, forget_gone
+
+MAX_MAPS = 1024  # maps kept: 128 GiB of address space at the default segment size
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+_munmap = _libc.munmap
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MAP_FAILED = ctypes.c_void_p(-1).value
+
+
+class FileMap:
+    """A read-only shared map of a file's first ``length`` bytes that keeps no descriptor:
+    ``len()``, :meth:`view` and :meth:`madvise`. Unmapped once neither it nor a view of it is
+    left (a view holds the mapped bytes, so an unmapped page is never read)."""
+
+    def __init__(self, fd: int, length: int) -> None:
+        if length <= 0:
+            raise ValueError(f"a map of {length} bytes")
+        address = _mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address is None or address == MAP_FAILED:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap: {os.strerror(err)}")
+        self.address, self.length = address, length
+        self._bytes = (ctypes.c_char * length).from_address(address)
+        weakref.finalize(self._bytes, _munmap, address, length)  # (views keep _bytes alive)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """A read-only view of ``length`` bytes at ``offset`` (inside the map)."""
+        if offset < 0 or length < 0 or offset + length > self.length:
+            raise ValueError(f"{length} bytes at {offset} of a map of {self.length}")
+        return memoryview(self._bytes).cast("B")[offset : offset + length].toreadonly()
+
+    def madvise(self, option: int, start: int, length: int) -> None:
+        """``madvise(2)`` over ``length`` bytes at ``start`` (as ``mmap.mmap.madvise``)."""
+        if start < 0 or length < 0 or start + length > self.length:
+            raise ValueError(f"{length} bytes at {start} of a map of {self.length}")
+        if _madvise(self.address + start, length, option) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"madvise: {os.strerror(err)}")
 
 
 class SegmentMaps:
@@ -24,7 +79,7 @@ class SegmentMaps:
     def __init__(self, path_of: Callable[[int], Path]) -> None:
         self.path_of = path_of
         self._lock = threading.Lock()
-        self._maps: dict[int, tuple[mmap.mmap, int]] = {}  # segment -> (map, inode)
+        self._maps: OrderedDict[int, tuple[FileMap, int]] = OrderedDict()  # segment -> (map, inode), LRU
         self._pruning = Pruning()
 
     def view(self, segment: int, offset: int, length: int, sizes: dict[int, int | None] | None = None
@@ -48,11 +103,13 @@ class SegmentMaps:
             return None
         with self._lock:
             entry = self._maps.get(segment)
+            if entry is not None:
+                self._maps.move_to_end(segment)
         if entry is None or len(entry[0]) < offset + length:
             entry = self._map(segment)
             if entry is None or len(entry[0]) < offset + length:
                 return None
-        return memoryview(entry[0])[offset : offset + length].toreadonly()
+        return entry[0].view(offset, length)
 
     def _size(self, segment: int) -> int | None:
         """The file's size now; None when it is deleted (a map made before keeps its pages);
@@ -78,7 +135,7 @@ class SegmentMaps:
         except (OSError, ValueError):
             pass  # advice only
 
-    def _map(self, segment: int) -> tuple[mmap.mmap, int] | None:
+    def _map(self, segment: int) -> tuple[FileMap, int] | None:
         try:
             fd = os.open(self.path_of(segment), os.O_RDONLY | os.O_CLOEXEC)
         except OSError:  # gone, or unreadable: a miss
@@ -87,13 +144,16 @@ class SegmentMaps:
             st = os.fstat(fd)
             if st.st_size == 0:
                 return None
-            entry = (mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ), st.st_ino)
+            entry = (FileMap(fd, st.st_size), st.st_ino)
         except (OSError, ValueError):
             return None
         finally:
             os.close(fd)  # the map holds the file
         with self._lock:
             self._maps[segment] = entry  # an older, shorter map lives on in its views
+            self._maps.move_to_end(segment)
+            while len(self._maps) > MAX_MAPS:
+                self._maps.popitem(last=False)  # unmapped once no view of it is left
         return entry
 
     def forget(self, segment: int) -> None:
@@ -110,4 +170,4 @@ class SegmentMaps:
 
     def close(self) -> None:
         with self._lock:
-            self._maps = {}
+            self._maps = OrderedDict()

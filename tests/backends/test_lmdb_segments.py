@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import random
 import signal
@@ -1053,6 +1054,74 @@ def test_more_segment_files_than_the_process_may_open_still_read_back(tmp_path):
     """))
     assert out.split() == ["100", "True"]
 
+
+def test_regression_layer_wise_reads_of_more_segments_than_the_process_may_open_held_every_descriptor(tmp_path):
+    """A segment's memory map (``mmap.mmap`` before Python 3.13) kept a duplicate of the file's
+    descriptor while it lived, and maps were kept for good: a layer-wise visit of values in more
+    segments than the process could open files took every descriptor left (33 here), missed the
+    other 67 values, and kept the descriptors after it returned."""
+    db = tmp_path / "db"
+    for i in range(100):  # a segment each
+        b = LmdbBackend(db, capacity=64 * MiB)
+        b.put_many([(key(i), blob(i, 64 * KiB))])
+        b.close()
+    out = finish(child(f"""
+        import resource
+        b = LmdbBackend({str(db)!r}, capacity=64 * MiB)
+        in_use = len(os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 32, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        right = []
+        found = b.visit_all([key(i) for i in range(100)], lambda values, read_ahead: right.extend(
+            v is not None and bytes(v) == blob(i, 64 * KiB) for i, v in enumerate(values)))
+        print(sum(found), sum(right), len(os.listdir("/proc/self/fd")) - in_use)
+        b.close()
+    """))
+    assert out.split() == ["100", "100", "0"], "values found, read right, descriptors held after the visit"
+
+
+def test_segment_maps_keep_the_most_recently_used_and_views_outlive_a_dropped_map(tmp_path, monkeypatch):
+    from storage_backends import segment_maps
+
+    monkeypatch.setattr(segment_maps, "MAX_MAPS", 4)
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
+    values = {key(i): blob(i, 600 * KiB) for i in range(10)}  # a segment file each (1 MiB apiece)
+    b.put_many(list(values.items()))
+    assert len({segment_of(b, k) for k in values}) == 10
+    held = []
+    b.visit_all(list(values), lambda views, read_ahead: held.extend(views))  # views kept past the visit
+    maps = b.values.files.maps
+    assert len(maps._maps) == 4 and list(maps._maps) == [segment_of(b, k) for k in list(values)[-4:]]
+    assert [bytes(v) for v in held] == list(values.values()), "a view keeps its map, dropped or not"
+    path = str(b.values.files.path_of(segment_of(b, key(0))))
+    mapped = lambda: sum(path in line for line in Path("/proc/self/maps").read_text().splitlines())  # noqa: E731
+    assert mapped() == 1
+    held.clear()
+    assert mapped() == 0, "a map dropped from the cache is unmapped once its last view goes"
+    b.close()
+
+
+def test_a_file_map_refuses_views_and_advice_outside_it_and_serves_the_files_bytes(tmp_path):
+    from storage_backends.segment_maps import FileMap
+
+    data = os.urandom(3 * 4096 + 100)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        m = FileMap(fd, len(data))
+    finally:
+        os.close(fd)
+    view = m.view(4000, 200)
+    assert view.readonly and bytes(view) == data[4000:4200] and len(m) == len(data)
+    m.madvise(mmap.MADV_WILLNEED, 0, len(data))
+    for bad in ((-1, 10), (len(data) - 5, 10)):
+        with pytest.raises(ValueError):
+            m.view(*bad)
+        with pytest.raises(ValueError):
+            m.madvise(mmap.MADV_WILLNEED, *bad)
+    with pytest.raises(ValueError):
+        FileMap(0, 0)
+    with pytest.raises(OSError):
+        FileMap(-1, 4096)  # no file: mmap's own error, not a crash
 
 # -- 13. a store of the previous format -----------------------------------------------------------
 def test_a_format_2_store_opens_with_its_blocks_in_lmdb_pages_and_new_puts_go_to_segments(tmp_path):
