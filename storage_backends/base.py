@@ -28,11 +28,12 @@ from tiered_kv.errors import ConfigError
 
 Visitor = Callable[[int, memoryview], None]
 SplitVisitor = Callable[[int, "memoryview | None", "memoryview | None"], "bool | None"]  # (i, head, value)
-ReadAhead = Callable[["Iterable[tuple[int, int, int]]"], None]  # (value index, start, end) ranges
+ReadAhead = Callable[..., "set[int]"]  # (ranges of (value index, start, end), wait=False) -> unreadable
 
 
-def no_read_ahead(ranges: Iterable[tuple[int, int, int]]) -> None:
-    """:data:`ReadAhead` of a medium whose values are in memory already."""
+def no_read_ahead(ranges: Iterable[tuple[int, int, int]], wait: bool = False) -> set[int]:
+    """:data:`ReadAhead` of a medium whose values are in memory already: every byte readable."""
+    return set()
 Listener = Callable[[str, list[bytes]], None]  # (``"stored"`` or ``"removed"``, keys)
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,10 @@ class Backend(ABC):
         (layer group by layer group) keeps zero-copy buffers alive that long. ``read_ahead(ranges)``
         asks the medium to start reading ``(i, start, end)``, bytes of value ``i``, now (advice: a
         medium whose values are in memory ignores it), so a reader can have the parts it uses
-        next arrive first. Returns presence per key."""
+        next arrive first. ``read_ahead(ranges, wait=True)`` reads them in before it returns the
+        indices of values whose bytes there cannot be had (a file cut short, a disk error): the
+        reader must not touch those (on a memory map that would kill the process); a miss.
+        Returns presence per key."""
         values = [None if v is None else memoryview(v) for v in self.get_many(keys)]
         visitor(values, no_read_ahead)
         return [v is not None for v in values]

@@ -13,6 +13,7 @@ from storage_backends.lmdb_environment import LmdbEnvironment
 from storage_backends.lmdb_segments import Place
 from storage_backends.lmdb_tables import as_key, fits
 from storage_backends.lmdb_values import MAX_GAP, SegmentValues, splits
+from storage_backends.segment_maps import populate
 from storage_backends.segment_runs import runs
 
 MAX_SPLIT_HEAD = 64 << 10  # visit_split: the most bytes read ahead of a value's part that goes to its out
@@ -42,7 +43,9 @@ class LmdbReads:
         """Zero-copy: ``visitor(values, read_ahead)`` sees LMDB's own pages of every key, or
         views of its segment's memory map, inside one read transaction: nothing is read from
         the disk before the visitor touches it or asks for it with ``read_ahead`` (a layer-wise
-        reader has every block's first layer group read first, then the second, ...)."""
+        reader has every block's first layer group read first, then the second, ...); with
+        ``wait=True`` the pages are populated (:func:`~storage_backends.segment_maps.populate`)
+        and the values whose pages cannot be had are named."""
         keys = [as_key(k) for k in keys]
         with self.db.guard("read"), self.db.txn() as txn:
             sizes: dict[int, int | None] = {}  # segment files' sizes, asked once in this visit
@@ -51,12 +54,18 @@ class LmdbReads:
             places = [None if f is None else f[1] for f in found]
             maps = self.values.files.maps
 
-            def read_ahead(ranges) -> None:
+            def read_ahead(ranges, wait: bool = False) -> set[int]:
+                unreadable: set[int] = set()
                 for i, start, end in ranges:
-                    place = places[i]
-                    if place is not None:  # a value in LMDB's pages is read by LMDB
-                        start = max(0, start)
-                        maps.advise(place.segment, place.offset + start, min(end, place.length) - start)
+                    start, end = max(0, start), min(end, 0 if values[i] is None else len(values[i]))
+                    if end <= start:
+                        continue
+                    if wait:  # LMDB's own map too: its file cut short would SIGBUS the same way
+                        if populate(values[i][start:end]) is False:
+                            unreadable.add(i)
+                    elif places[i] is not None:  # (LMDB reads ahead in its own pages)
+                        maps.advise(places[i].segment, places[i].offset + start, end - start)
+                return unreadable
 
             visitor(values, read_ahead)
         return self._counted(keys, [None if v is None else len(v) for v in values])

@@ -11,11 +11,18 @@ A map holds no descriptor (:class:`FileMap`): ``mmap.mmap`` before Python 3.13 k
 of the file's descriptor for as long as it lives, so a reader that had visited as many segments
 as the process may open files held every descriptor the process had (the engine's own opens
 then fail), and the segments after those were misses. At most ``MAX_MAPS`` maps are kept (the
-least recently used go first): each is one of the process's ``vm.max_map_count`` mappings."""
+least recently used go first): each is one of the process's ``vm.max_map_count`` mappings.
+
+Touching a page of a map that the file no longer has (cut short behind the store's back) or
+that the disk fails to read kills the process with SIGBUS, where a ``preadv`` only comes back
+short or with EIO. A reader asks for the pages it is about to touch with :func:`populate` first,
+which reads them in and says whether they could be had, so those become misses."""
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import logging
 import mmap
 import os
 import threading
@@ -24,7 +31,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from storage_backends.segment_pruning import Pruning, forget_gone
+
+log = logging.getLogger(__name__)
 
 MAX_MAPS = 1024  # maps kept: 128 GiB of address space at the default segment size
 
@@ -37,6 +48,32 @@ _munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _madvise = _libc.madvise
 _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 MAP_FAILED = ctypes.c_void_p(-1).value
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
+_populating = [True]  # False once the kernel refused MADV_POPULATE_READ (older than 5.14)
+
+
+def populate(view) -> bool | None:
+    """Have every page under ``view`` (of a file's memory map) read in and mapped now
+    (``MADV_POPULATE_READ``, which waits for the disk): True. False when a page cannot be had,
+    the file cut short under the map or the disk failing to read it: touching the view would
+    have killed the process with SIGBUS, and must not happen. None when the kernel cannot do
+    this (before Linux 5.14): touching is then the only way to read it. A page populated can
+    still be taken away by a truncation after this returns: the window is from here to the
+    touch, no longer the whole visit."""
+    view = memoryview(view).cast("B")
+    if not len(view) or not _populating[0]:
+        return True if len(view) else None
+    address = np.frombuffer(view, np.uint8).ctypes.data
+    start = address - address % mmap.PAGESIZE
+    if _madvise(start, address + len(view) - start, MADV_POPULATE_READ) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err == errno.EINVAL:  # an older kernel: said once, then not asked again
+        _populating[0] = False
+        log.info("this kernel cannot populate maps (MADV_POPULATE_READ): a segment cut short or a disk "
+                 "error under a layer-wise read is not caught before the read touches it")
+        return None
+    return False
 
 
 class FileMap:

@@ -514,6 +514,30 @@ def test_regression_a_segment_cut_short_after_it_was_mapped_killed_the_reader_wi
     assert json.loads(out) == [[True, False, False], [[True, True, True], [True, None, None]]]
 
 
+def test_regression_a_segment_cut_short_during_a_layer_wise_visit_killed_the_reader_with_sigbus(tmp_path):
+    # The size check above covers a file cut before the visit; one cut while the visitor works
+    # (or a page the disk cannot read) still SIGBUSed on the first touch. read_ahead(wait=True)
+    # now reads the pages in first and names the values whose pages cannot be had.
+    out = finish(child("""
+        n = 300 * KiB
+        b = LmdbBackend(sys.argv[1], capacity=64 * MiB, segment_bytes="1MiB")
+        keys = [key(i) for i in range(3)]
+        for i, k in enumerate(keys):
+            b.put_many([(k, blob(i, n))])
+        (segment,) = b.values.files.files()
+        seen = {}
+        def visitor(values, read_ahead):
+            os.truncate(b.values.files.path_of(segment), n + n // 2)  # value 1 cut in half, value 2 gone
+            unreadable = read_ahead([(i, 0, len(v)) for i, v in enumerate(values)], wait=True)
+            seen["unreadable"] = sorted(unreadable)
+            seen["right"] = [bytes(v) == blob(i, n) for i, v in enumerate(values) if i not in unreadable]
+        found = b.visit_all(keys, visitor)
+        import json
+        print(json.dumps([found, seen]))
+        b.close()
+    """, str(tmp_path / "db")))
+    assert json.loads(out) == [[True, True, True], {"unreadable": [1, 2], "right": [True]}]
+
 def test_a_value_overwritten_during_a_visit_split_is_the_old_value_or_a_miss(tmp_path):
     b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
     old, new = blob(1, 900 * KiB), blob(2, 900 * KiB)
@@ -1099,6 +1123,27 @@ def test_segment_maps_keep_the_most_recently_used_and_views_outlive_a_dropped_ma
     assert mapped() == 0, "a map dropped from the cache is unmapped once its last view goes"
     b.close()
 
+
+def test_a_kernel_that_cannot_populate_maps_leaves_layer_wise_reads_as_they_were(tmp_path, monkeypatch, caplog):
+    from storage_backends import segment_maps
+
+    monkeypatch.setattr(segment_maps, "MADV_POPULATE_READ", 12345)  # advice a kernel refuses: EINVAL
+    monkeypatch.setattr(segment_maps, "_populating", [True])
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
+    values = {key(i): blob(i, 300 * KiB) for i in range(3)}
+    b.put_many(list(values.items()))
+    got = {}
+
+    def visitor(views, read_ahead):
+        got["unreadable"] = [read_ahead([(i, 0, len(v))], wait=True) for i, v in enumerate(views)]
+        got["values"] = [bytes(v) for v in views]
+
+    with caplog.at_level("INFO", logger="storage_backends.segment_maps"):
+        assert b.visit_all(list(values), visitor) == [True] * 3
+    assert got == {"unreadable": [set()] * 3, "values": list(values.values())}
+    assert segment_maps._populating == [False]
+    assert sum("cannot populate" in r.getMessage() for r in caplog.records) == 1, "said once"
+    b.close()
 
 def test_a_file_map_refuses_views_and_advice_outside_it_and_serves_the_files_bytes(tmp_path):
     from storage_backends.segment_maps import FileMap

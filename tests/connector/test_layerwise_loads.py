@@ -5,6 +5,8 @@ for every layer gets its blocks recomputed, never read before they arrived."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -190,16 +192,19 @@ def test_a_layerwise_read_asks_the_disk_for_every_first_frame_before_any_later_o
     worker, kv = _worker(tmp_path)
     disk = worker.store.tier("disk")
     jobs: list[list[list[tuple[int, int, int]]]] = []  # per visit, what it asked for, call by call
+    waits: list[list[tuple[int, int, int]]] = []  # per visit, the ranges read in before touching them
     real_visit_all = disk.backend.visit_all
 
     def recording_visit_all(keys, visitor):
-        asked = []
+        asked, waited = [], []
         jobs.append(asked)
+        waits.append(waited)
 
         def recorded(values, read_ahead):
-            def ask(ranges):
-                asked.append(list(ranges))
-                read_ahead(asked[-1])
+            def ask(ranges, wait=False):
+                ranges = list(ranges)
+                (waited.extend if wait else asked.append)(ranges)
+                return read_ahead(ranges, wait=wait)
             visitor(values, ask)
         return real_visit_all(keys, recorded)
 
@@ -216,6 +221,10 @@ def test_a_layerwise_read_asks_the_disk_for_every_first_frame_before_any_later_o
             assert sorted(i for i, _, _ in ranges) == list(range(len(heads)))  # every block of the job
             assert {end - start for _, start, end in ranges} == {frames[j]}  # stored raw: exactly frame j
             assert len({start for _, start, _ in ranges}) == 1  # same place in every block
+    for asked, waited in zip(jobs, waits):  # each block's head, then each frame, read in before use
+        heads, later = asked[0], [r for ranges in asked[1:] for r in ranges]
+        assert set(heads) | set(later) <= set(waited)
+        assert len(waited) == len(heads) * (1 + len(frames))  # the head, then every frame's own bytes
 
 
 @pytest.mark.parametrize("layerwise", [True, False])
@@ -256,3 +265,52 @@ def test_frames_are_layer_groups_of_at_least_64_kib():
     small = Namespace(model_id="s", dtype="bfloat16", num_layers=8, num_kv_heads=2, head_dim=16, block_size=16)
     assert layer_segments(small, 16 << 10, 8) is None  # 2 KiB a layer: one frame
     assert layer_segments(NS, 8 * (64 << 10), 3) == [2 * (64 << 10), 3 * (64 << 10), 3 * (64 << 10)]
+
+
+def test_regression_a_segment_cut_short_between_layer_passes_killed_the_engine_with_sigbus(tmp_path):
+    """A layer-wise read touches the segment's memory map frame by frame; the file cut short
+    after the first pass (damage, a tool) made the next pass touch pages the file no longer
+    has, and SIGBUS ended the process. Each frame is now read in before it is touched: the
+    blocks whose frames are gone are misses (``unreadable``), the others arrive whole. In a
+    child process, so a regression fails this test instead of killing the test run."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+
+    keys, payloads = _stored(tmp_path)
+    torch.save(payloads, tmp_path / "payloads.pt")
+    script = textwrap.dedent(f"""
+        import json, os, torch
+        from tests.backends.test_lmdb_segments import place_of
+        from tests.connector.test_layerwise_loads import NS, _config
+        from tiered_kv.keys import block_keys
+        from tiered_kv.store import TieredStore
+        payloads = torch.load({str(tmp_path / "payloads.pt")!r})
+        keys = block_keys(NS, list(range(len(payloads) * NS.block_size)))
+        store = TieredStore(_config({str(tmp_path / "db")!r}), NS)
+        disk = store.tier("disk")
+        files = disk.backend.values.files
+        places = [place_of(disk.backend, disk.ns + k) for k in keys]
+        segment = max(set(p.segment for p in places), key=[p.segment for p in places].count)
+        order = sorted((p.offset, i) for i, p in enumerate(places) if p.segment == segment)
+        victim = places[order[len(order) // 2][1]]  # one in the middle of the file
+        cut = (victim.offset + victim.length // 2) // 4096 * 4096  # (a page's end: its rest is zeros)
+        lost = [p.segment == segment and p.offset + p.length > cut for p in places]
+        outs = [torch.zeros_like(p) for p in payloads]
+        passes = []
+        def on_ready(ready, end):
+            if not passes:  # after every block's first frame: the victim cut in half, what follows it gone
+                os.truncate(files.path_of(segment), cut)
+            passes.append(ready)
+        reasons, _ = disk.read_layered(keys, [o.view(-1).view(torch.uint8).numpy() for o in outs], on_ready)
+        print(json.dumps([lost, reasons, [torch.equal(o, p) for o, p in zip(outs, payloads)], len(passes)]))
+        store.close()
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=str(Path(__file__).resolve().parents[2]))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lost, reasons, right, passes = json.loads(proc.stdout)
+    assert any(lost) and not all(lost), "the cut takes some blocks and leaves others whole"
+    assert reasons == ["unreadable" if gone else None for gone in lost]
+    assert right == [not gone for gone in lost] and passes == NS.num_layers

@@ -168,6 +168,7 @@ class EncodedTier:
                 if blob is None:
                     continue
                 try:
+                    _readable(read_ahead, i, 0, self.head_bytes)
                     opened[i] = self.codec.segments(blob, namespace=self.ns, key=keys[i], expect=self.layout,
                                                     sealing=sealing)
                 except Exception as exc:
@@ -183,6 +184,7 @@ class EncodedTier:
                     try:
                         while position[i] < len(block.bounds) and block.bounds[position[i]][1] <= cut:
                             start, end = block.bounds[position[i]]
+                            _readable(read_ahead, i, *block.span(position[i]))
                             block.decode(position[i], views[i][start:end])
                             position[i] += 1
                     except Exception as exc:
@@ -209,6 +211,15 @@ class EncodedTier:
 
     def unpin(self, keys: Sequence[bytes]) -> None:
         self.backend.unpin_many([self.ns + k for k in keys])
+
+
+def _readable(read_ahead, i: int, start: int, end: int) -> None:
+    """Have the medium read bytes ``start:end`` of value ``i`` in before they are touched;
+    CorruptBlock ``unreadable`` when it cannot (its file cut short, a disk error): touching
+    them on a memory map would kill the process."""
+    if read_ahead([(i, start, end)], wait=True):
+        raise CorruptBlock(f"stored bytes {start}:{end} cannot be read (the medium's file was cut short "
+                           "or the disk failed to read them)", reason="unreadable")
 
 
 class _Read:
