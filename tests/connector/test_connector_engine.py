@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from storage_backends import registry
 from storage_backends.registry import register_backend
 from tests.connector.engine_helpers import GREEDY, connector, engine, prompt, reference
 from tests.store.helpers import rewrite_stored_blocks
@@ -109,6 +110,8 @@ def test_forward_pass_is_not_blocked_by_saves_to_a_slow_tier(tmp_path, monkeypat
     import tests.connector.test_connector_engine as me
 
     me.HeldLmdb = _held_lmdb_class()
+    # (restored after: a medium left registered made later tests' store lookups ask it too)
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
     register_backend("heldlmdb", "tests.connector.test_connector_engine:HeldLmdb")
     monkeypatch.setattr(_HeldPuts, "gate", threading.Event())
     monkeypatch.setattr(_HeldPuts, "finished", 0)

@@ -184,7 +184,9 @@ class EncodedTier:
                     try:
                         while position[i] < len(block.bounds) and block.bounds[position[i]][1] <= cut:
                             start, end = block.bounds[position[i]]
-                            _readable(read_ahead, i, *block.span(position[i]))
+                            span = block.span(position[i])
+                            if span[1] > self.head_bytes:  # (the head's range was read in whole)
+                                _readable(read_ahead, i, *span)
                             block.decode(position[i], views[i][start:end])
                             position[i] += 1
                     except Exception as exc:
