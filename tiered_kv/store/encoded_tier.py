@@ -155,7 +155,9 @@ class EncodedTier:
         ``on_ready(indices, raw_end)`` names the blocks whose first ``raw_end`` bytes are in
         their buffer, checked (a block failing later is still a miss, its reason as in
         :meth:`read_into`). Blocks framed in fewer groups (or one: older blocks) are ready at
-        their own frames' ends."""
+        their own frames' ends. Each range is read in before it is touched (``read_ahead(...,
+        wait=True)``): one the medium cannot have (its file cut short, a disk error) makes its
+        block an ``unreadable`` miss, where touching a memory map there would kill the process."""
         read = _Read(self, keys, outs, keep_blobs)
         sealing = self.sealing(tenant)
 
