@@ -490,17 +490,21 @@ def test_visit_split_of_a_value_its_segment_no_longer_holds_is_a_miss_the_visito
     b.close()
 
 
-def test_regression_a_segment_cut_short_after_it_was_mapped_killed_the_reader_with_sigbus(tmp_path):
-    # visit_all hands out views of a segment's memory map (layer-wise loads); the map outlived
-    # a file cut short behind the backend's back, and the next visit touched pages past the
-    # file's end: SIGBUS, the engine gone. Now a value past the end is a miss. In a child, so a
-    # regression fails this test instead of killing the test run.
-    out = finish(child("""
+THREE_VALUES_IN_ONE_SEGMENT = """
         n = 300 * KiB
         b = LmdbBackend(sys.argv[1], capacity=64 * MiB, segment_bytes="1MiB")
         keys = [key(i) for i in range(3)]
         for i, k in enumerate(keys):
             b.put_many([(k, blob(i, n))])
+"""  # (a child's opening, indented as its bodies: three values of n bytes one after the other in a segment)
+
+
+def test_regression_a_segment_cut_short_after_it_was_mapped_killed_the_reader_with_sigbus(tmp_path):
+    # visit_all hands out views of a segment's memory map (layer-wise loads); the map outlived
+    # a file cut short behind the backend's back, and the next visit touched pages past the
+    # file's end: SIGBUS, the engine gone. Now a value past the end is a miss. In a child, so a
+    # regression fails this test instead of killing the test run.
+    out = finish(child(THREE_VALUES_IN_ONE_SEGMENT + """
         seen = []
         def visitor(values, read_ahead):
             seen.append([None if v is None else bytes(v) == blob(i, n) for i, v in enumerate(values)])
@@ -518,12 +522,7 @@ def test_regression_a_segment_cut_short_during_a_layer_wise_visit_killed_the_rea
     # The size check above covers a file cut before the visit; one cut while the visitor works
     # (or a page the disk cannot read) still SIGBUSed on the first touch. read_ahead(wait=True)
     # now reads the pages in first and names the values whose pages cannot be had.
-    out = finish(child("""
-        n = 300 * KiB
-        b = LmdbBackend(sys.argv[1], capacity=64 * MiB, segment_bytes="1MiB")
-        keys = [key(i) for i in range(3)]
-        for i, k in enumerate(keys):
-            b.put_many([(k, blob(i, n))])
+    out = finish(child(THREE_VALUES_IN_ONE_SEGMENT + """
         (segment,) = b.values.files.files()
         seen = {}
         def visitor(values, read_ahead):
@@ -537,6 +536,7 @@ def test_regression_a_segment_cut_short_during_a_layer_wise_visit_killed_the_rea
         b.close()
     """, str(tmp_path / "db")))
     assert json.loads(out) == [[True, True, True], {"unreadable": [1, 2], "right": [True]}]
+
 
 def test_a_value_overwritten_during_a_visit_split_is_the_old_value_or_a_miss(tmp_path):
     b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
