@@ -22,18 +22,26 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from tiered_kv.errors import ConfigError
 
 Visitor = Callable[[int, memoryview], None]
 SplitVisitor = Callable[[int, "memoryview | None", "memoryview | None"], "bool | None"]  # (i, head, value)
-ReadAhead = Callable[..., "set[int]"]  # (ranges of (value index, start, end), wait=False) -> unreadable
+
+
+class ReadAhead(Protocol):
+    """What :meth:`Backend.visit_all` hands its visitor: ``(value index, start, end)`` ranges
+    to read ahead (advice), or with ``wait`` to read in now; the indices that cannot be had."""
+
+    def __call__(self, ranges: Iterable[tuple[int, int, int]], wait: bool = False) -> set[int]: ...
 
 
 def no_read_ahead(ranges: Iterable[tuple[int, int, int]], wait: bool = False) -> set[int]:
-    """:data:`ReadAhead` of a medium whose values are in memory already: every byte readable."""
+    """:class:`ReadAhead` of a medium whose values are in memory already: every byte readable."""
     return set()
+
+
 Listener = Callable[[str, list[bytes]], None]  # (``"stored"`` or ``"removed"``, keys)
 
 log = logging.getLogger(__name__)

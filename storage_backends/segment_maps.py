@@ -7,8 +7,8 @@ alive however long the caller holds it. A reader asks for the parts it uses next
 (:meth:`SegmentMaps.advise`), so those arrive before the rest. Maps of files another process
 deleted are dropped (at most once a second), so their disk space goes once no view is left.
 
-A map holds no descriptor (:class:`FileMap`): ``mmap.mmap`` before Python 3.13 keeps a duplicate
-of the file's descriptor for as long as it lives, so a reader that had visited as many segments
+A map holds no descriptor (:class:`FileMap`): ``mmap.mmap`` keeps a duplicate of the file's
+descriptor for as long as it lives (Python 3.13 can be asked not to: ``trackfd=False``), so a reader that had visited as many segments
 as the process may open files held every descriptor the process had (the engine's own opens
 then fail), and the segments after those were misses. At most ``MAX_MAPS`` maps are kept (the
 least recently used go first): each is one of the process's ``vm.max_map_count`` mappings.
@@ -50,6 +50,9 @@ _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 MAP_FAILED = ctypes.c_void_p(-1).value
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux 5.14
 _populating = [True]  # False once the kernel refused MADV_POPULATE_READ (older than 5.14)
+# what MADV_POPULATE_READ answers for a page that touching would SIGBUS on: past the file's end,
+# or the disk failing to read it (a poisoned page)
+_CANNOT_BE_HAD = frozenset({errno.EFAULT, errno.EIO, getattr(errno, "EHWPOISON", 133)})
 
 
 def populate(view) -> bool | None:
@@ -61,25 +64,29 @@ def populate(view) -> bool | None:
     still be taken away by a truncation after this returns: the window is from here to the
     touch, no longer the whole visit."""
     view = memoryview(view).cast("B")
-    if not len(view) or not _populating[0]:
-        return True if len(view) else None
+    if not len(view):
+        return True
+    if not _populating[0]:
+        return None
     address = np.frombuffer(view, np.uint8).ctypes.data
     start = address - address % mmap.PAGESIZE
     if _madvise(start, address + len(view) - start, MADV_POPULATE_READ) == 0:
         return True
     err = ctypes.get_errno()
+    if err in _CANNOT_BE_HAD:
+        return False
     if err == errno.EINVAL:  # an older kernel: said once, then not asked again
         _populating[0] = False
-        log.info("this kernel cannot populate maps (MADV_POPULATE_READ): a segment cut short or a disk "
-                 "error under a layer-wise read is not caught before the read touches it")
-        return None
-    return False
+        log.warning("this kernel cannot populate maps (MADV_POPULATE_READ, Linux 5.14): a segment cut short "
+                    "or a disk error under a layer-wise read is not caught before the read touches it")
+    return None  # (ENOMEM under a memory limit, EINTR, ...: says nothing of the file)
 
 
 class FileMap:
     """A read-only shared map of a file's first ``length`` bytes that keeps no descriptor:
     ``len()``, :meth:`view` and :meth:`madvise`. Unmapped once neither it nor a view of it is
-    left (a view holds the mapped bytes, so an unmapped page is never read)."""
+    left (a view holds the mapped bytes, so an unmapped page is never read), or when the process
+    ends."""
 
     def __init__(self, fd: int, length: int) -> None:
         if length <= 0:
@@ -90,7 +97,9 @@ class FileMap:
             raise OSError(err, f"mmap: {os.strerror(err)}")
         self.address, self.length = address, length
         self._bytes = (ctypes.c_char * length).from_address(address)
-        weakref.finalize(self._bytes, _munmap, address, length)  # (views keep _bytes alive)
+        # (views keep _bytes alive); not at exit: threads still reading a view would fault, and
+        # the kernel unmaps everything when the process ends anyway
+        weakref.finalize(self._bytes, _munmap, address, length).atexit = False
 
     def __len__(self) -> int:
         return self.length

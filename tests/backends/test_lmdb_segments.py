@@ -9,6 +9,7 @@ is."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import mmap
@@ -1144,6 +1145,52 @@ def test_a_kernel_that_cannot_populate_maps_leaves_layer_wise_reads_as_they_were
     assert segment_maps._populating == [False]
     assert sum("cannot populate" in r.getMessage() for r in caplog.records) == 1, "said once"
     b.close()
+
+def test_regression_a_thread_reading_a_map_while_the_process_exits_crashed_it(tmp_path):
+    # Maps were unmapped by an atexit hook while daemon threads (the store's load jobs) still
+    # read their views: SIGSEGV at exit (3 runs of 3). The kernel unmaps them at exit anyway.
+    data = tmp_path / "f"
+    data.write_bytes(os.urandom(8 * MiB))
+    for _ in range(3):
+        out = finish(child(f"""
+            import threading, xxhash
+            from storage_backends.segment_maps import FileMap
+            fd = os.open({str(data)!r}, os.O_RDONLY)
+            view = FileMap(fd, 8 * MiB).view(0, 8 * MiB)
+            started = threading.Event()
+            def read_on():
+                while True:
+                    xxhash.xxh3_64_intdigest(view)
+                    started.set()
+            threading.Thread(target=read_on, daemon=True).start()
+            started.wait(10)
+            print("exiting")
+        """))
+        assert out.split() == ["exiting"]
+
+
+@pytest.mark.parametrize("err, answer", [(errno.EFAULT, False), (errno.EIO, False), (errno.ENOMEM, None),
+                                         (errno.EINTR, None)])
+def test_populating_a_map_names_only_pages_that_cannot_be_had(tmp_path, monkeypatch, err, answer):
+    # EFAULT (past the file's end) and EIO (the disk) are what touching would SIGBUS on: the
+    # block is a miss and is dropped. ENOMEM (a memory limit), EINTR say nothing of the file.
+    import ctypes
+
+    from storage_backends import segment_maps
+
+    def refuse(address, length, advice):
+        ctypes.set_errno(err)
+        return -1
+
+    (tmp_path / "f").write_bytes(os.urandom(3 * 4096))
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    view = segment_maps.FileMap(fd, 3 * 4096).view(100, 5000)
+    os.close(fd)
+    assert segment_maps.populate(view) is True and segment_maps.populate(view[:0]) is True
+    monkeypatch.setattr(segment_maps, "_madvise", refuse)
+    assert segment_maps.populate(view) is answer
+    assert segment_maps.populate(view[:0]) is True, "nothing to read in: readable"
+    assert segment_maps._populating == [True]
 
 def test_a_file_map_refuses_views_and_advice_outside_it_and_serves_the_files_bytes(tmp_path):
     from storage_backends.segment_maps import FileMap

@@ -224,7 +224,7 @@ def test_a_layerwise_read_asks_the_disk_for_every_first_frame_before_any_later_o
     for asked, waited in zip(jobs, waits):  # each block's head, then each frame, read in before use
         heads, later = asked[0], [r for ranges in asked[1:] for r in ranges]
         assert set(heads) | set(later) <= set(waited)
-        assert len(waited) == len(heads) * len(frames)  # the head (frame 0 in it), then frames 1, 2, ...
+        assert len(waited) == len(heads) * (1 + len(frames))  # the head, then each frame right before use
 
 
 @pytest.mark.parametrize("layerwise", [True, False])
@@ -267,18 +267,32 @@ def test_frames_are_layer_groups_of_at_least_64_kib():
     assert layer_segments(NS, 8 * (64 << 10), 3) == [2 * (64 << 10), 3 * (64 << 10), 3 * (64 << 10)]
 
 
-def test_regression_a_segment_cut_short_between_layer_passes_killed_the_engine_with_sigbus(tmp_path):
+@pytest.mark.parametrize("stored, read, cut_after, keep_blobs", [
+    ("raw", {}, "the first pass", False),
+    ("zstd", {}, "the first pass", False),  # compressed frames: several lie inside the head's range
+    ("raw", {"layer_groups": 2}, "the first pass", False),  # a reader framing blocks coarser than they are
+    ("raw", {}, "the last pass", True),  # the whole value copied out after the last frame
+])
+def test_regression_a_segment_cut_short_between_layer_passes_killed_the_engine_with_sigbus(
+        tmp_path, stored, read, cut_after, keep_blobs):
     """A layer-wise read touches the segment's memory map frame by frame; the file cut short
-    after the first pass (damage, a tool) made the next pass touch pages the file no longer
-    has, and SIGBUS ended the process. Each frame is now read in before it is touched: the
-    blocks whose frames are gone are misses (``unreadable``), the others arrive whole. In a
-    child process, so a regression fails this test instead of killing the test run."""
+    between passes (damage, a tool) made a later touch reach pages the file no longer has, and
+    SIGBUS ended the process. Every range is now read in right before it is touched: the blocks
+    whose bytes are gone are misses (``unreadable``), the others arrive whole. In a child
+    process, so a regression fails this test instead of killing the test run."""
     import json
     import subprocess
     import sys
     import textwrap
 
-    keys, payloads = _stored(tmp_path)
+    disk = {"url": f"lmdb://{tmp_path / 'db'}", "capacity": "64MiB", "codec": stored}
+    keys = block_keys(NS, list(range(BLOCKS * NS.block_size)))
+    payloads = _payloads(BLOCKS)
+    if stored == "zstd":  # values that compress well: frames 1, 2, ... lie inside the head's range
+        payloads = [p.round() for p in payloads]
+    with TieredStore(_config(tmp_path / "db", disk=disk), NS) as store:
+        store.save(keys, payloads)
+        store.flush()
     torch.save(payloads, tmp_path / "payloads.pt")
     script = textwrap.dedent(f"""
         import json, os, torch
@@ -288,7 +302,7 @@ def test_regression_a_segment_cut_short_between_layer_passes_killed_the_engine_w
         from tiered_kv.store import TieredStore
         payloads = torch.load({str(tmp_path / "payloads.pt")!r})
         keys = block_keys(NS, list(range(len(payloads) * NS.block_size)))
-        store = TieredStore(_config({str(tmp_path / "db")!r}), NS)
+        store = TieredStore(_config({str(tmp_path / "db")!r}, **{read!r}), NS)
         disk = store.tier("disk")
         files = disk.backend.values.files
         places = [place_of(disk.backend, disk.ns + k) for k in keys]
@@ -300,17 +314,20 @@ def test_regression_a_segment_cut_short_between_layer_passes_killed_the_engine_w
         outs = [torch.zeros_like(p) for p in payloads]
         passes = []
         def on_ready(ready, end):
-            if not passes:  # after every block's first frame: the victim cut in half, what follows it gone
-                os.truncate(files.path_of(segment), cut)
             passes.append(ready)
-        reasons, _ = disk.read_layered(keys, [o.view(-1).view(torch.uint8).numpy() for o in outs], on_ready)
-        print(json.dumps([lost, reasons, [torch.equal(o, p) for o, p in zip(outs, payloads)], len(passes)]))
+            if len(passes) == ({cut_after == "the first pass"} or NS.num_layers):
+                os.truncate(files.path_of(segment), cut)  # the victim cut in half, what follows it gone
+        reasons, blobs = disk.read_layered(keys, [o.view(-1).view(torch.uint8).numpy() for o in outs], on_ready,
+                                           keep_blobs={keep_blobs})
+        print(json.dumps([lost, reasons, [torch.equal(o, p) for o, p in zip(outs, payloads)], len(passes),
+                          [b is not None for b in blobs]]))
         store.close()
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           cwd=str(Path(__file__).resolve().parents[2]))
     assert proc.returncode == 0, proc.stderr[-2000:]
-    lost, reasons, right, passes = json.loads(proc.stdout)
+    lost, reasons, right, passes, kept = json.loads(proc.stdout)
     assert any(lost) and not all(lost), "the cut takes some blocks and leaves others whole"
     assert reasons == ["unreadable" if gone else None for gone in lost]
-    assert right == [not gone for gone in lost] and passes == NS.num_layers
+    assert passes == NS.num_layers and kept == [keep_blobs and not gone for gone in lost]
+    assert right == [not gone or cut_after == "the last pass" for gone in lost]

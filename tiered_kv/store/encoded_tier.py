@@ -163,14 +163,20 @@ class EncodedTier:
 
         def decode_all(blobs: list[memoryview | None], read_ahead) -> None:
             # the medium reads every block's header and first frame first, the next frames
-            # each when their pass starts: what the engine needs first arrives first
-            read_ahead([(i, 0, self.head_bytes) for i, blob in enumerate(blobs) if blob is not None])
+            # each when their pass starts: what the engine needs first arrives first. Each range
+            # is read in (wait=True) right before it is touched, outside the per-block try: a
+            # medium failing there is a failed read of the tier, not a damaged block
+            heads = [(i, 0, self.head_bytes) for i, blob in enumerate(blobs) if blob is not None]
+            read_ahead(heads)
+            unreadable = read_ahead(heads, wait=True)
             opened = {}
             for i, blob in enumerate(blobs):
                 if blob is None:
                     continue
+                if i in unreadable:
+                    read.fail(i, _unreadable())
+                    continue
                 try:
-                    _readable(read_ahead, i, 0, self.head_bytes)
                     opened[i] = self.codec.segments(blob, namespace=self.ns, key=keys[i], expect=self.layout,
                                                     sealing=sealing)
                 except Exception as exc:
@@ -178,25 +184,32 @@ class EncodedTier:
             views = {i: memoryview(outs[i]).cast("B") for i in opened}
             position = dict.fromkeys(opened, 0)  # next frame per block
             for cut in sorted({end for block in opened.values() for _, end in block.bounds}):
-                read_ahead([(i, start, end) for i, block in opened.items()
-                            for j in range(position[i], len(block.bounds)) if block.bounds[j][1] <= cut
-                            for start, end in (block.span(j),) if end > self.head_bytes])
+                due = {i: [j for j in range(position[i], len(block.bounds)) if block.bounds[j][1] <= cut]
+                       for i, block in opened.items()}
+                read_ahead([(i, start, end) for i, frames in due.items() for j in frames
+                            for start, end in (opened[i].span(j),) if end > self.head_bytes])
                 ready = []
                 for i, block in list(opened.items()):
+                    if due[i] and read_ahead([(i, *block.span(j)) for j in due[i]], wait=True):
+                        read.fail(i, _unreadable())
+                        del opened[i]
+                        continue
                     try:
-                        while position[i] < len(block.bounds) and block.bounds[position[i]][1] <= cut:
-                            start, end = block.bounds[position[i]]
-                            span = block.span(position[i])
-                            if span[1] > self.head_bytes:  # (the head's range was read in whole)
-                                _readable(read_ahead, i, *span)
-                            block.decode(position[i], views[i][start:end])
-                            position[i] += 1
+                        for j in due[i]:
+                            start, end = block.bounds[j]
+                            block.decode(j, views[i][start:end])
+                            position[i] = j + 1
                     except Exception as exc:
                         read.fail(i, exc)
                         del opened[i]
                         continue
                     ready.append(i)
                 on_ready(ready, cut)
+            if keep_blobs:  # the whole value is copied out: its pages read in again first
+                gone = read_ahead([(i, 0, len(blobs[i])) for i in opened], wait=True)
+                for i in gone:
+                    read.fail(i, _unreadable())
+                    del opened[i]
             for i in opened:
                 read.done(i, blobs[i])
 
@@ -217,13 +230,11 @@ class EncodedTier:
         self.backend.unpin_many([self.ns + k for k in keys])
 
 
-def _readable(read_ahead, i: int, start: int, end: int) -> None:
-    """Have the medium read bytes ``start:end`` of value ``i`` in before they are touched;
-    CorruptBlock ``unreadable`` when it cannot (its file cut short, a disk error): touching
-    them on a memory map would kill the process."""
-    if read_ahead([(i, start, end)], wait=True):
-        raise CorruptBlock(f"stored bytes {start}:{end} cannot be read (the medium's file was cut short "
-                           "or the disk failed to read them)", reason="unreadable")
+def _unreadable() -> CorruptBlock:
+    """The miss of a block whose stored bytes the medium cannot read in (its file cut short, a
+    disk error), where touching them on a memory map would kill the process."""
+    return CorruptBlock("stored bytes cannot be read (the medium's file was cut short or the disk failed "
+                        "to read them)", reason="unreadable")
 
 
 class _Read:
