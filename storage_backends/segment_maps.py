@@ -8,10 +8,11 @@ alive however long the caller holds it. A reader asks for the parts it uses next
 deleted are dropped (at most once a second), so their disk space goes once no view is left.
 
 A map holds no descriptor (:class:`FileMap`): ``mmap.mmap`` keeps a duplicate of the file's
-descriptor for as long as it lives (Python 3.13 can be asked not to: ``trackfd=False``), so a reader that had visited as many segments
-as the process may open files held every descriptor the process had (the engine's own opens
-then fail), and the segments after those were misses. At most ``MAX_MAPS`` maps are kept (the
-least recently used go first): each is one of the process's ``vm.max_map_count`` mappings.
+descriptor for as long as it lives (Python 3.13 can be asked not to: ``trackfd=False``), so a
+reader that had visited as many segments as the process may open files held every descriptor
+the process had (the engine's own opens then fail), and the segments after those were misses.
+At most ``MAX_MAPS`` maps are kept (the least recently used go first): each is one of the
+process's ``vm.max_map_count`` mappings.
 
 Touching a page of a map that the file no longer has (cut short behind the store's back) or
 that the disk fails to read kills the process with SIGBUS, where a ``preadv`` only comes back
