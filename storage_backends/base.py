@@ -30,16 +30,38 @@ Visitor = Callable[[int, memoryview], None]
 SplitVisitor = Callable[[int, "memoryview | None", "memoryview | None"], "bool | None"]  # (i, head, value)
 
 
-class ReadAhead(Protocol):
-    """What :meth:`Backend.visit_all` hands its visitor: ``(value index, start, end)`` ranges
-    to read ahead (advice), or with ``wait`` to read in now; the indices that cannot be had."""
+class RangeReader(Protocol):
+    """What :meth:`Backend.visit_ranges` hands its visitor: reads of parts of the values it
+    found, by index."""
 
-    def __call__(self, ranges: Iterable[tuple[int, int, int]], wait: bool = False) -> set[int]: ...
+    def advise(self, ranges: Iterable[tuple[int, int, int]]) -> None:
+        """``(value index, start, end)`` ranges the visitor reads next: a medium reading from a
+        disk starts reading them now (advice; a medium holding its values in memory ignores it)."""
+
+    def read(self, i: int, start: int, into) -> bool | None:
+        """Fill the byte buffer ``into`` with value ``i``'s bytes from ``start`` (a range inside
+        the value: ValueError otherwise). True when read; False when those bytes cannot be had
+        (a file cut short, a disk error: the value is damaged); None when the value is no longer
+        there (deleted since the visit began: a miss, not damage). ``into`` holds bytes to
+        overwrite unless True. A medium failing as a whole raises (BackendUnavailable)."""
 
 
-def no_read_ahead(ranges: Iterable[tuple[int, int, int]], wait: bool = False) -> set[int]:
-    """:class:`ReadAhead` of a medium whose values are in memory already: every byte readable."""
-    return set()
+class _InMemory:
+    """:class:`RangeReader` of values held in memory."""
+
+    def __init__(self, values: list[memoryview | None]) -> None:
+        self.values = values
+
+    def advise(self, ranges: Iterable[tuple[int, int, int]]) -> None:
+        pass
+
+    def read(self, i: int, start: int, into) -> bool | None:
+        value, dst = self.values[i], memoryview(into).cast("B")
+        if value is None or not 0 <= start <= start + len(dst) <= len(value):
+            raise ValueError(f"bytes {start}..{start + len(dst)} of value {i} of "
+                             f"{None if value is None else len(value)}")
+        dst[:] = value[start : start + len(dst)]
+        return True
 
 
 Listener = Callable[[str, list[bytes]], None]  # (``"stored"`` or ``"removed"``, keys)
@@ -163,18 +185,15 @@ class Backend(ABC):
         split: this default splits none). Returns presence per key."""
         return self.visit_many(keys, lambda i, value: visitor(i, None, value))
 
-    def visit_all(self, keys: Sequence[bytes], visitor: Callable[[list[memoryview | None], ReadAhead], None]) -> list[bool]:
-        """Call ``visitor(values, read_ahead)`` once with every key's value (None where absent),
-        all valid during the call: a reader that works through many values in several passes
-        (layer group by layer group) keeps zero-copy buffers alive that long. ``read_ahead(ranges)``
-        asks the medium to start reading ``(i, start, end)``, bytes of value ``i``, now (advice: a
-        medium whose values are in memory ignores it), so a reader can have the parts it uses
-        next arrive first. ``read_ahead(ranges, wait=True)`` reads them in before it returns the
-        indices of values whose bytes there cannot be had (a file cut short, a disk error): the
-        reader must not touch those (on a memory map that would kill the process); a miss.
-        Returns presence per key."""
-        values = [None if v is None else memoryview(v) for v in self.get_many(keys)]
-        visitor(values, no_read_ahead)
+    def visit_ranges(self, keys: Sequence[bytes], visitor: Callable[[list[int | None], RangeReader], None]) -> list[bool]:
+        """Call ``visitor(sizes, reader)`` once, with every key's value length (None where
+        absent) and a :class:`RangeReader` of those values, valid during the call: a reader that
+        works through many values in several passes (layer group by layer group) reads each
+        part when it needs it, straight into its place, and asks for the parts it reads next
+        first (``reader.advise``), so what it needs first arrives first. Returns presence per
+        key (as it was when the visit began)."""
+        values = [None if v is None else memoryview(v).cast("B") for v in self.get_many(keys)]
+        visitor([None if v is None else len(v) for v in values], _InMemory(values))
         return [v is not None for v in values]
 
     # -- tenants: media that keep no figures per tenant answer None ------------------------------

@@ -202,8 +202,8 @@ class LmdbBackend(Backend):
     def visit_many(self, keys: Sequence[bytes], visitor: Visitor) -> list[bool]:
         return self._reads.visit_many(keys, visitor)
 
-    def visit_all(self, keys: Sequence[bytes], visitor) -> list[bool]:
-        return self._reads.visit_all(keys, visitor)
+    def visit_ranges(self, keys: Sequence[bytes], visitor) -> list[bool]:
+        return self._reads.visit_ranges(keys, visitor)
 
     def visit_split(self, keys: Sequence[bytes], outs: Sequence[object], visitor) -> list[bool]:
         return self._reads.visit_split(keys, outs, visitor)

@@ -1,6 +1,7 @@
 """Reads of the LMDB tier: values in LMDB's pages are visited there (zero-copy, inside one read
-transaction); values in segment files are read into this thread's buffers, or in two pieces
-with the rest straight into the reader's own buffer (:meth:`LmdbReads.visit_split`). Every read
+transaction); values in segment files are read into this thread's buffers, in two pieces with the rest
+straight into the reader's own buffer (:meth:`LmdbReads.visit_split`), or part by part
+(:meth:`LmdbReads.visit_ranges`). Every read
 is buffered as an access (recorded with the next write) and counted."""
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from collections.abc import Callable, Sequence
 
 from storage_backends.base import Visitor
 from storage_backends.lmdb_environment import LmdbEnvironment
+from storage_backends.lmdb_ranges import SegmentRanges
 from storage_backends.lmdb_segments import Place
 from storage_backends.lmdb_tables import as_key, fits
 from storage_backends.lmdb_values import MAX_GAP, SegmentValues, splits
-from storage_backends.segment_maps import populate
 from storage_backends.segment_runs import runs
 
 MAX_SPLIT_HEAD = 64 << 10  # visit_split: the most bytes read ahead of a value's part that goes to its out
@@ -39,36 +40,19 @@ class LmdbReads:
                     visitor(i, value)
         return self._counted(keys, sizes)
 
-    def visit_all(self, keys: Sequence[bytes], visitor) -> list[bool]:
-        """Zero-copy: ``visitor(values, read_ahead)`` sees LMDB's own pages of every key, or
-        views of its segment's memory map, inside one read transaction: nothing is read from
-        the disk before the visitor touches it or asks for it with ``read_ahead`` (a layer-wise
-        reader has every block's first layer group read first, then the second, ...); with
-        ``wait=True`` the pages are populated (:func:`~storage_backends.segment_maps.populate`)
-        and the values whose pages cannot be had are named."""
+    def visit_ranges(self, keys: Sequence[bytes], visitor) -> list[bool]:
+        """``visitor(sizes, reader)`` inside one read transaction: ``reader`` reads parts of the
+        values found (:class:`~storage_backends.lmdb_ranges.SegmentRanges`: ``preadv`` from
+        their segment files, or a copy out of LMDB's pages), as a layer-wise reader asks for
+        them (every block's first layer group, then the second, ...)."""
         keys = [as_key(k) for k in keys]
         with self.db.guard("read"), self.db.txn() as txn:
-            sizes: dict[int, int | None] = {}  # segment files' sizes, asked once in this visit
-            found = [self._mapped(txn, k, sizes) for k in keys]
-            values = [None if f is None else f[0] for f in found]
-            places = [None if f is None else f[1] for f in found]
-            maps = self.values.files.maps
-
-            def read_ahead(ranges, wait: bool = False) -> set[int]:
-                unreadable: set[int] = set()
-                for i, start, end in ranges:
-                    start, end = max(0, start), min(end, 0 if values[i] is None else len(values[i]))
-                    if end <= start:
-                        continue
-                    if wait:  # LMDB's own map too: its file cut short would SIGBUS the same way
-                        if populate(values[i][start:end]) is False:
-                            unreadable.add(i)
-                    elif places[i] is not None:  # (LMDB reads ahead in its own pages)
-                        maps.advise(places[i].segment, places[i].offset + start, end - start)
-                return unreadable
-
-            visitor(values, read_ahead)
-        return self._counted(keys, [None if v is None else len(v) for v in values])
+            ranges = SegmentRanges([self._locate(txn, k) for k in keys], self.values.files)
+            try:
+                visitor(list(ranges.sizes), ranges)
+            finally:
+                ranges.close()
+        return self._counted(keys, ranges.sizes)
 
     def visit_split(self, keys: Sequence[bytes], outs: Sequence[object], visitor) -> list[bool]:
         """Values in segment files longer than their ``outs[i]`` by at most ``MAX_SPLIT_HEAD``
@@ -132,12 +116,3 @@ class LmdbReads:
         None when absent (or its segment no longer holds it)."""
         value, place = self._locate(txn, key)
         return value if place is None else self.values.read(place)
-
-    def _mapped(self, txn, key: bytes, sizes: dict[int, int | None]):
-        """``(value, place)`` of ``key``: LMDB's page (place None), or a view of its segment's
-        memory map and where it lies; None when absent (or its segment no longer holds it)."""
-        value, place = self._locate(txn, key)
-        if place is None:
-            return None if value is None else (value, None)
-        view = self.values.files.maps.view(place.segment, place.offset, place.length, sizes)
-        return None if view is None else (view, place)

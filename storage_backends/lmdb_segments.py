@@ -27,9 +27,9 @@ from typing import NamedTuple
 
 from storage_backends.log_throttle import LogThrottle
 from storage_backends.segment_fds import Descriptors
-from storage_backends.segment_io import SegmentWriter
-from storage_backends.segment_maps import SegmentMaps
+from storage_backends.segment_io import SegmentWriter, advise, read_fully
 from storage_backends.segment_owners import pid_namespace, process_start
+from tiered_kv.errors import BackendUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ DIRNAME = "segments"
 SUFFIX = ".seg"
 PLACE = struct.Struct("<QQQ")  # segment id, offset, length
 SEGMENT = struct.Struct("<QQQQQQB")  # live bytes, live entries, end, owner pid, start, pid namespace, sealed
+DAMAGED = {errno.EIO, errno.EUCLEAN, errno.EBADMSG}  # a read's errors that say the file is damaged
 SEGMENT_ID = struct.Struct(">Q")  # the segments table's keys (and segment_keys' prefix)
 
 
@@ -109,7 +110,6 @@ class SegmentFiles:
         self.fds = Descriptors(self.path_of)
         self.writer = SegmentWriter(self.dir, self.fds, direct_io, writeback)
         self._failures = LogThrottle(log)
-        self.maps = SegmentMaps(self.path_of)
         self._dirty: set[int] = set()
         self._lanes: list[Lane] = []  # every lane of this process (a writer's open segment)
         self._idle: list[Lane] = []  # the lanes no writer holds now
@@ -268,31 +268,42 @@ class SegmentFiles:
 
     def read_at(self, segment: int, offset: int, views: list[memoryview]) -> bool:
         """Fill byte views ``views`` in turn from ``offset`` of ``segment`` (one gathered read
-        for values lying one after the other); False when the segment is gone or ends first."""
-        length = sum(len(v) for v in views)
+        for values lying one after the other); False when the segment is gone, ends first or
+        cannot be read (a miss)."""
         try:
-            fd = self.fds.hold(segment)
-            try:
-                done = 0
-                while done < length:
-                    n = os.preadv(fd, views, offset + done)
-                    if n <= 0:
-                        return False
-                    done += n
-                    while views and n >= len(views[0]):  # a short read: go on after what arrived
-                        n -= len(views[0])
-                        views.pop(0)
-                    if views and n:
-                        views[0] = views[0][n:]
-            finally:
-                self.fds.release(segment)
-        except OSError as exc:  # gone (a miss), or unreadable: a miss too, said once in a while
-            if not isinstance(exc, FileNotFoundError):
-                self._failures.warning("segment %s unreadable: %s", self.path_of(segment), exc)
+            return self.read_range(segment, offset, views) is True
+        except BackendUnavailable as exc:
+            self._failures.warning("%s", exc)
             return False
+
+    def read_range(self, segment: int, offset: int, views: list[memoryview], fd: int | None = None) -> bool | None:
+        """:meth:`read_at`, telling what went wrong: None when the segment is gone, False when
+        it ends first or the disk cannot read it there (the value is damaged); BackendUnavailable
+        when it cannot be opened or read for another reason (no descriptor left, closing).
+        Through ``fd`` when the caller holds the segment's descriptor."""
+        own = fd is None
+        try:
+            if own:
+                fd = self.fds.hold(segment)
+        except FileNotFoundError:
+            return None  # gone: a miss
+        except OSError as exc:
+            raise BackendUnavailable(f"segment {self.path_of(segment)} cannot be opened: {exc}") from exc
+        try:
+            if not read_fully(fd, views, offset):
+                return False
+        except OSError as exc:
+            if exc.errno not in DAMAGED:
+                raise BackendUnavailable(f"segment {self.path_of(segment)} cannot be read: {exc}") from exc
+            self._failures.warning("segment %s unreadable: %s", self.path_of(segment), exc)
+            return False
+        finally:
+            if own:
+                self.fds.release(segment)
         return True
 
-    # -- the end of segments -------------------------------------------------------------------
+    advise = staticmethod(advise)
+
     def delete(self, segments) -> None:
         """Delete drained segments' files (after the transaction dropping their records)."""
         for segment in segments:
@@ -300,7 +311,6 @@ class SegmentFiles:
                 self._dirty.discard(segment)
             self.fds.forget(segment)
             self.writer.forget(segment)
-            self.maps.forget(segment)
             try:
                 os.unlink(self.path_of(segment))
             except FileNotFoundError:
@@ -315,7 +325,6 @@ class SegmentFiles:
                 lane.segment = None
         self.writer.close()  # (its writeback thread uses the descriptors)
         self.fds.close()
-        self.maps.close()
 
 
 def _sync_dir(path: Path) -> None:

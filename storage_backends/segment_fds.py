@@ -2,7 +2,8 @@
 descriptor, so one is closed only once nobody reads or writes through it (a descriptor closed
 under a reader could be reused by the next ``open``, and that reader would read another file).
 At most ``max_idle`` descriptors are kept open while unused (the least recently used go first;
-an ``open`` refused for lack of descriptors closes the idle ones and tries again), and those of
+an ``open`` refused for lack of descriptors closes the idle ones and tries again, and from then
+on at most ``TIGHT_IDLE`` are kept), and those of
 files another process deleted are closed once unused (checked at most once a second): a
 deleted segment's disk space is freed only when its last descriptor closes."""
 
@@ -19,6 +20,7 @@ from pathlib import Path
 from storage_backends.segment_pruning import Pruning, forget_gone
 
 MAX_IDLE = 64
+TIGHT_IDLE = 4  # the most kept idle once an open was refused for lack of descriptors
 
 
 class Descriptors:
@@ -94,6 +96,7 @@ class Descriptors:
         except OSError as exc:
             if exc.errno not in (errno.EMFILE, errno.ENFILE):
                 raise
+        self.max_idle = min(self.max_idle, TIGHT_IDLE)  # a process short of descriptors: keep few
         self._close_idle(0)  # out of descriptors: let the idle ones go, and try once more
         return os.open(self.path_of(segment), flags | self.extra_flags | os.O_CLOEXEC, 0o644)
 

@@ -6,7 +6,7 @@ only flushes the file's size and the device's cache), at the disk's steady pace,
 cache is left to other uses (a restore reads the disk; the host tier is the warm copy). A
 direct value starts and ends on an ``ALIGN`` boundary (the pad after it is zeros, counted as
 dead bytes), so no page is shared by two values. A file system without ``O_DIRECT`` (tmpfs)
-gets buffered writes, said once."""
+gets buffered writes, said once. Reads are gathered ``preadv`` calls (:func:`read_fully`)."""
 
 from __future__ import annotations
 
@@ -171,3 +171,29 @@ def _write_fully(fd: int, parts: list[memoryview], offset: int, segment: int) ->
             parts = parts[1:]
         if parts and n:
             parts = [parts[0][n:], *parts[1:]]
+
+
+def read_fully(fd: int, views: list[memoryview], offset: int) -> bool:
+    """Fill byte views ``views`` in turn from ``offset`` of ``fd`` (gathered reads, going on
+    after a short one); False when the file ends first (OSError as the kernel raised it)."""
+    length, done = sum(len(v) for v in views), 0
+    while done < length:
+        n = os.preadv(fd, views, offset + done)
+        if n <= 0:
+            return False
+        done += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return True
+
+
+def advise(fd: int, offset: int, length: int) -> None:
+    """Have the kernel start reading ``length`` bytes at ``offset`` of ``fd`` (advice: a part
+    that cannot be read is found by the read that follows)."""
+    try:
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass

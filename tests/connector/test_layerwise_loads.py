@@ -185,46 +185,48 @@ def test_blocks_stored_in_one_frame_and_host_hits_load_layer_by_layer_too(tmp_pa
 
 
 def test_a_layerwise_read_asks_the_disk_for_every_first_frame_before_any_later_one(tmp_path):
-    """A cold page cache is filled in the order the engine needs it: every block's header and
-    first frame asked for before a byte is decoded, then each later frame as its pass starts
-    (with the whole block asked for up front, every block was read before layer 0 could run)."""
+    """A cold page cache is filled in the order the engine needs it: every block's head (header
+    and table) asked for and read before a frame, then every block's first frame, then each
+    later frame as its pass starts (with the whole block asked for up front, every block was
+    read before layer 0 could run); every part read is one asked for first."""
     keys, payloads = _stored(tmp_path)
     worker, kv = _worker(tmp_path)
     disk = worker.store.tier("disk")
-    jobs: list[list[list[tuple[int, int, int]]]] = []  # per visit, what it asked for, call by call
-    waits: list[list[tuple[int, int, int]]] = []  # per visit, the ranges read in before touching them
-    real_visit_all = disk.backend.visit_all
+    asked: list[list[list[tuple[int, int, int]]]] = []  # per visit, what it asked for, call by call
+    reads: list[list[tuple[int, int, int]]] = []  # per visit, the parts read, in order
+    real_visit = disk.backend.visit_ranges
 
-    def recording_visit_all(keys, visitor):
-        asked, waited = [], []
-        jobs.append(asked)
-        waits.append(waited)
+    def recording_visit(keys, visitor):
+        calls, done = [], []
+        asked.append(calls)
+        reads.append(done)
 
-        def recorded(values, read_ahead):
-            def ask(ranges, wait=False):
-                ranges = list(ranges)
-                (waited.extend if wait else asked.append)(ranges)
-                return read_ahead(ranges, wait=wait)
-            visitor(values, ask)
-        return real_visit_all(keys, recorded)
+        def recorded(sizes, reader):
+            class Recorder:
+                def advise(self, ranges):
+                    calls.append(list(ranges))
+                    return reader.advise(calls[-1])
 
-    disk.backend.visit_all = recording_visit_all
+                def read(self, i, start, into):
+                    done.append((i, start, start + memoryview(into).nbytes))
+                    return reader.read(i, start, into)
+            visitor(sizes, Recorder())
+        return real_visit(keys, recorded)
+
+    disk.backend.visit_ranges = recording_visit
     layers_arrive_in_order(worker, kv, keys, payloads, [3, 9, 4, 11, 0, 7])
     frames = disk.segments
     assert frames is not None and len(frames) == NS.num_layers  # a frame per layer
-    assert sum(len(asked[0]) for asked in jobs) == BLOCKS
-    for asked in jobs:
-        heads, later = asked[0], [ranges for ranges in asked[1:] if ranges]
-        assert all(start == 0 and end >= frames[0] for _, start, end in heads)  # header, table, frame 0
-        assert len(later) == len(frames) - 1  # then one call per later frame, in order
-        for j, ranges in enumerate(later, start=1):
-            assert sorted(i for i, _, _ in ranges) == list(range(len(heads)))  # every block of the job
+    assert sum(len(calls[0]) for calls in asked) == BLOCKS
+    for calls, done in zip(asked, reads):
+        heads, passes = calls[0], calls[1:]
+        assert {(start, end) for _, start, end in heads} == {(0, disk.head_bytes)}  # header and table
+        assert len(passes) == len(frames)  # then one call per frame, in order
+        for j, ranges in enumerate(passes):
+            assert sorted(i for i, _, _ in ranges) == sorted(i for i, _, _ in heads)  # every block of the job
             assert {end - start for _, start, end in ranges} == {frames[j]}  # stored raw: exactly frame j
             assert len({start for _, start, _ in ranges}) == 1  # same place in every block
-    for asked, waited in zip(jobs, waits):  # each block's head, then each frame, read in before use
-        heads, later = asked[0], [r for ranges in asked[1:] for r in ranges]
-        assert set(heads) | set(later) <= set(waited)
-        assert len(waited) == len(heads) * (1 + len(frames))  # the head, then each frame right before use
+        assert done == heads + [r for ranges in passes for r in ranges]  # read as asked, in that order
 
 
 @pytest.mark.parametrize("layerwise", [True, False])
@@ -271,15 +273,16 @@ def test_frames_are_layer_groups_of_at_least_64_kib():
     ("raw", {}, "the first pass", False),
     ("zstd", {}, "the first pass", False),  # compressed frames: several lie inside the head's range
     ("raw", {"layer_groups": 2}, "the first pass", False),  # a reader framing blocks coarser than they are
-    ("raw", {}, "the last pass", True),  # the whole value copied out after the last frame
+    ("raw", {}, "the first pass", True),  # every byte kept: read into the block's own buffer
+    ("raw", {}, "the last pass", True),  # after the last frame nothing more is read: all whole
 ])
 def test_regression_a_segment_cut_short_between_layer_passes_killed_the_engine_with_sigbus(
         tmp_path, stored, read, cut_after, keep_blobs):
-    """A layer-wise read touches the segment's memory map frame by frame; the file cut short
+    """A layer-wise read touched the segment's memory map frame by frame; the file cut short
     between passes (damage, a tool) made a later touch reach pages the file no longer has, and
-    SIGBUS ended the process. Every range is now read in right before it is touched: the blocks
-    whose bytes are gone are misses (``unreadable``), the others arrive whole. In a child
-    process, so a regression fails this test instead of killing the test run."""
+    SIGBUS ended the process. Frames are now read (``preadv``) when their pass starts: the
+    blocks whose bytes are gone are misses (``unreadable``), the others arrive whole. In a
+    child process, so a regression fails this test instead of killing the test run."""
     import json
     import subprocess
     import sys
@@ -328,6 +331,8 @@ def test_regression_a_segment_cut_short_between_layer_passes_killed_the_engine_w
     assert proc.returncode == 0, proc.stderr[-2000:]
     lost, reasons, right, passes, kept = json.loads(proc.stdout)
     assert any(lost) and not all(lost), "the cut takes some blocks and leaves others whole"
+    if cut_after == "the last pass":
+        lost = [False] * len(lost)  # every frame was read and checked before the cut
     assert reasons == ["unreadable" if gone else None for gone in lost]
     assert passes == NS.num_layers and kept == [keep_blobs and not gone for gone in lost]
-    assert right == [not gone or cut_after == "the last pass" for gone in lost]
+    assert right == [not gone for gone in lost]

@@ -73,9 +73,11 @@ from tiered_kv.store.codec_header import (
 )
 from tiered_kv.store.codec_header_check import read_header
 from tiered_kv.store.codec_sealed import Sealing, open_sealed, seal_block
+from tiered_kv.store.codec_sealed import head_len as sealed_head_len
 from tiered_kv.store.codec_segments import (
     BlockSegments,
     encode_segments,
+    head_len,
     open_segments,
     segment_lengths,
     table_len,
@@ -213,30 +215,63 @@ class BlockCodec:
     @classmethod
     def segments(cls, blob, *, namespace: bytes | None = None, key: bytes | None = None,
                  expect: BlockLayout | None = None, max_raw: int | None = None,
-                 sealing: Sealing | None = None) -> BlockSegments:
+                 sealing: Sealing | None = None, total_len: int | None = None) -> BlockSegments:
         """``blob`` opened for decoding one segment at a time (:class:`BlockSegments`: ``header``,
         ``bounds``, ``raw_len``, ``decode(j, out)``; an unsegmented block is one segment). Its
         header and segment table are validated completely, no segment body is touched: a lying
         header or table raises CorruptBlock before anything is allocated. Without ``expect``
         the raw length may not exceed ``max_raw`` (default MAX_RAW_BYTES).
 
+        ``total_len``: the stored block's length where ``blob`` is only its head (at least
+        :meth:`head_length` bytes): segments it does not hold (``held(j)`` False) are decoded
+        from bytes the caller reads (``decode(j, out, stored)``, or straight into their place
+        and ``check_in_place`` where ``in_place(j)``).
+
         ``sealing``: the reader's tenant cipher. With one, only sealed blocks are read (a plain
         one is an ``unencrypted`` CorruptBlock); without, a sealed block's framing is checked and
         a ``no_key`` CorruptBlock raised (:mod:`tiered_kv.store.codec_sealed`)."""
         if expect is None and max_raw is None:
             max_raw = MAX_RAW_BYTES
-        return cls._open(blob, namespace, key, expect, max_raw, sealing)
+        return cls._open(blob, namespace, key, expect, max_raw, sealing, total_len)
 
     @classmethod
-    def _open(cls, blob, namespace, key, expect, max_raw, sealing=None) -> BlockSegments:
+    def head_length(cls, prefix, *, total_len: int, namespace: bytes | None = None, key: bytes | None = None,
+                    expect: BlockLayout | None = None, max_raw: int | None = None) -> int:
+        """Bytes of the head of a block of ``total_len`` stored bytes (its header and what
+        :meth:`segments` needs to open it: a segment table; a sealed block's frame table and
+        frame 0), given its first bytes ``prefix``: what they show so far, so a reader asks
+        again with more until the answer is at most ``len(prefix)``. The header is validated
+        (CorruptBlock); the answer never exceeds ``total_len`` (a head that would: corrupt)."""
+        if len(prefix) < HEADER_BYTES:
+            return min(HEADER_BYTES, total_len)
+        if expect is None and max_raw is None:
+            max_raw = MAX_RAW_BYTES
         try:
-            header = cls.read_header(blob, namespace=namespace, key=key, expect=expect, max_raw=max_raw)
+            header = cls.read_header(prefix, namespace=namespace, key=key, expect=expect, max_raw=max_raw,
+                                     total_len=total_len)
+            body = memoryview(prefix).cast("B")[HEADER_BYTES:]
+            need = HEADER_BYTES + (sealed_head_len(body) if header.sealed
+                                   else head_len(body) if header.segmented else 0)
+        except CorruptBlock:
+            raise
+        except Exception as exc:  # struct, ...: the stored bytes caused it
+            raise undecodable(exc) from None
+        if need > total_len:
+            raise CorruptBlock(f"block head of {need} bytes in a block of {total_len}")
+        return need
+
+    @classmethod
+    def _open(cls, blob, namespace, key, expect, max_raw, sealing=None, total_len=None) -> BlockSegments:
+        try:
+            header = cls.read_header(blob, namespace=namespace, key=key, expect=expect, max_raw=max_raw,
+                                     total_len=total_len)
             body = memoryview(blob).cast("B")[HEADER_BYTES:]
+            body_len = None if total_len is None else total_len - HEADER_BYTES
             if header.sealed:
-                return open_sealed(header, body, ITEMSIZE[header.dtype], sealing)
+                return open_sealed(header, body, ITEMSIZE[header.dtype], sealing, body_len)
             if sealing is not None:
                 raise CorruptBlock("a plain block where blocks are encrypted", reason="unencrypted")
-            return open_segments(header, body, ITEMSIZE[header.dtype], header.segmented)
+            return open_segments(header, body, ITEMSIZE[header.dtype], header.segmented, body_len)
         except CorruptBlock:
             raise
         except Exception as exc:  # struct, ...: the stored bytes caused it

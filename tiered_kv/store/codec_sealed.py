@@ -117,15 +117,18 @@ def seal_block(header: Any, body: memoryview, size: int, sealing: Sealing) -> by
     return out
 
 
-def open_sealed(header: Any, body: memoryview, size: int, sealing: Sealing | None) -> BlockSegments:
+def open_sealed(header: Any, body: memoryview, size: int, sealing: Sealing | None,
+                body_len: int | None = None) -> BlockSegments:
     """``body`` of a sealed block (``header`` validated) opened for decoding segment-wise: the
     frame table validated, frame 0 checked, authenticated and its plain table validated against
     the header; later frames are opened as their segments are decoded. Without ``sealing``
-    every frame's check is verified and then a ``no_key`` CorruptBlock raised."""
-    frames = _frames(header, body)
+    every frame's check is verified (those in ``body``, where it is the first ``head_len``
+    bytes of a body of ``body_len``) and then a ``no_key`` CorruptBlock raised."""
+    frames = _frames(header, body, len(body) if body_len is None else body_len)
     if sealing is None:
-        for j in range(len(frames)):
-            _checked(body, frames, j)
+        for j, (_, hi, _) in enumerate(frames):
+            if hi <= len(body):
+                _checked(body, frames, j)
         raise CorruptBlock("the block is encrypted and no encryption secret is set here", reason="no_key")
     first = _open_frame(header, body, frames, 0, sealing)
     if len(first) < INNER.size:
@@ -167,16 +170,48 @@ class SealedSegments(BlockSegments):
         lo, hi, _ = self._frames[j + 1]
         return HEADER_BYTES + lo, HEADER_BYTES + hi
 
-    def _check(self, j: int):
+    def held(self, j: int) -> bool:
+        return self._frames[j + 1][1] <= len(self._sealed)
+
+    def in_place(self, j: int) -> bool:
+        return False  # stored as ciphertext
+
+    def _check(self, j: int, stored=None):
+        """Segment ``j``'s frame (``stored``: its sealed bytes, else the block's own) opened
+        into the plain body, then checked as a plain segment."""
         if j not in self._opened:
             _, _, _, lo, hi, _, _ = self._segs[j]
-            _open_frame(self.header, self._sealed, self._frames, j + 1, self._sealing, into=self._body[lo:hi])
+            if stored is None:
+                body, frames, at = self._sealed, self._frames, j + 1
+            else:  # the caller read frame j+1 alone: the same checks, on its bytes
+                stored = memoryview(stored).cast("B")
+                flo, fhi, check = self._frames[j + 1]
+                if len(stored) != fhi - flo:
+                    raise ValueError(f"sealed frame {j + 1} is {fhi - flo} bytes, {len(stored)} given")
+                body, frames, at = stored, [(0, 0, 0)] * (j + 1) + [(0, len(stored), check)], j + 1
+                frames += [(0, 0, 0)] * (len(self._frames) - len(frames))  # (its count binds the aad)
+            _open_frame(self.header, body, frames, at, self._sealing, into=self._body[lo:hi])
             self._opened.add(j)
         return super()._check(j)
 
 
-def _frames(header: Any, body: memoryview) -> list[tuple[int, int, int]]:
-    """The frame table, validated against the header and the body: (start, end, check) each."""
+def head_len(body: memoryview) -> int:
+    """Bytes of a sealed body's head (frame table and frame 0, which holds the plain table)
+    given its first bytes: what they show so far (CorruptBlock: a count out of bounds)."""
+    if len(body) < ENV_HEAD.size:
+        return ENV_HEAD.size
+    (n,) = ENV_HEAD.unpack_from(body)
+    if not 1 <= n <= MAX_SEGMENTS + 1:
+        raise CorruptBlock(f"sealed frame table declares {n} frames")
+    if len(body) < env_len(n):
+        return env_len(n)
+    length, _ = ENV_ENTRY.unpack_from(body, ENV_HEAD.size)
+    return env_len(n) + length
+
+
+def _frames(header: Any, body: memoryview, body_len: int) -> list[tuple[int, int, int]]:
+    """The frame table, validated against the header and the body (``body_len`` bytes, of
+    which ``body`` holds at least the table): (start, end, check) each."""
     if len(body) < ENV_HEAD.size:
         raise CorruptBlock("truncated sealed frame table")
     (n,) = ENV_HEAD.unpack_from(body)
@@ -192,8 +227,8 @@ def _frames(header: Any, body: memoryview) -> list[tuple[int, int, int]]:
             raise CorruptBlock(f"sealed frame {j} of {length} bytes")
         frames.append((at, at + length, check))
         at += length
-    if at != len(body):
-        raise CorruptBlock(f"sealed frames cover {at} bytes, the body has {len(body)}")
+    if at != body_len:
+        raise CorruptBlock(f"sealed frames cover {at} bytes, the body has {body_len}")
     return frames
 
 

@@ -137,25 +137,51 @@ class BlockSegments:
         _, _, _, lo, hi, _, _ = self._segs[j]
         return HEADER_BYTES + lo, HEADER_BYTES + hi
 
-    def decode(self, j: int, out) -> memoryview:
+    def held(self, j: int) -> bool:
+        """Whether segment ``j``'s stored bytes are among those the block was opened from (all
+        of them, unless it was opened from its head alone)."""
+        return self._segs[j][4] <= len(self._body)
+
+    def in_place(self, j: int) -> bool:
+        """Whether segment ``j``'s stored bytes are its payload (a raw segment of a plain block):
+        a reader reads them straight into the segment's place and :meth:`check_in_place` them."""
+        return self._segs[j][0] == "raw"
+
+    def check_in_place(self, j: int, out) -> None:
+        """Segment ``j`` (:meth:`in_place`), read straight into ``out``, checked there: on a
+        failed check ``out`` is cleared and CorruptBlock raised."""
+        dst = self._dst(j, out)
+        if not self.in_place(j):
+            raise ValueError(f"segment {j} is not stored as its payload")
+        if xxhash.xxh3_64_intdigest(dst) != self._segs[j][5]:
+            clear(dst)
+            raise self._error(j, CorruptBlock("payload checksum mismatch"))
+
+    def decode(self, j: int, out, stored=None) -> memoryview:
         """Validate segment ``j`` and write exactly its raw bytes into ``out`` (a writable buffer
         of exactly that segment's length: ValueError otherwise); a view of ``out``. Its stored
         check is verified before anything is decompressed or copied, its payload hash after: on
-        any failure ``out`` is cleared and CorruptBlock raised (whatever went wrong inside)."""
+        any failure ``out`` is cleared and CorruptBlock raised (whatever went wrong inside).
+        ``stored``: the segment's stored bytes (the :meth:`span` of the block), read by the
+        caller, where the block was opened from its head alone."""
+        dst = self._dst(j, out)
+        try:
+            try:
+                self._fill(j, self._check(j, stored), dst)
+            except BaseException:
+                clear(dst)  # nothing decoded from a bad segment stays in out
+                raise
+        except Exception as exc:  # zstd, numpy, MemoryError, ...: the stored bytes caused it
+            raise self._error(j, exc) from None
+        return dst
+
+    def _dst(self, j: int, out) -> memoryview:
         if not 0 <= j < len(self._segs):
             raise IndexError(f"segment {j} of a block of {len(self._segs)}")
         dst = memoryview(out).cast("B")
         start, end = self.bounds[j]
         if len(dst) != end - start:
             raise ValueError(f"output buffer has {len(dst)} bytes, segment {j} needs {end - start}")
-        try:
-            try:
-                self._fill(j, self._check(j), dst)
-            except BaseException:
-                clear(dst)  # nothing decoded from a bad segment stays in out
-                raise
-        except Exception as exc:  # zstd, numpy, MemoryError, ...: the stored bytes caused it
-            raise self._error(j, exc) from None
         return dst
 
     def decode_all(self, dst: memoryview | None) -> memoryview:
@@ -177,11 +203,17 @@ class BlockSegments:
             raise self._error(j, exc) from None
         return dst
 
-    def _check(self, j: int):
-        """Segment j's body checked before use: stored check, framing (declared sizes), and for
-        a raw body its payload hash; the parts to decompress."""
+    def _check(self, j: int, stored=None):
+        """Segment j's body (``stored``, else the block's own bytes) checked before use: stored
+        check, framing (declared sizes), and for a raw body its payload hash; the parts to
+        decompress."""
         codec, start, end, lo, hi, digest, check = self._segs[j]
-        stored = self._body[lo:hi]
+        if stored is None:
+            stored = self._body[lo:hi]
+        else:
+            stored = memoryview(stored).cast("B")
+            if len(stored) != hi - lo:
+                raise ValueError(f"segment {j} is {hi - lo} stored bytes, {len(stored)} given")
         if codec != "raw" and body_check(stored) != check:
             raise CorruptBlock("stored body checksum mismatch")
         parts = body_parts(codec, self._size, end - start, stored)  # before allocating anything
@@ -201,13 +233,27 @@ class BlockSegments:
         return CorruptBlock(f"segment {j}: {err.detail}", reason=err.reason) if len(self._segs) > 1 else err
 
 
-def open_segments(header: Any, body: memoryview, size: int, segmented: bool) -> BlockSegments:
+def open_segments(header: Any, body: memoryview, size: int, segmented: bool,
+                  body_len: int | None = None) -> BlockSegments:
     """``body`` (of a block whose ``header`` was validated) as segments, its table validated
-    completely (CorruptBlock) without touching a segment body."""
+    completely (CorruptBlock) without touching a segment body. ``body_len``: the whole body's
+    length where ``body`` is its first bytes (at least :func:`head_len` of them)."""
+    body_len = len(body) if body_len is None else body_len
     if not segmented:
-        one = (header.codec, 0, header.raw_len, 0, len(body), header.checksum, header.body_check)
+        one = (header.codec, 0, header.raw_len, 0, body_len, header.checksum, header.body_check)
         return BlockSegments(header, body, size, [one])
-    return BlockSegments(header, body, size, read_table(header, body, size))
+    return BlockSegments(header, body, size, read_table(header, body, size, body_len))
+
+
+def head_len(body: memoryview) -> int:
+    """Bytes of a segmented body's head (its table) given its first bytes: the table's length
+    once its count is among them, else the count's. A count out of bounds: CorruptBlock."""
+    if len(body) < TABLE_HEAD.size:
+        return TABLE_HEAD.size
+    (n,) = TABLE_HEAD.unpack_from(body)
+    if not 2 <= n <= MAX_SEGMENTS:
+        raise CorruptBlock(f"segment table declares {n} segments (2..{MAX_SEGMENTS})")
+    return table_len(n)
 
 
 def check_body(header: Any, size: int, with_room: bool = True) -> None:

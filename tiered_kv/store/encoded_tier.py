@@ -26,8 +26,11 @@ from tiered_kv.errors import BackendUnavailable, CorruptBlock
 from tiered_kv.keys import Namespace
 from tiered_kv.store import codec_choice
 from tiered_kv.store.codec import BlockCodec, BlockLayout, Sealing, max_stored_len
+from tiered_kv.store.codec_header import HEADER_BYTES
+from tiered_kv.store.codec_segments import table_len
 from tiered_kv.store.codec_split import check_split
 from tiered_kv.store.layer_frames import layer_segments
+from tiered_kv.store.layered_reads import LayeredBlocks
 from tiered_kv.store.metrics import StoreMetrics
 from tiered_kv.store.tenant_cipher import TenantCipher
 
@@ -58,9 +61,9 @@ class EncodedTier:
         self.segments = layer_segments(namespace, self.layout.raw_len, layer_groups)
         # the largest stored block (every frame raw)
         self.stored_max = max_stored_len(self.layout.raw_len, len(self.segments or (0,)))
-        # stored bytes up to the end of a block's first frame, header and table too (a page more
-        # for a sealed block's few dozen bytes of framing): what a layer-wise read asks for first
-        self.head_bytes = self.stored_max - sum((self.segments or (0,))[1:]) + 4096
+        # a plain block's header and segment table (exactly, for one this tier framed): what a
+        # layer-wise read reads of each block first (a sealed block's head takes a read or two more)
+        self.head_bytes = HEADER_BYTES + (table_len(len(self.segments)) if self.segments else 0)
         self.metrics = metrics
         self.unavailable = f"{config.name}_unavailable"
         self.cipher = None if secret is None else TenantCipher(secret.reveal())  # None: blocks stay plain
@@ -151,69 +154,28 @@ class EncodedTier:
                      on_ready: Callable[[list[int], int], None],
                      keep_blobs: bool = False, tenant: bytes = b"") -> tuple[list[str | None], list[bytes | None]]:
         """:meth:`read_into` frame by frame: every block's first layer group, then every block's
-        second, ... Each frame is checked before a byte of it lands in ``outs``; after each pass
-        ``on_ready(indices, raw_end)`` names the blocks whose first ``raw_end`` bytes are in
+        second, ... Each frame is checked before the engine may use a byte of it; after each
+        pass ``on_ready(indices, raw_end)`` names the blocks whose first ``raw_end`` bytes are in
         their buffer, checked (a block failing later is still a miss, its reason as in
         :meth:`read_into`). Blocks framed in fewer groups (or one: older blocks) are ready at
-        their own frames' ends. Each range is read in before it is touched (``read_ahead(...,
-        wait=True)``): one the medium cannot have (its file cut short, a disk error) makes its
-        block an ``unreadable`` miss, where touching a memory map there would kill the process."""
+        their own frames' ends. The medium reads each part when its pass starts
+        (:mod:`tiered_kv.store.layered_reads`): one it cannot read (its file cut short, a disk
+        error) makes its block an ``unreadable`` miss."""
         read = _Read(self, keys, outs, keep_blobs)
         sealing = self.sealing(tenant)
+        opening = dict(namespace=self.ns, expect=self.layout)
 
-        def decode_all(blobs: list[memoryview | None], read_ahead) -> None:
-            # the medium reads every block's header and first frame first, the next frames
-            # each when their pass starts: what the engine needs first arrives first. Each range
-            # is read in (wait=True) right before it is touched, outside the per-block try: a
-            # medium failing there is a failed read of the tier, not a damaged block
-            heads = [(i, 0, self.head_bytes) for i, blob in enumerate(blobs) if blob is not None]
-            read_ahead(heads)
-            unreadable = read_ahead(heads, wait=True)
-            opened = {}
-            for i, blob in enumerate(blobs):
-                if blob is None:
-                    continue
-                if i in unreadable:
-                    read.fail(i, _unreadable())
-                    continue
-                try:
-                    opened[i] = self.codec.segments(blob, namespace=self.ns, key=keys[i], expect=self.layout,
-                                                    sealing=sealing)
-                except Exception as exc:
-                    read.fail(i, exc)
-            views = {i: memoryview(outs[i]).cast("B") for i in opened}
-            position = dict.fromkeys(opened, 0)  # next frame per block
-            for cut in sorted({end for block in opened.values() for _, end in block.bounds}):
-                due = {i: [j for j in range(position[i], len(block.bounds)) if block.bounds[j][1] <= cut]
-                       for i, block in opened.items()}
-                read_ahead([(i, start, end) for i, frames in due.items() for j in frames
-                            for start, end in (opened[i].span(j),) if end > self.head_bytes])
-                ready = []
-                for i, block in list(opened.items()):
-                    if due[i] and read_ahead([(i, *block.span(j)) for j in due[i]], wait=True):
-                        read.fail(i, _unreadable())
-                        del opened[i]
-                        continue
-                    try:
-                        for j in due[i]:
-                            start, end = block.bounds[j]
-                            block.decode(j, views[i][start:end])
-                            position[i] = j + 1
-                    except Exception as exc:
-                        read.fail(i, exc)
-                        del opened[i]
-                        continue
-                    ready.append(i)
-                on_ready(ready, cut)
-            if keep_blobs:  # the whole value is copied out: its pages read in again first
-                gone = read_ahead([(i, 0, len(blobs[i])) for i in opened], wait=True)
-                for i in gone:
-                    read.fail(i, _unreadable())
-                    del opened[i]
-            for i in opened:
-                read.done(i, blobs[i])
+        def head_length(i: int, prefix, total_len: int) -> int:
+            return self.codec.head_length(prefix, total_len=total_len, key=keys[i], **opening)
 
-        return read.run(lambda: self.backend.visit_all([self.ns + k for k in keys], decode_all))
+        def open_block(i: int, head, total_len: int):
+            return self.codec.segments(head, key=keys[i], sealing=sealing, total_len=total_len, **opening)
+
+        def visit(sizes, reader) -> None:
+            LayeredBlocks(head_length, open_block, sizes, reader, outs, read.fail, read.done, on_ready,
+                          self.head_bytes, keep_blobs).run()
+
+        return read.run(lambda: self.backend.visit_ranges([self.ns + k for k in keys], visit))
 
     def _discard(self, keys: list[bytes]) -> None:
         """Remove blocks that failed validation so they stop costing misses."""
@@ -228,13 +190,6 @@ class EncodedTier:
 
     def unpin(self, keys: Sequence[bytes]) -> None:
         self.backend.unpin_many([self.ns + k for k in keys])
-
-
-def _unreadable() -> CorruptBlock:
-    """The miss of a block whose stored bytes the medium cannot read in (its file cut short, a
-    disk error), where touching them on a memory map would kill the process."""
-    return CorruptBlock("stored bytes cannot be read (the medium's file was cut short or the disk failed "
-                        "to read them)", reason="unreadable")
 
 
 class _Read:

@@ -1,0 +1,67 @@
+"""Reads of parts of the LMDB tier's values during one visit (:meth:`LmdbReads.visit_ranges`,
+layer-wise loads): a value in a segment file is read with ``preadv`` straight into the reader's
+buffer, a value in LMDB's pages is copied out of the visit's read transaction.
+
+A segment read from keeps its descriptor held until the visit ends (at most ``HOLD`` segments a
+visit; reads of the others hold theirs per read), so a segment that compaction deletes
+mid-visit still reads: the visit's transaction named its places. Nothing is mapped: a file cut
+short, or a page the disk cannot read, makes a read come back short or fail (a damaged value),
+where a memory map would kill the process with SIGBUS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from storage_backends.lmdb_segments import Place, SegmentFiles
+
+HOLD = 8  # segments whose descriptors one visit keeps held (a visit spans a few: 128 MiB each)
+
+
+class SegmentRanges:
+    """:class:`~storage_backends.base.RangeReader` of one visit: ``located[i]`` is ``(LMDB's
+    page, None)``, ``(None, place)`` or ``(None, None)`` for absent values. :meth:`close` when
+    the visit ends."""
+
+    def __init__(self, located: list[tuple[object, Place | None]], files: SegmentFiles) -> None:
+        self.located, self.files = located, files
+        self.sizes: list[int | None] = [
+            len(value) if value is not None else place.length if place is not None else None
+            for value, place in located]
+        self._held: dict[int, int] = {}  # segment -> descriptor held for this visit
+
+    def advise(self, ranges: Iterable[tuple[int, int, int]]) -> None:
+        for i, start, end in ranges:
+            place = self.located[i][1]
+            if place is None or end <= start:
+                continue  # (LMDB reads ahead in its own pages)
+            fd = self._fd(place.segment)
+            if fd is not None:
+                self.files.advise(fd, place.offset + max(0, start), min(end, place.length) - max(0, start))
+
+    def read(self, i: int, start: int, into) -> bool | None:
+        value, place = self.located[i]
+        dst = memoryview(into).cast("B")
+        size = self.sizes[i]
+        if size is None or not 0 <= start <= start + len(dst) <= size:
+            raise ValueError(f"bytes {start}..{start + len(dst)} of value {i} of {size}")
+        if place is None:
+            dst[:] = value[start : start + len(dst)]
+            return True
+        return self.files.read_range(place.segment, place.offset + start, [dst], self._fd(place.segment))
+
+    def _fd(self, segment: int) -> int | None:
+        """The segment's descriptor held for the visit, or None (held per read: more than
+        HOLD segments, or none to be had now)."""
+        fd = self._held.get(segment)
+        if fd is None and len(self._held) < HOLD:
+            try:
+                fd = self._held[segment] = self.files.fds.hold(segment)
+            except OSError:  # gone or no descriptor to be had: the read says which
+                return None
+        return fd
+
+    def close(self) -> None:
+        held, self._held = self._held, {}
+        for segment in held:
+            self.files.fds.release(segment)
