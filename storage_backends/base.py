@@ -46,7 +46,7 @@ class RangeReader(Protocol):
         overwrite unless True. A medium failing as a whole raises (BackendUnavailable)."""
 
 
-class _InMemory:
+class InMemoryRanges:
     """:class:`RangeReader` of values held in memory."""
 
     def __init__(self, values: list[memoryview | None]) -> None:
@@ -193,7 +193,7 @@ class Backend(ABC):
         first (``reader.advise``), so what it needs first arrives first. Returns presence per
         key (as it was when the visit began)."""
         values = [None if v is None else memoryview(v).cast("B") for v in self.get_many(keys)]
-        visitor([None if v is None else len(v) for v in values], _InMemory(values))
+        visitor([None if v is None else len(v) for v in values], InMemoryRanges(values))
         return [v is not None for v in values]
 
     # -- tenants: media that keep no figures per tenant answer None ------------------------------

@@ -19,7 +19,7 @@ from tiered_kv.errors import CorruptBlock
 from tiered_kv.store.codec_body import clear
 from tiered_kv.store.codec_segments import BlockSegments
 
-HEAD_READS = 4  # the most reads a head takes (a sealed block's: header, frame table, frame 0)
+HEAD_READS = 6  # the most reads a head takes (a sealed block's: header, frame count, table, frame 0)
 
 
 def unreadable() -> CorruptBlock:
