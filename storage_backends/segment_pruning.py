@@ -1,4 +1,4 @@
-"""What segment descriptors and segment maps share: at most once a second, drop the entries
+"""What segment descriptors need: at most once a second, drop the entries
 whose file another process deleted, so its disk space goes once nothing here holds it."""
 
 from __future__ import annotations
