@@ -3,8 +3,9 @@ layer-wise loads): a value in a segment file is read with ``preadv`` straight in
 buffer, a value in LMDB's pages is copied out of the visit's read transaction.
 
 A segment read from keeps its descriptor held until the visit ends (at most ``HOLD`` segments a
-visit; reads of the others hold theirs per read), so a segment that compaction deletes
-mid-visit still reads: the visit's transaction named its places. Nothing is mapped: a file cut
+visit; reads of the others hold theirs per read; none once the process ran short of
+descriptors), so a segment that compaction deletes mid-visit still reads: the visit's
+transaction named its places. Nothing is mapped: a file cut
 short, or a page the disk cannot read, makes a read come back short or fail (a damaged value),
 where a memory map would kill the process with SIGBUS.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from storage_backends.lmdb_segments import Place, SegmentFiles
+from storage_backends.segment_fds import MAX_IDLE
+from tiered_kv.errors import BackendUnavailable
 
 HOLD = 8  # segments whose descriptors one visit keeps held (a visit spans a few: 128 MiB each)
 
@@ -29,15 +32,19 @@ class SegmentRanges:
             len(value) if value is not None else place.length if place is not None else None
             for value, place in located]
         self._held: dict[int, int] = {}  # segment -> descriptor held for this visit
+        self._short = files.fds.max_idle < MAX_IDLE  # the process ran short of descriptors: hold none
 
     def advise(self, ranges: Iterable[tuple[int, int, int]]) -> None:
         for i, start, end in ranges:
             place = self.located[i][1]
-            if place is None or end <= start:
+            if place is None:
                 continue  # (LMDB reads ahead in its own pages)
+            start, end = max(0, start), min(end, place.length)
+            if end <= start:
+                continue  # (a length of 0 would advise the rest of the file)
             fd = self._fd(place.segment)
             if fd is not None:
-                self.files.advise(fd, place.offset + max(0, start), min(end, place.length) - max(0, start))
+                self.files.advise(fd, place.offset + start, end - start)
 
     def read(self, i: int, start: int, into) -> bool | None:
         value, place = self.located[i]
@@ -48,13 +55,22 @@ class SegmentRanges:
         if place is None:
             dst[:] = value[start : start + len(dst)]
             return True
-        return self.files.read_range(place.segment, place.offset + start, [dst], self._fd(place.segment))
+        try:
+            return self.files.read_range(place.segment, place.offset + start, [dst], self._fd(place.segment))
+        except BackendUnavailable:
+            if not self._held:
+                raise
+        # (no descriptor to be had, say: the process is short of them) this visit's own go, and
+        # it holds none from now on; once more
+        self.close()
+        self._short = True
+        return self.files.read_range(place.segment, place.offset + start, [dst])
 
     def _fd(self, segment: int) -> int | None:
         """The segment's descriptor held for the visit, or None (held per read: more than
-        HOLD segments, or none to be had now)."""
+        HOLD segments, a process short of descriptors, or none to be had now)."""
         fd = self._held.get(segment)
-        if fd is None and len(self._held) < HOLD:
+        if fd is None and len(self._held) < HOLD and not self._short:
             try:
                 fd = self._held[segment] = self.files.fds.hold(segment)
             except OSError:  # gone or no descriptor to be had: the read says which

@@ -10,6 +10,7 @@ deleted segment's disk space is freed only when its last descriptor closes."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
 from collections import OrderedDict
@@ -18,6 +19,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from storage_backends.segment_pruning import Pruning, forget_gone
+
+log = logging.getLogger(__name__)
 
 MAX_IDLE = 64
 TIGHT_IDLE = 4  # the most kept idle once an open was refused for lack of descriptors
@@ -96,7 +99,10 @@ class Descriptors:
         except OSError as exc:
             if exc.errno not in (errno.EMFILE, errno.ENFILE):
                 raise
-        self.max_idle = min(self.max_idle, TIGHT_IDLE)  # a process short of descriptors: keep few
+        if self.max_idle > TIGHT_IDLE:  # a process short of descriptors: keep few from now on
+            log.warning("out of file descriptors opening a segment: keeping at most %d idle from now on "
+                        "(raise the process's limit: ulimit -n)", TIGHT_IDLE)
+            self.max_idle = TIGHT_IDLE
         self._close_idle(0)  # out of descriptors: let the idle ones go, and try once more
         return os.open(self.path_of(segment), flags | self.extra_flags | os.O_CLOEXEC, 0o644)
 

@@ -9,6 +9,7 @@ is."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -546,6 +547,72 @@ def test_regression_a_segment_cut_short_during_a_layer_wise_visit_killed_the_rea
     """, str(tmp_path / "db")))
     assert json.loads(out) == [[True, True, True], {"before": [True, True], "after": [True, False, False],
                                                     "right": True, "first half": [True, True]}]
+
+
+@pytest.mark.parametrize("where, err, answer", [
+    ("read", errno.EIO, False), ("read", errno.EUCLEAN, False), ("read", errno.EBADMSG, False),  # damaged
+    ("read", errno.ENOMEM, "unavailable"), ("read", errno.EBADF, "unavailable"),
+    ("open", errno.EMFILE, "unavailable"), ("open", errno.EACCES, "unavailable"), ("open", errno.ENOENT, None),
+])
+def test_a_segment_read_tells_damage_from_a_value_gone_and_from_the_medium_failing(tmp_path, monkeypatch,
+                                                                                    where, err, answer):
+    """Only errors that say the file is damaged make a value unreadable (False: the block is
+    dropped); a segment gone is None (a miss); any other failure to open or read is the medium's
+    (BackendUnavailable: nothing is deleted)."""
+    from storage_backends import segment_io
+    from tiered_kv.errors import BackendUnavailable
+
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
+    b.put_many([(key(0), blob(0, 300 * KiB))])
+    files = b.values.files
+    files.fds._close_idle(0)  # (nothing open: the read opens the file)
+
+    def refuse(*args, **kwargs):
+        raise OSError(err, os.strerror(err))
+
+    if where == "read":
+        monkeypatch.setattr(segment_io.os, "preadv", refuse)
+    else:
+        monkeypatch.setattr(files.fds, "_open", refuse)
+    got = {}
+
+    def visitor(sizes, reader):
+        try:
+            got["answer"] = reader.read(0, 0, bytearray(sizes[0]))
+        except BackendUnavailable:
+            got["answer"] = "unavailable"
+
+    b.visit_ranges([key(0)], visitor)
+    monkeypatch.undo()
+    assert got["answer"] == answer
+    assert b.get_many([key(0)]) == [blob(0, 300 * KiB)], "nothing deleted by the backend itself"
+    b.close()
+
+
+def test_a_layer_wise_visit_in_a_process_short_of_descriptors_lets_its_own_go_and_reads_on(tmp_path):
+    """A visit holds the descriptors of the segments it read from (8 at most); in a process
+    with almost none free, the next segment's open was refused and the whole job failed. The
+    visit now lets its own go and holds none from then on."""
+    db = tmp_path / "db"
+    for i in range(20):  # a segment each
+        b = LmdbBackend(db, capacity=64 * MiB)
+        b.put_many([(key(i), blob(i, 64 * KiB))])
+        b.close()
+    out = finish(child(f"""
+        import resource
+        b = LmdbBackend({str(db)!r}, capacity=64 * MiB)
+        in_use = len(os.listdir("/proc/self/fd"))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (in_use + 3, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+        right = []
+        def visitor(sizes, reader):
+            for i, size in enumerate(sizes):
+                got = bytearray(size)
+                right.append(reader.read(i, 0, got) is True and bytes(got) == blob(i, 64 * KiB))
+        found = b.visit_ranges([key(i) for i in range(20)], visitor)
+        print(sum(found), sum(right))
+        b.close()
+    """))
+    assert out.split() == ["20", "20"]
 
 
 def test_a_segment_deleted_during_a_visit_still_reads_and_one_never_read_from_is_gone(tmp_path):

@@ -34,6 +34,7 @@ class Recorder(InMemoryRanges):
         self.reads.append((i, start, memoryview(into).nbytes, memoryview(into).obj))
         answer = self.answers.get((i, start), True)
         if isinstance(answer, Exception):
+            memoryview(into).cast("B")[:1] = b"\xee"  # part of it arrived, then the medium failed
             raise answer
         if answer is not True:
             memoryview(into).cast("B")[:] = b"\xee" * memoryview(into).nbytes  # what a short read left
@@ -41,11 +42,14 @@ class Recorder(InMemoryRanges):
         return super().read(i, start, into)
 
 
-def layered(blobs, layout, *, sealing=None, keep_blobs=False, answers=None, probe=None):
+def layered(blobs, layout, *, sealing=None, keep_blobs=False, answers=None, probe=None, seen=None):
     """Read ``blobs`` layer-wise: (outs, reasons per block (None: done, "absent": never
-    reached), passes [(ready, raw_end)], kept blobs, the reader)."""
+    reached), passes [(ready, raw_end)], kept blobs, the reader); ``seen`` gets the outs and
+    reasons before anything is raised."""
     outs = [bytearray(b"\xa5" * layout.raw_len) for _ in blobs]
     reasons, kept, passes = ["absent"] * len(blobs), {}, []
+    if seen is not None:
+        seen.update(outs=outs, reasons=reasons)
     reader = Recorder(blobs, answers)
     opening = dict(namespace=NS, key=KEY, expect=layout)
 
@@ -138,11 +142,44 @@ def test_a_refused_read_is_unreadable_a_value_gone_is_a_miss_and_neither_leaves_
     assert [ready for ready, _ in passes] == [[0, 1, 2]] * 2 + [[1]] * 6
 
 
-def test_the_mediums_own_failure_is_raised_and_blames_no_block():
+def test_the_mediums_own_failure_is_raised_blames_no_block_and_leaves_no_byte_of_it():
+    """A medium failing partway through a read (part of the frame arrived) raises; no block is
+    failed for it, the frame's place is cleared, and a block already whole and checked (framed
+    in fewer groups) stays a hit."""
     layout = BlockLayout("bfloat16", SHAPE)
     raw = kv_bytes("bfloat16")
-    blob = BlockCodec("raw").encode(raw, dtype="bfloat16", shape=SHAPE, namespace=NS, key=KEY,
-                                    segments=plan("two", len(raw), 2))
-    later = BlockCodec.segments(blob).span(1)[0]
+    two = BlockCodec("raw").encode(raw, dtype="bfloat16", shape=SHAPE, namespace=NS, key=KEY,
+                                   segments=plan("two", len(raw), 2))
+    one = BlockCodec("raw").encode(raw, dtype="bfloat16", shape=SHAPE, namespace=NS, key=KEY)
+    later = BlockCodec.segments(two).span(1)[0]
+    seen = {}
     with pytest.raises(BackendUnavailable):
-        layered([blob, blob], layout, answers={(1, later): BackendUnavailable("no descriptors left")})
+        layered([one, two], layout, answers={(1, later): BackendUnavailable("no descriptors left")}, seen=seen)
+    assert seen["reasons"] == [None, "absent"]  # (the read's bookkeeping makes "absent" the tier's miss)
+    assert bytes(seen["outs"][0]) == raw
+    half = len(raw) // 2
+    assert seen["outs"][1][:half] == raw[:half] and set(seen["outs"][1][half:]) == {0}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_a_sealed_block_read_layer_wise_is_judged_as_a_whole_decode_judges_it(name):
+    """Every flipped byte of a sealed block gets the reason a whole-block decode gives: with the
+    key, and without it (a damaged frame anywhere is ``corrupt`` and dropped, not ``no_key``
+    and kept, though a replica without the key opens only the head before knowing)."""
+    blob, raw, _ = SMALL[name]
+    header = BlockCodec.read_header(blob)
+    layout = BlockLayout(header.dtype, header.shape)
+    blob = bytes(BlockCodec.seal(blob, SEALING, expect=layout))
+    for pos in range(0, len(blob), 7):
+        bad = bytearray(blob)
+        bad[pos] ^= pos % 255 + 1
+        for sealing in (SEALING, None):
+            try:
+                BlockCodec().decode(bytes(bad), namespace=NS, key=KEY, expect=layout, sealing=sealing)
+                whole = None
+            except CorruptBlock as exc:
+                whole = exc.reason
+            _, reasons, _, _, _ = layered([bytes(bad)], layout, sealing=sealing)
+            assert reasons == [whole], f"byte {pos}, key {sealing is not None}"
+    _, reasons, _, _, _ = layered([blob], layout, sealing=None)
+    assert reasons == ["no_key"]

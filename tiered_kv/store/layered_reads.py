@@ -62,6 +62,8 @@ class LayeredBlocks:
                     for j in due[i]:
                         self._frame(i, block, j, views[i])
                         position[i] = j + 1
+                        if position[i] == len(block.bounds):  # whole and checked: a hit, whatever follows
+                            self.done(i, self.blobs.get(i))
                 except _MediumFailed as exc:  # the medium's own failure: a failed read of the tier
                     raise exc.__cause__ from None
                 except _Gone:
@@ -73,8 +75,6 @@ class LayeredBlocks:
                     continue
                 ready.append(i)
             self.on_ready(ready, cut)
-        for i in opened:
-            self.done(i, self.blobs.get(i))
 
     def _open_all(self) -> dict[int, BlockSegments]:
         """Every block's head read (asked for all at once first) and opened."""
@@ -93,9 +93,9 @@ class LayeredBlocks:
         return opened
 
     def _open(self, i: int, size: int) -> BlockSegments:
-        buf = bytearray(size if self.keep_blobs else min(size, self.probe))
+        buf = bytearray(min(size, self.probe))
         have = 0
-        need = min(size, self.probe)
+        need = len(buf)
         for _ in range(HEAD_READS):
             if need <= have:
                 break
@@ -103,12 +103,22 @@ class LayeredBlocks:
                 buf += bytes(need - len(buf))
             self._read(i, have, memoryview(buf)[have:need])
             have = need
-            need = self.head_length(i, memoryview(buf)[:have], size)
+            need = self.head_length(i, memoryview(buf)[:have], size)  # the header checked against size
         else:
             raise CorruptBlock(f"block head still short of {need} bytes after {HEAD_READS} reads")
-        if self.keep_blobs:
-            self.blobs[i] = buf
-        return self.open_block(i, memoryview(buf)[:have], size)
+        if self.keep_blobs:  # (the header said the block is that long)
+            buf = self.blobs[i] = buf[:have] + bytes(size - have)
+        try:
+            return self.open_block(i, memoryview(buf)[:have], size)
+        except CorruptBlock as exc:
+            if exc.reason != "no_key" or have == size:
+                raise
+        # a sealed block and no key here: every frame's check still tells a damaged block
+        # (dropped) from one a replica with the key can read (kept)
+        whole = bytearray(size)
+        whole[:have] = buf[:have]
+        self._read(i, have, memoryview(whole)[have:])
+        return self.open_block(i, memoryview(whole), size)  # raises
 
     def _frame(self, i: int, block: BlockSegments, j: int, view: memoryview) -> None:
         """Frame ``j`` of block ``i`` checked and in its place in ``view``."""
@@ -139,6 +149,7 @@ class LayeredBlocks:
         try:
             status = self.reader.read(i, start, into)
         except Exception as exc:
+            clear(into)  # (part of it may have arrived)
             raise _MediumFailed from exc
         if status is True:
             return
