@@ -57,11 +57,16 @@ class InMemoryRanges:
 
     def read(self, i: int, start: int, into) -> bool | None:
         value, dst = self.values[i], memoryview(into).cast("B")
-        if value is None or not 0 <= start <= start + len(dst) <= len(value):
-            raise ValueError(f"bytes {start}..{start + len(dst)} of value {i} of "
-                             f"{None if value is None else len(value)}")
+        check_range(i, start, len(dst), None if value is None else len(value))
         dst[:] = value[start : start + len(dst)]
         return True
+
+
+def check_range(i: int, start: int, length: int, size: int | None) -> None:
+    """A :class:`RangeReader`'s check of what it is asked for: ``length`` bytes from ``start``
+    inside value ``i`` of ``size`` bytes (None: absent), else ValueError (the caller's mistake)."""
+    if size is None or not 0 <= start <= start + length <= size:
+        raise ValueError(f"bytes {start}..{start + length} of value {i} of {size}")
 
 
 Listener = Callable[[str, list[bytes]], None]  # (``"stored"`` or ``"removed"``, keys)

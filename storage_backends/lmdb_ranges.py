@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from storage_backends.base import check_range
 from storage_backends.lmdb_segments import Place, SegmentFiles
 from storage_backends.segment_fds import MAX_IDLE
+from storage_backends.segment_io import advise
 from tiered_kv.errors import BackendUnavailable
 
 HOLD = 8  # segments whose descriptors one visit keeps held (a visit spans a few: 128 MiB each)
@@ -44,14 +46,12 @@ class SegmentRanges:
                 continue  # (a length of 0 would advise the rest of the file)
             fd = self._fd(place.segment)
             if fd is not None:
-                self.files.advise(fd, place.offset + start, end - start)
+                advise(fd, place.offset + start, end - start)
 
     def read(self, i: int, start: int, into) -> bool | None:
         value, place = self.located[i]
         dst = memoryview(into).cast("B")
-        size = self.sizes[i]
-        if size is None or not 0 <= start <= start + len(dst) <= size:
-            raise ValueError(f"bytes {start}..{start + len(dst)} of value {i} of {size}")
+        check_range(i, start, len(dst), self.sizes[i])
         if place is None:
             dst[:] = value[start : start + len(dst)]
             return True

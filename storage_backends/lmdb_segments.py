@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 from storage_backends.log_throttle import LogThrottle
 from storage_backends.segment_fds import Descriptors
-from storage_backends.segment_io import SegmentWriter, advise, read_fully
+from storage_backends.segment_io import SegmentWriter, read_fully
 from storage_backends.segment_owners import pid_namespace, process_start
 from tiered_kv.errors import BackendUnavailable
 
@@ -302,8 +302,7 @@ class SegmentFiles:
                 self.fds.release(segment)
         return True
 
-    advise = staticmethod(advise)
-
+    # -- the end of segments -------------------------------------------------------------------
     def delete(self, segments) -> None:
         """Delete drained segments' files (after the transaction dropping their records)."""
         for segment in segments:

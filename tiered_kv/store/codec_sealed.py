@@ -126,11 +126,12 @@ def open_sealed(header: Any, body: memoryview, size: int, sealing: Sealing | Non
     bytes of a body of ``body_len``) and then a ``no_key`` CorruptBlock raised."""
     frames = _frames(header, body, len(body) if body_len is None else body_len)
     if sealing is None:
-        for j, (_, hi, _) in enumerate(frames):
+        for j, (lo, hi, check) in enumerate(frames):
             if hi <= len(body):
-                _checked(body, frames, j)
+                _checked(body[lo:hi], check, j)
         raise CorruptBlock("the block is encrypted and no encryption secret is set here", reason="no_key")
-    first = _open_frame(header, body, frames, 0, sealing)
+    lo, hi, check = frames[0]
+    first = _open_frame(header, body[lo:hi], check, 0, len(frames), sealing)
     if len(first) < INNER.size:
         raise CorruptBlock("sealed frame 0 is shorter than its fixed fields")
     checksum, check = INNER.unpack_from(first)
@@ -181,16 +182,15 @@ class SealedSegments(BlockSegments):
         into the plain body, then checked as a plain segment."""
         if j not in self._opened:
             _, _, _, lo, hi, _, _ = self._segs[j]
+            flo, fhi, check = self._frames[j + 1]
             if stored is None:
-                body, frames, at = self._sealed, self._frames, j + 1
-            else:  # the caller read frame j+1 alone: the same checks, on its bytes
+                stored = self._sealed[flo:fhi]
+            else:  # the caller read frame j+1 alone
                 stored = memoryview(stored).cast("B")
-                flo, fhi, check = self._frames[j + 1]
                 if len(stored) != fhi - flo:
                     raise ValueError(f"sealed frame {j + 1} is {fhi - flo} bytes, {len(stored)} given")
-                body, frames, at = stored, [(0, 0, 0)] * (j + 1) + [(0, len(stored), check)], j + 1
-                frames += [(0, 0, 0)] * (len(self._frames) - len(frames))  # (its count binds the aad)
-            _open_frame(self.header, body, frames, at, self._sealing, into=self._body[lo:hi])
+            _open_frame(self.header, stored, check, j + 1, len(self._frames), self._sealing,
+                        into=self._body[lo:hi])
             self._opened.add(j)
         return super()._check(j)
 
@@ -232,21 +232,20 @@ def _frames(header: Any, body: memoryview, body_len: int) -> list[tuple[int, int
     return frames
 
 
-def _checked(body: memoryview, frames: list[tuple[int, int, int]], j: int) -> memoryview:
-    lo, hi, check = frames[j]
-    sealed = body[lo:hi]
+def _checked(sealed: memoryview, check: int, j: int) -> memoryview:
+    """Sealed frame ``j``'s bytes, its ``check`` verified over the ciphertext."""
     if body_check(sealed) != check:
         raise CorruptBlock(f"sealed frame {j} checksum mismatch")
     return sealed
 
 
-def _open_frame(header: Any, body: memoryview, frames: list[tuple[int, int, int]], j: int,
+def _open_frame(header: Any, sealed: memoryview, check: int, j: int, n: int,
                 sealing: Sealing, into: memoryview | None = None) -> bytes | None:
-    """Frame ``j`` checked (over its ciphertext), authenticated and decrypted: returned, or
-    written into ``into`` (its plaintext length; a frame that fails authentication may leave
-    bytes there, which the caller never uses: it raises)."""
-    sealed = _checked(body, frames, j)
-    aad = frame_aad(header, sealing.tenant, j, len(frames))
+    """Frame ``j`` of ``n`` (its bytes ``sealed``) checked (over its ciphertext), authenticated
+    and decrypted: returned, or written into ``into`` (its plaintext length; a frame that fails
+    authentication may leave bytes there, which the caller never uses: it raises)."""
+    sealed = _checked(sealed, check, j)
+    aad = frame_aad(header, sealing.tenant, j, n)
     try:
         if into is None:
             return sealing.aead.decrypt(sealed[:NONCE], sealed[NONCE:], aad)

@@ -107,7 +107,9 @@ class LayeredBlocks:
         else:
             raise CorruptBlock(f"block head still short of {need} bytes after {HEAD_READS} reads")
         if self.keep_blobs:  # (the header said the block is that long)
-            buf = self.blobs[i] = buf[:have] + bytes(size - have)
+            blob = self.blobs[i] = bytearray(size)
+            blob[:have] = buf[:have]
+            buf = blob
         try:
             return self.open_block(i, memoryview(buf)[:have], size)
         except CorruptBlock as exc:
