@@ -2,7 +2,7 @@
 adds its figures as ``limits.*`` to the run's ``Figures``): memcpy into pre-touched memory on 1
 and 2 threads (and torch ``copy_`` as a diagnostic); BlockCodec encode / decode with the codec the
 store writes (``auto`` resolved) and plain zstd-1; one raw file written (page cache), fsync'd, and
-read warm and cold; the naive
+read warm (also block by block with each block hashed: a checked read) and cold; the naive
 baseline of one ``torch.save`` file per block; redis-py SET / GET round trips (raw, encoded,
 pipelined) and ``redis-benchmark`` on our own server."""
 
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+import xxhash
 import zstandard
 
 from .common import MiB, Stopwatch
@@ -155,6 +156,20 @@ def raw_file(b: Bench, size: str) -> None:
         return sw.lap()
 
     b.fig.add(size, "limits.file_read_warm", read_all(), n * nb, n)
+    rows = dst_t.numpy().reshape(n, nb)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        def read_checked(i: int) -> None:  # a block read, then every byte of it hashed
+            view = memoryview(rows[i])
+            if os.preadv(fd, [view], i * nb) != nb:
+                raise RuntimeError(f"short read of block {i} of {path}")
+            xxhash.xxh3_64_intdigest(view)
+
+        b.fig.add(size, "limits.file_read_warm_checked", run_parallel(read_checked, n, 2), n * nb, n,
+                  what="the same file, page cache warm: one preadv a block and xxh3 of it, 2 threads "
+                       "(the fastest read that checks every byte, as every restore must)")
+    finally:
+        os.close(fd)
     b.evictor.evict([path])
     b.residency.setdefault(f"{size}.file_read_cold", []).append(resident_fraction([path]))
     b.fig.add(size, "limits.file_read_cold", read_all(), n * nb, n)

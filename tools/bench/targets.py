@@ -63,6 +63,12 @@ EXTRA_TARGETS = [
      "vs min(BlockCodec encode 2t, raw file write (page cache) x compression ratio)"),
     ("lmdb_durable_vs_durable_bound", "store.lmdb_durable_save", "limits.bound_durable_write", 0.7,
      "vs min(BlockCodec encode 2t, raw file write+fsync x compression ratio)"),
+    ("lmdb_restore_warm_vs_checked_read", "store.lmdb_restore_warm", "limits.file_read_warm_checked", 0.85,
+     "load_into from LMDB, page cache warm vs the raw file read warm block by block with each block "
+     "hashed (every restore checks what it serves)"),
+    ("checked_read_vs_file_read_warm", "limits.file_read_warm_checked", "limits.file_read_warm", 0.91,
+     "the checked read vs the plain one: under the warm-restore target's 0.91 no store that checks "
+     "every byte it serves can hold that target on this machine"),
     ("lmdb_restore_warm_vs_warm_read_bound", "store.lmdb_restore_warm", "limits.bound_warm_read", 0.7,
      "vs min(BlockCodec decode 2t, raw file warm read x compression ratio)"),
     ("lmdb_restore_cold_vs_cold_read_bound", "store.lmdb_restore_cold", "limits.bound_cold_read", 0.7,
