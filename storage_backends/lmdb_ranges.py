@@ -33,6 +33,7 @@ class SegmentRanges:
         self.sizes: list[int | None] = [
             len(value) if value is not None else place.length if place is not None else None
             for value, place in located]
+        self.lost: set[int] = set()  # values a read found gone or damaged: not read, whatever sizes says
         self._held: dict[int, int] = {}  # segment -> descriptor held for this visit
         self._short = files.fds.max_idle < MAX_IDLE  # the process ran short of descriptors: hold none
 
@@ -56,15 +57,18 @@ class SegmentRanges:
             dst[:] = value[start : start + len(dst)]
             return True
         try:
-            return self.files.read_range(place.segment, place.offset + start, [dst], self._fd(place.segment))
+            got = self.files.read_range(place.segment, place.offset + start, [dst], self._fd(place.segment))
         except BackendUnavailable:
             if not self._held:
                 raise
-        # (no descriptor to be had, say: the process is short of them) this visit's own go, and
-        # it holds none from now on; once more
-        self.close()
-        self._short = True
-        return self.files.read_range(place.segment, place.offset + start, [dst])
+            # (no descriptor to be had, say: the process is short of them) this visit's own go,
+            # and it holds none from now on; once more
+            self.close()
+            self._short = True
+            got = self.files.read_range(place.segment, place.offset + start, [dst])
+        if got is not True:
+            self.lost.add(i)
+        return got
 
     def _fd(self, segment: int) -> int | None:
         """The segment's descriptor held for the visit, or None (held per read: more than

@@ -52,7 +52,10 @@ class LmdbReads:
                 visitor(list(ranges.sizes), ranges)
             finally:
                 ranges.close()
-        return self._counted(keys, ranges.sizes)
+        # a value whose segment turned out gone or cut short was not read: no hit, no access (the
+        # answer is still presence as the visit began)
+        self._counted(keys, [None if i in ranges.lost else n for i, n in enumerate(ranges.sizes)])
+        return [n is not None for n in ranges.sizes]
 
     def visit_split(self, keys: Sequence[bytes], outs: Sequence[object], visitor) -> list[bool]:
         """Values in segment files longer than their ``outs[i]`` by at most ``MAX_SPLIT_HEAD``

@@ -652,6 +652,28 @@ def test_a_segment_deleted_during_a_visit_still_reads_and_one_never_read_from_is
     b.close()
 
 
+def test_regression_a_value_whose_segment_went_during_a_visit_was_counted_a_hit(tmp_path):
+    # visit_ranges counted every value found as the visit began as a hit (and an access for the
+    # LRU), even one whose segment was gone or cut short by the time it was read: the tier's
+    # hit figures then said a block was served that the reader had missed.
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
+    values = {key(i): blob(i, 600 * KiB) for i in range(2)}  # a segment file each
+    b.put_many(list(values.items()))
+    before = b.stats()
+
+    def visitor(sizes, reader):
+        assert reader.read(0, 0, bytearray(sizes[0])) is True
+        b.values.files.delete([segment_of(b, key(1))])
+        assert reader.read(1, 0, bytearray(sizes[1])) is None
+
+    assert b.visit_ranges(list(values), visitor) == [True, True], "presence as the visit began"
+    after = b.stats()
+    assert after.gets - before.gets == 2
+    assert after.hits - before.hits == 1
+    assert after.bytes_out - before.bytes_out == 600 * KiB
+    b.close()
+
+
 def test_a_value_overwritten_during_a_visit_split_is_the_old_value_or_a_miss(tmp_path):
     b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
     old, new = blob(1, 900 * KiB), blob(2, 900 * KiB)
