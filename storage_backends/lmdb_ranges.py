@@ -4,7 +4,7 @@ buffer, a value in LMDB's pages is copied out of the visit's read transaction.
 
 A segment read from keeps its descriptor held until the visit ends (at most ``HOLD`` segments a
 visit; reads of the others hold theirs per read; none once the process ran short of
-descriptors), so a segment that compaction deletes mid-visit still reads: the visit's
+descriptors lately), so a segment that compaction deletes mid-visit still reads: the visit's
 transaction named its places. Nothing is mapped: a file cut
 short, or a page the disk cannot read, makes a read come back short or fail (a damaged value),
 where a memory map would kill the process with SIGBUS.
@@ -16,7 +16,6 @@ from collections.abc import Iterable
 
 from storage_backends.base import check_range
 from storage_backends.lmdb_segments import Place, SegmentFiles
-from storage_backends.segment_fds import MAX_IDLE
 from storage_backends.segment_io import advise
 from tiered_kv.errors import BackendUnavailable
 
@@ -35,7 +34,7 @@ class SegmentRanges:
             for value, place in located]
         self.lost: set[int] = set()  # values a read found gone or damaged: not read, whatever sizes says
         self._held: dict[int, int] = {}  # segment -> descriptor held for this visit
-        self._short = files.fds.max_idle < MAX_IDLE  # the process ran short of descriptors: hold none
+        self._short = files.fds.short  # the process ran short of descriptors lately: hold none
 
     def advise(self, ranges: Iterable[tuple[int, int, int]]) -> None:
         for i, start, end in ranges:

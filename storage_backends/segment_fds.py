@@ -2,8 +2,8 @@
 descriptor, so one is closed only once nobody reads or writes through it (a descriptor closed
 under a reader could be reused by the next ``open``, and that reader would read another file).
 At most ``max_idle`` descriptors are kept open while unused (the least recently used go first;
-an ``open`` refused for lack of descriptors closes the idle ones and tries again, and from then
-on at most ``TIGHT_IDLE`` are kept), and those of
+an ``open`` refused for lack of descriptors closes the idle ones and tries again, and for the
+next ``RELAX_S`` seconds at most ``TIGHT_IDLE`` are kept), and those of
 files another process deleted are closed once unused (checked at most once a second): a
 deleted segment's disk space is freed only when its last descriptor closes."""
 
@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -23,15 +24,20 @@ from storage_backends.segment_pruning import Pruning, forget_gone
 log = logging.getLogger(__name__)
 
 MAX_IDLE = 64
-TIGHT_IDLE = 4  # the most kept idle once an open was refused for lack of descriptors
+TIGHT_IDLE = 4  # the most kept idle once an open was refused for lack of descriptors ...
+RELAX_S = 300.0  # ... until this long has passed without another refusal (a shortage can pass)
 
 
 class Descriptors:
     """``path_of(segment)`` names each segment's file."""
 
-    def __init__(self, path_of: Callable[[int], Path], max_idle: int = MAX_IDLE, extra_flags: int = 0) -> None:
+    def __init__(self, path_of: Callable[[int], Path], max_idle: int = MAX_IDLE, extra_flags: int = 0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.path_of = path_of
         self.max_idle = max_idle
+        self._wanted_idle = max_idle  # what max_idle goes back to once a shortage passed
+        self._clock = clock
+        self._refused_at: float | None = None  # when an open was last refused for lack of descriptors
         self.extra_flags = extra_flags  # added to every open (O_DIRECT for the direct writer's)
         self._lock = threading.Lock()
         self._fds: OrderedDict[int, tuple[int, bool]] = OrderedDict()  # segment -> (fd, writable), LRU order
@@ -99,10 +105,11 @@ class Descriptors:
         except OSError as exc:
             if exc.errno not in (errno.EMFILE, errno.ENFILE):
                 raise
-        if self.max_idle > TIGHT_IDLE:  # a process short of descriptors: keep few from now on
-            log.warning("out of file descriptors opening a segment: keeping at most %d idle from now on "
-                        "(raise the process's limit: ulimit -n)", TIGHT_IDLE)
+        if not self.short and self.max_idle > TIGHT_IDLE:  # a process short of descriptors: keep few
+            log.warning("out of file descriptors opening a segment: keeping at most %d idle for %.0f s "
+                        "(raise the process's limit: ulimit -n)", TIGHT_IDLE, RELAX_S)
             self.max_idle = TIGHT_IDLE
+        self._refused_at = self._clock()
         self._close_idle(0)  # out of descriptors: let the idle ones go, and try once more
         return os.open(self.path_of(segment), flags | self.extra_flags | os.O_CLOEXEC, 0o644)
 
@@ -139,7 +146,18 @@ class Descriptors:
             if entry is not None:
                 self._retire(segment, entry[0])
 
+    @property
+    def short(self) -> bool:
+        """Whether an ``open`` was refused for lack of descriptors in the last ``RELAX_S``
+        seconds: keep few idle, and hold none longer than a read needs."""
+        return self._refused_at is not None
+
     def _maybe_prune(self) -> None:
+        if self._refused_at is not None and self._clock() - self._refused_at >= RELAX_S:
+            self._refused_at = None  # the shortage passed: keep as many idle as asked again
+            self.max_idle = self._wanted_idle
+            log.info("no segment open refused for lack of descriptors in %.0f s: keeping up to %d idle again",
+                     RELAX_S, self.max_idle)
         if not self._pruning.due():
             return
         with self._lock:
