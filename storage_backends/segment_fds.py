@@ -105,11 +105,14 @@ class Descriptors:
         except OSError as exc:
             if exc.errno not in (errno.EMFILE, errno.ENFILE):
                 raise
-        if not self.short and self.max_idle > TIGHT_IDLE:  # a process short of descriptors: keep few
+        now = self._clock()  # (read before the lock: a clock is the caller's code)
+        with self._lock:  # a process short of descriptors: keep few (a relax racing this sees it)
+            fresh = self._refused_at is None
+            self._refused_at = now
+            self.max_idle = min(self._wanted_idle, TIGHT_IDLE)
+        if fresh and self._wanted_idle > TIGHT_IDLE:
             log.warning("out of file descriptors opening a segment: keeping at most %d idle for %.0f s "
                         "(raise the process's limit: ulimit -n)", TIGHT_IDLE, RELAX_S)
-            self.max_idle = TIGHT_IDLE
-        self._refused_at = self._clock()
         self._close_idle(0)  # out of descriptors: let the idle ones go, and try once more
         return os.open(self.path_of(segment), flags | self.extra_flags | os.O_CLOEXEC, 0o644)
 
@@ -150,14 +153,26 @@ class Descriptors:
     def short(self) -> bool:
         """Whether an ``open`` was refused for lack of descriptors in the last ``RELAX_S``
         seconds: keep few idle, and hold none longer than a read needs."""
-        return self._refused_at is not None
+        refused = self._refused_at  # (read once: another thread may clear it)
+        return refused is not None and self._clock() - refused < RELAX_S
+
+    def _relax(self) -> None:
+        """Once ``RELAX_S`` passed since the last refused ``open``, keep as many idle as asked
+        again (unless an ``open`` was refused meanwhile)."""
+        refused = self._refused_at  # (read once: another thread may clear it)
+        if refused is None or self._clock() - refused < RELAX_S:
+            return
+        with self._lock:
+            if self._refused_at != refused:  # refused again (or relaxed) meanwhile
+                return
+            self._refused_at = None
+            self.max_idle = self._wanted_idle
+        if self._wanted_idle > TIGHT_IDLE:
+            log.info("no segment open refused for lack of descriptors in %.0f s: keeping up to %d idle again",
+                     RELAX_S, self._wanted_idle)
 
     def _maybe_prune(self) -> None:
-        if self._refused_at is not None and self._clock() - self._refused_at >= RELAX_S:
-            self._refused_at = None  # the shortage passed: keep as many idle as asked again
-            self.max_idle = self._wanted_idle
-            log.info("no segment open refused for lack of descriptors in %.0f s: keeping up to %d idle again",
-                     RELAX_S, self.max_idle)
+        self._relax()
         if not self._pruning.due():
             return
         with self._lock:

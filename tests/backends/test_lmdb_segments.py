@@ -657,20 +657,24 @@ def test_regression_a_value_whose_segment_went_during_a_visit_was_counted_a_hit(
     # LRU), even one whose segment was gone or cut short by the time it was read: the tier's
     # hit figures then said a block was served that the reader had missed.
     b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
-    values = {key(i): blob(i, 600 * KiB) for i in range(2)}  # a segment file each
+    values = {key(i): blob(i, 600 * KiB) for i in range(3)}  # a segment file each
     b.put_many(list(values.items()))
     before = b.stats()
 
     def visitor(sizes, reader):
         assert reader.read(0, 0, bytearray(sizes[0])) is True
-        b.values.files.delete([segment_of(b, key(1))])
+        b.values.files.delete([segment_of(b, key(1))])  # gone: None
         assert reader.read(1, 0, bytearray(sizes[1])) is None
+        assert reader.read(2, 0, bytearray(100)) is True  # its first part read, then the file cut short
+        os.truncate(b.values.files.path_of(segment_of(b, key(2))), 300 * KiB)
+        assert reader.read(2, 0, bytearray(sizes[2])) is False
 
-    assert b.visit_ranges(list(values), visitor) == [True, True], "presence as the visit began"
+    assert b.visit_ranges(list(values), visitor) == [True, True, True], "presence as the visit began"
     after = b.stats()
-    assert after.gets - before.gets == 2
+    assert after.gets - before.gets == 3
     assert after.hits - before.hits == 1
     assert after.bytes_out - before.bytes_out == 600 * KiB
+    assert after.extra["pending_touches"] == 1, "only the value read is an access for the LRU"
     b.close()
 
 

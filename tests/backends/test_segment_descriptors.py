@@ -77,3 +77,44 @@ def test_a_shortage_of_descriptors_passes_and_idle_ones_are_kept_again(tmp_path,
         assert said == [logging.WARNING, logging.INFO, logging.WARNING]
     finally:
         fds.close()
+
+
+def test_regression_a_shortage_ending_while_another_open_was_refused_left_many_idle_kept(tmp_path, monkeypatch):
+    # One thread's open was refused while another, finding the last shortage RELAX_S old, put
+    # the idle limit back up: the refusal then stamped a new shortage over the raised limit, and
+    # later refusals, seeing a shortage already, never lowered it: a process out of descriptors
+    # kept up to MAX_IDLE of them idle. A refusal now sets the stamp and the limit together.
+    for segment in range(SEGMENTS):
+        (tmp_path / f"{segment}.seg").write_bytes(b"x")
+    now = [0.0]
+    on_tick: list = []  # per reading of the clock, in turn: what "another thread" does then (None: nothing)
+    fds = Descriptors(lambda segment: tmp_path / f"{segment}.seg", clock=lambda: tick())
+
+    def tick() -> float:
+        step = on_tick.pop(0) if on_tick else None
+        if step is not None:
+            step()
+        return now[0]
+
+    try:
+        refuse_next_open(monkeypatch)
+        read_every_segment(fds)  # a shortage at time 0
+        monkeypatch.undo()
+        now[0] = RELAX_S - 1  # still short when the next open begins ...
+
+        def another_thread_relaxes() -> None:  # ... and no longer when its refusal is stamped
+            now[0] = RELAX_S + 1
+            fds.hold(SEGMENTS - 1)  # relaxes: the limit goes back up
+            fds.release(SEGMENTS - 1)
+
+        refuse_next_open(monkeypatch)
+        fds.forget(0)
+        on_tick.extend([None, another_thread_relaxes])  # the relax check's reading, then the refusal's
+        fds.hold(0)
+        fds.release(0)
+        monkeypatch.undo()
+        assert fds.short and fds.max_idle == TIGHT_IDLE
+        read_every_segment(fds)
+        assert open_on(tmp_path) <= TIGHT_IDLE
+    finally:
+        fds.close()

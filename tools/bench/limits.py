@@ -167,7 +167,7 @@ def raw_file(b: Bench, size: str) -> None:
 
         b.fig.add(size, "limits.file_read_warm_checked", run_parallel(read_checked, n, 2), n * nb, n,
                   what="the same file, page cache warm: one preadv a block and xxh3 of it, 2 threads "
-                       "(the fastest read that checks every byte, as every restore must)")
+                       "(a read that checks every byte, as every restore must)")
     finally:
         os.close(fd)
     b.evictor.evict([path])
