@@ -34,8 +34,7 @@ class Descriptors:
     def __init__(self, path_of: Callable[[int], Path], max_idle: int = MAX_IDLE, extra_flags: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.path_of = path_of
-        self.max_idle = max_idle
-        self._wanted_idle = max_idle  # what max_idle goes back to once a shortage passed
+        self._wanted_idle = max_idle  # kept idle at most, but while a shortage lasts (max_idle)
         self._clock = clock
         self._refused_at: float | None = None  # when an open was last refused for lack of descriptors
         self.extra_flags = extra_flags  # added to every open (O_DIRECT for the direct writer's)
@@ -109,7 +108,6 @@ class Descriptors:
         with self._lock:  # a process short of descriptors: keep few (a relax racing this sees it)
             fresh = self._refused_at is None
             self._refused_at = now
-            self.max_idle = min(self._wanted_idle, TIGHT_IDLE)
         if fresh and self._wanted_idle > TIGHT_IDLE:
             log.warning("out of file descriptors opening a segment: keeping at most %d idle for %.0f s "
                         "(raise the process's limit: ulimit -n)", TIGHT_IDLE, RELAX_S)
@@ -150,6 +148,11 @@ class Descriptors:
                 self._retire(segment, entry[0])
 
     @property
+    def max_idle(self) -> int:
+        """Descriptors kept open while unused: few while a shortage lasts (until :meth:`_relax`)."""
+        return self._wanted_idle if self._refused_at is None else min(self._wanted_idle, TIGHT_IDLE)
+
+    @property
     def short(self) -> bool:
         """Whether an ``open`` was refused for lack of descriptors in the last ``RELAX_S``
         seconds: keep few idle, and hold none longer than a read needs."""
@@ -166,7 +169,6 @@ class Descriptors:
             if self._refused_at != refused:  # refused again (or relaxed) meanwhile
                 return
             self._refused_at = None
-            self.max_idle = self._wanted_idle
         if self._wanted_idle > TIGHT_IDLE:
             log.info("no segment open refused for lack of descriptors in %.0f s: keeping up to %d idle again",
                      RELAX_S, self._wanted_idle)
