@@ -55,8 +55,24 @@ class SegmentRanges:
         if place is None:
             dst[:] = value[start : start + len(dst)]
             return True
+        got = self._read_range(place.segment, place.offset + start, [dst])
+        if got is not True:
+            self.lost.add(i)
+        return got
+
+    def read_at(self, segment: int, offset: int, views: list[memoryview]) -> bool:
+        """:meth:`SegmentFiles.read_at <storage_backends.lmdb_segments.SegmentFiles.read_at>`
+        through the visit's held descriptor: False when the bytes could not be read whole (a
+        miss; a segment that cannot be read for another reason is logged)."""
         try:
-            got = self.files.read_range(place.segment, place.offset + start, [dst], self._fd(place.segment))
+            return self._read_range(segment, offset, views) is True
+        except BackendUnavailable as exc:
+            self.files.unavailable(exc)
+            return False
+
+    def _read_range(self, segment: int, offset: int, views: list[memoryview]) -> bool | None:
+        try:
+            return self.files.read_range(segment, offset, views, self._fd(segment))
         except BackendUnavailable:
             if not self._held:
                 raise
@@ -64,10 +80,7 @@ class SegmentRanges:
             # and it holds none from now on; once more
             self.close()
             self._short = True
-            got = self.files.read_range(place.segment, place.offset + start, [dst])
-        if got is not True:
-            self.lost.add(i)
-        return got
+            return self.files.read_range(segment, offset, views)
 
     def _fd(self, segment: int) -> int | None:
         """The segment's descriptor held for the visit, or None (held per read: more than

@@ -62,29 +62,43 @@ class LmdbReads:
         bytes are read in two pieces, the rest straight into ``outs[i]`` (one copy, made by the
         kernel); values in LMDB's pages are visited there, zero-copy. Such values lying one
         after the other in a segment (as a batch written by one writer does) are read a run at a
-        time (:mod:`storage_backends.segment_runs`)."""
+        time (:mod:`storage_backends.segment_runs`). The segments read from keep their
+        descriptors held for the visit (:class:`~storage_backends.lmdb_ranges.SegmentRanges`)."""
         keys = [as_key(k) for k in keys]
         sizes: list[int | None] = [None] * len(keys)
         with self.db.guard("read"), self.db.txn() as txn:
             located = [self._locate(txn, key) for key in keys]
             places = [place for _, place in located]
-            for run in runs(places, MAX_GAP, lambda i: splits(places[i], outs[i], MAX_SPLIT_HEAD)):
-                heads = None
-                if len(run) > 1:
-                    heads = self.values.read_split_run([located[i][1] for i in run], [outs[i] for i in run])
-                for j, i in enumerate(run):
-                    value, place = located[i]
-                    self._visit_split_one(i, value, place, outs[i], visitor, sizes,
-                                          UNREAD if heads is None else heads[j])
+            ranges = SegmentRanges(located, self.values.files)
+            try:
+                for run in runs(places, MAX_GAP, lambda i: splits(places[i], outs[i], MAX_SPLIT_HEAD)):
+                    for i, head in zip(run, self._heads(run, places, outs, ranges)):
+                        self._visit_split_one(i, located[i][0], places[i], outs[i], visitor, sizes, head, ranges)
+            finally:
+                ranges.close()
         return self._counted(keys, sizes)
 
+    def _heads(self, run: list[int], places: list[Place | None], outs: Sequence[object],
+               ranges: SegmentRanges) -> list:
+        """The heads of the values of ``run`` (a group of :func:`runs`), read with one gathered
+        read when they split: per value its head, False when its segment no longer holds it,
+        UNREAD for those of a longer run that could not be read whole (each is read on its
+        own), None when it does not split (read whole)."""
+        first = places[run[0]]
+        if first is None or not splits(first, outs[run[0]], MAX_SPLIT_HEAD):
+            return [None] * len(run)  # (a run of several splits: runs() asked)
+        heads = self.values.read_split_run([places[i] for i in run], [outs[i] for i in run], ranges.read_at)
+        if heads is None:
+            return [UNREAD if len(run) > 1 else False] * len(run)
+        return heads
+
     def _visit_split_one(self, i: int, value, place: Place | None, out, visitor, sizes: list[int | None],
-                         head=UNREAD) -> None:
-        """Visit the ``i``-th value: its head (read now unless given) and ``out`` holding the
+                         head, ranges: SegmentRanges) -> None:
+        """Visit the ``i``-th value: its head (read now when UNREAD) and ``out`` holding the
         rest, or the whole value; ``sizes[i]`` set when it was there."""
         if place is not None:
             if head is UNREAD:
-                head = self.values.read_split(place, out, MAX_SPLIT_HEAD)
+                head = self.values.read_split(place, out, MAX_SPLIT_HEAD, ranges.read_at)
             if head is False:  # its segment no longer holds it: a miss
                 return
             if head is not None and visitor(i, head, None) is not False:
@@ -103,7 +117,7 @@ class LmdbReads:
         hits = [k for k, n in zip(keys, sizes) if n is not None]
         if hits:
             self.db.touch(hits, time.time_ns())
-        self._count(gets=len(keys), hits=len(hits), bytes_out=sum(n for n in sizes if n is not None))
+        self._count(gets=len(keys), hits=len(hits), bytes_out=sum([n for n in sizes if n is not None]))
         return [n is not None for n in sizes]
 
     def _locate(self, txn, key: bytes) -> tuple[memoryview | bytes | None, Place | None]:

@@ -273,8 +273,12 @@ class SegmentFiles:
         try:
             return self.read_range(segment, offset, views) is True
         except BackendUnavailable as exc:
-            self._failures.warning("%s", exc)
+            self.unavailable(exc)
             return False
+
+    def unavailable(self, exc: BackendUnavailable) -> None:
+        """Log (throttled) a segment that could not be opened or read for want of a resource."""
+        self._failures.warning("%s", exc)
 
     def read_range(self, segment: int, offset: int, views: list[memoryview], fd: int | None = None) -> bool | None:
         """:meth:`read_at`, telling what went wrong: None when the segment is gone, False when

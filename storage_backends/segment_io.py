@@ -176,7 +176,7 @@ def _write_fully(fd: int, parts: list[memoryview], offset: int, segment: int) ->
 def read_fully(fd: int, views: list[memoryview], offset: int) -> bool:
     """Fill byte views ``views`` in turn from ``offset`` of ``fd`` (gathered reads, going on
     after a short one); False when the file ends first (OSError as the kernel raised it)."""
-    length, done = sum(len(v) for v in views), 0
+    length, done = sum(map(len, views)), 0
     while done < length:
         n = os.preadv(fd, views, offset + done)
         if n <= 0:

@@ -1030,13 +1030,13 @@ def test_a_visitor_refusing_the_split_is_called_again_with_the_whole_value(tmp_p
 def counted_reads(b: LmdbBackend) -> list[int]:
     """Each gathered read of a segment from now on, by its byte count."""
     files, reads = b.values.files, []
-    read_at = files.read_at
+    read_range = files.read_range
 
-    def counting(segment, offset, views):
+    def counting(segment, offset, views, fd=None):
         reads.append(sum(len(v) for v in views))
-        return read_at(segment, offset, views)
+        return read_range(segment, offset, views, fd)
 
-    files.read_at = counting
+    files.read_range = counting
     return reads
 
 
