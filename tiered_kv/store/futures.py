@@ -14,6 +14,8 @@ def gather(futures: list[Future]) -> Future | None:
     if len(futures) == 1:
         return futures[0]
     out: Future = Future()
+    futures = list(futures)  # (emptied once all are done: each one's callback names them all, a
+    # reference cycle otherwise left to the cyclic GC)
     remaining = [len(futures)]
     lock = threading.Lock()
 
@@ -22,11 +24,12 @@ def gather(futures: list[Future]) -> Future | None:
             remaining[0] -= 1
             last = remaining[0] == 0
         if last:
-            errors = [f.exception() for f in futures if f.exception() is not None]
+            done, futures[:] = futures[:], []
+            errors = [f.exception() for f in done if f.exception() is not None]
             if errors:
                 out.set_exception(errors[0])
             else:
-                out.set_result(sum(f.result() or 0 for f in futures))
+                out.set_result(sum(f.result() or 0 for f in done))
 
     for f in futures:
         f.add_done_callback(one_done)
