@@ -1,6 +1,7 @@
-"""Reads of parts of the LMDB tier's values during one visit (:meth:`LmdbReads.visit_ranges`,
-layer-wise loads): a value in a segment file is read with ``preadv`` straight into the reader's
-buffer, a value in LMDB's pages is copied out of the visit's read transaction.
+"""Reads of the LMDB tier's values during one visit: parts of them (:meth:`LmdbReads.visit_ranges`,
+layer-wise loads), or whole values read in two pieces (:meth:`LmdbReads.visit_split`, through
+:meth:`SegmentRanges.read_at`). A value in a segment file is read with ``preadv`` straight into
+the reader's buffer, a value in LMDB's pages is copied out of the visit's read transaction.
 
 A segment read from keeps its descriptor held until the visit ends (at most ``HOLD`` segments a
 visit; reads of the others hold theirs per read; none once the process ran short of
@@ -89,7 +90,10 @@ class SegmentRanges:
         if fd is None and len(self._held) < HOLD and not self._short:
             try:
                 fd = self._held[segment] = self.files.fds.hold(segment)
-            except OSError:  # gone or no descriptor to be had: the read says which
+            except FileNotFoundError:  # gone: the read says so
+                return None
+            except OSError:  # no descriptor to be had, say: the visit holds no more
+                self._short = True
                 return None
         return fd
 

@@ -6,12 +6,18 @@ a table of another shape get every check; the memo stays bounded."""
 
 from __future__ import annotations
 
+import struct
+
 import numpy as np
 import pytest
+import xxhash
 
 from tiered_kv.errors import CorruptBlock
 from tiered_kv.store import codec_split
-from tiered_kv.store.codec import HEADER_BYTES, BlockCodec, BlockLayout
+from tiered_kv.store.codec import HEADER, HEADER_BYTES, BlockCodec, BlockLayout
+from tiered_kv.store.codec_body import CODEC_NAMES
+from tiered_kv.store.codec_header import DTYPE_NAMES, MAX_NDIM, pack_header
+from tiered_kv.store.codec_segments import ENTRY, TABLE_HEAD
 from tiered_kv.store.codec_split import check_split
 
 NS = bytes(range(16))
@@ -30,6 +36,28 @@ def block(key: bytes, seed: int = 0, segments=FRAMES, codec: str = "raw") -> byt
 
 def head_of(blob: bytes) -> int:
     return len(blob) - LAYOUT.raw_len
+
+
+def resealed(blob: bytes, table: bytes, payload: bytes | None = None) -> bytes:
+    """``blob`` with its segment table replaced by ``table`` (and its payload by ``payload``),
+    the header's table checksums and its own xxh32 made to match again: a lie that no plain
+    hash catches, only the checks of what the table says."""
+    (magic, version, codec, dtype, level, ndim, flags, *rest) = HEADER.unpack(blob[:HEADER_BYTES])
+    dims, (ns, key, raw_len, stored_len, _, _, created, _) = rest[:MAX_NDIM], rest[MAX_NDIM:]
+    head = pack_header(CODEC_NAMES[codec], DTYPE_NAMES[dtype], level, dims[:ndim], ns, key, raw_len, stored_len,
+                       xxhash.xxh3_64_intdigest(table), xxhash.xxh32_intdigest(table), created, flags)
+    rest_of_body = blob[HEADER_BYTES + len(table):] if payload is None else payload
+    return head + table + rest_of_body
+
+
+def table_fields(blob: bytes) -> list:
+    n = struct.unpack_from("<I", blob, HEADER_BYTES)[0]
+    return list(struct.unpack_from(TABLE_HEAD.format + ENTRY.format[1:] * n, blob, HEADER_BYTES))
+
+
+def table_of(fields: list) -> bytes:
+    n = (len(fields) - 1) // 5
+    return struct.pack(TABLE_HEAD.format + ENTRY.format[1:] * n, *fields)
 
 
 def split(blob: bytes, key: bytes, head_len: int | None = None, **kwargs):
@@ -120,3 +148,61 @@ def test_compressed_blocks_and_other_tables_are_not_remembered_and_the_memo_stay
     for _ in range(3 * codec_split.MEMO_ENTRIES):
         assert split(raw, KEYS[2], expect=BlockLayout("bfloat16", LAYOUT.shape))[0] is True  # a new reader each
     assert 0 < len(codec_split._known) <= codec_split.MEMO_ENTRIES
+
+
+def test_resealed_lies_in_the_segment_table_are_refused_with_the_same_error_remembered_or_not():
+    good = block(KEYS[1], seed=4)
+    n_head, fields = head_of(good), table_fields(good)
+    payload = bytearray(good[n_head:])
+    lies = []  # (what, blob, the head length the medium would split it at)
+    for count in (1, 2, 3, 5, 8):
+        lies.append((f"count {count}", resealed(good, table_of([count, *fields[1:]])), n_head))
+    for j, (field, delta) in enumerate([(1, 2), (2, 2), (1, -2), (2, -2)]):  # raw / stored length moved
+        forged = list(fields)
+        forged[field + 5 * (j % 2)] += delta
+        forged[field + 5 * (1 - j % 2)] -= delta
+        lies.append((f"lengths {j}", resealed(good, table_of(forged)), n_head))
+    zstd = next(code for code, name in CODEC_NAMES.items() if name == "zstd")
+    forged = list(fields)
+    forged[5] = zstd
+    lies.append(("codec", resealed(good, table_of(forged)), n_head))
+    forged = list(fields)
+    forged[4] ^= 1  # a raw segment's check that is not its digest's low bits
+    lies.append(("check", resealed(good, table_of(forged)), n_head))
+    forged = list(fields)
+    forged[3] ^= 1 << 40  # a digest whose low bits still match its check, payload unchanged
+    lies.append(("digest", resealed(good, table_of(forged)), n_head))
+    # a digest and check that match a changed payload: a consistent block, accepted either way
+    payload[5] ^= 0xFF
+    forged = list(fields)
+    forged[3] = xxhash.xxh3_64_intdigest(bytes(payload[: FRAMES[0]]))
+    forged[4] = forged[3] & 0xFFFFFFFF
+    lies.append(("resealed payload", resealed(good, table_of(forged), bytes(payload)), n_head))
+
+    def outcomes() -> list:
+        return [split(blob, KEYS[1], head_len=n) for _, blob, n in lies]
+
+    first = []
+    for _, blob, n in lies:
+        codec_split._known.clear()
+        first.append(split(blob, KEYS[1], head_len=n))
+    assert split(block(KEYS[0]), KEYS[0])[0] is True and codec_split._known  # remember the layout
+    assert outcomes() == first
+    for (what, _, _), (outcome, out) in zip(lies, first):
+        if what == "resealed payload":
+            assert outcome is True, "hashes are checks, not signatures: sealing is what stops a forger"
+        else:
+            assert outcome is not True and issubclass(outcome[0], CorruptBlock), what
+            assert not any(out), what
+
+
+def test_a_destination_of_another_length_is_refused_remembered_or_not():
+    good = block(KEYS[1], seed=6)
+    n = head_of(good)
+    assert split(block(KEYS[0]), KEYS[0])[0] is True  # remember the layout
+    for extra in (-2, 2):
+        out = bytearray(len(good) - n + extra)
+        out[: len(good) - n] = good[n:][: len(out)]
+        with pytest.raises(CorruptBlock):
+            check_split(good[:n], out, namespace=NS, key=KEYS[1], expect=LAYOUT, sealing=None)
+        assert not any(out)

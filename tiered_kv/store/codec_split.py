@@ -16,7 +16,8 @@ gets only the checks of its own fields: the header's xxh32 and key, the table's 
 and every entry's shape against the layout, each raw segment's check against its digest, and
 the digests against its payload. Anything else (a field that differs, a failed check) sends the
 block through every check in order, which refuses it with the error a first read gives. A 2 MiB
-block of 8 segments took 50 us to check in full, the hashing 37 us of it."""
+block of 8 segments took 58 us to check in full here and takes 50 remembered, 45 of either the
+hashing of its segments."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import xxhash
 from tiered_kv.dtypes import ITEMSIZE
 from tiered_kv.errors import CorruptBlock
 from tiered_kv.store.codec import BlockLayout
-from tiered_kv.store.codec_body import CODEC_NAMES, clear, undecodable
+from tiered_kv.store.codec_body import clear, undecodable
 from tiered_kv.store.codec_header import HEADER_BYTES
 from tiered_kv.store.codec_header_check import FIXED_BYTES, OWN, read_header
 from tiered_kv.store.codec_sealed import Sealing
@@ -36,7 +37,6 @@ from tiered_kv.store.codec_segments import ENTRY, TABLE_HEAD, read_table
 
 MAX_HEAD = 64 << 10  # a head longer than this is no raw block's (header and the largest table fit)
 MEMO_ENTRIES = 64  # layouts remembered (one per namespace and reader in practice); then forgotten
-RAW = next(code for code, name in CODEC_NAMES.items() if name == "raw")
 _LOW32 = 0xFFFFFFFF
 
 
@@ -61,19 +61,16 @@ def check_split(head, out, *, namespace: bytes, key: bytes, expect: BlockLayout 
     laid out that way (compressed, sealed): the caller decodes the whole block instead.
     CorruptBlock when a check fails; ``out`` is then cleared."""
     head, dst = memoryview(head).cast("B"), memoryview(out).cast("B")
-    if type(namespace) is not bytes:  # (a memo key must hash)
-        namespace = bytes(namespace)
-    if sealing is None and len(head) >= HEADER_BYTES:
+    memo = None
+    if sealing is None and type(namespace) is bytes and len(head) >= HEADER_BYTES:  # (a memo key must hash)
         own = OWN.unpack_from(head, FIXED_BYTES)
         memo = (bytes(head[:FIXED_BYTES]), own[1], own[2], len(head), namespace, id(expect))
         layout = _known.get(memo)
         if layout is not None and layout.expect is expect and len(dst) == own[1] \
                 and _own_fields_hold(layout, head, dst, own, key):
             return True
-    else:
-        memo = None
     layout = _check_all(head, dst, namespace, key, expect, sealing)
-    if layout is not None and memo is not None:
+    if layout is not None and memo is not None:  # (valid: every check passed)
         if len(_known) >= MEMO_ENTRIES:
             _known.clear()
         _known[memo] = layout._replace(expect=expect)
@@ -137,17 +134,12 @@ def _check_all(head: memoryview, dst: memoryview, namespace: bytes, key: bytes, 
         raise undecodable(exc) from None
 
 
-def _table_layout(table: memoryview, rows: list[tuple]) -> _Layout | None:
-    """The layout of a validated table whose segments are all raw (None otherwise: not
-    remembered)."""
-    if any(codec != "raw" for codec, *_ in rows):
-        return None
+def _table_layout(table: memoryview, rows: list[tuple]) -> _Layout:
+    """The layout of a raw block's validated table (every segment raw: a raw block's table
+    holds no other codec; its size that of ``len(rows)`` entries: its first body starts where
+    it ends)."""
     n = len(rows)
     shape = struct.Struct(TABLE_HEAD.format + ENTRY.format[1:] * n)
-    if shape.size != len(table):
-        return None
     fields = shape.unpack(table)
-    if fields[5::5] != (RAW,) * n:
-        return None
     return _Layout(None, shape, (fields[0], fields[1::5], fields[2::5], fields[5::5]),
                    tuple((start, end) for _, start, end, *_ in rows))

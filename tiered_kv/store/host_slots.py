@@ -35,10 +35,10 @@ def bytes_of_each(ts: Sequence[torch.Tensor], accept=None) -> list[np.ndarray] |
     the memory of the first one's storage for those lying in it (the blocks of one pool or
     batch: ~0.35 against 1.7 us a tensor for three torch calls each), :func:`bytes_of` for the
     others. The bytes in that range are the tensor's own whichever storage it belongs to. With
-    ``accept``: None unless ``accept(t)`` holds for each of ``ts`` (asked in the same pass)."""
+    ``accept``: None unless ``accept(t)`` holds for each of ``ts`` (asked first)."""
     if not ts:
         return []
-    if accept is not None and not accept(ts[0]):
+    if accept is not None and not all(map(accept, ts)):
         return None
     storage = ts[0].untyped_storage()
     whole = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
@@ -46,8 +46,6 @@ def bytes_of_each(ts: Sequence[torch.Tensor], accept=None) -> list[np.ndarray] |
     end = base + len(whole)
     out = []
     for t in ts:
-        if accept is not None and not accept(t):
-            return None
         at, n = t.data_ptr() - base, t.nbytes
         inside = 0 <= at and base + at + n <= end and t.is_contiguous()
         out.append(whole[at : at + n] if inside else bytes_of(t))
