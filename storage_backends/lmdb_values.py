@@ -136,7 +136,7 @@ class SegmentValues:
         view = self._buffer(slot, place.length, place.offset % PAGE)
         return view.toreadonly() if self.files.read_into(place, view) else None
 
-    def read_split(self, place: Place, out, max_head: int, read_at=None):
+    def read_split(self, place: Place, out, max_head: int, read_at):
         """Read the value at ``place`` as a head (into this thread's buffer) and its last
         ``len(out)`` bytes straight into ``out``: the head, None when the value does not
         :func:`split` (read it whole), False when its segment no longer holds it."""
@@ -145,13 +145,13 @@ class SegmentValues:
         heads = self.read_split_run([place], [out], read_at)
         return False if heads is None else heads[0]
 
-    def read_split_run(self, places: Sequence[Place], outs: Sequence, read_at=None) -> list[memoryview] | None:
+    def read_split_run(self, places: Sequence[Place], outs: Sequence, read_at) -> list[memoryview] | None:
         """Values lying one after the other in one segment (gaps of under ``MAX_GAP`` bytes),
         each longer than its ``outs[i]``, read with one gathered read: each one's head into
         this thread's buffer ``RUN_SLOT`` and its rest straight into its out. The heads (valid
         until the thread reads another run), or None when the run could not be read whole (a
         segment gone or cut short): the caller reads its values one at a time. ``read_at``
-        (:meth:`SegmentFiles.read_at`'s arguments and answer) reads through a visit's held
+        (:meth:`SegmentFiles.read_at`'s arguments and answer) reads, through a visit's held
         descriptors."""
         dsts = [memoryview(o).cast("B") for o in outs]
         heads_len = [place.length - len(dst) for place, dst in zip(places, dsts)]
@@ -167,7 +167,7 @@ class SegmentValues:
             heads.append(room[at : at + n])
             views += [heads[-1], dst]
             at, end = at + n, place.offset + place.length
-        if not (read_at or self.files.read_at)(places[0].segment, places[0].offset, views):
+        if not read_at(places[0].segment, places[0].offset, views):
             return None
         return [head.toreadonly() for head in heads]
 

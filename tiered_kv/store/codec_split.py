@@ -35,7 +35,6 @@ from tiered_kv.store.codec_header_check import FIXED_BYTES, OWN, read_header
 from tiered_kv.store.codec_sealed import Sealing
 from tiered_kv.store.codec_segments import ENTRY, TABLE_HEAD, read_table
 
-MAX_HEAD = 64 << 10  # a head longer than this is no raw block's (header and the largest table fit)
 MEMO_ENTRIES = 64  # layouts remembered (one per namespace and reader in practice); then forgotten
 _LOW32 = 0xFFFFFFFF
 
@@ -113,16 +112,14 @@ def _check_all(head: memoryview, dst: memoryview, namespace: bytes, key: bytes, 
         if not header.segmented:
             if len(head) != HEADER_BYTES:
                 return None
-            segments = [(0, header.raw_len, header.checksum)]
-            layout = _Layout(None, None, (), ((0, header.raw_len),))
+            layout, digests = _Layout(None, None, (), ((0, header.raw_len),)), [header.checksum]
         else:
             table = head[HEADER_BYTES:]
             rows = read_table(header, table, ITEMSIZE[header.dtype], body_len=header.stored_len)
             if rows[0][3] != len(table):  # the first segment's body starts where the table ends
                 return None
-            segments = [(start, end, digest) for _, start, end, _, _, digest, _ in rows]
-            layout = _table_layout(table, rows)
-        for start, end, digest in segments:
+            layout, digests = _table_layout(table, rows), [digest for *_, digest, _ in rows]
+        for (start, end), digest in zip(layout.frames, digests):
             if xxhash.xxh3_64_intdigest(dst[start:end]) != digest:
                 raise CorruptBlock("payload checksum mismatch")
         return layout
