@@ -177,3 +177,25 @@ def test_a_strided_destination_never_gets_the_bytes_that_follow_its_first_elemen
     rows = bytes_of_each([pool[0], column])
     rows[1][:] = 9
     assert (pool.view(torch.uint8) == 0).all(), "a write meant for the column landed in pool[0]"
+
+
+def test_a_later_block_of_another_shape_in_a_run_is_refused_and_nothing_past_the_run_changes(tmp_path):
+    """A save's run is stacked after a check of its first block and every block's dtype only:
+    a later block of twice the elements is refused by torch before any copy into the run, and
+    the save then says which block, as one whose first block is wrong does."""
+    with make_store(tmp_path, host="1MiB", disk=None) as store:
+        first = keys_for(8)
+        kept = payloads(store, 8, seed=1)
+        store.save(first, kept)
+        store.host.delete_many(first[2:4][::-1])  # slots 2 and 3 free, slot 4 still held
+        wrong = payloads(store, 2, seed=2)
+        wrong[1] = torch.ones((2 * store.shape[0], *store.shape[1:]), dtype=store.dtype)  # the caller's bug
+        runs = spy_on_runs(store)
+        keys = keys_for(2, first_token=8 * 16)
+        with pytest.raises(ValueError, match="shape"):
+            store.save(keys, wrong)
+        assert runs == [2], "the run was not tried first"
+        assert store.lookup(keys) == 0
+        out = [torch.zeros(store.shape, dtype=store.dtype) for _ in range(4)]
+        assert store.load_into(first[4:], out) == [True] * 4
+        assert all(torch.equal(o, k) for o, k in zip(out, kept[4:])), "a neighbouring slot was overwritten"

@@ -7,15 +7,23 @@ helper threads. All of them take blocks one at a time from one shared index iter
 simply copies everything itself and cancels the helper's job, never waiting for a thread that has
 not started. Small batches stay on the
 calling thread, where a thread hand-off would cost more than it saves.
+
+Every thread copying for a batch runs torch's kernels with an OpenMP team of one (the calling
+thread's setting, put back after the batch; the engine's other threads keep theirs): torch
+splits each 64 KiB block's copy over its OpenMP team, so two copying threads on two cores
+became four threads fighting for them, each block waiting at a team barrier.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
 
 import numpy as np
 import torch
+
+from tiered_kv.store.openmp_team import find_openmp, one_thread_team
 
 PARALLEL_MIN_BYTES = 4 << 20  # below this a batch is copied on the calling thread (a helper's
 # wake-up costs about what it saves on a 2 MiB batch of 64 KiB blocks)
@@ -28,6 +36,8 @@ class HostCopier:
     def __init__(self, threads: int, min_bytes: int = PARALLEL_MIN_BYTES) -> None:
         self.helpers = max(0, int(threads) - 1)
         self.min_bytes = min_bytes
+        self._alone: Callable[[], AbstractContextManager] = one_thread_team  # per copying thread
+        find_openmp()  # now, not in the first batch's copy (a look at every loaded library)
         self._pool = (ThreadPoolExecutor(self.helpers, thread_name_prefix="tiered-kv-copy")
                       if self.helpers else None)
         for _ in range(self.helpers):  # started now: the first batches must not wait for a thread
@@ -75,15 +85,16 @@ class HostCopier:
     def _spread(self, count: int, nbytes: int, run: Callable[[int], None]) -> None:
         """``run(i)`` for i in range(count), on this thread and the helpers when it is worth it."""
         pool = self._pool  # read once: close() may run concurrently
-        if pool is None or count < 2 or nbytes < self.min_bytes:
-            for i in range(count):
-                run(i)
-            return
         indices = iter(range(count))
 
         def drain() -> None:
-            for i in indices:
-                run(i)
+            with self._alone():
+                for i in indices:
+                    run(i)
+
+        if pool is None or count < 2 or nbytes < self.min_bytes:
+            drain()
+            return
 
         futures = []
         try:

@@ -16,13 +16,14 @@ from tiered_kv.dtypes import torch_dtype
 from tiered_kv.keys import Namespace
 from tiered_kv.store.host_copy import HostCopier
 
-SMALL_BLOCK_ITEMS = 32768  # blocks of at most this many elements are copied by torch in batches:
-# torch copies them on the calling thread (larger copies go to its OpenMP pool, which stalls
-# whenever another thread holds a core: see HostSlots.plain); 64 KiB of bf16
+SMALL_BLOCK_ITEMS = 32768  # blocks of at most this many elements are copied by torch in batches
+# (64 KiB of bf16), each copying thread with an OpenMP team of one (``openmp_team``); larger
+# ones as one memcpy each (torch's copy would go to its OpenMP pool: see HostSlots.plain)
 VIEW_CHUNK = 256  # slot tensors are made this many at a time, when the first of them is asked for
 RUN_PIECE_BLOCKS = 64  # small blocks in consecutive slots are copied this many per torch call
 # (one share of a batch for the copier's threads)
 _KIND = operator.attrgetter("is_cpu", "dtype", "shape")  # what a block must match to join a run
+_DTYPE = operator.attrgetter("dtype")
 
 
 def bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -116,18 +117,13 @@ class HostSlots:
         a slot when this returns."""
         if len(slots) != len(blocks):  # a run copies blocks[pos:pos + count] into its slots
             raise ValueError(f"{len(blocks)} blocks for {len(slots)} slots")
-        if self.small and self.canonical(blocks):
-            pieces, alone = self.slot_pieces(slots)
-            self.copier.copy_runs([(self._typed[first : first + count], blocks[pos : pos + count])
-                                   for pos, first, count in pieces], into_slots=into_slots)
-            if alone:
-                views = self.slot_tensors([slots[i] for i in alone])
-                singles = [blocks[i] for i in alone]
-                if into_slots:
-                    self.copier.copy_tensors(views, singles)
-                else:
-                    self.copier.copy_tensors(singles, views)
-            return
+        if self.small and into_slots and self.stackable(blocks):
+            try:
+                return self._copy_small(slots, blocks, into_slots=True)
+            except RuntimeError:  # a later block of another shape or device, refused by torch
+                pass  # before it copied anything of it: the copies below say which, or make it
+        elif self.small and self.canonical(blocks):
+            return self._copy_small(slots, blocks, into_slots=into_slots)
         plain, devices = [], set()
         try:
             for slot, block in zip(slots, blocks):
@@ -148,6 +144,30 @@ class HostSlots:
         finally:  # also when a copy failed: the caller frees these slots next
             for device in devices:
                 torch.cuda.current_stream(device).synchronize()
+
+    def _copy_small(self, slots: Sequence[int], blocks: Sequence[torch.Tensor], *, into_slots: bool) -> None:
+        """Small blocks: runs of slots a ``torch.stack`` / ``unbind_copy`` per piece, the rest
+        ``_foreach_copy_`` batches (see :meth:`copy_blocks`)."""
+        pieces, alone = self.slot_pieces(slots)
+        self.copier.copy_runs([(self._typed[first : first + count], blocks[pos : pos + count])
+                               for pos, first, count in pieces], into_slots=into_slots)
+        if alone:
+            views = self.slot_tensors([slots[i] for i in alone])
+            singles = [blocks[i] for i in alone]
+            if into_slots:
+                self.copier.copy_tensors(views, singles)
+            else:
+                self.copier.copy_tensors(singles, views)
+
+    def stackable(self, blocks: Sequence[torch.Tensor]) -> bool:
+        """Whether ``torch.stack`` may copy ``blocks`` into runs of slots: the first a CPU
+        tensor of our dtype and exact shape, every other of our dtype. A later one of another
+        shape or device is refused by ``stack`` itself, which compares every input with the
+        first before it copies any (``out`` is then never resized), so only the dtype, which
+        ``stack`` would convert, is asked of each: 60 against 285 ns a block for
+        :meth:`canonical`."""
+        return (len(blocks) > 0 and _KIND(blocks[0]) == (True, self.dtype, self.shape)
+                and set(map(_DTYPE, blocks)) == {self.dtype})
 
     def canonical(self, blocks: Sequence[torch.Tensor]) -> bool:
         """Whether every one of ``blocks`` is a CPU tensor of our dtype and exact shape (any
@@ -227,5 +247,7 @@ def _consecutive(slots: Sequence[int]) -> list[tuple[int, int]]:
     n = len(slots)
     if n == 0:
         return []
+    if slots[-1] - slots[0] == n - 1 and list(slots) == list(range(slots[0], slots[0] + n)):
+        return [(0, n)]  # one run (a batch reserved from free slots): a list comparison
     starts = np.concatenate(([0], np.flatnonzero(np.diff(np.asarray(slots, np.int64)) != 1) + 1))
     return list(zip(starts.tolist(), np.diff(starts, append=n).tolist()))
