@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator, Sequence
+from itertools import repeat
 
 import torch
 
@@ -302,8 +303,10 @@ class HostBackend(Backend):
             return None
         taken = free[len(free) - len(new):][::-1]  # the order pop() hands them out
         del free[len(free) - len(new):]
-        self._entries.update(zip(new, [HostEntry(s, self.slot_bytes, tenant) for s in taken]))
+        self._entries.update(zip(new, map(HostEntry, taken, repeat(self.slot_bytes), repeat(tenant))))
         self._recency.add_new(new, self.slot_bytes, tenant)
+        if len(new) == len(keys):  # every key new, none twice: ``new`` is ``keys``
+            return taken
         slot_of = dict(zip(new, taken))
         return [slot_of.pop(k, None) for k in keys]  # a key twice: a slot the first time only
 

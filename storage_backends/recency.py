@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from itertools import repeat
+from itertools import islice, repeat
 
 from storage_backends.eviction import Victim
 
@@ -40,8 +40,14 @@ class RecencyIndex:
         self.touch_many((key,))
 
     def touch_many(self, keys: Sequence[bytes]) -> None:
-        """:meth:`touch` of each of ``keys``, in their order (one call for a batch)."""
+        """:meth:`touch` of each of ``keys``, in their order (one call for a batch). Nothing to
+        do when they are the newest entries already, in that order (a batch committed right
+        after it was reserved): the tenants' orders follow the overall one, so they are the
+        newest of their tenants too. Asked of the overall order in one pass (~25 ns a key,
+        against two moves of ~60 ns)."""
         everyone, tenants = self._all, self._tenants
+        if list(islice(reversed(everyone), len(keys))) == list(reversed(keys)):
+            return
         for key in keys:
             found = everyone.get(key)
             if found is not None:
