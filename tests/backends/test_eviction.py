@@ -46,3 +46,22 @@ def test_unlabelled_data_has_a_quota_only_when_one_is_named_for_it():
     index = index_of((b"x", 50, b""))
     assert Eviction(LRU, quotas=Quotas(default=10)).plan(index, b"", 50) == Plan()
     assert Eviction(LRU, quotas=Quotas(10, {b"": 60})).plan(index, b"", 20) == Plan(quota=[(b"x", 50)])
+
+
+def order(index: RecencyIndex, tenant: bytes | None = None) -> list[bytes]:
+    return [key for key, _ in index.oldest(tenant)]
+
+
+def test_touching_the_newest_keys_in_their_order_changes_nothing_and_any_other_touch_reorders():
+    index = index_of((b"a1", 10, A), (b"b1", 10, B), (b"a2", 10, A), (b"b2", 10, B))
+    index.touch_many([b"a2", b"b2"])  # the newest two, in order: nothing moves
+    assert order(index) == [b"a1", b"b1", b"a2", b"b2"]
+    index.touch_many([b"b2", b"a2"])  # the newest two, the other way round
+    assert order(index) == [b"a1", b"b1", b"b2", b"a2"]
+    index.touch_many([b"b1", b"a2"])  # the newest last, but an older one before it
+    assert order(index) == [b"a1", b"b2", b"b1", b"a2"]
+    assert order(index, A) == [b"a1", b"a2"] and order(index, B) == [b"b2", b"b1"]
+    index.touch_many([b"a2", b"a2"])  # a key twice: it ends newest, once
+    assert order(index) == [b"a1", b"b2", b"b1", b"a2"]
+    index.touch_many([b"zz", b"a1"])  # a key not held is passed over
+    assert order(index) == [b"b2", b"b1", b"a2", b"a1"] and order(index, A) == [b"a2", b"a1"]
