@@ -84,6 +84,8 @@ class HostCopier:
 
     def _spread(self, count: int, nbytes: int, run: Callable[[int], None]) -> None:
         """``run(i)`` for i in range(count), on this thread and the helpers when it is worth it."""
+        if count == 0:
+            return
         pool = self._pool  # read once: close() may run concurrently
         indices = iter(range(count))
 
