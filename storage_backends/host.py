@@ -9,8 +9,7 @@ is free; a tenant over its ``tenant_quota`` (bytes of the lengths its entries we
 with) evicts its own entries first. ``on_evict(key, bytes, tenant)`` sees an entry before its
 slot is reused (the store uses it for the ``on_evict`` write-behind policy); the listener
 (:meth:`Backend.listen`) hears of commits and of evictions, deletes and withdrawals. Tenant
-figures live in memory only.
-"""
+figures live in memory only."""
 
 from __future__ import annotations
 
@@ -307,8 +306,7 @@ class HostBackend(Backend):
         self._recency.add_new(new, self.slot_bytes, tenant)
         if len(new) == len(keys):  # every key new, none twice: ``new`` is ``keys``
             return taken
-        slot_of = dict(zip(new, taken))
-        return [slot_of.pop(k, None) for k in keys]  # a key twice: a slot the first time only
+        return list(map(dict(zip(new, taken)).pop, keys, repeat(None)))  # a key twice: one slot
 
     def _take_slot(self, tenant: bytes, length: int, evicted: list, gone: list) -> tuple[int | None, int]:
         """A free slot for ``length`` bytes of ``tenant`` (None when there can be none), after
