@@ -199,3 +199,31 @@ def test_a_later_block_of_another_shape_in_a_run_is_refused_and_nothing_past_the
         out = [torch.zeros(store.shape, dtype=store.dtype) for _ in range(4)]
         assert store.load_into(first[4:], out) == [True] * 4
         assert all(torch.equal(o, k) for o, k in zip(out, kept[4:])), "a neighbouring slot was overwritten"
+
+
+@pytest.mark.parametrize("slot_numbers, wrong_at, wrong_shape", [
+    ([2, 3, 10, 11], (2, 3), "double"),  # a later piece (a run after a gap) all of another shape
+    ([2, 5], (1,), "k_only"),  # a block in no run, of a shape ``copy_`` would broadcast
+    ([2, 3, 10, 11], (2, 3), "permuted"),  # the same elements in another shape
+])
+def test_a_save_checks_each_pieces_first_block_and_each_block_in_no_run(slot_numbers, wrong_at, wrong_shape):
+    """``torch.stack`` compares a piece's blocks with that piece's first only, and a block in
+    no run goes to ``_foreach_copy_``: checking the batch's first block alone let a later
+    piece of twice the elements overwrite other keys' slots and a K-only block be broadcast."""
+    from storage_backends.host import HostBackend
+    from tests.store.helpers import NS
+    from tiered_kv.store.host_copy import HostCopier
+    from tiered_kv.store.host_slots import HostSlots
+
+    block = 16 << 10
+    host = HostBackend(capacity=16 * block, slot_bytes=block, pinned=False)
+    slots = HostSlots(host, NS, HostCopier(2, min_bytes=0))
+    shape = slots.shape
+    wrong = {"double": (2 * shape[0], *shape[1:]), "k_only": (shape[0], 1, *shape[2:]),
+             "permuted": (shape[1], shape[0], *shape[2:])}[wrong_shape]
+    given = [torch.ones(wrong if i in wrong_at else shape, dtype=slots.dtype) for i in range(len(slot_numbers))]
+    host.slab.numpy().fill(0x5A)
+    with pytest.raises(ValueError, match="shape"):
+        slots.copy_blocks(slot_numbers, given, into_slots=True)
+    untouched = [s for s in range(16) if s not in slot_numbers]
+    assert bool((host.slab[untouched] == 0x5A).all()), "a slot outside the batch was written"

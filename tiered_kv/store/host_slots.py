@@ -117,13 +117,15 @@ class HostSlots:
         a slot when this returns."""
         if len(slots) != len(blocks):  # a run copies blocks[pos:pos + count] into its slots
             raise ValueError(f"{len(blocks)} blocks for {len(slots)} slots")
-        if self.small and into_slots and self.stackable(blocks):
-            try:
-                return self._copy_small(slots, blocks, into_slots=True)
-            except RuntimeError:  # a later block of another shape or device, refused by torch
-                pass  # before it copied anything of it: the copies below say which, or make it
-        elif self.small and self.canonical(blocks):
-            return self._copy_small(slots, blocks, into_slots=into_slots)
+        if self.small and (into_slots or self.canonical(blocks)):
+            pieces, alone = self.slot_pieces(slots)
+            if not into_slots:
+                return self._copy_small(pieces, alone, slots, blocks, into_slots=False)
+            if self.stackable(blocks, [pos for pos, _, _ in pieces] + alone):
+                try:
+                    return self._copy_small(pieces, alone, slots, blocks, into_slots=True)
+                except RuntimeError:  # a block of another shape or device than its piece's
+                    pass  # first, refused before any copy of that piece: the copies below say which
         plain, devices = [], set()
         try:
             for slot, block in zip(slots, blocks):
@@ -145,10 +147,10 @@ class HostSlots:
             for device in devices:
                 torch.cuda.current_stream(device).synchronize()
 
-    def _copy_small(self, slots: Sequence[int], blocks: Sequence[torch.Tensor], *, into_slots: bool) -> None:
-        """Small blocks: runs of slots a ``torch.stack`` / ``unbind_copy`` per piece, the rest
-        ``_foreach_copy_`` batches (see :meth:`copy_blocks`)."""
-        pieces, alone = self.slot_pieces(slots)
+    def _copy_small(self, pieces: list, alone: list[int], slots: Sequence[int], blocks: Sequence[torch.Tensor],
+                    *, into_slots: bool) -> None:
+        """Small blocks: each piece of a run of slots one ``torch.stack`` / ``unbind_copy``, the
+        blocks in no run ``_foreach_copy_`` batches (see :meth:`copy_blocks`)."""
         self.copier.copy_runs([(self._typed[first : first + count], blocks[pos : pos + count])
                                for pos, first, count in pieces], into_slots=into_slots)
         if alone:
@@ -159,14 +161,15 @@ class HostSlots:
             else:
                 self.copier.copy_tensors(singles, views)
 
-    def stackable(self, blocks: Sequence[torch.Tensor]) -> bool:
-        """Whether ``torch.stack`` may copy ``blocks`` into runs of slots: the first a CPU
-        tensor of our dtype and exact shape, every other of our dtype. A later one of another
-        shape or device is refused by ``stack`` itself, which compares every input with the
-        first before it copies any (``out`` is then never resized), so only the dtype, which
-        ``stack`` would convert, is asked of each: 60 against 285 ns a block for
-        :meth:`canonical`."""
-        return (len(blocks) > 0 and _KIND(blocks[0]) == (True, self.dtype, self.shape)
+    def stackable(self, blocks: Sequence[torch.Tensor], leads: Sequence[int]) -> bool:
+        """Whether a save may copy ``blocks`` a piece at a time: the blocks ``leads`` (each
+        piece's first, and every block in no run, which ``_foreach_copy_`` would broadcast) CPU
+        tensors of our dtype and exact shape, every block of our dtype. ``stack`` refuses a
+        block of another shape or device than its piece's first before it copies any of the
+        piece (``out`` is then never resized), so only the dtype, which it would convert, is
+        asked of the others: ~60 against 285 ns a block for :meth:`canonical`."""
+        kind = (True, self.dtype, self.shape)
+        return (len(blocks) > 0 and all(_KIND(blocks[i]) == kind for i in leads)
                 and set(map(_DTYPE, blocks)) == {self.dtype})
 
     def canonical(self, blocks: Sequence[torch.Tensor]) -> bool:
