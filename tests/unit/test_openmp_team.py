@@ -1,6 +1,6 @@
-"""The host copier's threads run torch's CPU kernels on an OpenMP team of one, and only for the
-copy: torch forked a team per 64 KiB block copy, and two copying threads on two cores became
-four threads meeting at a barrier per block."""
+"""The host copier's threads copy with an OpenMP team of one, and only while they copy: torch's
+``stack`` then takes its serial memcpy kernel (with a team of two it copied each small block
+through a copy iterator of its own), and the engine's threads keep their teams."""
 
 from __future__ import annotations
 

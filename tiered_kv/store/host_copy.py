@@ -8,10 +8,10 @@ simply copies everything itself and cancels the helper's job, never waiting for 
 not started. Small batches stay on the
 calling thread, where a thread hand-off would cost more than it saves.
 
-Every thread copying for a batch runs torch's kernels with an OpenMP team of one (the calling
-thread's setting, put back after the batch; the engine's other threads keep theirs): torch
-splits each 64 KiB block's copy over its OpenMP team, so two copying threads on two cores
-became four threads fighting for them, each block waiting at a team barrier.
+Every thread copying for a batch asks for an OpenMP team of one while it copies (its own
+setting, put back after the batch; the engine's other threads keep theirs): torch's ``stack``
+then copies each small block with its serial memcpy kernel instead of a copy iterator per block
+(``openmp_team``).
 """
 
 from __future__ import annotations

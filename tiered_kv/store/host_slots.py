@@ -17,8 +17,8 @@ from tiered_kv.keys import Namespace
 from tiered_kv.store.host_copy import HostCopier
 
 SMALL_BLOCK_ITEMS = 32768  # blocks of at most this many elements are copied by torch in batches
-# (64 KiB of bf16), each copying thread with an OpenMP team of one (``openmp_team``); larger
-# ones as one memcpy each (torch's copy would go to its OpenMP pool: see HostSlots.plain)
+# (64 KiB of bf16; torch copies them on the calling thread); larger ones as one memcpy each
+# (torch's copy would go to its OpenMP pool: see HostSlots.plain)
 VIEW_CHUNK = 256  # slot tensors are made this many at a time, when the first of them is asked for
 RUN_PIECE_BLOCKS = 64  # small blocks in consecutive slots are copied this many per torch call
 # (one share of a batch for the copier's threads)

@@ -1,13 +1,16 @@
 """The calling thread's OpenMP team, one thread for a while.
 
-torch runs a CPU copy of more than 32,768 elements (a 64 KiB bf16 block) over its OpenMP team:
-two threads on this project's 2-vCPU VM. The host copier already splits a batch between its own
-threads, one block list each, so every block copy of each of them forked a team of two, and the
-four threads met at a barrier per block on two cores: 2-thread copies of 1,024 × 64 KiB blocks
-ran at 14.9 GB/s against 16.5 with a team of one per copying thread (alternating rounds in one
-process). The team size is per thread (OpenMP's ``nthreads-var``), so the engine's own threads,
-and this one after the ``with``, keep theirs. threadpoolctl finds the OpenMP runtime torch
-loaded and sets it; where it finds none, nothing is limited.
+torch's CPU ``cat`` (under ``torch.stack``) copies a contiguous result of more than 32,768
+elements with its serial kernel, one memcpy per input, only when the calling thread's team is
+one (``at::get_num_threads() == 1``, and for float, double and bfloat16); otherwise each input
+goes through a copy iterator of its own. A 64 KiB bf16 block is exactly 32,768 elements, so no
+parallel region is opened either way: the team size only picks the kernel. The host copier
+splits a batch over its own threads already, so each of them asks for a team of one while it
+copies: 2-thread stacks of 1,024 × 64 KiB blocks ran at 14.9 GB/s with the engine's team of two
+against 16.5 with a team of one (alternating rounds in one process). The team size is per thread
+(OpenMP's ``nthreads-var``), so the engine's own threads, and this one after the ``with``, keep
+theirs. threadpoolctl finds the OpenMP runtime torch loaded and sets it; where it finds none,
+nothing is limited.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ def find_openmp():
 
 
 def one_thread_team() -> AbstractContextManager:
-    """A context in which the calling thread's OpenMP parallel regions (torch's CPU kernels) run
-    on this thread alone. The limit is set when this is called: call it in the ``with``."""
+    """A context in which the calling thread's team (what torch's CPU kernels ask of
+    ``at::get_num_threads``) is one. The limit is set when this is called: call it in the
+    ``with``."""
     controller = find_openmp()
     if controller is None:
         return nullcontext()
