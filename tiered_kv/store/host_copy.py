@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -36,7 +36,6 @@ class HostCopier:
     def __init__(self, threads: int, min_bytes: int = PARALLEL_MIN_BYTES) -> None:
         self.helpers = max(0, int(threads) - 1)
         self.min_bytes = min_bytes
-        self._alone: Callable[[], AbstractContextManager] = one_thread_team  # per copying thread
         find_openmp()  # now, not in the first batch's copy (a look at every loaded library)
         self._pool = (ThreadPoolExecutor(self.helpers, thread_name_prefix="tiered-kv-copy")
                       if self.helpers else None)
@@ -48,7 +47,7 @@ class HostCopier:
         def run(i: int) -> None:
             np.copyto(*pairs[i])
 
-        self._spread(len(pairs), sum(dst.nbytes for dst, _ in pairs), run)
+        self._spread(len(pairs), sum(dst.nbytes for dst, _ in pairs), run, torch_kernels=False)
 
     def copy_tensors(self, dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
         """``dst.copy_(src)`` for every pair of CPU tensors, ``TENSORS_PER_CALL`` pairs per
@@ -82,15 +81,16 @@ class HostCopier:
 
         self._spread(len(runs), sum(rows.nbytes for rows, _ in runs), run)
 
-    def _spread(self, count: int, nbytes: int, run: Callable[[int], None]) -> None:
-        """``run(i)`` for i in range(count), on this thread and the helpers when it is worth it."""
+    def _spread(self, count: int, nbytes: int, run: Callable[[int], None], torch_kernels: bool = True) -> None:
+        """``run(i)`` for i in range(count), on this thread and the helpers when it is worth it;
+        with ``torch_kernels`` each copying thread has an OpenMP team of one meanwhile."""
         if count == 0:
             return
         pool = self._pool  # read once: close() may run concurrently
         indices = iter(range(count))
 
         def drain() -> None:
-            with self._alone():
+            with one_thread_team() if torch_kernels else nullcontext():
                 for i in indices:
                     run(i)
 
