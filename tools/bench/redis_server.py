@@ -64,12 +64,18 @@ class OwnRedis:
         self.proc = None
 
 
-def redis_benchmark(host: str, port: int, size: int, n: int) -> dict:
+def redis_benchmark(host: str, port: int, size: int, n: int, fresh_keys: bool = False) -> dict:
+    """``redis-benchmark`` SET / GET of ``size``-byte values, one client, one command at a time.
+    Its default SETs all write one key, so the server reuses the value's memory; with
+    ``fresh_keys`` it SETs ``n`` random keys (``-r``: new memory for every value, as a store's
+    puts take), reported as ``set_new_keys``. The caller deletes the ``key:*`` keys it made."""
     exe = shutil.which("redis-benchmark")
     if exe is None:
         return {"error": "redis-benchmark not installed"}
     cmd = [exe, "-h", host, "-p", str(port), "-c", "1", "-P", "1", "-d", str(size), "-n", str(n),
-           "-t", "set,get", "--csv"]
+           "-t", "set" if fresh_keys else "set,get", "--csv"]
+    if fresh_keys:
+        cmd[1:1] = ["-r", str(10**12)]
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     except subprocess.TimeoutExpired:
@@ -81,7 +87,8 @@ def redis_benchmark(host: str, port: int, size: int, n: int) -> dict:
                 rps = float(row[1])
             except ValueError:
                 continue
-            out[row[0].lower()] = {"gbps": round(rps * size / GB, 3), "ops_per_s": round(rps, 1)}
+            name = "set_new_keys" if fresh_keys else row[0].lower()
+            out[name] = {"gbps": round(rps * size / GB, 3), "ops_per_s": round(rps, 1)}
     if not out:
         out["error"] = f"no figures parsed (rc {res.returncode}): {res.stderr.strip()[:200]}"
     return out

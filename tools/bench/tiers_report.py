@@ -38,7 +38,7 @@ def build_report(b: Bench, started: Stopwatch, load_start: tuple) -> dict:
             entry["limits"]["redis_benchmark"] = {
                 op: {"gbps": median([r[op]["gbps"] for r in rb if op in r]),
                      "runs_gbps": [r[op]["gbps"] for r in rb if op in r]}
-                for op in ("set", "get") if any(op in r for r in rb)} or rb[0]
+                for op in ("set", "get", "set_new_keys") if any(op in r for r in rb)} or rb[0]
         entry["store_info"] = b.store_info.get(size, {})
         sizes[size] = entry
     rows = ratios(b.fig, b.compression)
