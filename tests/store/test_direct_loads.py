@@ -1,6 +1,7 @@
 """Loads decoded straight into the caller's CPU blocks: withdrawals, failures and torch's
 per-thread modes hold as they do for loads staged through host slots."""
 
+import threading
 import time
 
 import torch
@@ -73,3 +74,34 @@ def test_small_blocks_copied_on_helper_threads_under_inference_mode(tmp_path):
         assert all(torch.equal(o, d) for o, d in zip(plain, data))
     finally:
         store.close()
+
+
+def test_a_load_into_is_not_held_up_by_a_pool_busy_with_write_behind(tmp_path):
+    """Both workers busy with saves (a slow disk, a Redis put waiting out its timeout): the
+    caller reads the blocks itself, and the pool's jobs that never started are cancelled."""
+    with make_store(tmp_path) as store:
+        keys = keys_for(6)
+        data = payloads(store, 6)
+        store.save(keys, data)
+        store.flush()
+        store.host.delete_many(keys)  # every block comes from the disk tier
+        started, release = threading.Semaphore(0), threading.Event()
+
+        def busy_save():
+            started.release()
+            release.wait(30)
+
+        try:
+            for _ in range(store.config.workers):
+                assert store.pool.submit_save(1, busy_save) is not None
+            for _ in range(store.config.workers):
+                assert started.acquire(timeout=10), "a worker did not take its save"
+            outs = [torch.zeros(store.shape, dtype=store.dtype) for _ in keys]
+            done = []
+            loader = threading.Thread(target=lambda: done.append(store.load_into(keys, outs)), daemon=True)
+            loader.start()
+            loader.join(10)
+            assert done == [[True] * 6], "load_into waited for the pool's saves"
+            assert all(torch.equal(o, d) for o, d in zip(outs, data))
+        finally:
+            release.set()

@@ -1,7 +1,8 @@
 """Synchronous loads into callers' own blocks (``TieredStore.load_into``): host hits are copied
 out of their slots; when every destination is a plain CPU block, lower-tier blocks are decoded
-straight into it by the pool's workers (no host slot taken: the destination is host memory
-already); other destinations (a GPU) are staged through host slots."""
+straight into it by the calling thread and the pool's workers, sharing the blocks piece by
+piece (no host slot taken: the destination is host memory already); other destinations (a GPU)
+are staged through host slots."""
 
 from __future__ import annotations
 
@@ -12,8 +13,13 @@ from concurrent.futures import Future
 import torch
 
 from tiered_kv.store.host_slots import bytes_of_each
+from tiered_kv.store.shared_pieces import SharedPieces
 
 LOAD_ERROR = "load_error"  # miss reason of blocks whose load job failed in an unexpected way
+# the least a thread takes of a direct load at once: a read call's fixed cost (~35 us: its
+# transaction, lookups, bookkeeping) stays small beside the bytes it moves (2 MiB blocks: 2 a
+# piece; 64 KiB ones: 64, which segment runs read with a few calls)
+LEAST_PIECE_BYTES = 4 << 20
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +33,11 @@ class DirectLoads:
     def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[bool]:
         """Synchronous convenience: load ``keys`` and copy them into ``outs``; success per key.
         Host hits are copied out of their slots. When every destination is a plain CPU block,
-        lower-tier blocks are decoded straight into it by the pool's workers (the destination is
-        host memory already: staging it in a host slot would only add a copy, and the block
-        stays warm in the page cache or wherever its tier keeps it); other destinations (a GPU)
-        are staged through host slots. Runs in chunks of half the host tier."""
+        lower-tier blocks are decoded straight into it by this thread and the pool's workers
+        (the destination is host memory already: staging it in a host slot would only add a
+        copy, and the block stays warm in the page cache or wherever its tier keeps it); other
+        destinations (a GPU) are staged through host slots. Runs in chunks of half the host
+        tier."""
         ok: list[bool] = []
         chunk = max(1, self.loader.host.num_slots // 2)
         for start in range(0, len(keys), chunk):
@@ -53,24 +60,39 @@ class DirectLoads:
         return ok
 
     def _load_direct(self, plan, outs: Sequence[torch.Tensor], todo: list[int], dests: list) -> list[bool]:
-        """Host hits copied out of their slots, the blocks ``todo`` read from the lower tiers
-        straight into ``dests`` (their plain CPU blocks' bytes) in the pool; success per key."""
+        """The blocks ``todo`` read from the lower tiers straight into ``dests`` (their plain CPU
+        blocks' bytes), host hits copied out of their slots; success per key. The reads are
+        shared (:class:`~tiered_kv.store.shared_pieces.SharedPieces`) by this thread and up to
+        ``workers - 1`` pool jobs: the caller starts at once (it would only wait), and a job
+        that has not started when the caller runs out of pieces is cancelled, so a pool busy
+        with write-behind never holds up a load the caller can do itself."""
         hits = [(s, o) for s, o in zip(plan.slots, outs) if s is not None]
         if hits:
             self.loader.metrics.hit("host", len(hits), len(hits) * self.loader.block_nbytes)
+        loaded = [s is not None for s in plan.slots]
         jobs = []
         if todo:
-            per_job = -(-len(todo) // self.loader.workers)
-            for start in range(0, len(todo), per_job):
-                idx, share = todo[start : start + per_job], dests[start : start + per_job]
-                jobs.append(self.loader.pool.submit_load(len(idx) * self.loader.block_nbytes,
-                                                  lambda idx=idx, share=share: self._direct_job(plan, idx, share)))
+            least = max(1, LEAST_PIECE_BYTES // max(1, self.loader.block_nbytes))
+            threads = max(1, min(self.loader.workers, -(-len(todo) // least)))
+            pieces = SharedPieces(len(todo), threads, least)
+            share = -(-len(todo) // threads) * self.loader.block_nbytes
+            for _ in range(threads - 1):
+                jobs.append(self.loader.pool.submit_load(share, lambda: self._take(plan, todo, dests, pieces)))
                 plan.futures.append(jobs[-1])  # release() waits for them, whatever happens here
-        self.loader.slots.copy_blocks([s for s, _ in hits], [o for _, o in hits], into_slots=False)
-        loaded = [s is not None for s in plan.slots]
-        for job in jobs:
-            for i in job.result():
+            for i in self._take(plan, todo, dests, pieces):
                 loaded[i] = True
+        self.loader.slots.copy_blocks([s for s, _ in hits], [o for _, o in hits], into_slots=False)
+        for job in jobs:
+            if not job.cancel():  # (cancelled: it never started, and never will)
+                for i in job.result():
+                    loaded[i] = True
+        return loaded
+
+    def _take(self, plan, todo: list[int], dests: list, pieces: SharedPieces) -> list[int]:
+        """Read pieces of ``todo`` until none is left; the indices loaded."""
+        loaded: list[int] = []
+        while (piece := pieces.take()) is not None:
+            loaded += self._direct_job(plan, todo[piece.start : piece.stop], dests[piece.start : piece.stop])
         return loaded
 
     def _direct_job(self, plan, idx: list[int], dests: list) -> list[int]:
