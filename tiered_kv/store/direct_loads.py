@@ -1,12 +1,13 @@
 """Synchronous loads into callers' own blocks (``TieredStore.load_into``): host hits are copied
 out of their slots; when every destination is a plain CPU block, lower-tier blocks are decoded
-straight into it by the calling thread and the pool's workers, sharing the blocks piece by
-piece (no host slot taken: the destination is host memory already); other destinations (a GPU)
-are staged through host slots."""
+straight into it (no host slot taken: the destination is host memory already) by the pool's
+workers, sharing the blocks piece by piece, or by the calling thread when the load is small or
+the workers are busy; other destinations (a GPU) are staged through host slots."""
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from concurrent.futures import Future
 
@@ -20,6 +21,7 @@ LOAD_ERROR = "load_error"  # miss reason of blocks whose load job failed in an u
 # transaction, lookups, bookkeeping) stays small beside the bytes it moves (2 MiB blocks: 2 a
 # piece; 64 KiB ones: 64, which segment runs read with a few calls)
 LEAST_PIECE_BYTES = 4 << 20
+STAND_IN_AFTER = 0.005  # s: no pool job of a direct load started by then: the caller reads itself
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,7 @@ class DirectLoads:
     def load_into(self, keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> list[bool]:
         """Synchronous convenience: load ``keys`` and copy them into ``outs``; success per key.
         Host hits are copied out of their slots. When every destination is a plain CPU block,
-        lower-tier blocks are decoded straight into it by this thread and the pool's workers
+        lower-tier blocks are decoded straight into it by the pool's workers or this thread
         (the destination is host memory already: staging it in a host slot would only add a
         copy, and the block stays warm in the page cache or wherever its tier keeps it); other
         destinations (a GPU) are staged through host slots. Runs in chunks of half the host
@@ -61,26 +63,39 @@ class DirectLoads:
 
     def _load_direct(self, plan, outs: Sequence[torch.Tensor], todo: list[int], dests: list) -> list[bool]:
         """The blocks ``todo`` read from the lower tiers straight into ``dests`` (their plain CPU
-        blocks' bytes), host hits copied out of their slots; success per key. The reads are
-        shared (:class:`~tiered_kv.store.shared_pieces.SharedPieces`) by this thread and up to
-        ``workers - 1`` pool jobs: the caller starts at once (it would only wait), and a job
-        that has not started when the caller runs out of pieces is cancelled, so a pool busy
-        with write-behind never holds up a load the caller can do itself."""
+        blocks' bytes), host hits copied out of their slots; success per key. A load of one
+        piece (:data:`LEAST_PIECE_BYTES`) is read by this thread (a pool job would only add two
+        thread hand-offs); a larger one is shared piece by piece
+        (:class:`~tiered_kv.store.shared_pieces.SharedPieces`) by up to ``workers`` pool jobs,
+        and when none of them started within :data:`STAND_IN_AFTER` (every worker busy with
+        write-behind: a slow disk, a Redis put waiting out its timeout) this thread reads the
+        pieces left itself; jobs that never started are cancelled."""
         hits = [(s, o) for s, o in zip(plan.slots, outs) if s is not None]
         if hits:
             self.loader.metrics.hit("host", len(hits), len(hits) * self.loader.block_nbytes)
         loaded = [s is not None for s in plan.slots]
-        jobs = []
+        jobs: list[Future] = []
         if todo:
             least = max(1, LEAST_PIECE_BYTES // max(1, self.loader.block_nbytes))
             threads = max(1, min(self.loader.workers, -(-len(todo) // least)))
             pieces = SharedPieces(len(todo), threads, least)
-            share = -(-len(todo) // threads) * self.loader.block_nbytes
-            for _ in range(threads - 1):
-                jobs.append(self.loader.pool.submit_load(share, lambda: self._take(plan, todo, dests, pieces)))
-                plan.futures.append(jobs[-1])  # release() waits for them, whatever happens here
-            for i in self._take(plan, todo, dests, pieces):
-                loaded[i] = True
+            if threads == 1:
+                for i in self._take(plan, todo, dests, pieces):
+                    loaded[i] = True
+            else:
+                began = threading.Event()
+
+                def job() -> list[int]:
+                    began.set()
+                    return self._take(plan, todo, dests, pieces)
+
+                share = -(-len(todo) // threads) * self.loader.block_nbytes
+                for _ in range(threads):
+                    jobs.append(self.loader.pool.submit_load(share, job))
+                    plan.futures.append(jobs[-1])  # release() waits for them, whatever happens here
+                if not began.wait(STAND_IN_AFTER):
+                    for i in self._take(plan, todo, dests, pieces):
+                        loaded[i] = True
         self.loader.slots.copy_blocks([s for s, _ in hits], [o for _, o in hits], into_slots=False)
         for job in jobs:
             if not job.cancel():  # (cancelled: it never started, and never will)
