@@ -4,9 +4,11 @@ per-thread modes hold as they do for loads staged through host slots."""
 import threading
 import time
 
+import pytest
 import torch
 
 from tests.store.helpers import keys_for, make_store, payloads
+from tiered_kv.store import direct_loads
 
 
 def test_a_block_withdrawn_while_it_is_loaded_directly_is_not_written_to_a_tier_it_just_earned(tmp_path):
@@ -76,9 +78,12 @@ def test_small_blocks_copied_on_helper_threads_under_inference_mode(tmp_path):
         store.close()
 
 
-def test_a_load_into_is_not_held_up_by_a_pool_busy_with_write_behind(tmp_path):
+@pytest.mark.parametrize("piece_bytes", [direct_loads.LEAST_PIECE_BYTES, 1], ids=["one_piece", "pieces"])
+def test_a_load_into_is_not_held_up_by_a_pool_busy_with_write_behind(tmp_path, monkeypatch, piece_bytes):
     """Both workers busy with saves (a slow disk, a Redis put waiting out its timeout): the
-    caller reads the blocks itself, and the pool's jobs that never started are cancelled."""
+    caller reads the blocks itself (a load of one piece at once; one of several pieces once no
+    pool job started), and the pool's jobs that never started are cancelled."""
+    monkeypatch.setattr(direct_loads, "LEAST_PIECE_BYTES", piece_bytes)
     with make_store(tmp_path) as store:
         keys = keys_for(6)
         data = payloads(store, 6)
@@ -103,5 +108,7 @@ def test_a_load_into_is_not_held_up_by_a_pool_busy_with_write_behind(tmp_path):
             loader.join(10)
             assert done == [[True] * 6], "load_into waited for the pool's saves"
             assert all(torch.equal(o, d) for o, d in zip(outs, data))
+            release.set()
+            assert store.pool.drain(10) and store.pool.jobs == 0  # the cancelled jobs left no count
         finally:
             release.set()
