@@ -19,9 +19,9 @@ ratios taken in one run mean anything):
   as the store resolves it: ``raw`` or ``zstd+shuffle``; both recorded in the report), and plain
   zstd-1; one raw file written sequentially (``file_write``: in the page cache, loadable by
   another process) then fsync'd (``file_write_fsync``: the total), read warm and cold; redis-py
-  SET / GET one at a time (and ``redis-benchmark`` when installed: SETs of one key, which reuse
-  the value's memory in the server, and of a new key each, which take new memory as a store's puts
-  do: ``set_new_keys``); the naive baseline, one
+  SET / GET one at a time (and ``redis-benchmark`` when installed: SETs of one key, each
+  replacing the last value, and of a new key each, every value kept as a store's puts are:
+  ``set_new_keys``); the naive baseline, one
   ``torch.save`` file per block (copied out first), with and without fsync, ``torch.load`` + copy
   warm and cold (torch held to one intra-op thread there, so the baseline measures files and not
   OpenMP stalls);

@@ -66,9 +66,9 @@ class OwnRedis:
 
 def redis_benchmark(host: str, port: int, size: int, n: int, fresh_keys: bool = False) -> dict:
     """``redis-benchmark`` SET / GET of ``size``-byte values, one client, one command at a time.
-    Its default SETs all write one key, so the server reuses the value's memory; with
-    ``fresh_keys`` it SETs ``n`` random keys (``-r``: new memory for every value, as a store's
-    puts take), reported as ``set_new_keys``. The caller deletes the ``key:*`` keys it made."""
+    Its default SETs all write one key, each replacing the last value; with ``fresh_keys`` it
+    SETs ``n`` random keys (``-r``: every value stays, as a store's puts do), reported as
+    ``set_new_keys``. The caller deletes the ``key:*`` keys it made."""
     exe = shutil.which("redis-benchmark")
     if exe is None:
         return {"error": "redis-benchmark not installed"}

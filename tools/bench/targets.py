@@ -65,8 +65,7 @@ EXTRA_TARGETS = [
      "vs min(BlockCodec encode 2t, raw file write+fsync x compression ratio)"),
     ("lmdb_durable_vs_direct_write", "store.lmdb_durable_save", "limits.file_write_direct", 0.7,
      "durable save (buffered writes, then flush) vs the raw file written with O_DIRECT + fdatasync: "
-     "the disk's own durable pace, which a buffered write reaches only when filling the page "
-     "cache costs less than the disk's write"),
+     "the disk's own durable pace without the page cache"),
     ("lmdb_restore_warm_vs_checked_read", "store.lmdb_restore_warm", "limits.file_read_warm_checked", 0.85,
      "load_into from LMDB, page cache warm vs the raw file read warm block by block with each block "
      "hashed (every restore checks what it serves)"),
