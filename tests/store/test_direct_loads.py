@@ -33,12 +33,17 @@ def test_a_block_withdrawn_while_it_is_loaded_directly_is_not_written_to_a_tier_
         assert store.tier("disk").contains(keys) == [False]
 
 
-def test_load_into_never_returns_while_a_read_may_still_write_into_the_callers_blocks(tmp_path):
+@pytest.mark.parametrize("shared", [False, True], ids=["on_the_callers_thread", "in_pool_jobs"])
+def test_load_into_never_returns_while_a_read_may_still_write_into_the_callers_blocks(tmp_path, monkeypatch,
+                                                                                      shared):
+    if shared:  # two pieces, read by the pool's jobs (the workers are free: they start in time)
+        monkeypatch.setattr(direct_loads, "LEAST_PIECE_BYTES", 1)
+        monkeypatch.setattr(direct_loads, "STAND_IN_AFTER", 10.0)
     with make_store(tmp_path) as store:
-        keys = keys_for(2)
-        store.save(keys, payloads(store, 2))
+        keys = keys_for(3)
+        store.save(keys, payloads(store, 3))
         store.flush()
-        store.host.delete_many(keys[1:])  # key 0 is a host hit, key 1 comes from the disk tier
+        store.host.delete_many(keys[1:])  # key 0 is a host hit, keys 1 and 2 come from the disk tier
         real, finished = store.loader.reader.read, []
 
         def slow_read(*args, **kwargs):
@@ -50,12 +55,13 @@ def test_load_into_never_returns_while_a_read_may_still_write_into_the_callers_b
         store.loader.reader.read = slow_read
         wrong_shape = torch.zeros(3, dtype=store.dtype)  # the caller's bug, for the host hit
         try:
-            store.load_into(keys, [wrong_shape, torch.zeros(store.shape, dtype=store.dtype)])
+            store.load_into(keys, [wrong_shape] + [torch.zeros(store.shape, dtype=store.dtype) for _ in keys[1:]])
         except ValueError:
             raised = time.monotonic()
         else:
             raise AssertionError("a destination of the wrong shape was accepted")
-        assert finished and finished[0] <= raised
+        assert finished and all(f <= raised for f in finished)
+        assert store.pool.drain(10) and store.pool.queued_bytes() == {"save": 0, "load": 0}
 
 
 def test_small_blocks_copied_on_helper_threads_under_inference_mode(tmp_path):
@@ -98,7 +104,7 @@ def test_a_load_into_is_not_held_up_by_a_pool_busy_with_write_behind(tmp_path, m
 
         try:
             for _ in range(store.config.workers):
-                assert store.pool.submit_save(1, busy_save) is not None
+                store.pool.submit_save(1, busy_save)
             for _ in range(store.config.workers):
                 assert started.acquire(timeout=10), "a worker did not take its save"
             outs = [torch.zeros(store.shape, dtype=store.dtype) for _ in keys]
@@ -109,6 +115,91 @@ def test_a_load_into_is_not_held_up_by_a_pool_busy_with_write_behind(tmp_path, m
             assert done == [[True] * 6], "load_into waited for the pool's saves"
             assert all(torch.equal(o, d) for o, d in zip(outs, data))
             release.set()
-            assert store.pool.drain(10) and store.pool.jobs == 0  # the cancelled jobs left no count
+            assert store.pool.drain(10)  # the cancelled jobs left no count behind
+            assert store.pool.queued_bytes() == {"save": 0, "load": 0}
         finally:
             release.set()
+
+
+def test_a_load_shared_by_the_caller_and_a_pool_job_reads_every_block_once_and_says_which_were_there(
+        tmp_path, monkeypatch):
+    """The caller standing in at once (no wait for the jobs) while a job takes pieces too: the
+    first read holds until another thread read, so both take part."""
+    monkeypatch.setattr(direct_loads, "LEAST_PIECE_BYTES", 1)
+    monkeypatch.setattr(direct_loads, "STAND_IN_AFTER", 0.0)
+    with make_store(tmp_path, host="16MiB") as store:
+        keys, data = keys_for(10), payloads(store, 10)
+        absent = {3, 7}
+        store.save([k for i, k in enumerate(keys) if i not in absent], [d for i, d in enumerate(data) if i not in absent])
+        store.flush()
+        store.host.delete_many(keys)  # every block present comes from the disk tier
+        real, calls, second = store.loader.reader.read, [], threading.Event()
+        lock = threading.Lock()
+
+        def shared_read(read_keys, *args, **kwargs):
+            with lock:
+                calls.append((threading.get_ident(), list(read_keys)))
+                first = len(calls) == 1
+            if first:
+                assert second.wait(10), "no other thread read a piece"
+            else:
+                second.set()
+            return real(read_keys, *args, **kwargs)
+
+        store.loader.reader.read = shared_read
+        outs = [torch.zeros(store.shape, dtype=store.dtype) for _ in keys]
+        ok = store.load_into(keys, outs)
+        assert ok == [i not in absent for i in range(10)]
+        assert all(torch.equal(outs[i], data[i]) for i in range(10) if i not in absent)
+        assert sorted(k for _, ks in calls for k in ks) == sorted(keys), "a block read twice or not at all"
+        assert len({thread for thread, _ in calls}) >= 2
+        assert store.pool.drain(10) and store.pool.queued_bytes() == {"save": 0, "load": 0}
+
+
+def test_load_into_after_close_raises_as_before(tmp_path):
+    store = make_store(tmp_path)
+    keys = keys_for(1)
+    store.save(keys, payloads(store, 1))
+    store.flush()
+    store.host.delete_many(keys)
+    store.close()
+    with pytest.raises(RuntimeError):
+        store.load_into(keys, [torch.zeros(store.shape, dtype=store.dtype)])
+
+
+def test_a_failed_load_into_is_not_held_up_by_a_busy_pool_either(tmp_path, monkeypatch):
+    """A destination of the wrong shape for a host hit fails the load after the caller read the
+    rest: the pool jobs that never started are cancelled on the way out, not waited for."""
+    monkeypatch.setattr(direct_loads, "LEAST_PIECE_BYTES", 1)
+    with make_store(tmp_path) as store:
+        keys = keys_for(4)
+        store.save(keys, payloads(store, 4))
+        store.flush()
+        store.host.delete_many(keys[1:])  # key 0 is a host hit
+        started, release = threading.Semaphore(0), threading.Event()
+
+        def busy_save():
+            started.release()
+            release.wait(30)
+
+        try:
+            for _ in range(store.config.workers):
+                store.pool.submit_save(1, busy_save)
+            for _ in range(store.config.workers):
+                assert started.acquire(timeout=10), "a worker did not take its save"
+            outs = [torch.zeros(3, dtype=store.dtype)] + [torch.zeros(store.shape, dtype=store.dtype) for _ in keys[1:]]
+            raised = []
+
+            def load():
+                try:
+                    store.load_into(keys, outs)
+                except ValueError as exc:
+                    raised.append(exc)
+
+            loader = threading.Thread(target=load, daemon=True)
+            loader.start()
+            loader.join(10)
+            assert raised, "load_into waited for the pool's saves before failing"
+        finally:
+            release.set()
+        assert store.pool.drain(10) and store.pool.queued_bytes() == {"save": 0, "load": 0}

@@ -11,14 +11,14 @@ from tiered_kv.store.shared_pieces import SharedPieces
 def test_threads_taking_at_once_get_every_index_exactly_once_in_ascending_pieces():
     pieces = SharedPieces(10_000, threads=4, least=3)
     got: list[list[range]] = [[] for _ in range(4)]
-    go = threading.Barrier(4)
+    go = threading.Barrier(4, timeout=10)
 
     def take(mine: list[range]) -> None:
         go.wait()
         while (piece := pieces.take()) is not None:
             mine.append(piece)
 
-    threads = [threading.Thread(target=take, args=(g,)) for g in got]
+    threads = [threading.Thread(target=take, args=(g,), daemon=True) for g in got]
     for t in threads:
         t.start()
     for t in threads:

@@ -63,45 +63,57 @@ class DirectLoads:
 
     def _load_direct(self, plan, outs: Sequence[torch.Tensor], todo: list[int], dests: list) -> list[bool]:
         """The blocks ``todo`` read from the lower tiers straight into ``dests`` (their plain CPU
-        blocks' bytes), host hits copied out of their slots; success per key. A load of one
-        piece (:data:`LEAST_PIECE_BYTES`) is read by this thread (a pool job would only add two
-        thread hand-offs); a larger one is shared piece by piece
-        (:class:`~tiered_kv.store.shared_pieces.SharedPieces`) by up to ``workers`` pool jobs,
-        and when none of them started within :data:`STAND_IN_AFTER` (every worker busy with
-        write-behind: a slow disk, a Redis put waiting out its timeout) this thread reads the
-        pieces left itself; jobs that never started are cancelled."""
+        blocks' bytes), host hits copied out of their slots; success per key. A load of at most
+        one piece (:data:`LEAST_PIECE_BYTES` of blocks, or one block; every load with one
+        worker) is read by this thread (a pool job would only add two thread hand-offs); a
+        larger one is shared piece by piece (:class:`~tiered_kv.store.shared_pieces.SharedPieces`)
+        by up to ``workers`` pool jobs, and when none of them started within
+        :data:`STAND_IN_AFTER` (every worker busy with write-behind: a slow disk, a Redis put
+        waiting out its timeout) this thread reads the pieces left beside any that start later.
+        Jobs that never started are cancelled, on success and on failure alike."""
         hits = [(s, o) for s, o in zip(plan.slots, outs) if s is not None]
         if hits:
             self.loader.metrics.hit("host", len(hits), len(hits) * self.loader.block_nbytes)
         loaded = [s is not None for s in plan.slots]
         jobs: list[Future] = []
-        if todo:
-            least = max(1, LEAST_PIECE_BYTES // max(1, self.loader.block_nbytes))
-            threads = max(1, min(self.loader.workers, -(-len(todo) // least)))
-            pieces = SharedPieces(len(todo), threads, least)
-            if threads == 1:
-                for i in self._take(plan, todo, dests, pieces):
-                    loaded[i] = True
-            else:
-                began = threading.Event()
-
-                def job() -> list[int]:
-                    began.set()
-                    return self._take(plan, todo, dests, pieces)
-
-                share = -(-len(todo) // threads) * self.loader.block_nbytes
-                for _ in range(threads):
-                    jobs.append(self.loader.pool.submit_load(share, job))
-                    plan.futures.append(jobs[-1])  # release() waits for them, whatever happens here
-                if not began.wait(STAND_IN_AFTER):
-                    for i in self._take(plan, todo, dests, pieces):
-                        loaded[i] = True
-        self.loader.slots.copy_blocks([s for s, _ in hits], [o for _, o in hits], into_slots=False)
+        try:
+            if todo:
+                if self.loader.pool.closed:
+                    raise RuntimeError("transfer pool is closed")
+                self._read_lower(plan, todo, dests, loaded, jobs)
+            self.loader.slots.copy_blocks([s for s, _ in hits], [o for _, o in hits], into_slots=False)
+        except BaseException:
+            for job in jobs:  # one not started never will; release() waits for the others
+                job.cancel()
+            raise
         for job in jobs:
             if not job.cancel():  # (cancelled: it never started, and never will)
                 for i in job.result():
                     loaded[i] = True
         return loaded
+
+    def _read_lower(self, plan, todo: list[int], dests: list, loaded: list[bool], jobs: list[Future]) -> None:
+        """Read the blocks ``todo`` here when they make one piece, else start pool jobs that
+        share them (appended to ``jobs`` and ``plan.futures``) and stand in for them when none
+        started in time; marks what this thread loaded in ``loaded``."""
+        least = max(1, LEAST_PIECE_BYTES // max(1, self.loader.block_nbytes))
+        threads = max(1, min(self.loader.workers, -(-len(todo) // least)))
+        pieces = SharedPieces(len(todo), threads, least)
+        if threads > 1:
+            began = threading.Event()
+
+            def job() -> list[int]:
+                began.set()
+                return self._take(plan, todo, dests, pieces)
+
+            share = -(-len(todo) // threads) * self.loader.block_nbytes
+            for _ in range(threads):
+                jobs.append(self.loader.pool.submit_load(share, job))
+                plan.futures.append(jobs[-1])  # release() waits for them, whatever happens here
+            if began.wait(STAND_IN_AFTER):
+                return
+        for i in self._take(plan, todo, dests, pieces):
+            loaded[i] = True
 
     def _take(self, plan, todo: list[int], dests: list, pieces: SharedPieces) -> list[int]:
         """Read pieces of ``todo`` until none is left; the indices loaded."""

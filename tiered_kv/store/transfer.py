@@ -39,6 +39,11 @@ class TransferPool:
         for t in self._threads:
             t.start()
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` ran (nothing more is accepted)."""
+        return self._closed
+
     def try_submit_save(self, nbytes: int, fn: Callable[[], Any]) -> Future | None:
         """Queue a save, or return None when the save budget is exhausted (caller counts a drop)."""
         with self._cond:

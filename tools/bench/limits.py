@@ -121,17 +121,16 @@ def codec(b: Bench, size: str) -> list[memoryview]:
 
 def direct_write(path: str, src: list, total: int) -> float | None:
     """Seconds to write ``src`` (arrays of bytes, ``total`` in all) to ``path`` with
-    ``O_DIRECT`` in 8 MiB pieces, then fdatasync; None where the file system refuses it."""
+    ``O_DIRECT`` in 8 MiB pieces, then fdatasync; None where the file system refuses it (or
+    the write fails). The file is removed either way."""
     piece = 8 * MiB
-    stage = mmap.mmap(-1, piece)  # page-aligned, as O_DIRECT needs
     flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
+    stage = mmap.mmap(-1, piece)  # page-aligned, as O_DIRECT needs
+    view = memoryview(stage)
+    fd = -1
     try:
         fd = os.open(path, flags, 0o644)
-    except OSError:
-        return None
-    try:
         sw, off, fill = Stopwatch(), 0, 0
-        view = memoryview(stage)
         for buf in src:
             data = memoryview(buf).cast("B")
             while data:
@@ -139,7 +138,9 @@ def direct_write(path: str, src: list, total: int) -> float | None:
                 view[fill:fill + take] = data[:take]
                 fill, data = fill + take, data[take:]
                 if fill == piece or off + fill == total:
-                    os.pwrite(fd, view[:-(-fill // 4096) * 4096], off)
+                    padded = -(-fill // 4096) * 4096
+                    if os.pwrite(fd, view[:padded], off) != padded:
+                        return None  # (a short direct write: no figure)
                     off, fill = off + fill, 0
         os.ftruncate(fd, total)  # (the last piece was padded to a page)
         os.fdatasync(fd)
@@ -147,8 +148,10 @@ def direct_write(path: str, src: list, total: int) -> float | None:
     except OSError:
         return None
     finally:
-        os.close(fd)
-        os.unlink(path)
+        if fd >= 0:
+            os.close(fd)
+        if os.path.exists(path):  # (Linux creates the file before it refuses O_DIRECT)
+            os.unlink(path)
         view.release()
         stage.close()
 
