@@ -1,6 +1,7 @@
 """Loads decoded straight into the caller's CPU blocks: withdrawals, failures and torch's
 per-thread modes hold as they do for loads staged through host slots."""
 
+import contextlib
 import threading
 import time
 
@@ -96,17 +97,7 @@ def test_a_load_into_is_not_held_up_by_a_pool_busy_with_write_behind(tmp_path, m
         store.save(keys, data)
         store.flush()
         store.host.delete_many(keys)  # every block comes from the disk tier
-        started, release = threading.Semaphore(0), threading.Event()
-
-        def busy_save():
-            started.release()
-            release.wait(30)
-
-        try:
-            for _ in range(store.config.workers):
-                store.pool.submit_save(1, busy_save)
-            for _ in range(store.config.workers):
-                assert started.acquire(timeout=10), "a worker did not take its save"
+        with workers_held(store):
             outs = [torch.zeros(store.shape, dtype=store.dtype) for _ in keys]
             done = []
             loader = threading.Thread(target=lambda: done.append(store.load_into(keys, outs)), daemon=True)
@@ -114,11 +105,8 @@ def test_a_load_into_is_not_held_up_by_a_pool_busy_with_write_behind(tmp_path, m
             loader.join(10)
             assert done == [[True] * 6], "load_into waited for the pool's saves"
             assert all(torch.equal(o, d) for o, d in zip(outs, data))
-            release.set()
-            assert store.pool.drain(10)  # the cancelled jobs left no count behind
-            assert store.pool.queued_bytes() == {"save": 0, "load": 0}
-        finally:
-            release.set()
+        assert store.pool.drain(10)  # the cancelled jobs left no count behind
+        assert store.pool.queued_bytes() == {"save": 0, "load": 0}
 
 
 def test_a_load_shared_by_the_caller_and_a_pool_job_reads_every_block_once_and_says_which_were_there(
@@ -176,17 +164,7 @@ def test_a_failed_load_into_is_not_held_up_by_a_busy_pool_either(tmp_path, monke
         store.save(keys, payloads(store, 4))
         store.flush()
         store.host.delete_many(keys[1:])  # key 0 is a host hit
-        started, release = threading.Semaphore(0), threading.Event()
-
-        def busy_save():
-            started.release()
-            release.wait(30)
-
-        try:
-            for _ in range(store.config.workers):
-                store.pool.submit_save(1, busy_save)
-            for _ in range(store.config.workers):
-                assert started.acquire(timeout=10), "a worker did not take its save"
+        with workers_held(store):
             outs = [torch.zeros(3, dtype=store.dtype)] + [torch.zeros(store.shape, dtype=store.dtype) for _ in keys[1:]]
             raised = []
 
@@ -200,6 +178,24 @@ def test_a_failed_load_into_is_not_held_up_by_a_busy_pool_either(tmp_path, monke
             loader.start()
             loader.join(10)
             assert raised, "load_into waited for the pool's saves before failing"
-        finally:
-            release.set()
         assert store.pool.drain(10) and store.pool.queued_bytes() == {"save": 0, "load": 0}
+
+
+@contextlib.contextmanager
+def workers_held(store):
+    """Every worker of ``store``'s pool busy with a save (a slow disk, a Redis put waiting out its
+    timeout) until the block ends."""
+    started, release = threading.Semaphore(0), threading.Event()
+
+    def busy_save():
+        started.release()
+        release.wait(30)
+
+    try:
+        for _ in range(store.config.workers):
+            store.pool.submit_save(1, busy_save)
+        for _ in range(store.config.workers):
+            assert started.acquire(timeout=10), "a worker did not take its save"
+        yield
+    finally:
+        release.set()
