@@ -121,3 +121,50 @@ def test_a_lookup_cut_by_its_deadline_keeps_the_leading_blocks_the_tier_answered
         assert store.metrics.misses("lookup_timeout") > 0
         time.sleep(0.6)  # the part running at the deadline ends; no later part was asked
         assert len(calls) == 2
+
+
+def test_regression_a_cancelled_load_kept_counting_in_queued_bytes_until_a_busy_worker_dequeued_it():
+    pool = TransferPool(workers=1, max_save_bytes=1 << 20, max_load_bytes=1 << 20)
+    gate = threading.Event()
+    busy = pool.submit_save(10, gate.wait)  # the one worker is taken
+    queued = pool.submit_load(1 << 20, lambda: "never")  # within the budget: queued for a worker
+    waiting = pool.submit_load(10, lambda: "waits")  # over the budget: waits in line
+    assert pool.queued_bytes() == {"save": 10, "load": (1 << 20) + 10}
+    assert queued.cancel()  # given back at once, while the worker is still busy
+    assert pool.queued_bytes() == {"save": 10, "load": 10}
+    assert waiting.cancel()  # a load waiting for the budget leaves the line
+    assert pool.queued_bytes() == {"save": 10, "load": 0} and pool.jobs == 1
+    gate.set()
+    assert busy.result(5) is True and pool.drain(5)
+    assert pool.queued_bytes() == {"save": 0, "load": 0} and pool.jobs == 0
+    assert queued.cancelled() and waiting.cancelled()
+    pool.close()
+
+
+def test_a_cancelled_load_waiting_for_the_budget_lets_the_loads_behind_it_start():
+    pool = TransferPool(workers=1, max_save_bytes=1 << 20, max_load_bytes=100)
+    gate = threading.Event()
+    first = pool.submit_load(60, gate.wait)
+    big = pool.submit_load(60, lambda: "big")  # over the budget: waits
+    small = pool.submit_load(30, lambda: "small")  # fits, but keeps its place behind big
+    assert not small.done() and pool.queued_bytes()["load"] == 150
+    assert big.cancel()  # small is admitted now, behind the running first
+    assert pool.queued_bytes()["load"] == 90
+    gate.set()
+    assert first.result(5) is True and small.result(5) == "small" and pool.drain(5)
+    assert pool.queued_bytes()["load"] == 0 and pool.jobs == 0
+    pool.close()
+
+
+def test_a_load_cancelled_while_the_pool_closes_is_counted_once():
+    pool = TransferPool(workers=1, max_save_bytes=1 << 20, max_load_bytes=100)
+    gate = threading.Event()
+    running = pool.submit_load(100, gate.wait)
+    waiting = [pool.submit_load(100, lambda: None) for _ in range(3)]
+    assert waiting[1].cancel()
+    threading.Timer(0.05, gate.set).start()
+    pool.close()
+    assert running.result(5) is True
+    assert waiting[1].cancelled()
+    assert all(isinstance(w.exception(5), RuntimeError) for w in (waiting[0], waiting[2]))
+    assert pool.jobs == 0 and pool.queued_bytes() == {"save": 0, "load": 0}

@@ -5,7 +5,8 @@ real parallelism. Loads run before queued saves (a prompt waiting for its KV mat
 write-behind). Saves have a byte budget: over it, new saves are refused and the caller counts a
 drop. Loads have a byte budget too, but are never dropped and never make the submitter wait
 (``start_load_kv`` runs on the forward pass): a load over the budget is queued, in order, and
-started as earlier loads finish.
+started as earlier loads finish. A job cancelled before it started (``Future.cancel``) gives its
+bytes back at once, wherever it waits, and never runs.
 """
 
 from __future__ import annotations
@@ -73,8 +74,10 @@ class TransferPool:
             self.jobs += 1
             if self._waiting_loads or not self._load_fits(nbytes):
                 self._waiting_loads.append((nbytes, fn, fut))
+                fut.add_done_callback(lambda f: self._cancelled(LOAD, nbytes, f))
                 return fut
             self.inflight[LOAD] += nbytes
+        fut.add_done_callback(lambda f: self._cancelled(LOAD, nbytes, f))
         self._queue.put((LOAD, next(self._seq), fn, fut, nbytes))
         return fut
 
@@ -93,21 +96,40 @@ class TransferPool:
         fut: Future = Future()
         with self._cond:
             self.jobs += 1
+        fut.add_done_callback(lambda f: self._cancelled(kind, nbytes, f))
         self._queue.put((kind, next(self._seq), fn, fut, nbytes))
         return fut
+
+    def _cancelled(self, kind: int, nbytes: int, fut: Future) -> None:
+        """A job's future is done: when it was cancelled before it started, give its bytes and
+        its place back now (a worker that dequeues it later skips it). A load still waiting for
+        the budget leaves the line, and the loads behind it may start."""
+        if not fut.cancelled():
+            return
+        with self._cond:
+            for i, (_, _, waiting) in enumerate(self._waiting_loads):
+                if waiting is fut:
+                    del self._waiting_loads[i]
+                    break
+            else:
+                self.inflight[kind] -= nbytes
+            self.jobs -= 1
+            if kind == LOAD:
+                self._admit_waiting_loads()
+            self._cond.notify_all()
 
     def _run(self) -> None:
         while True:
             kind, _, fn, fut, nbytes = self._queue.get()
             if fn is None:
                 return
+            if not fut.set_running_or_notify_cancel():
+                continue  # cancelled before it started: _cancelled gave its bytes back
             try:
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn())
-                    except BaseException as exc:  # reported through the future
-                        log.debug("transfer job failed: %r", exc)
-                        fut.set_exception(exc)
+                fut.set_result(fn())
+            except BaseException as exc:  # reported through the future
+                log.debug("transfer job failed: %r", exc)
+                fut.set_exception(exc)
             finally:
                 with self._cond:
                     self.inflight[kind] -= nbytes
@@ -131,11 +153,13 @@ class TransferPool:
             if self._closed:
                 return
             self._closed = True
-            waiting, self._waiting_loads = list(self._waiting_loads), deque()
-            self.jobs -= len(waiting)
-        for _, _, fut in waiting:  # never started: their callers see the pool closed
-            if fut.set_running_or_notify_cancel():
-                fut.set_exception(RuntimeError("transfer pool closed before the load started"))
+            # loads waiting for the budget never start: their callers see the pool closed. One
+            # cancelled meanwhile stays in line until its own callback takes it out.
+            stopped = [item for item in self._waiting_loads if item[2].set_running_or_notify_cancel()]
+            self._waiting_loads = deque(item for item in self._waiting_loads if item[2].cancelled())
+            self.jobs -= len(stopped)
+        for _, _, fut in stopped:
+            fut.set_exception(RuntimeError("transfer pool closed before the load started"))
         for _ in self._threads:
             self._queue.put((2, next(self._seq), None, None, 0))
         for t in self._threads:
