@@ -110,6 +110,47 @@ def test_replicas_with_copies_of_one_model_at_other_paths_share_a_namespace(tmp_
     assert vllm_ns(copy).digest() != vllm_ns(model).digest()
 
 
+def vllm_ns_with(model, *, cache_dtype: str = "", **model_config) -> Namespace:
+    """The namespace of a vLLM engine on ``model`` whose model_config also sets ``model_config``."""
+    cfg = vllm_config({}, model=str(model))
+    cfg.load_config = SimpleNamespace(load_format="safetensors")
+    cfg.model_config = SimpleNamespace(model=str(model), revision=None, **model_config)
+    spec = FullAttentionSpec()
+    if cache_dtype:
+        cfg.cache_config = SimpleNamespace(block_size=BS, cache_dtype=cache_dtype)
+        spec = FullAttentionSpec(dtype=torch.uint8)
+    return vllm_namespace(cfg, kv_cache_config(spec), parse_settings({}, source="x").config)
+
+
+def yarn(config):  # a callable hf_overrides, as vLLM allows
+    return config
+
+
+@pytest.mark.parametrize("setting", [
+    {"quantization": "fp8"},  # a bf16 checkpoint's weights quantized as they load
+    {"quantization_config": {"activation_scheme": "dynamic"}},
+    {"hf_overrides": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}},  # RoPE is applied to K
+    {"hf_overrides": yarn},
+    {"hf_config_path": "/configs/long-context"},
+    {"model_weights": "/weights/fine-tuned"},
+])
+def test_regression_online_quantization_or_config_overrides_served_the_plain_models_kv(tmp_path, setting):
+    # two vLLM engines on one checkpoint, one with --quantization fp8 (or a RoPE override), got
+    # one namespace and read each other's blocks: their K/V differ for the same tokens
+    model = local_model(tmp_path)
+    plain = vllm_ns_with(model, quantization=None, hf_overrides={})
+    assert vllm_ns_with(model, **setting).digest() != plain.digest()
+    assert vllm_ns_with(model, **setting) == vllm_ns_with(model, **setting)  # and stable
+    assert plain.revision == vllm_ns(model).revision  # nothing set: the namespace is as before
+
+
+def test_under_an_fp8_kv_cache_the_activation_dtype_names_the_blocks(tmp_path):
+    model = local_model(tmp_path)
+    bf16 = vllm_ns_with(model, cache_dtype="fp8_e4m3", dtype="bfloat16")
+    assert bf16.digest() != vllm_ns_with(model, cache_dtype="fp8_e4m3", dtype="float16").digest()
+    assert vllm_ns_with(model, dtype="bfloat16") == vllm_ns_with(model, dtype="float16") == vllm_ns_with(model)
+
+
 def test_a_second_engine_on_replaced_weights_gets_no_blocks_of_the_old_ones(tmp_path):
     model = local_model(tmp_path)
     extra = {"disk": {"url": f"lmdb://{tmp_path}/db"}, "host": {"capacity": "256KiB"}}

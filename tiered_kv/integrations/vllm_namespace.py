@@ -6,7 +6,10 @@ with one ConfigError line."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+import xxhash
 
 from tiered_kv.dtypes import dtype_name
 from tiered_kv.errors import ConfigError
@@ -27,6 +30,12 @@ UNSUPPORTED_PARALLELISM = (
     ("prefill_context_parallel_size", "prefill context parallelism"),
     ("context_parallel_size", "context parallelism"),
 )
+
+# model_config fields that change the K/V a checkpoint computes for the same tokens beyond its
+# weight files and KV dtype: weights quantized as they load (``--quantization fp8`` of a bf16
+# checkpoint), config overrides (RoPE scaling is applied to K before it is cached), another
+# config or weights path. Folded into the revision when set (unset: the namespace is as before).
+NUMERICS = ("quantization", "quantization_config", "hf_overrides", "hf_config_path", "model_weights")
 
 
 def vllm_namespace(vllm_config: Any, kv_cache_config: Any, settings_config: Any, *,
@@ -135,4 +144,29 @@ def _revision(vllm_config: Any, settings_config: Any) -> str:
         revision = fold_weights(str(getattr(mc, "revision", None) or ""), mc.model)
     if str(getattr(getattr(vllm_config, "load_config", None), "load_format", "")).endswith("dummy"):
         revision += "+dummy-weights"
-    return revision
+    return revision + _numerics(vllm_config)
+
+
+def _numerics(vllm_config: Any) -> str:
+    """``+numerics-<hex>`` over the :data:`NUMERICS` fields that are set (and the activation
+    dtype under an fp8 KV cache, which the KV dtype does not name), or "" when none is."""
+    mc = vllm_config.model_config
+    fields = {name: getattr(mc, name, None) for name in NUMERICS}
+    if str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None) or "").startswith("fp8"):
+        fields["dtype"] = getattr(mc, "dtype", None)
+    fields = {name: value for name, value in fields.items() if value not in (None, "", {}, "auto")}
+    if not fields:
+        return ""
+    text = json.dumps(fields, sort_keys=True, default=_stable)
+    return "+numerics-" + xxhash.xxh3_64_hexdigest(text.encode())
+
+
+def _stable(value: Any) -> Any:
+    """A JSON-able form of a config value: a dataclass or object by its fields, a function (a
+    callable ``hf_overrides``) by its qualified name, a torch dtype by its name."""
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    fields = getattr(value, "__dict__", None)
+    if isinstance(fields, dict) and fields:
+        return {k: v for k, v in fields.items() if not k.startswith("_")}
+    return str(value)
