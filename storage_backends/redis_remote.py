@@ -13,10 +13,13 @@ URL options are read by ``storage_backends.redis_options``.
 Failures are misses: refused or dropped connections are retried with exponential backoff
 (redis-py's ``Retry``: at most ``retries`` more tries), a timeout is not (a server that did not
 answer in ``timeout`` seconds is hung or black-holed; asking again only doubles the wait); then
-the call raises :class:`BackendUnavailable` and the circuit breaker opens. While it is open every
-call fails at once, and one background probe (a PING, every cool-down that doubles from 0.5 s to
-4 s) watches for Redis to come back and closes it: no caller ever waits on a probe, and the same
-object works again on its own once Redis is healthy. ``maxmemory`` refusals (OOM) make that put
+the call raises :class:`BackendUnavailable` and the circuit breaker opens
+(:mod:`storage_backends.redis_breaker`). While it is open every call fails at once, and one
+background probe (a PING, every cool-down that doubles from 0.5 s to 4 s; in a cluster to every
+master) watches for Redis to come back and closes it: no caller ever waits on a probe, and the
+same object works again on its own once Redis is healthy. In a cluster GETs, EXISTS and SETs go
+one pipeline per node (:mod:`storage_backends.redis_node_pipelines`), so a hung node costs a
+call one timeout there too. ``maxmemory`` refusals (OOM) make that put
 ``False`` (``put_rejected``).
 """
 
@@ -24,13 +27,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import redis
-from redis.backoff import ExponentialBackoff
-from redis.cluster import LoadBalancingStrategy
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.cluster import LoadBalancingStrategy, RedisCluster
 from redis.connection import parse_url
 from redis.exceptions import ClusterDownError, RedisClusterException, ResponseError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -40,7 +42,9 @@ from redis.retry import Retry
 from storage_backends.base import Backend, BackendStats, Visitor
 from storage_backends.quotas import as_tenant
 from storage_backends.redaction import redact_url
+from storage_backends.redis_breaker import Breaker
 from storage_backends.redis_names import RedisNames
+from storage_backends.redis_node_pipelines import node_pipelines, ping_every_node
 from storage_backends.redis_options import redis_arguments
 from storage_backends.redis_packer import PACKER, PackedConnection
 from tiered_kv.errors import BackendUnavailable, ConfigError
@@ -54,12 +58,16 @@ DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAga
 PIPELINE_BYTES = 4 << 20  # default: bytes of values per pipeline of SETs or GETs
 VALUE_SIZE_GUESS = 2 << 20  # value size assumed until some are seen (sizes the first GETs)
 KEYS_PER_CALL = 1000  # keys per EXISTS pipeline, UNLINK and SCAN page
-COOLDOWN_MIN, COOLDOWN_MAX = 0.5, 4.0  # seconds the breaker stays open, doubling per failure
 ENTRY_SAMPLE = 10_000  # stats(): keys a SCAN samples before extrapolating with the key count
 
 
 def _glob_escape(data: bytes) -> bytes:
     return b"".join(b"\\" + bytes([c]) if c in b"*?[]\\" else bytes([c]) for c in data)
+
+
+def _name_of(item: Any) -> bytes:
+    """The key name of a pipelined item: a name, or a (name, value) pair."""
+    return item if isinstance(item, bytes) else item[0]
 
 
 def _nbytes(value: Any) -> int:
@@ -83,17 +91,15 @@ class RedisBackend(Backend):
         if read_from_replicas and not self.cluster:
             raise ConfigError("redis read_from_replicas is for a Redis Cluster (redis+cluster://)")
         self.names = RedisNames(self.prefix, self.cluster)  # key names (no accidental hash tags)
+        self._balanced = read_from_replicas  # a cluster's replicas answer reads too
         self._value_size = float(VALUE_SIZE_GUESS)  # running estimate: sizes GET pipelines
-        self._breaker = threading.Lock()
-        self._failures = 0  # consecutive failed calls; > 0: the breaker is open
-        self._retry_at = 0.0  # when the breaker lets a probe through
-        self._prober: threading.Thread | None = None  # the background probe while open
+        self._breaker = Breaker(self.url, self._ping, DOWN_ERRORS + (redis.RedisError,))
         self._closed = False
         self._client: Any = None
         self._client_lock = threading.Lock()
         # connection errors are retried, timeouts are not (see the module docstring)
-        retry = Retry(ExponentialBackoff(cap=min(0.5, timeout), base=0.02), retries,
-                      supported_errors=(RedisConnectionError, ConnectionError))
+        self.retries, self._backoff = retries, ExponentialBackoff(cap=min(0.5, timeout), base=0.02)
+        retry = Retry(self._backoff, retries, supported_errors=(RedisConnectionError, ConnectionError))
         common: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout,
                                       retry=retry, max_connections=max_connections)
         target = url.replace("redis+cluster://", "redis://", 1)
@@ -112,6 +118,10 @@ class RedisBackend(Backend):
                 # immutable under its key and checked when read, so a replica can only be behind
                 # (absent: a counted miss), never wrong
                 common["load_balancing_strategy"] = LoadBalancingStrategy.ROUND_ROBIN
+            # redis-py's cluster client retries a timeout whatever a retry object says: no
+            # cluster-level retries (GETs, EXISTS and SETs go one pipeline per node, retried as
+            # above by storage_backends.redis_node_pipelines)
+            common["retry"] = Retry(NoBackoff(), 0)
             self._make_cluster = lambda: redis.RedisCluster.from_url(target, **common)  # connects
         except (ValueError, TypeError, redis.RedisError) as exc:
             raise ConfigError(f"bad Redis URL {self.url!r}: {exc}") from None
@@ -147,59 +157,34 @@ class RedisBackend(Backend):
     @property
     def available(self) -> bool:
         """False while the breaker is open (calls fail at once until a probe gets an answer)."""
-        return self._failures == 0 and not self._closed
+        return not self._breaker.open and not self._closed
+
+    @property
+    def _failures(self) -> int:
+        """Consecutive failed calls and probes (0: the breaker is closed)."""
+        return self._breaker.failures
 
     def _call(self, fn: Callable[[Any], T]) -> T:
         """``fn(client)`` behind the breaker; Redis being away raises BackendUnavailable."""
         if self._closed:
             raise ValueError("redis backend is closed")
-        if self._failures > 0:  # open: the background probe decides when to close
+        if self._breaker.open:  # the background probe decides when to close
             self._count(errors=1)
-            wait = max(self._retry_at - time.monotonic(), 0.0)
-            raise BackendUnavailable(f"redis at {self.url} is down (next probe in {wait:.1f}s)")
+            raise BackendUnavailable(f"redis at {self.url} is down (next probe in {self._breaker.next_probe_s():.1f}s)")
         try:
             return fn(self.client)
         except DOWN_ERRORS as exc:
             self._count(errors=1)
-            self._open(exc)
+            self._breaker.trip(exc)
             raise BackendUnavailable(f"redis at {self.url} unavailable: {exc}") from None
 
-    def _open(self, exc: BaseException) -> None:
-        """Open the breaker (or keep it open) and make sure one background probe runs."""
-        with self._breaker:
-            self._failures += 1
-            first = self._failures == 1
-            if first:
-                self._retry_at = time.monotonic() + COOLDOWN_MIN
-            start = self._prober is None and not self._closed
-            if start:
-                self._prober = threading.Thread(target=self._probe, name="tiered-kv-redis-probe",
-                                                daemon=True)
-        log.log(logging.WARNING if first else logging.DEBUG, "redis at %s unavailable: %r", self.url, exc)
-        if start:
-            self._prober.start()  # type: ignore[union-attr]
-
-    def _probe(self) -> None:
-        """PING once per cool-down (doubling) until Redis answers, then close the breaker."""
-        tries = 0
-        while not self._closed:
-            time.sleep(max(0.0, self._retry_at - time.monotonic()))
-            if self._closed:
-                break
-            try:
-                self.client.ping()
-            except DOWN_ERRORS + (redis.RedisError,):
-                tries += 1
-                with self._breaker:
-                    self._failures += 1
-                    self._retry_at = time.monotonic() + min(COOLDOWN_MAX, COOLDOWN_MIN * 2 ** tries)
-                continue
-            with self._breaker:
-                down, self._failures, self._prober = self._failures, 0, None
-            log.warning("redis at %s is back after %d failed call(s)", self.url, down)
-            return
-        with self._breaker:
-            self._prober = None
+    def _ping(self) -> None:
+        """What the breaker's probe asks: a PING; in a cluster every master (and replica, when
+        they answer reads) after reading the topology again, not only the client's default node."""
+        if self.cluster:
+            ping_every_node(self.client, RedisCluster.ALL_NODES if self._balanced else RedisCluster.PRIMARIES)
+        else:
+            self.client.ping()
 
     # -- reads -------------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -236,12 +221,17 @@ class RedisBackend(Backend):
             out += [isinstance(r, int) and r > 0 for r in replies]
         return out
 
-    @staticmethod
-    def _pipelined(client: Any, items: Sequence, add: Callable[[Any, Any], Any]) -> list:
-        pipe = client.pipeline(transaction=False)
-        for item in items:
-            add(pipe, item)
-        replies = pipe.execute(raise_on_error=False)
+    def _pipelined(self, client: Any, items: Sequence, add: Callable[[Any, Any], Any], *, read: bool = True) -> list:
+        """One pipeline of ``add(pipe, item)`` per item (a key name, or a (name, value) pair); in
+        a cluster one per node (:mod:`storage_backends.redis_node_pipelines`)."""
+        if self.cluster:
+            replies = node_pipelines(client, items, _name_of, add, read=read, retries=self.retries,
+                                     backoff=self._backoff.compute)
+        else:
+            pipe = client.pipeline(transaction=False)
+            for item in items:
+                add(pipe, item)
+            replies = pipe.execute(raise_on_error=False)
         down = next((r for r in replies if isinstance(r, DOWN_ERRORS)), None)
         if down is not None:  # e.g. CLUSTERDOWN answered per command
             raise down
@@ -269,7 +259,7 @@ class RedisBackend(Backend):
             return []
         names, values = self.names.names(k for k, _ in batch), [v for _, v in batch]
         pairs = list(zip(names, values))  # a lone value is a lone SET on the wire
-        replies = self._call(lambda c: self._pipelined(c, pairs, lambda p, kv: p.set(*kv, px=self.ttl_ms)))
+        replies = self._call(lambda c: self._pipelined(c, pairs, lambda p, kv: p.set(*kv, px=self.ttl_ms), read=False))
         ok = [r is True or r == b"OK" for r in replies]
         for reply in replies:
             if isinstance(reply, ResponseError):
@@ -341,6 +331,7 @@ class RedisBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        self._breaker.close()
         if self._client is not None:
             try:
                 self._client.close()

@@ -74,7 +74,7 @@ def test_hung_redis_costs_one_timeout_then_every_call_fails_at_once_while_a_back
                 b.contains_many([b"k"])
             time.sleep(0.05)
         assert time.perf_counter() - t0 < 1.5 + 0.3
-        assert b._prober is not None and b._prober.is_alive()  # the one probe, in the background
+        assert b._breaker._prober is not None and b._breaker._prober.is_alive()  # the one probe, in the background
     finally:
         own_redis.proc.send_signal(signal.SIGCONT)
     deadline = time.monotonic() + 10
