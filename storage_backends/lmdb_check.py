@@ -30,10 +30,11 @@ def check_tables(tables: Tables, txn, w: Write | None, placed: dict[bytes, int] 
     blocks = {bytes(k): len(v) for k, v in txn.cursor(db=tables.blocks)}
     problems: list[str] = []
     for key, size in (placed or {}).items():
-        if key in blocks:
+        if key in blocks:  # the segment's copy is kept (check_segments found it sound), LMDB's goes
             problems.append(f"value both in the block table and in a segment: {key.hex()}")
-        else:
-            blocks[key] = size
+            if w is not None:
+                txn.delete(key, db=tables.blocks)
+        blocks[key] = size
     metas = _metas(tables, txn, w, problems)
     for key, size in blocks.items():
         meta = metas.get(key)

@@ -88,7 +88,8 @@ class LmdbBackend(Backend):
                  batch_bytes: int | str = 2 << 20, record_access: bool | str = True,
                  tenant_quota: int | str | None = None, tenant_quotas=None, segment_min: int | str = 64 << 10,
                  segment_bytes: int | str = 128 << 20, writeback: str | None = None,
-                 eager_writeback: bool | str = False, direct_io: bool | str = False, url: str | None = None) -> None:
+                 eager_writeback: bool | str = False, direct_io: bool | str = False, url: str | None = None,
+                 read_only: bool = False) -> None:
         self.path = Path(path)
         super().__init__(url or f"lmdb://{self.path.resolve()}")
         self.capacity = parse_size(capacity, name="lmdb capacity")
@@ -128,7 +129,8 @@ class LmdbBackend(Backend):
         self._pins: Counter = Counter()
         self._db = LmdbEnvironment(self.path, options, max_map=max(wanted, 4 * self.capacity + (1 << 30)),
                                    batch_bytes=self.batch_bytes, count=self._count,
-                                   evict=self._evict_beyond_capacity, record_access=self.record_access)
+                                   evict=self._evict_beyond_capacity, record_access=self.record_access,
+                                   read_only=read_only)
         self._db.on_changes = self._tell_in_order  # committed puts, evictions and deletes
         self.values = SegmentValues(self._db, SegmentFiles(self.path, per_file, writeback, direct), minimum, self.sync)
         self._reads = LmdbReads(self._db, self.values, self._count)
@@ -150,14 +152,14 @@ class LmdbBackend(Backend):
                         self.path, format_size(used), format_size(self.capacity))
 
     @classmethod
-    def from_url(cls, url: str, **options) -> LmdbBackend:
+    def from_url(cls, url: str, *, read_only: bool = False, **options) -> LmdbBackend:
         _, query = split_options(url)
         query.update({k: v for k, v in options.items() if v is not None})
         unknown = sorted(set(query) - set(OPTIONS))
         if unknown:
             raise ConfigError(f"unknown lmdb option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
         query.setdefault("capacity", 8 << 30)
-        return cls(path_of(url), url=url, **query)
+        return cls(path_of(url), url=url, read_only=read_only, **query)
 
     @classmethod
     def store_url_at(cls, path: Path) -> str | None:
@@ -171,11 +173,12 @@ class LmdbBackend(Backend):
 
     @classmethod
     def open_read_only(cls, url: str, *, timeout: float = 5.0) -> LmdbBackend:
-        """The existing environment at ``url``; reads are not recorded (``record_access=False``)."""
+        """The existing environment at ``url``; reads are not recorded (``record_access=False``),
+        and opening writes nothing (an older format stays as it is until a write)."""
         path = existing_directory(path_of(url))
         if cls.store_url_at(path) is None:
             raise ConfigError(f"{path} is not an LMDB store (no data.mdb)")
-        return cls.from_url(url, record_access=False)
+        return cls.from_url(url, record_access=False, read_only=True)
 
     # -- the environment's handles (maintenance and tests) -----------------------------------
     @property

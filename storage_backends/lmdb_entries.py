@@ -70,16 +70,19 @@ def put_entry(tables: Tables, w: Write, key: bytes, value, size: int, tenant: by
               eviction: Eviction, pinned: Pinned) -> bool:
     """Store ``value`` (bytes, or the :class:`Place` of bytes written to a segment) under
     ``key`` for ``tenant`` after evicting what ``eviction`` plans; False (counted as rejected)
-    when it cannot be stored."""
+    when it cannot be stored. An overwrite refused for want of room has lost the key's old
+    value (the listener hears it removed), as on the file medium."""
     if not eviction.fits(tenant, size):
         w.counts["put_rejected"] += 1
         return False
-    remove_entry(tables, w, key)  # an overwrite replaces the old entry
+    replaced = remove_entry(tables, w, key)  # an overwrite replaces the old entry
     index = TableIndex(tables, w, pinned)
     plan = eviction.plan(index, tenant, size)
     index.drop_stale()
     if plan is None:  # the rest is pinned (or the tenant's own entries are)
         w.counts["put_rejected"] += 1
+        if replaced:
+            w.changes.append(("removed", key))
         return False
     for victim, _ in plan.victims:
         remove_entry(tables, w, victim)

@@ -1,6 +1,8 @@
 """The LMDB environment of the disk tier: opened with its tables, every transaction behind the
 remap gate, map growth and adoption of a map another process grew, room made on a full map, and
-read accesses buffered until the next write transaction."""
+read accesses buffered until the next write transaction. A read-only open (tools) writes nothing:
+it opens the tables that exist (the missing ones read as empty: :mod:`storage_backends.lmdb_missing`)
+and leaves an older format as it is until the process's first write."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ import lmdb
 
 from storage_backends.lmdb_accesses import AccessBuffer
 from storage_backends.lmdb_entries import apply_accesses
-from storage_backends.lmdb_format import settle_format
+from storage_backends.lmdb_format import READABLE, settle_format, stored_format
 from storage_backends.lmdb_gate import RemapGate
+from storage_backends.lmdb_missing import MissingTable, WithMissing, open_existing, raw_txn
 from storage_backends.lmdb_tables import FORMAT, Tables, Write
 from storage_backends.log_throttle import LogThrottle
 from tiered_kv.errors import BackendClosed, BackendError, BackendUnavailable, ConfigError
@@ -37,10 +40,12 @@ class NoSpace(Exception):
 class LmdbEnvironment:
     """One environment and its tables. ``count`` takes the backend's counters (``errors=1``,
     a write's ``puts``, ...); ``evict`` makes room beyond the capacity when the map is full and
-    cannot grow; ``record_access=False`` keeps no read accesses (tools)."""
+    cannot grow; ``record_access=False`` keeps no read accesses (tools); ``read_only`` opens
+    without writing (no table created, the format left alone until a write)."""
 
     def __init__(self, path: Path, options: dict, *, max_map: int, batch_bytes: int,
-                 count: Callable[..., None], evict: Evict, record_access: bool = True) -> None:
+                 count: Callable[..., None], evict: Evict, record_access: bool = True,
+                 read_only: bool = False) -> None:
         self.path = path
         self.max_map, self.batch_bytes = max_map, batch_bytes
         self._count, self._evict = count, evict
@@ -51,9 +56,13 @@ class LmdbEnvironment:
         self.accesses = AccessBuffer(record_access)
         self._failures = LogThrottle(log)  # failed calls repeat while a disk is full: one a minute
         self.closed = False
+        self._settling = threading.Lock()  # the first write after a read-only open
         self.env = self._open_env(options)
-        self.tables = self._open_tables()
-        self._check_format()
+        self.tables = self._open_tables(create=not read_only)
+        self._missing = any(isinstance(t, MissingTable) for t in vars(self.tables).values())
+        self._deferred = read_only and (self._read_format() != FORMAT or self._missing)
+        if not read_only:
+            self._check_format()
 
     # -- opening -----------------------------------------------------------------------------
     def _open_env(self, options: dict) -> lmdb.Environment:
@@ -66,10 +75,12 @@ class LmdbEnvironment:
                 raise ConfigError(f"cannot open LMDB store at {self.path}: {exc}") from None
         raise ConfigError(f"cannot open LMDB store at {self.path}: its map keeps being resized")
 
-    def _open_tables(self) -> Tables:
+    def _open_tables(self, create: bool = True) -> Tables:
         for _ in range(3):
             try:
                 self.env.reader_check()  # readers left by crashed processes would pin old pages
+                if not create:
+                    return Tables(*open_existing(self.env, Tables.NAMES))
                 return Tables(*[self.env.open_db(name) for name in Tables.NAMES])
             except lmdb.MapResizedError:  # another process grew the map beyond ours: adopt it
                 self.env.set_mapsize(0)
@@ -89,6 +100,38 @@ class LmdbEnvironment:
         if found != FORMAT:
             self.env.close()
             raise ConfigError(f"lmdb store at {self.path} has format {found}, this version reads {FORMAT}")
+
+    def _read_format(self) -> int | None:
+        """A read-only open: the stored format (None: none yet), refused when this version
+        cannot read it; an older one is upgraded by the first write (:meth:`_settle_deferred`)."""
+        try:
+            with self.txn() as txn:
+                found = stored_format(self.tables, txn)
+        except (BackendError, lmdb.Error) as exc:
+            self.env.close()
+            raise ConfigError(f"cannot open LMDB store at {self.path}: {exc}") from None
+        if found not in READABLE:
+            self.env.close()
+            raise ConfigError(f"lmdb store at {self.path} has format {found}, this version reads {FORMAT}")
+        return found
+
+    def _settle_deferred(self) -> None:
+        """The first write after a read-only open: create the missing tables and settle the
+        format, as a writer's open does (in one write transaction)."""
+        with self._settling:
+            if not self._deferred:
+                return
+            tables, found = self._write(self._create_tables)
+            if found != FORMAT:
+                raise BackendUnavailable(f"lmdb store at {self.path} has format {found}, this version "
+                                         f"writes {FORMAT}")
+            self.tables, self._deferred = tables, False
+
+    def _create_tables(self, w: Write) -> tuple[Tables, int]:
+        txn = raw_txn(w.txn)
+        tables = Tables(*[self.env.open_db(t.name, txn=txn) if isinstance(t, MissingTable) else t
+                          for t in vars(self.tables).values()])
+        return tables, settle_format(tables, Write(txn, tables))
 
     @property
     def map_size(self) -> int:
@@ -128,11 +171,11 @@ class LmdbEnvironment:
                     txn = None
                 if txn is not None and not write:
                     with txn:
-                        yield txn
+                        yield WithMissing(txn) if self._missing else txn
                     return
                 if txn is not None:
                     try:
-                        yield txn
+                        yield WithMissing(txn) if self._missing else txn
                     except BaseException:
                         with self.gate.paused():  # else readers can starve the abort
                             txn.abort()
@@ -156,6 +199,11 @@ class LmdbEnvironment:
     def write(self, body: Callable[[Write], object], nbytes: int = 0):
         """``body`` in one write transaction, after the buffered accesses. On a full map
         (or disk) the transaction is rolled back, room is made and it runs again."""
+        if self._deferred:
+            self._settle_deferred()
+        return self._write(body, nbytes)
+
+    def _write(self, body: Callable[[Write], object], nbytes: int = 0):
         for _ in range(6):
             touches = self.accesses.take()
             telling = False

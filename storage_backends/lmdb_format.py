@@ -29,11 +29,19 @@ log = logging.getLogger(__name__)
 CHUNK = 4096  # meta records copied out per cursor pass (their buffers end with the next write)
 
 
+READABLE = (None, 1, 2, FORMAT)  # formats read as they are (a read-only open); a write settles them
+
+
+def stored_format(tables: Tables, txn) -> int | None:
+    """The environment's format (None: a new one)."""
+    stored = txn.get(b"format", db=tables.info)
+    return U64.unpack(stored)[0] if stored is not None else None
+
+
 def settle_format(tables: Tables, w: Write) -> int:
     """The environment's format after this: a new one is written as FORMAT, format 1 is
     upgraded to it; any other is left alone and returned (the caller refuses it)."""
-    stored = w.txn.get(b"format", db=tables.info)
-    found = U64.unpack(stored)[0] if stored is not None else None
+    found = stored_format(tables, w.txn)
     if found == 1:
         _index_tenants(tables, w)
     if found in (None, 1, 2):  # 2 -> 3 adds empty tables only

@@ -81,10 +81,9 @@ class LmdbWrites:
         return stored
 
     def _put_batch(self, batch: list[tuple[bytes, object, int]], tenant: bytes) -> list[bool]:
-        tables = self.db.tables
-        try:
+        try:  # (w.tables: a read-only open's first write creates the missing tables)
             with self.db.guard("put"):
-                return self.db.write(lambda w: [put_entry(tables, w, *item, tenant, self.eviction, self.pinned)
+                return self.db.write(lambda w: [put_entry(w.tables, w, *item, tenant, self.eviction, self.pinned)
                                                  for item in batch], nbytes=sum(n for _, _, n in batch))
         except NoSpace as exc:
             log.warning("lmdb tier at %s: %d values refused: %s", self.db.path, len(batch), exc)

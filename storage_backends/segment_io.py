@@ -81,6 +81,11 @@ class SegmentWriter:
     def stride(self, length: int) -> int:
         return aligned(length) if self.direct is not None else length
 
+    @property
+    def max_pad(self) -> int:
+        """The most bytes :meth:`stride` adds to a value's length (a direct value's pad)."""
+        return ALIGN - 1 if self.direct is not None else 0
+
     def start(self, end: int, length: int) -> int:
         """Where a value of ``length`` bytes goes when its segment ends at ``end``: direct
         values on the next page (``end`` is one); buffered ones so that they end on a multiple
@@ -175,7 +180,9 @@ def _write_fully(fd: int, parts: list[memoryview], offset: int, segment: int) ->
 
 def read_fully(fd: int, views: list[memoryview], offset: int) -> bool:
     """Fill byte views ``views`` in turn from ``offset`` of ``fd`` (gathered reads, going on
-    after a short one); False when the file ends first (OSError as the kernel raised it)."""
+    after a short one); False when the file ends first (OSError as the kernel raised it).
+    ``views`` is left as it was (a retry of the read starts from its first byte again)."""
+    views = list(views)
     length, done = sum(map(len, views)), 0
     while done < length:
         n = os.preadv(fd, views, offset + done)
