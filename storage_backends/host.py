@@ -1,9 +1,8 @@
 """Host tier: a slab of fixed-size slots in CPU memory (page-locked when CUDA is present).
 
-Besides the byte interface, the store uses the slot interface: ``reserve_many`` (phase one:
-slots are handed out but the keys are not visible), ``commit_many`` / ``abort_many`` (phase two),
-``pin_many`` / ``unpin_many`` (leases: a pinned entry is never evicted or reused) and
-``slot_view`` (a uint8 tensor over a slot, for gathers and scatters without extra copies).
+The store uses the slot interface: ``reserve_many`` (phase one: slots handed out, keys not
+visible), ``commit_many`` / ``abort_many`` (phase two), ``pin_many`` / ``unpin_many`` (leases:
+never evicted or reused) and ``slot_view`` (a uint8 tensor over a slot).
 Eviction (:mod:`storage_backends.eviction`) is LRU over committed, unpinned entries when no slot
 is free; a tenant over its ``tenant_quota`` (bytes of the lengths its entries were reserved
 with) evicts its own entries first. ``on_evict(key, bytes, tenant)`` sees an entry before its
@@ -199,6 +198,11 @@ class HostBackend(Backend):
             entry = self._entries.get(key)
             return entry is not None and not entry.ready
 
+    def retired_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key's entry was withdrawn (:meth:`retire_many`) or is gone."""
+        with self._lock:
+            return [(e := self._entries.get(k)) is None or e.retired for k in keys]
+
     # -- byte interface ------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return self._get_by_visiting(keys)
@@ -276,10 +280,8 @@ class HostBackend(Backend):
                                      "pinned_memory": self.pinned, "leased": pinned})
 
     def close(self) -> None:
-        """Forget every block and hand the slab's memory back now (who made views of it, as
-        :class:`~tiered_kv.store.host_slots.HostSlots` does, drops them on its close): a store
-        in a reference cycle kept it until the collector ran, which then freed a GiB inside
-        whatever ran at that moment."""
+        """Forget every block and hand the slab's memory back now (views of it are dropped by
+        their makers' close): a store in a reference cycle kept it until the collector ran."""
         with self._lock:
             self._closed = True
             self._entries.clear()
@@ -309,10 +311,9 @@ class HostBackend(Backend):
         return list(map(dict(zip(new, taken)).pop, keys, repeat(None)))  # a key twice: one slot
 
     def _take_slot(self, tenant: bytes, length: int, evicted: list, gone: list) -> tuple[int | None, int]:
-        """A free slot for ``length`` bytes of ``tenant`` (None when there can be none), after
-        evicting what its quota, then the lack of a free slot, asks for; and how many of the
-        evicted the quota asked for. Evicted keys are appended to ``gone``, with their bytes to
-        ``evicted`` when the tier has an eviction hook."""
+        """A free slot for ``length`` bytes of ``tenant`` (None when there can be none) after
+        evicting what its quota, then the lack of a free slot, asks for (appended to ``gone``,
+        with their bytes to ``evicted`` for the hook), and how many the quota asked for."""
         if self._free and not self._eviction.quotas:  # the common case: a free slot
             return self._free.pop(), 0
         plan = self._eviction.plan(self._recency, tenant, length) if self._eviction.quotas else Plan()

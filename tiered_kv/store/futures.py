@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
 
 
 def gather(futures: list[Future]) -> Future | None:
@@ -25,7 +25,10 @@ def gather(futures: list[Future]) -> Future | None:
             last = remaining[0] == 0
         if last:
             done, futures[:] = futures[:], []
-            errors = [f.exception() for f in done if f.exception() is not None]
+            # (a cancelled one counts as failed: ``exception()`` would raise here, inside a
+            # callback, and ``out`` would never complete)
+            errors = [CancelledError() if f.cancelled() else f.exception() for f in done
+                      if f.cancelled() or f.exception() is not None]
             if errors:
                 out.set_exception(errors[0])
             else:
@@ -43,3 +46,21 @@ def after(futures: list[Future], fn: Callable[[], None]) -> None:
         fn()
     else:
         pending.add_done_callback(lambda _f: fn())
+
+
+class WriteFuture(Future):
+    """The future of a write the store tracks (a withdrawal of its keys waits for it): it
+    cannot be cancelled, since a write no longer tracked could land after such a delete."""
+
+    def cancel(self) -> bool:
+        return False
+
+
+def settle(out: Future, done: Future) -> None:
+    """Complete ``out`` as ``done`` completed (a cancelled ``done`` as a CancelledError)."""
+    if done.cancelled():
+        out.set_exception(CancelledError())
+    elif done.exception() is not None:
+        out.set_exception(done.exception())
+    else:
+        out.set_result(done.result())

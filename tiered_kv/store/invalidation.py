@@ -6,10 +6,13 @@ then names the keys computed over the failed block, and every rank withdraws its
 
 - at once, the keys are *suppressed*: lookups and lower-tier loads treat them as absent, and
   the host tier retires its copies (a copy leased by a load in flight stays readable to that
-  load only);
+  load only; one reserved and still being filled is never published), in one step with the
+  delete being registered, so no write can take a host copy between the two;
 - a delete job removes them from the lower tiers after every write of those keys already in
   flight (else an older, wrong copy could land after the delete);
-- a write of those keys submitted meanwhile (the recomputed KV) runs after the delete;
+- a write from the host tier submitted meanwhile (the recomputed KV, saved after the withdrawal)
+  runs after the delete, and skips any key whose host copy was retired (bytes taken before the
+  withdrawal); a copy of bytes taken earlier (an evicted block, one just loaded) is not made;
 - when the delete is done the keys are no longer suppressed.
 
 Deletes are rare (only after a failed load) and never dropped for the save budget.
@@ -51,12 +54,22 @@ class Invalidations:
         with self._lock:
             return [k in self._suppressed for k in keys]
 
-    def deletes_of(self, keys: Sequence[bytes]) -> list[Future]:
-        """Deletes in flight of any of ``keys`` (a write of them must come after)."""
-        if not self._deletes:
-            return []
+    def begin_write(self, keys: Sequence[bytes], fut: Future, *, replacement: bool) -> tuple[list[bytes], list[Future]]:
+        """Register ``fut`` as the write in flight of ``keys`` (a withdrawal from now on deletes
+        after it), in one step with asking which deletes it must follow: (the keys to write, the
+        deletes in flight of them). A ``replacement`` (a write from the host tier, which skips
+        retired copies itself) writes every key after those deletes; a copy of bytes taken
+        earlier leaves out the keys being withdrawn."""
+        keys = list(keys)
         with self._lock:
-            return list({id(f): f for k in keys if (f := self._deletes.get(k)) is not None}.values())
+            if replacement:
+                deletes = list({id(f): f for k in keys if (f := self._deletes.get(k)) is not None}.values())
+            else:
+                keys, deletes = [k for k in keys if k not in self._deletes and k not in self._suppressed], []
+            for k in keys:
+                self._writes.setdefault(k, []).append(fut)
+        self._forget_when_done(keys, fut)
+        return keys, deletes
 
     def track_write(self, keys: Sequence[bytes], fut: Future) -> None:
         """Remember ``fut`` as the write in flight of ``keys`` until it is done."""
@@ -64,6 +77,10 @@ class Invalidations:
         with self._lock:
             for k in keys:
                 self._writes.setdefault(k, []).append(fut)
+        self._forget_when_done(keys, fut)
+
+    def _forget_when_done(self, keys: list[bytes], fut: Future) -> None:
+        """Drop ``fut`` from the writes in flight of ``keys`` once it is done."""
 
         def done(finished: Future) -> None:  # (not ``fut``: a callback naming its own future is a
             # reference cycle, two a load call, left to the cyclic GC, whose full collections
@@ -87,12 +104,12 @@ class Invalidations:
         if not keys:
             out.set_result(0)
             return out
-        with self._lock:
+        with self._lock:  # (then the host's lock: never taken the other way round)
             self._suppressed.update(keys)
             earlier = list({id(f): f for k in keys for f in self._writes.get(k, ())}.values())
             for k in keys:
                 self._deletes[k] = out
-        self.host.retire_many(keys)
+            self.host.retire_many(keys)
         self.metrics.event("blocks_invalidated", len(keys))
 
         def finish(_f: Future | None = None) -> None:

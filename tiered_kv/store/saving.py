@@ -16,7 +16,7 @@ import torch
 
 from tiered_kv.store.admission import RequestCounts
 from tiered_kv.store.encoded_tier import EncodedTier
-from tiered_kv.store.futures import after, gather
+from tiered_kv.store.futures import WriteFuture, after, gather, settle
 from tiered_kv.store.host_slots import HostSlots
 from tiered_kv.store.invalidation import Invalidations
 from tiered_kv.store.metrics import StoreMetrics
@@ -102,10 +102,12 @@ class Saver:
             self.host.abort_many(batch.keys)
             self.metrics.event("saves_rolled_back", len(batch.keys))
             return None
-        self.host.commit_many(batch.keys)
+        # leased as they become visible: a reservation elsewhere could evict one before the
+        # write-behind leased it, and that block was then never written (a save lost unseen)
+        self.host.commit_many(batch.keys, pin=True)
         nbytes = len(batch.keys) * self.block_nbytes
         self.metrics.wrote("host", len(batch.keys), nbytes, nbytes, 0.0)
-        return self.write_behind(batch.keys, batch.tenant, batch.counts)
+        return self.write_behind(batch.keys, batch.tenant, batch.counts, leased=dict(zip(batch.keys, batch.slots)))
 
     def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor],
              tenant: bytes | None = None) -> Future | None:
@@ -171,17 +173,21 @@ class Saver:
             self.write_behind([k for k, _ in requested], tenant, [n for _, n in requested], earned_only=True)
 
     def write_behind(self, keys: list[bytes], tenant: bytes, counts: Sequence[int] | None = None,
-                     earned_only: bool = False) -> Future | None:
-        """Queue the write of host-resident ``keys`` to the ``write_through`` tiers that admit them."""
+                     earned_only: bool = False, leased: dict[bytes, int] | None = None) -> Future | None:
+        """Queue the write of host-resident ``keys`` to the ``write_through`` tiers that admit them.
+        ``leased``: the keys' slots, each already leased once for this write (released here
+        when no tier takes the key, else when its write is done or dropped)."""
         targets = [t for t in self.tiers if t.policy == "write_through"]
-        if not targets:
-            return None
+        groups = self.admitted(keys, targets, counts, earned_only) if targets else {}
+        if leased is not None:
+            taken = {k for group in groups.values() for k in group}
+            self.host.unpin_many([k for k in keys if k not in taken])
         futures = []
-        for tiers, group in self.admitted(keys, targets, counts, earned_only).items():
+        for tiers, group in groups.items():
             per_job = max(1, min(SAVE_CHUNK_BYTES // self.block_nbytes, -(-len(group) // self.workers)))
             for start in range(0, len(group), per_job):
                 chunk = group[start : start + per_job]
-                slots = self.host.pin_many(chunk)
+                slots = [leased[k] for k in chunk] if leased is not None else self.host.pin_many(chunk)
                 pinned = [(k, s) for k, s in zip(chunk, slots) if s is not None]
                 if pinned:
                     fut = self._submit_write(pinned, list(tiers), tenant)
@@ -193,43 +199,46 @@ class Saver:
                       tenant: bytes) -> Future | None:
         """Queue the write of the host slots ``pinned`` to ``targets``; None when dropped."""
         keys = [k for k, _ in pinned]
-        return self._submit(keys, len(pinned) * self.block_nbytes,
-                            lambda: self._write_job(pinned, targets, tenant), lambda: self._drop_write(keys))
+        return self._submit(keys, lambda kept: self._write_job(pinned, targets, tenant),
+                            lambda kept: self._drop_write(keys), replacement=True)
 
-    def _submit(self, keys: list[bytes], nbytes: int, job, dropped) -> Future | None:
-        """Queue the write ``job`` of ``keys``, after any delete in flight of the same keys (that
-        is a withdrawn wrong copy, and this is its recomputed replacement), tracked as a write
-        for later withdrawals; ``dropped()`` runs instead when the save budget refuses it."""
-        deletes = self.invalidations.deletes_of(keys)
-        if not deletes:
-            fut = self.pool.try_submit_save(nbytes, job)
-            if fut is None:
-                dropped()
-                return None
-            self.invalidations.track_write(keys, fut)
-            return fut
-        out: Future = Future()
-        self.invalidations.track_write(keys, out)
+    def _submit(self, keys: list[bytes], job, dropped, *, replacement: bool) -> Future | None:
+        """Queue the write ``job(kept)`` of the ``kept`` of ``keys`` the withdrawals leave
+        (:meth:`Invalidations.begin_write`), tracked as a write from before it is queued (so a
+        withdrawal from then on deletes after it) and after any delete in flight of the same
+        keys; ``dropped(kept)`` runs instead when the save budget refuses it (or its job was
+        cancelled). None when nothing is left to write or the budget refused it at once."""
+        out: Future = WriteFuture()
+        kept, deletes = self.invalidations.begin_write(keys, out, replacement=replacement)
+        if not kept:
+            out.set_result(0)
+            return None
 
-        def start() -> None:
-            queued = self.pool.try_submit_save(nbytes, job)
+        def start() -> bool:
+            queued = self.pool.try_submit_save(len(kept) * self.block_nbytes, lambda: job(kept))
             if queued is None:
-                dropped()
+                dropped(kept)
                 out.set_result(0)
-            else:
-                queued.add_done_callback(lambda j: out.set_exception(j.exception()) if j.exception()
-                                         else out.set_result(j.result()))
+                return False
+            queued.add_done_callback(lambda j: (dropped(kept) if j.cancelled() else None, settle(out, j)))
+            return True
 
-        after(deletes, start)
-        return out
+        if deletes:
+            after(deletes, start)
+            return out
+        return out if start() else None
 
     def _drop_write(self, keys: list[bytes]) -> None:
         self.host.unpin_many(keys)
         self.metrics.event("saves_dropped", len(keys))
 
     def _write_job(self, pinned: list[tuple[bytes, int]], targets: list[EncodedTier], tenant: bytes) -> int:
+        """Write the leased slots ``pinned``, but those whose host copy was retired meanwhile
+        (withdrawn: their bytes were taken before the withdrawal)."""
         try:
-            return self.write_lower([(k, self.slots.row(s)) for k, s in pinned], targets, tenant)
+            live = [(k, s) for (k, s), gone in zip(pinned, self.host.retired_many([k for k, _ in pinned]))
+                    if not gone]
+            return self.write_lower([(k, self.slots.row(s)) for k, s in live], targets, tenant)
         finally:
             self.host.unpin_many([k for k, _ in pinned])
 
@@ -290,6 +299,6 @@ class Saver:
 
     def _queue_copies(self, items: list[tuple[bytes, bytes]], tiers: Sequence[EncodedTier], tenant: bytes) -> None:
         """Queue the write of ``items`` (private copies of their payloads) to ``tiers``."""
-        self._submit([k for k, _ in items], len(items) * self.block_nbytes,
-                     lambda: self.write_lower(items, list(tiers), tenant),
-                     lambda: self.metrics.event("saves_dropped", len(items)))
+        payloads = dict(items)
+        self._submit([k for k, _ in items], lambda kept: self.write_lower([(k, payloads[k]) for k in kept], list(tiers), tenant),
+                     lambda kept: self.metrics.event("saves_dropped", len(kept)), replacement=False)

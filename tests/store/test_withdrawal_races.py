@@ -1,0 +1,121 @@
+"""A withdrawal (``invalidate``: KV computed over a block that failed to load) races the writes
+of the same keys. Whatever interleaving, once the withdrawal is done no tier holds the wrong
+block; and a save reported done is written behind. Each scenario forces its interleaving by
+running the other side at the exact step where another thread could."""
+
+from __future__ import annotations
+
+import threading
+
+from tests.store.helpers import keys_for, make_store, payloads
+
+WAIT_S = 1.0  # a bound: how long a forced order waits for a step that must not come first
+
+
+def test_regression_a_write_queued_before_it_was_tracked_landed_after_its_withdrawals_delete(tmp_path):
+    with make_store(tmp_path) as store:
+        keys = keys_for(1)
+        withdrawal = []
+        deleted = threading.Event()
+        submit = store.pool.try_submit_save
+
+        def queued_then_withdrawn(nbytes, fn):
+            fut = submit(nbytes, fn)  # the write-behind job is queued, then the keys are withdrawn
+            if not withdrawal:
+                withdrawal.append(store.invalidate(keys))
+                withdrawal[0].add_done_callback(lambda _f: deleted.set())
+            return fut
+
+        disk = store.tier("disk").backend
+        put = disk.put_many
+
+        def put_after_the_delete(items, tenant=b""):  # the old order; now the delete waits for it
+            deleted.wait(WAIT_S)
+            return put(items, tenant=tenant)
+
+        store.pool.try_submit_save, disk.put_many = queued_then_withdrawn, put_after_the_delete
+        store.save(keys, payloads(store, 1, seed=1))
+        withdrawal[0].result(10)
+        store.flush(10)
+        assert store.tier("disk").contains(keys) == [False] and store.lookup(keys) == 0
+
+
+def test_regression_a_write_behind_leased_before_the_withdrawal_was_queued_after_its_delete(tmp_path):
+    # the wrong block's write-behind leased its host copy, then the withdrawal came, then the
+    # write was queued: it was taken for the recomputed replacement and ordered after the delete
+    with make_store(tmp_path) as store:
+        keys = keys_for(1)
+        submit = store.saver._submit
+        withdrawals = []
+
+        def withdrawn_first(keys_, *args, **kwargs):
+            if not withdrawals:
+                withdrawals.append(store.invalidate(keys))
+            return submit(keys_, *args, **kwargs)
+
+        store.saver._submit = withdrawn_first
+        store.save(keys, payloads(store, 1, seed=2))
+        withdrawals[0].result(10)
+        store.flush(10)
+        assert store.tier("disk").contains(keys) == [False] and store.lookup(keys) == 0
+        assert store.host.stats().extra["leased"] == 0
+
+
+def test_regression_an_evicted_copy_taken_before_the_withdrawal_landed_after_its_delete(tmp_path):
+    with make_store(tmp_path, host="32KiB", disk={"policy": "on_evict"}) as store:  # 2 host slots
+        k = keys_for(3)
+        data = payloads(store, 3)
+        store.save(k[:1], data[:1])  # the wrong block
+        submit = store.saver._submit
+        withdrawals = []
+
+        def withdrawn_first(keys_, *args, **kwargs):  # its eviction copy is taken, then withdrawn
+            if k[0] in keys_ and not withdrawals:
+                withdrawals.append(store.invalidate(k[:1]))
+            return submit(keys_, *args, **kwargs)
+
+        store.saver._submit = withdrawn_first
+        store.save(k[1:], data[1:])  # evicts k[0] to the disk tier
+        assert withdrawals, "k[0] was not evicted"
+        withdrawals[0].result(10)
+        store.flush(10)
+        assert store.tier("disk").contains(k[:1]) == [False] and store.lookup(k[:1]) == 0
+        assert store.tier("disk").contains(k[2:]) == [False] or store.lookup(k[2:]) == 1  # others as usual
+
+
+def test_regression_a_block_evicted_between_its_commit_and_its_lease_was_never_written_behind(tmp_path):
+    # commit_save published the block, then another thread's reservation evicted it before the
+    # write-behind leased it: a save reported done, stored nowhere, nothing counted
+    with make_store(tmp_path, host="16KiB") as store:  # one host slot
+        k = keys_for(2)
+        commit = store.host.commit_many
+        others = []
+
+        def another_save_right_after(keys, **kwargs):
+            commit(keys, **kwargs)
+            if not others:
+                others.append(store.prepare_save(k[1:]))  # evicts k[0] unless it is leased
+            return None
+
+        store.host.commit_many = another_save_right_after
+        store.save(k[:1], payloads(store, 1))
+        store.host.commit_many = commit
+        store.commit_save(others[0], ok=False)
+        store.flush(10)
+        assert store.lookup(k[:1]) == 1
+
+
+def test_the_future_of_a_tracked_write_cannot_be_cancelled_and_leaks_no_lease(tmp_path):
+    # cancelling the pool's own future of a write-behind skipped its job: the host copy stayed
+    # leased for good (and a withdrawal waiting on it never started its delete)
+    with make_store(tmp_path) as store:
+        gate, started = threading.Event(), threading.Semaphore(0)
+        for _ in range(store.config.workers):
+            store.pool.submit_save(1, lambda: (started.release(), gate.wait(30)))
+        for _ in range(store.config.workers):
+            assert started.acquire(timeout=10)
+        fut = store.save(keys_for(1), payloads(store, 1))
+        assert fut is not None and not fut.cancel()
+        gate.set()
+        assert fut.result(10) == 1 and store.flush(10)
+        assert store.host.stats().extra["leased"] == 0 and store.lookup(keys_for(1)) == 1
