@@ -27,7 +27,7 @@ from storage_backends.host_slab import new_slab, no_slab, want_pinned
 from storage_backends.options import split_options
 from storage_backends.quotas import Quotas, as_tenant
 from storage_backends.recency import RecencyIndex
-from tiered_kv.errors import ConfigError
+from tiered_kv.errors import BackendClosed, ConfigError
 from tiered_kv.units import format_size, parse_size
 
 log = logging.getLogger(__name__)
@@ -195,8 +195,7 @@ class HostBackend(Backend):
     def reserved(self, key: bytes) -> bool:
         """Whether ``key`` is reserved (phase one) and not yet committed or aborted."""
         with self._lock:
-            entry = self._entries.get(key)
-            return entry is not None and not entry.ready
+            return (entry := self._entries.get(key)) is not None and not entry.ready
 
     def retired_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key's entry was withdrawn (:meth:`retire_many`) or is gone."""
@@ -348,4 +347,4 @@ class HostBackend(Backend):
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ValueError("host backend is closed")
+            raise BackendClosed("host backend is closed")

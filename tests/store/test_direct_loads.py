@@ -199,3 +199,14 @@ def workers_held(store):
         yield
     finally:
         release.set()
+
+
+@pytest.mark.parametrize("outs_short_by", [1, 2])
+def test_regression_load_into_with_fewer_destinations_than_keys_said_true_for_keys_it_wrote_nowhere(tmp_path, outs_short_by):
+    with make_store(tmp_path) as store:
+        keys = keys_for(3)
+        store.save(keys, payloads(store, 3))
+        store.flush(10)
+        outs = [torch.zeros(store.shape, dtype=store.dtype) for _ in range(3 - outs_short_by)]
+        with pytest.raises(ValueError, match="3 keys into"):
+            store.load_into(keys, outs)

@@ -6,13 +6,16 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import lmdb
+import pytest
 import torch
 
 from tests.store.helpers import NS, keys_for, load, make_store, payloads, rewrite_stored_blocks
+from tiered_kv.errors import BackendClosed, ConfigError
 from tiered_kv.store.codec import BlockCodec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -205,3 +208,30 @@ def test_remote_hit_is_loaded_and_copied_down_to_disk(tmp_path, redis_url):
         assert all(ok) and all(torch.equal(a, b) for a, b in zip(data, outs))
         replica.flush()
         assert replica.tier("disk").contains(keys) == [True] * 4
+
+
+def test_regression_a_store_whose_constructor_failed_after_opening_its_tiers_left_threads_running(
+        tmp_path, monkeypatch):
+    # metrics_port without prometheus-client: ConfigError after the pool, the tiers and the
+    # cost recorder had started; their threads and the LMDB environment stayed in the process
+    monkeypatch.setitem(sys.modules, "tiered_kv.store.prometheus", None)  # not installed
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(ConfigError):
+        make_store(tmp_path, metrics_port=0)
+    assert [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()] == []
+    with make_store(tmp_path) as store:  # and the directory opens again at once
+        assert store.lookup([b"x" * 32]) == 0
+
+
+def test_regression_a_save_after_close_returned_none_and_stored_nothing_unseen(tmp_path):
+    store = make_store(tmp_path)
+    keys = keys_for(2)
+    batch = store.prepare_save(keys[:1])
+    store.close()
+    with pytest.raises(BackendClosed):  # (a ValueError, as it was for the host tier)
+        store.commit_save(batch)
+    with pytest.raises(BackendClosed):
+        store.save(keys[1:], payloads(store, 1))
+    with pytest.raises(BackendClosed):
+        store.prepare_save(keys[1:])
+    store.commit_save(batch, ok=False)  # rolling back is still allowed

@@ -40,6 +40,8 @@ class DirectLoads:
         copy, and the block stays warm in the page cache or wherever its tier keeps it); other
         destinations (a GPU) are staged through host slots. Runs in chunks of half the host
         tier."""
+        if len(outs) != len(keys):  # a destination per key, or a True would name no bytes
+            raise ValueError(f"load_into of {len(keys)} keys into {len(outs)} blocks")
         ok: list[bool] = []
         chunk = max(1, self.loader.host.num_slots // 2)
         for start in range(0, len(keys), chunk):

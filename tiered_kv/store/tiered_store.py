@@ -43,7 +43,7 @@ import torch
 from storage_backends.host import HostBackend
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.dtypes import itemsize
-from tiered_kv.errors import ConfigError
+from tiered_kv.errors import BackendClosed, ConfigError
 from tiered_kv.keys import Namespace, leading_present
 from tiered_kv.store import codec_choice
 from tiered_kv.store.admission import RequestCounts
@@ -96,30 +96,37 @@ class TieredStore:
         except BaseException:
             self.close_parts()
             raise
-        # which tier holds which blocks, for subscribers (tiered_kv.store.block_events)
-        self.events = BlockEvents()
-        self.host.listen(self.events.listener("host"))
-        for tier in self.tiers:
-            tier.backend.listen(self.events.listener(tier.name, tier.ns))
-        self.presence = RankedPresence(namespace, [(t.name, t.backend) for t in self.tiers],
-                                       config.lookup_timeout, self.metrics.miss)
-        self.invalidations = Invalidations(self.host, self.tiers, self.pool, self.metrics)
-        self.requests = RequestCounts([t.config.admit_after_hits for t in self.tiers])
-        self.saver = Saver(self.slots, self.tiers, self.pool, self.metrics, self.invalidations,
-                           RecordKeeper(namespace), self.requests, config.workers, namespace.tenant)
-        reader = LowerReader(self.tiers, self.invalidations, self.saver, self.metrics, block_nbytes)
-        self.loader = Loader(self.slots, self.tiers, self.pool, self.metrics, self.invalidations,
-                             self.saver, reader, config.workers)
-        self.costs = RestoreCosts(config.restore_min_samples)
-        self.cost_record = CostsKeeper(self.costs, namespace, [(t.name, t.backend) for t in self.tiers],
-                                       writes=True, every=COSTS_SAVE_S)
-        self._closed = False
-        self._close_lock = threading.Lock()
-        self._metrics_ports: list[int] = []  # Prometheus exporter ports serving this store
-        if config.metrics_port is not None:
-            _export_metrics(self, config.metrics_port)
-        self._stats_log = (StatsLogger(self, config.metrics_log_interval)
-                           if config.metrics_log_interval else None)
+        try:
+            # which tier holds which blocks, for subscribers (tiered_kv.store.block_events)
+            self.events = BlockEvents()
+            self.host.listen(self.events.listener("host"))
+            for tier in self.tiers:
+                tier.backend.listen(self.events.listener(tier.name, tier.ns))
+            self.presence = RankedPresence(namespace, [(t.name, t.backend) for t in self.tiers],
+                                           config.lookup_timeout, self.metrics.miss)
+            self.invalidations = Invalidations(self.host, self.tiers, self.pool, self.metrics)
+            self.requests = RequestCounts([t.config.admit_after_hits for t in self.tiers])
+            self.saver = Saver(self.slots, self.tiers, self.pool, self.metrics, self.invalidations,
+                               RecordKeeper(namespace), self.requests, config.workers, namespace.tenant)
+            reader = LowerReader(self.tiers, self.invalidations, self.saver, self.metrics, block_nbytes)
+            self.loader = Loader(self.slots, self.tiers, self.pool, self.metrics, self.invalidations,
+                                 self.saver, reader, config.workers)
+            self.costs = RestoreCosts(config.restore_min_samples)
+            self.cost_record = CostsKeeper(self.costs, namespace, [(t.name, t.backend) for t in self.tiers],
+                                           writes=True, every=COSTS_SAVE_S)
+            self._closed = False
+            self._close_lock = threading.Lock()
+            self._metrics_ports: list[int] = []  # Prometheus exporter ports serving this store
+            if config.metrics_port is not None:
+                _export_metrics(self, config.metrics_port)
+            self._stats_log = (StatsLogger(self, config.metrics_log_interval)
+                               if config.metrics_log_interval else None)
+        except BaseException:  # (e.g. metrics_port without prometheus-client): nothing left running
+            for part in (getattr(self, "cost_record", None), getattr(self, "presence", None)):
+                if part is not None:
+                    part.close()
+            self.close_parts()
+            raise
         log.info("tiered store for %s: block %s %s = %s; tiers: host%s", namespace.model_id,
                  self.shape, namespace.dtype, format_size(block_nbytes),
                  "".join(f", {t.name} ({t.backend.url})" for t in self.tiers))
@@ -148,13 +155,22 @@ class TieredStore:
 
     # -- saving and loading (see Saver and Loader) -------------------------------------------------
     def prepare_save(self, keys: Sequence[bytes], tenant: bytes | None = None) -> SaveBatch:
+        self._saves_open()
         return self.saver.prepare_save(keys, tenant)
 
     def commit_save(self, batch: SaveBatch, ok: bool = True):
+        if ok:
+            self._saves_open()
         return self.saver.commit_save(batch, ok)
 
     def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor], tenant: bytes | None = None):
+        self._saves_open()
         return self.saver.save(keys, payloads, tenant)
+
+    def _saves_open(self) -> None:
+        """A save after :meth:`close` is refused (it returned None, its blocks stored nowhere)."""
+        if self._closed:
+            raise BackendClosed("the tiered store is closed: nothing more is saved")
 
     def prepare_load(self, keys: Sequence[bytes], tenant: bytes | None = None, *, count: bool = True) -> LoadPlan:
         return self.loader.prepare_load(keys, tenant, count=count)
