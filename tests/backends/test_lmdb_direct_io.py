@@ -7,13 +7,12 @@ from __future__ import annotations
 import logging
 import os
 
-import pytest
 import torch
 
 from storage_backends import segment_io
 from storage_backends.lmdb_disk import LmdbBackend
 from storage_backends.lmdb_segments import unpack_place
-from storage_backends.segment_io import ALIGN, supports_direct
+from storage_backends.segment_io import ALIGN
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -25,14 +24,6 @@ def blob(i: int, n: int) -> bytes:
 def places(b: LmdbBackend, keys: list[bytes]):
     with b._db.env.begin() as txn:
         return [unpack_place(txn.get(k, db=b._db.tables.places)) for k in keys]
-
-
-@pytest.fixture
-def direct_dir(tmp_path):
-    (tmp_path / "probe").mkdir()
-    if not supports_direct(tmp_path / "probe"):
-        pytest.skip("this file system refuses O_DIRECT")
-    return tmp_path / "db"
 
 
 def test_direct_values_start_on_their_own_pages_and_every_read_path_returns_their_bytes(direct_dir):

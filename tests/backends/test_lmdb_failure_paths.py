@@ -17,7 +17,7 @@ import pytest
 
 from storage_backends import segment_io
 from storage_backends.lmdb_disk import LmdbBackend
-from storage_backends.segment_io import read_fully, supports_direct
+from storage_backends.segment_io import read_fully
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -213,14 +213,6 @@ def test_regression_check_fix_reported_a_value_both_in_the_block_table_and_a_seg
 
 
 # -- compaction of direct values under a page ----------------------------------------------------
-@pytest.fixture
-def direct_dir(tmp_path):
-    (tmp_path / "probe").mkdir()
-    if not supports_direct(tmp_path / "probe"):
-        pytest.skip("this file system refuses O_DIRECT")
-    return tmp_path / "db"
-
-
 def filled_with_sub_page_values(path) -> LmdbBackend:
     """4 MiB of 1 KiB values written directly: each takes a 4 KiB page, three quarters pad."""
     b = LmdbBackend(path, capacity=4 * MiB, segment_bytes="1MiB", segment_min="1KiB", direct_io=True)
