@@ -60,7 +60,9 @@ class Breaker:
                 break
             try:
                 self._ping()
-            except self._down:
+            except Exception as exc:  # (any: a probe that died would leave the tier down for good)
+                if not isinstance(exc, self._down):
+                    log.warning("redis at %s: probe failed: %r", self.where, exc)
                 tries += 1
                 with self._lock:
                     self.failures += 1

@@ -276,7 +276,11 @@ class RedisBackend(Backend):
         n = 0
         for start in range(0, len(keys), KEYS_PER_CALL):
             names = self.names.names(keys[start : start + KEYS_PER_CALL])
-            n += int(self._call(lambda c, ns=names: c.unlink(*ns)))
+            if self.cluster:  # one pipeline per node, retried as GETs and SETs are
+                replies = self._call(lambda c, ns=names: self._pipelined(c, ns, lambda p, name: p.unlink(name), read=False))
+                n += sum(r for r in replies if isinstance(r, int))
+            else:
+                n += int(self._call(lambda c, ns=names: c.unlink(*ns)))
         self._count(deletes=n)
         self._tell("removed", keys)  # (UNLINK counts, it does not name: every key asked for)
         return n

@@ -119,3 +119,21 @@ def test_the_future_of_a_tracked_write_cannot_be_cancelled_and_leaks_no_lease(tm
         gate.set()
         assert fut.result(10) == 1 and store.flush(10)
         assert store.host.stats().extra["leased"] == 0 and store.lookup(keys_for(1)) == 1
+
+
+def test_regression_cancelling_a_withdrawals_future_let_the_replacement_run_before_its_delete(tmp_path):
+    with make_store(tmp_path) as store:
+        keys = keys_for(1)
+        store.save(keys, payloads(store, 1, seed=1)).result(10)
+        gate, started = threading.Event(), threading.Semaphore(0)
+        for _ in range(store.config.workers):  # every worker held: the delete stays queued
+            store.pool.submit_save(1, lambda: (started.release(), gate.wait(30)))
+        for _ in range(store.config.workers):
+            assert started.acquire(timeout=10)
+        withdrawal = store.invalidate(keys)
+        assert not withdrawal.cancel()  # a cancelled one counted as done: writes after it went first
+        replacement = store.save(keys, payloads(store, 1, seed=2))
+        gate.set()
+        withdrawal.result(10)
+        assert replacement is not None and replacement.result(10) == 1 and store.flush(10)
+        assert store.tier("disk").contains(keys) == [True]

@@ -164,6 +164,8 @@ def _numerics(vllm_config: Any) -> str:
 def _stable(value: Any) -> Any:
     """A JSON-able form of a config value: a dataclass or object by its fields, a function (a
     callable ``hf_overrides``) by its qualified name, a torch dtype by its name."""
+    if isinstance(value, (set, frozenset)):  # (str() of a set follows the hash seed)
+        return sorted(map(str, value))
     if callable(value) and hasattr(value, "__qualname__"):
         return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
     fields = getattr(value, "__dict__", None)

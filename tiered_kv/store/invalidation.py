@@ -12,7 +12,9 @@ then names the keys computed over the failed block, and every rank withdraws its
   flight (else an older, wrong copy could land after the delete);
 - a write from the host tier submitted meanwhile (the recomputed KV, saved after the withdrawal)
   runs after the delete, and skips any key whose host copy was retired (bytes taken before the
-  withdrawal); a copy of bytes taken earlier (an evicted block, one just loaded) is not made;
+  withdrawal); a copy of bytes taken earlier (an evicted block, one just loaded) is not made
+  while a withdrawal of its key is in flight (one that began and finished between an eviction
+  taking the bytes and queueing their copy is not seen: a window of one thread switch);
 - when the delete is done the keys are no longer suppressed.
 
 Deletes are rare (only after a failed load) and never dropped for the save budget.
@@ -29,7 +31,7 @@ from concurrent.futures import Future
 from storage_backends.host import HostBackend
 from tiered_kv.errors import BackendError
 from tiered_kv.store.encoded_tier import EncodedTier
-from tiered_kv.store.futures import after
+from tiered_kv.store.futures import WriteFuture, after
 from tiered_kv.store.metrics import StoreMetrics
 from tiered_kv.store.transfer import TransferPool
 
@@ -100,7 +102,7 @@ class Invalidations:
         """Withdraw every copy of ``keys`` (see the module docstring); done when the lower tiers
         no longer hold them."""
         keys = list(dict.fromkeys(keys))
-        out: Future = Future()
+        out: Future = WriteFuture()  # (cancelled, the writes after it would run before the delete)
         if not keys:
             out.set_result(0)
             return out

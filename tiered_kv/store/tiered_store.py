@@ -43,7 +43,7 @@ import torch
 from storage_backends.host import HostBackend
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.dtypes import itemsize
-from tiered_kv.errors import BackendClosed, ConfigError
+from tiered_kv.errors import ConfigError
 from tiered_kv.keys import Namespace, leading_present
 from tiered_kv.store import codec_choice
 from tiered_kv.store.admission import RequestCounts
@@ -155,22 +155,27 @@ class TieredStore:
 
     # -- saving and loading (see Saver and Loader) -------------------------------------------------
     def prepare_save(self, keys: Sequence[bytes], tenant: bytes | None = None) -> SaveBatch:
-        self._saves_open()
+        if self._after_close(len(keys)):
+            return SaveBatch([], [], len(keys))
         return self.saver.prepare_save(keys, tenant)
 
     def commit_save(self, batch: SaveBatch, ok: bool = True):
-        if ok:
-            self._saves_open()
+        if ok and self._after_close(len(batch.keys)):
+            return None
         return self.saver.commit_save(batch, ok)
 
     def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor], tenant: bytes | None = None):
-        self._saves_open()
+        if self._after_close(len(keys)):
+            return None
         return self.saver.save(keys, payloads, tenant)
 
-    def _saves_open(self) -> None:
-        """A save after :meth:`close` is refused (it returned None, its blocks stored nowhere)."""
+    def _after_close(self, n: int) -> bool:
+        """Whether the store is closed: a save of ``n`` blocks then is a counted drop
+        (``saves_after_close``; an engine shutting down never gets an error for it). It used to
+        count the blocks as written to the host tier, and store nothing."""
         if self._closed:
-            raise BackendClosed("the tiered store is closed: nothing more is saved")
+            self.metrics.event("saves_after_close", n)
+        return self._closed
 
     def prepare_load(self, keys: Sequence[bytes], tenant: bytes | None = None, *, count: bool = True) -> LoadPlan:
         return self.loader.prepare_load(keys, tenant, count=count)
