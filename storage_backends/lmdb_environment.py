@@ -125,7 +125,7 @@ class LmdbEnvironment:
             if found != FORMAT:
                 raise BackendUnavailable(f"lmdb store at {self.path} has format {found}, this version "
                                          f"writes {FORMAT}")
-            self.tables, self._deferred = tables, False
+            self.tables, self._deferred, self._missing = tables, False, False  # (no more wrapping)
 
     def _create_tables(self, w: Write) -> tuple[Tables, int]:
         txn = raw_txn(w.txn)

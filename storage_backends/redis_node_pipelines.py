@@ -23,13 +23,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from redis.exceptions import AskError, MovedError, RedisError
+from redis.exceptions import AskError, MovedError, RedisClusterException, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger(__name__)
 
 REDIRECTS = (MovedError, AskError)  # answered per command: redis-py's cluster pipeline follows them
+_UNSENT = object()  # the reply of a command whose node has not answered yet
 
 
 def node_pipelines(client: Any, items: Sequence, name_of: Callable[[Any], bytes],
@@ -38,7 +39,7 @@ def node_pipelines(client: Any, items: Sequence, name_of: Callable[[Any], bytes]
     """The replies to ``add(pipe, item)`` for every item, in order (per-command errors as
     values, as ``execute(raise_on_error=False)`` gives them); the key of an item is
     ``name_of(item)``. ``read``: commands a replica may answer, when ``client`` balances reads."""
-    replies: list = [None] * len(items)
+    replies: list = [_UNSENT] * len(items)
     pending = list(range(len(items)))
     failures = 0
     while pending:
@@ -54,7 +55,7 @@ def node_pipelines(client: Any, items: Sequence, name_of: Callable[[Any], bytes]
             log.debug("redis cluster node unreachable (%r); topology read again, try %d", exc, failures)
             time.sleep(backoff(failures))
             _reinitialize(client)
-            pending = [i for i in pending if replies[i] is None]
+            pending = [i for i in pending if replies[i] is _UNSENT]  # (a node that answered is not asked again)
     again = [i for i, reply in enumerate(replies) if isinstance(reply, REDIRECTS)]
     if again:
         pipe = client.pipeline(transaction=False)
@@ -86,7 +87,7 @@ def _reinitialize(client: Any) -> None:
     try uses what is known."""
     try:
         client.nodes_manager.initialize()
-    except (RedisError, OSError) as exc:
+    except (RedisError, RedisClusterException, OSError) as exc:
         log.debug("redis cluster topology not read: %r", exc)
 
 

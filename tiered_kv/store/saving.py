@@ -206,8 +206,8 @@ class Saver:
         """Queue the write ``job(kept)`` of the ``kept`` of ``keys`` the withdrawals leave
         (:meth:`Invalidations.begin_write`), tracked as a write from before it is queued (so a
         withdrawal from then on deletes after it) and after any delete in flight of the same
-        keys; ``dropped(kept)`` runs instead when the save budget refuses it (or its job was
-        cancelled). None when nothing is left to write or the budget refused it at once."""
+        keys; ``dropped(kept)`` runs instead when the save budget refuses it. None when nothing
+        is left to write or the budget refused it at once."""
         out: Future = WriteFuture()
         kept, deletes = self.invalidations.begin_write(keys, out, replacement=replacement)
         if not kept:
@@ -220,7 +220,7 @@ class Saver:
                 dropped(kept)
                 out.set_result(0)
                 return False
-            queued.add_done_callback(lambda j: (dropped(kept) if j.cancelled() else None, settle(out, j)))
+            queued.add_done_callback(lambda j: settle(out, j))  # (the pool's own future: never cancelled)
             return True
 
         if deletes:
