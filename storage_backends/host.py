@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from itertools import repeat
 
 import torch
@@ -23,6 +23,7 @@ from storage_backends.base import Backend, BackendStats, TenantTotal, Visitor
 from storage_backends.eviction import Eviction, Plan
 from storage_backends.eviction_lru import LRU
 from storage_backends.host_entries import HostEntry
+from storage_backends.host_evictions import EvictHook, PendingEvictions
 from storage_backends.host_slab import new_slab, no_slab, want_pinned
 from storage_backends.options import split_options
 from storage_backends.quotas import Quotas, as_tenant
@@ -31,8 +32,6 @@ from tiered_kv.errors import BackendClosed, ConfigError
 from tiered_kv.units import format_size, parse_size
 
 log = logging.getLogger(__name__)
-
-EvictHook = Callable[[bytes, memoryview, bytes], None]  # (key, value, tenant)
 
 
 class HostBackend(Backend):
@@ -62,6 +61,7 @@ class HostBackend(Backend):
         self._free = list(range(self.num_slots - 1, -1, -1))
         self._ready = 0
         self.on_evict = on_evict
+        self._evicting = PendingEvictions()  # evicted bytes on their way to ``on_evict``
         self._closed = False
 
     @classmethod
@@ -77,8 +77,8 @@ class HostBackend(Backend):
 
     @classmethod
     def open_read_only(cls, url: str, *, timeout: float = 5.0) -> HostBackend:
-        raise ConfigError("host:// lives inside a serving process; point tools at the disk or remote "
-                          "tier (or use `tiered-kv stats` on its metrics port)")
+        raise ConfigError("host:// lives inside a serving process; point tools at the disk or "
+                          "remote tier (or use `tiered-kv stats` on its metrics port)")
 
     # -- slot interface (two-phase, leases) ----------------------------------------------------
     def can_reserve(self, n: int) -> bool:
@@ -114,7 +114,7 @@ class HostBackend(Backend):
             self._tell("removed", gone)  # under the lock: told in the order it happened
         if gone:
             self._count(evictions=len(gone), quota_evictions=quota_gone)
-        self._run_hooks(evicted)
+        self._evicting.run(self.on_evict, evicted, self._lock)
         return out
 
     def commit_many(self, keys: Sequence[bytes], *, pin: bool = False) -> None:
@@ -185,6 +185,7 @@ class HostBackend(Backend):
                 else:  # leased, or reserved and being filled: withdrawn once that ends
                     entry.retired = True
                     left += 1
+            self._evicting.withdraw(keys)  # (bytes evicted before, not yet with the hook)
             self._tell("removed", gone)
         return left
 
@@ -196,6 +197,11 @@ class HostBackend(Backend):
         """Whether ``key`` is reserved (phase one) and not yet committed or aborted."""
         with self._lock:
             return (entry := self._entries.get(key)) is not None and not entry.ready
+
+    def withdrawn_in_eviction(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key was withdrawn while its evicted bytes were on their way to ``on_evict``."""
+        with self._lock:
+            return self._evicting.withdrawn(keys)
 
     def retired_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each key's entry was withdrawn (:meth:`retire_many`) or is gone."""
@@ -327,6 +333,7 @@ class HostBackend(Backend):
             entry = self._entries[key]
             if self.on_evict is not None:
                 evicted.append((key, bytes(self._np[entry.slot, : entry.length]), entry.tenant))
+                self._evicting.taken(key)
             gone.append(key)
             self._drop(key, entry)
         return self._free.pop(), len(plan.quota)
@@ -337,13 +344,6 @@ class HostBackend(Backend):
         if entry.ready:
             self._ready -= 1
         self._free.append(entry.slot)
-
-    def _run_hooks(self, evicted: list) -> None:
-        for key, value, tenant in evicted:
-            try:
-                self.on_evict(key, memoryview(value), tenant)  # type: ignore[misc]
-            except Exception:  # a failing hook must not break the tier
-                log.exception("host on_evict hook failed for key %s", key.hex())
 
     def _check_open(self) -> None:
         if self._closed:

@@ -64,3 +64,20 @@ def test_a_full_slab_walks_its_lru_once_per_slot_it_frees():
     assert None not in h.reserve_many(new)
     assert len(asked) == 5 and h.contains_many([b"old%d" % i for i in range(6)]) == [False] * 5 + [True]
     assert h.stats().evictions == 5
+
+
+def test_a_withdrawal_while_evicted_bytes_are_on_their_way_to_the_hook_is_known_until_it_ends():
+    seen = []
+    h = None
+
+    def hook(key, value, tenant):
+        h.retire_many([key])  # withdrawn after the eviction took the bytes: no entry to retire
+        seen.append((key, h.withdrawn_in_eviction([key, b"other"])))
+
+    h = HostBackend(capacity=SLOT, slot_bytes=SLOT, pinned=False, on_evict=hook)
+    h.put_many([(b"old", b"x")])
+    h.put_many([(b"new", b"y")])  # evicts old
+    assert seen == [(b"old", [True, False])]
+    assert h.withdrawn_in_eviction([b"old"]) == [False], "forgotten once its hook ended"
+    h.put_many([(b"old", b"z")])  # evicts new, never withdrawn
+    assert seen[-1] == (b"new", [True, False]) and h.withdrawn_in_eviction([b"new"]) == [False]

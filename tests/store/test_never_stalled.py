@@ -168,3 +168,40 @@ def test_a_load_cancelled_while_the_pool_closes_is_counted_once():
     assert waiting[1].cancelled()
     assert all(isinstance(w.exception(5), RuntimeError) for w in (waiting[0], waiting[2]))
     assert pool.jobs == 0 and pool.queued_bytes() == {"save": 0, "load": 0}
+
+
+def test_regression_a_layer_wise_load_waited_until_the_step_ended_on_another_plans_failed_block(
+        tmp_path, monkeypatch):
+    """Two layer-wise loads of one step share a block (two requests with a common prefix) and
+    the block is bad: the first keeps its failed reservation until it is released (frames may
+    still be copied out of it), which the connector does when the step ends, after the forward
+    pass waited on the second load. The second must not wait for that release."""
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from tiered_kv.store import loading
+
+    monkeypatch.setattr(loading, "PROMOTION_WAIT_S", 60.0)  # would the second wait for the release?
+    with make_store(tmp_path, workers=1) as store:
+        keys = keys_for(2)
+        store.save(keys, payloads(store, 2))
+        store.flush(10)
+        store.host.delete_many(keys)  # both come from the disk tier
+        disk = store.tier("disk")
+        assert disk.backend.put_many([(disk.ns + keys[1], b"\0" * 4096)]) == [True]  # keys[1] lies
+        first = store.loader.load(store.prepare_load(keys), layered=True)
+        second = store.loader.load(store.prepare_load(keys[1:]), layered=True)
+        first.wait(10)
+        assert first.reasons[1] == "corrupt" and keys[1] in first.deferred
+        try:
+            second.wait(10)  # no load of it can succeed: a miss at once
+            held_up = False
+        except FutureTimeout:
+            held_up = True
+        store.release(first)
+        second.wait(10)
+        store.release(second)
+        assert not held_up, "the second load was held until the first was released"
+        assert second.ok == [False] and second.reasons == ["promotion_failed"]
+        assert second.progress is not None and second.progress.over == [True]
+        assert store.metrics.tiers["host"].misses["no_room"] == 0
+        assert not store.host.reserved(keys[1]), "the failed reservation ended with its plan"

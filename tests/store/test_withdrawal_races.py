@@ -83,6 +83,32 @@ def test_regression_an_evicted_copy_taken_before_the_withdrawal_landed_after_its
         assert store.tier("disk").contains(k[2:]) == [False] or store.lookup(k[2:]) == 1  # others as usual
 
 
+def test_regression_a_withdrawal_over_before_an_evicted_copy_was_queued_let_it_land_after_the_delete(tmp_path):
+    # the eviction took k[0]'s bytes; the whole withdrawal (retire, delete) ran before the hook
+    # queued their copy, so nothing in flight named k[0] any more when the copy was queued
+    with make_store(tmp_path, host="32KiB", disk={"policy": "on_evict"}) as store:  # 2 host slots
+        k = keys_for(3)
+        data = payloads(store, 3)
+        store.save(k[:1], data[:1])  # the wrong block
+        submit = store.saver._submit
+        withdrawn = []
+
+        def withdrawal_over_first(keys_, *args, **kwargs):
+            if k[0] in keys_ and not withdrawn:
+                withdrawn.append(store.invalidate(k[:1]).result(10))  # begun and finished
+            return submit(keys_, *args, **kwargs)
+
+        store.saver._submit = withdrawal_over_first
+        store.save(k[1:], data[1:])  # evicts k[0] to the disk tier
+        assert withdrawn == [1], "k[0] was not evicted"
+        store.flush(10)
+        assert store.tier("disk").contains(k[:1]) == [False] and store.lookup(k[:1]) == 0
+        store.save(k[:1], data[:1])  # recomputed after the withdrawal: evicted and written as usual
+        store.save(k[1:], data[1:])
+        store.flush(10)
+        assert store.tier("disk").contains(k[:1]) == [True]
+
+
 def test_regression_a_block_evicted_between_its_commit_and_its_lease_was_never_written_behind(tmp_path):
     # commit_save published the block, then another thread's reservation evicted it before the
     # write-behind leased it: a save reported done, stored nowhere, nothing counted

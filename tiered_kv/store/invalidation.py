@@ -13,8 +13,9 @@ then names the keys computed over the failed block, and every rank withdraws its
 - a write from the host tier submitted meanwhile (the recomputed KV, saved after the withdrawal)
   runs after the delete, and skips any key whose host copy was retired (bytes taken before the
   withdrawal); a copy of bytes taken earlier (an evicted block, one just loaded) is not made
-  while a withdrawal of its key is in flight (one that began and finished between an eviction
-  taking the bytes and queueing their copy is not seen: a window of one thread switch);
+  while a withdrawal of its key is in flight, nor one of evicted bytes whose key was withdrawn
+  after the eviction took them (the host tier remembers that until its hook has run: the
+  withdrawal may have ended before the hook queued the copy);
 - when the delete is done the keys are no longer suppressed.
 
 Deletes are rare (only after a failed load) and never dropped for the save budget.
@@ -66,8 +67,10 @@ class Invalidations:
         with self._lock:
             if replacement:
                 deletes = list({id(f): f for k in keys if (f := self._deletes.get(k)) is not None}.values())
-            else:
-                keys, deletes = [k for k in keys if k not in self._deletes and k not in self._suppressed], []
+            else:  # (and those withdrawn after an eviction took their bytes: the host knows)
+                late = self.host.withdrawn_in_eviction(keys)
+                keys = [k for k, w in zip(keys, late) if not w and k not in self._deletes and k not in self._suppressed]
+                deletes = []
             for k in keys:
                 self._writes.setdefault(k, []).append(fut)
         self._forget_when_done(keys, fut)

@@ -205,15 +205,15 @@ class Loader:
                                     plan.tenant)  # promoted: the tiers below may have been earned
             for i in others:
                 try:
-                    pinned = self._pin_promoted(plan.keys[i])
+                    pinned, why = self._pin_promoted(plan.keys[i])
                 except Exception:
                     log.exception("lease of a promoted block failed")
-                    pinned = None
+                    pinned, why = None, LOAD_ERROR
                 plan.slots[i] = pinned
                 plan.served[i] = "host" if pinned is not None else None
-                if pinned is None:  # no room is a counted miss
-                    plan.reasons[i] = "no_room"
-                    self.metrics.miss("host", "no_room")
+                if pinned is None:  # no room, or the other load failed: a counted miss
+                    plan.reasons[i] = why
+                    self.metrics.miss("host", why)
                 elif plan.progress is not None:
                     plan.progress.hold(i, pinned, self.block_nbytes)
             plan.finished = max(plan.finished, time.perf_counter())
@@ -233,16 +233,26 @@ class Loader:
                 plan.served[i] = tier
         return dict(zip(idx, reasons))
 
-    def _pin_promoted(self, key: bytes) -> int | None:
-        """Lease ``key`` in the host tier. When another load is promoting it right now (two
-        requests sharing a prefix load in the same step), wait for that load to commit or abort
-        instead of failing the block (bounded by PROMOTION_WAIT_S)."""
+    def _pin_promoted(self, key: bytes) -> tuple[int | None, str]:
+        """Lease ``key`` in the host tier: (its slot, else why not). When another load is
+        promoting it right now (two requests sharing a prefix load in the same step), wait for
+        that load to commit or abort instead of failing the block (bounded by PROMOTION_WAIT_S);
+        not for one that failed and keeps its reservation until its release (layer-wise: frames
+        may still be copied out of it), which would hold this load, and the forward pass waiting
+        on it, until the step ends."""
         deadline = time.monotonic() + PROMOTION_WAIT_S
-        delay = 0.0002
+        delay, waited = 0.0002, False
         while True:
             (pinned,) = self.host.pin_many([key])
-            if pinned is not None or not self.host.reserved(key) or time.monotonic() > deadline:
-                return pinned
+            if pinned is not None:
+                return pinned, ""
+            if not self.host.reserved(key):  # aborted (the other load failed), or there was no room
+                return None, "promotion_failed" if waited else "no_room"
+            if self.host.retired_many([key])[0]:  # failed, held until its plan is released
+                return None, "promotion_failed"
+            if time.monotonic() > deadline:
+                return None, "promotion_timeout"
+            waited = True
             time.sleep(delay)
             delay = min(delay * 2, 0.01)
 
@@ -278,7 +288,8 @@ class Loader:
         finally:
             if plan.progress is None:
                 self.host.abort_many(bad)
-            else:  # the worker may still copy their checked frames out: freed at release
+            else:  # the worker may still copy their checked frames out: freed at release, and
+                self.host.retire_many(bad)  # marked failed now (no other load waits on them)
                 plan.deferred.extend(bad)
         for i, slot in want:
             plan.slots[i] = slot if reasons[i] is None else None
