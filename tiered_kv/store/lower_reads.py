@@ -40,15 +40,18 @@ class LowerReader:
         may leave its buffer partly written: the caller must not use it. With ``on_ready`` the
         tiers are read layer group by layer group (:meth:`EncodedTier.read_layered`) and
         ``on_ready(indices, raw_end)`` names the keys whose first ``raw_end`` bytes are checked
-        and in place."""
+        and in place. A block some of whose bytes were named so is never read again from a
+        later tier (the caller may have used them: a later tier's failed read could clear them,
+        a good one could differ); it stays a miss with its first reason."""
         reasons: list[str | None] = ["absent"] * len(keys)
+        shown: set[int] = set()  # layer-wise: keys with bytes named in place
         served: list[str | None] = [None] * len(keys)
         for i, gone in enumerate(self.invalidations.suppressed(keys)):
             if gone:
                 reasons[i] = "invalidated"
                 self.metrics.miss("host", "invalidated")
         for depth, tier in enumerate(self.tiers):
-            pending = [i for i, r in enumerate(reasons) if r not in (None, "invalidated")]
+            pending = [i for i, r in enumerate(reasons) if r not in (None, "invalidated") and i not in shown]
             if not pending:
                 break
             above = [t for t in self.tiers[:depth] if t.policy != "off"]
@@ -56,9 +59,13 @@ class LowerReader:
             if on_ready is None:
                 got, blobs = tier.read_into(sub_keys, sub_outs, keep_blobs=bool(above), tenant=tenant)
             else:
-                got, blobs = tier.read_layered(
-                    sub_keys, sub_outs, lambda ready, end, p=pending: on_ready([p[j] for j in ready], end),
-                    keep_blobs=bool(above), tenant=tenant)
+                def told(ready: list[int], end: int, p: list[int] = pending) -> None:
+                    named = [p[j] for j in ready]
+                    if end > 0:
+                        shown.update(named)
+                    on_ready(named, end)
+
+                got, blobs = tier.read_layered(sub_keys, sub_outs, told, keep_blobs=bool(above), tenant=tenant)
             for i, reason in zip(pending, got):
                 if reason is None:
                     served[i] = tier.name
