@@ -203,10 +203,10 @@ class HostBackend(Backend):
         with self._lock:
             return self._evicting.withdrawn(keys)
 
-    def retired_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each key's entry was withdrawn (:meth:`retire_many`) or is gone."""
+    def states_many(self, keys: Sequence[bytes]) -> list[str | None]:
+        """Where each key stands: None (not here), else :attr:`HostEntry.state`."""
         with self._lock:
-            return [(e := self._entries.get(k)) is None or e.retired for k in keys]
+            return [None if (e := self._entries.get(k)) is None else e.state for k in keys]
 
     # -- byte interface ------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:

@@ -14,3 +14,9 @@ class HostEntry:
     ready: bool = False  # committed: visible to lookups and loads
     refs: int = 0  # pins (leases) held by loads in flight
     retired: bool = False  # superseded while leased: invisible, dropped when the last lease ends
+
+    @property
+    def state(self) -> str:
+        """"reserved" (being filled), "ready" (committed), or "retired" (withdrawn, or a failed
+        reservation: held until its leases end or its load is released, never published)."""
+        return "retired" if self.retired else "ready" if self.ready else "reserved"

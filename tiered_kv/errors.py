@@ -54,5 +54,10 @@ class BackendClosed(BackendError, ValueError):
     """A backend was used after ``close()``."""
 
 
+class StoreClosed(BackendClosed, RuntimeError):
+    """The store (its transfer pool) was closed before or during the call. (A RuntimeError too:
+    what a closed thread pool raises, and what callers of the pool have always caught.)"""
+
+
 class UnknownBackend(ConfigError):
     """No storage backend is registered for a URL scheme or name."""

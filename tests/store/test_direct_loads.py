@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.store.helpers import keys_for, make_store, payloads
+from tiered_kv.errors import StoreClosed
 from tiered_kv.store import direct_loads
 
 
@@ -144,15 +145,43 @@ def test_a_load_shared_by_the_caller_and_a_pool_job_reads_every_block_once_and_s
         assert store.pool.drain(10) and store.pool.queued_bytes() == {"save": 0, "load": 0}
 
 
-def test_load_into_after_close_raises_as_before(tmp_path):
+@pytest.mark.parametrize("dtype", [None, torch.float32], ids=["direct", "staged_through_slots"])
+def test_load_into_after_close_raises_a_typed_error(tmp_path, dtype):
     store = make_store(tmp_path)
-    keys = keys_for(1)
-    store.save(keys, payloads(store, 1))
+    keys = keys_for(2)
+    store.save(keys, payloads(store, 2))
     store.flush()
-    store.host.delete_many(keys)
+    store.host.delete_many(keys[1:])  # one host hit, one from the disk tier
     store.close()
-    with pytest.raises(RuntimeError):
-        store.load_into(keys, [torch.zeros(store.shape, dtype=store.dtype)])
+    with pytest.raises(StoreClosed):  # (a RuntimeError as before, and one of ours)
+        store.load_into(keys, [torch.zeros(store.shape, dtype=dtype or store.dtype) for _ in keys])
+
+
+@pytest.mark.parametrize("hits", ["consecutive", "scattered"])
+def test_regression_closing_the_store_during_a_load_into_raised_index_and_torch_errors_into_the_caller(
+        tmp_path, hits):
+    with make_store(tmp_path, workers=1) as store:
+        keys = keys_for(6)
+        data = payloads(store, 6)
+        store.save(keys, data)
+        store.flush(10)
+        store.host.delete_many(keys[4:])  # four host hits, two from the disk tier
+        if hits == "scattered":  # host slots that are not one run
+            keys, data = [keys[0], keys[2], keys[4], keys[5]], [data[0], data[2], data[4], data[5]]
+        read = store.loader.reader.read
+
+        def read_then_close(*args, **kwargs):  # another thread closes the store meanwhile
+            out = read(*args, **kwargs)
+            closing = threading.Thread(target=store.close)
+            closing.start()
+            closing.join(20)
+            assert not closing.is_alive(), "close() hung behind a load_into"
+            return out
+
+        store.loader.reader.read = read_then_close
+        outs = [torch.zeros(store.shape, dtype=store.dtype) for _ in keys]
+        with pytest.raises(StoreClosed):
+            store.load_into(keys, outs)
 
 
 def test_a_failed_load_into_is_not_held_up_by_a_busy_pool_either(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ from concurrent.futures import Future
 
 import torch
 
+from tiered_kv.errors import StoreClosed, TieredKVError
 from tiered_kv.store.host_slots import bytes_of_each
 from tiered_kv.store.shared_pieces import SharedPieces
 
@@ -42,26 +43,35 @@ class DirectLoads:
         tier."""
         if len(outs) != len(keys):  # a destination per key, or a True would name no bytes
             raise ValueError(f"load_into of {len(keys)} keys into {len(outs)} blocks")
+        if self.loader.pool.closed:
+            raise StoreClosed("load_into after the store was closed")
         ok: list[bool] = []
         chunk = max(1, self.loader.host.num_slots // 2)
         for start in range(0, len(keys), chunk):
             plan = self.loader.prepare_load(keys[start : start + chunk])
             part = outs[start : start + chunk]
             try:
-                lower = [i for i, s in enumerate(plan.slots) if s is None]
-                # (made before any job starts: torch calls drop and retake the GIL, and made in a
-                # job beside another job's reads they took 160-200 us, against 12 us here)
-                dests = bytes_of_each([part[i] for i in lower], accept=self.loader.slots.plain)
-                if dests is not None:
-                    ok.extend(self._load_direct(plan, part, lower, dests))
-                    continue
-                self.loader.load(plan).wait()
-                found = [(s, o) for s, o in zip(plan.slots, part) if s is not None]
-                self.loader.slots.copy_blocks([s for s, _ in found], [o for _, o in found], into_slots=False)
-                ok.extend(plan.ok)
+                ok.extend(self._load_chunk(plan, part))
+            except Exception as exc:
+                if self.loader.pool.closed and not isinstance(exc, TieredKVError):  # its slab went
+                    raise StoreClosed("the store was closed during load_into") from exc
+                raise
             finally:
                 self.loader.release(plan)
         return ok
+
+    def _load_chunk(self, plan, part: Sequence[torch.Tensor]) -> list[bool]:
+        """One chunk of :meth:`load_into`: success per key of ``plan``."""
+        lower = [i for i, s in enumerate(plan.slots) if s is None]
+        # (made before any job starts: torch calls drop and retake the GIL, and made in a job
+        # beside another job's reads they took 160-200 us, against 12 us here)
+        dests = bytes_of_each([part[i] for i in lower], accept=self.loader.slots.plain)
+        if dests is not None:
+            return self._load_direct(plan, part, lower, dests)
+        self.loader.load(plan).wait()
+        found = [(s, o) for s, o in zip(plan.slots, part) if s is not None]
+        self.loader.slots.copy_blocks([s for s, _ in found], [o for _, o in found], into_slots=False)
+        return plan.ok
 
     def _load_direct(self, plan, outs: Sequence[torch.Tensor], todo: list[int], dests: list) -> list[bool]:
         """The blocks ``todo`` read from the lower tiers straight into ``dests`` (their plain CPU
@@ -81,7 +91,7 @@ class DirectLoads:
         try:
             if todo:
                 if self.loader.pool.closed:
-                    raise RuntimeError("transfer pool is closed")
+                    raise StoreClosed("transfer pool is closed")
                 self._read_lower(plan, todo, dests, loaded, jobs)
             self.loader.slots.copy_blocks([s for s, _ in hits], [o for _, o in hits], into_slots=False)
         except BaseException:

@@ -248,7 +248,7 @@ class Loader:
                 return pinned, ""
             if not self.host.reserved(key):  # aborted (the other load failed), or there was no room
                 return None, "promotion_failed" if waited else "no_room"
-            if self.host.retired_many([key])[0]:  # failed, held until its plan is released
+            if self.host.states_many([key]) == ["retired"]:  # failed, held until its plan's release
                 return None, "promotion_failed"
             if time.monotonic() > deadline:
                 return None, "promotion_timeout"
@@ -296,5 +296,6 @@ class Loader:
             plan.reasons[i] = reasons[i]
             if reasons[i] is not None:
                 plan.served[i] = None
-        if bad:
-            self.metrics.event("loads_failed", len(bad))
+        failed = sum(reasons[i] not in (None, "invalidated") for i, _ in want)  # (a withdrawn one
+        if failed:  # did not fail: it was not read, as on every other load path)
+            self.metrics.event("loads_failed", failed)

@@ -83,13 +83,15 @@ class Saver:
             return SaveBatch(list(keys), slots, 0, tenant, counts)
         kept = [(k, s) for k, s in zip(keys, slots) if s is not None]
         skipped = len(keys) - len(kept)
-        if skipped:
+        if skipped:  # held already (computed again), being stored by another save or load (or
+            # twice in this one), a withdrawn copy a load still reads (not stored: counted), no room
             unreserved = [(k, n) for k, s, n in zip(keys, slots, counts) if s is None]
-            present = [(k, n) for (k, n), held in zip(unreserved, self.host.contains_many([k for k, _ in unreserved]))
-                       if held]
-            if len(unreserved) - len(present):
-                self.metrics.event("saves_no_room", len(unreserved) - len(present))
-            self.write_earned(present, tenant)  # computed again while held
+            states = self.host.states_many([k for k, _ in unreserved])
+            for state, event in ((None, "saves_no_room"), ("reserved", "saves_in_flight"),
+                                 ("retired", "saves_dropped_withdrawn")):
+                if n := states.count(state):
+                    self.metrics.event(event, n)
+            self.write_earned([kn for kn, state in zip(unreserved, states) if state == "ready"], tenant)
         by_key = dict(zip(keys, counts))
         return SaveBatch([k for k, _ in kept], [s for _, s in kept], skipped, tenant,
                          [by_key[k] for k, _ in kept])
@@ -236,8 +238,8 @@ class Saver:
         """Write the leased slots ``pinned``, but those whose host copy was retired meanwhile
         (withdrawn: their bytes were taken before the withdrawal)."""
         try:
-            live = [(k, s) for (k, s), gone in zip(pinned, self.host.retired_many([k for k, _ in pinned]))
-                    if not gone]
+            live = [(k, s) for (k, s), state in zip(pinned, self.host.states_many([k for k, _ in pinned]))
+                    if state not in (None, "retired")]
             return self.write_lower([(k, self.slots.row(s)) for k, s in live], targets, tenant)
         finally:
             self.host.unpin_many([k for k, _ in pinned])

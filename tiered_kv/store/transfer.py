@@ -20,6 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from tiered_kv.errors import StoreClosed
+
 log = logging.getLogger(__name__)
 
 LOAD, SAVE = 0, 1
@@ -60,7 +62,7 @@ class TransferPool:
         it counts against the save budget but is never refused for it."""
         with self._cond:
             if self._closed:
-                raise RuntimeError("transfer pool is closed")
+                raise StoreClosed("transfer pool is closed")
             self.inflight[SAVE] += nbytes
         return self._put(SAVE, nbytes, fn)
 
@@ -70,7 +72,7 @@ class TransferPool:
         fut: Future = Future()
         with self._cond:
             if self._closed:
-                raise RuntimeError("transfer pool is closed")
+                raise StoreClosed("transfer pool is closed")
             self.jobs += 1
             if self._waiting_loads or not self._load_fits(nbytes):
                 self._waiting_loads.append((nbytes, fn, fut))
@@ -159,7 +161,7 @@ class TransferPool:
             self._waiting_loads = deque(item for item in self._waiting_loads if item[2].cancelled())
             self.jobs -= len(stopped)
         for _, _, fut in stopped:
-            fut.set_exception(RuntimeError("transfer pool closed before the load started"))
+            fut.set_exception(StoreClosed("transfer pool closed before the load started"))
         for _ in self._threads:
             self._queue.put((2, next(self._seq), None, None, 0))
         for t in self._threads:
