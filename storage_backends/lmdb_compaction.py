@@ -8,10 +8,13 @@ only if the value still lies where it was read (a value overwritten, deleted or 
 process meanwhile keeps its new place; the copy is dead bytes). The old segment then drains and
 its file goes. Disk use stays within the capacity plus ``dead_limit`` plus the open segments.
 A direct writer (``direct_io``) pads each value it writes to a whole page, so its copies take
-pads again: its compaction counts up to a page less a byte per live value as that value's pad,
-not reclaimable (else a store of values under a page would be moved round and round without
-freeing anything). A victim none of whose values can be read is passed over from then on
-(damage: ``check(fix)``); one whose copies the disk refused is tried again later."""
+pads again: its compaction counts each live value's pad (what its copy adds to reach a whole
+page: none for a value of whole pages) as not reclaimable, else a store of values under a page
+would be moved round and round without freeing anything. The pads are read from the values'
+places, a few thousand per check (a segment not read yet counts a page less a byte per value:
+an overstatement, which only delays its compaction; a flat one kept the dead bytes of
+page-sized values over the limit for good). A victim none of whose values can be read is passed
+over from then on (damage: ``check(fix)``); one whose copies the disk refused is tried again later."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 1.0  # how often the dead bytes are summed (a cursor over the segments table)
 MOVE_BATCH = 8  # values copied per transaction (each in a buffer of the compacting thread)
+PAD_READS = 4096  # live values whose places one check reads to count their pads (a direct writer)
 
 
 class Compactor:
@@ -35,7 +39,8 @@ class Compactor:
 
     def __init__(self, db: LmdbEnvironment, values: SegmentValues, dead_limit: int) -> None:
         self.db, self.values, self.dead_limit = db, values, dead_limit
-        self._max_pad = values.files.writer.max_pad  # what a copy of a value may add to it
+        self._writer = values.files.writer  # how this process's copies are laid out
+        self._pads: dict[int, tuple[int, int, int]] = {}  # segment -> (live bytes, values, pads) counted
         self._running = threading.Lock()
         self._checked = 0.0
         self._stuck: set[int] = set()  # victims none of whose values could be read (damage: check(fix))
@@ -74,37 +79,61 @@ class Compactor:
 
     def _sparsest(self) -> int | None:
         dead, best, best_share = 0, None, 1.0
+        reads, seen = [PAD_READS], set()
         with self.db.txn() as txn:
             for sid, stored in txn.cursor(db=self.db.tables.segments):
-                record = unpack_segment(stored)
-                if not record.sealed or record.end <= 0:
+                record, segment = unpack_segment(stored), int.from_bytes(bytes(sid), "big")
+                if not record.sealed or record.end <= 0 or segment in self._stuck:
                     continue
-                if int.from_bytes(bytes(sid), "big") in self._stuck:
-                    continue
-                reclaimable = self._reclaimable(record)
+                seen.add(segment)
+                pads = self._copy_pads(txn, segment, record, reads)
+                reclaimable = max(0, record.end - record.live_bytes - pads)
                 dead += reclaimable
                 share = 1.0 - reclaimable / record.end  # (buffered: the live share)
                 if share < best_share:
-                    best, best_share = int.from_bytes(bytes(sid), "big"), share
+                    best, best_share = segment, share
+        self._pads = {s: counted for s, counted in self._pads.items() if s in seen}  # (drained ones go)
         return best if dead > self.dead_limit else None
 
-    def _reclaimable(self, record: SegmentRecord) -> int:
-        """The bytes moving a segment's live values would free: its dead bytes, less the pads
-        this process's copies of them may take (none when it writes buffered)."""
-        dead = max(0, record.end - record.live_bytes)
-        return max(0, dead - record.live_entries * self._max_pad)
+    def _copy_pads(self, txn, segment: int, record: SegmentRecord, reads: list[int]) -> int:
+        """What this process's copies of ``segment``'s live values add to their lengths (none when
+        it writes buffered): their pads as counted from their places, while ``reads`` (values
+        this check may still read) lasts; else a page less a byte per value, or the pads counted
+        before some of them left (values only leave a sealed segment: that only overstates)."""
+        bound = record.live_entries * self._writer.max_pad
+        if not bound:
+            return 0
+        counted = self._pads.get(segment)
+        if counted is not None and counted[:2] == (record.live_bytes, record.live_entries):
+            return counted[2]
+        if reads[0] > 0:  # (one segment per check at least, however many values it holds)
+            reads[0] -= record.live_entries
+            pads = 0
+            for key in self._live_keys(txn, segment):
+                place = txn.get(key, db=self.db.tables.places)
+                if place is not None:
+                    length = unpack_place(place).length
+                    pads += self._writer.stride(length) - length
+            self._pads[segment] = (record.live_bytes, record.live_entries, pads)
+            return pads
+        if counted is not None and counted[1] > record.live_entries:
+            return min(counted[2], bound)
+        return bound
+
+    def _live_keys(self, txn, segment: int):
+        """The keys of the values ``segment`` holds (its ``segment_keys`` entries)."""
+        prefix = segment_key(segment)
+        cursor = txn.cursor(db=self.db.tables.segment_keys)
+        if cursor.set_range(prefix):
+            for entry in cursor.iternext(keys=True, values=False):
+                if bytes(entry[:8]) != prefix:
+                    break
+                yield bytes(entry[8:])
 
     def _move(self, segment: int) -> tuple[int, int]:
         """(values moved out of ``segment``, values read but not written: the disk refused them)."""
-        prefix = segment_key(segment)
         with self.db.txn() as txn:
-            cursor = txn.cursor(db=self.db.tables.segment_keys)
-            keys = []
-            if cursor.set_range(prefix):
-                for entry in cursor.iternext(keys=True, values=False):
-                    if bytes(entry[:8]) != prefix:
-                        break
-                    keys.append(bytes(entry[8:]))
+            keys = list(self._live_keys(txn, segment))
         moved = unwritten = 0
         for start in range(0, len(keys), MOVE_BATCH):
             batch_moved, batch_unwritten = self._move_batch(keys[start : start + MOVE_BATCH])

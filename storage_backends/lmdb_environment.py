@@ -12,12 +12,13 @@ import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NoReturn
 
 import lmdb
 
 from storage_backends.lmdb_accesses import AccessBuffer
 from storage_backends.lmdb_entries import apply_accesses
-from storage_backends.lmdb_format import READABLE, settle_format, stored_format
+from storage_backends.lmdb_format import READABLE, format_refusal, settle_format, stored_format
 from storage_backends.lmdb_gate import RemapGate
 from storage_backends.lmdb_missing import MissingTable, WithMissing, open_existing, raw_txn
 from storage_backends.lmdb_tables import FORMAT, Tables, Write
@@ -98,8 +99,7 @@ class LmdbEnvironment:
             self.env.close()
             raise ConfigError(f"cannot open LMDB store at {self.path}: {exc}") from None
         if found != FORMAT:
-            self.env.close()
-            raise ConfigError(f"lmdb store at {self.path} has format {found}, this version reads {FORMAT}")
+            self._refuse_format(found)
 
     def _read_format(self) -> int | None:
         """A read-only open: the stored format (None: none yet), refused when this version
@@ -111,9 +111,13 @@ class LmdbEnvironment:
             self.env.close()
             raise ConfigError(f"cannot open LMDB store at {self.path}: {exc}") from None
         if found not in READABLE:
-            self.env.close()
-            raise ConfigError(f"lmdb store at {self.path} has format {found}, this version reads {FORMAT}")
+            self._refuse_format(found)
         return found
+
+    def _refuse_format(self, found: int | None) -> NoReturn:
+        """An open that found a format this version cannot read: closed, refused."""
+        self.env.close()
+        raise ConfigError(format_refusal(self.path, found))
 
     def _settle_deferred(self) -> None:
         """The first write after a read-only open: create the missing tables and settle the
@@ -123,8 +127,7 @@ class LmdbEnvironment:
                 return
             tables, found = self._write(self._create_tables)
             if found != FORMAT:
-                raise BackendUnavailable(f"lmdb store at {self.path} has format {found}, this version "
-                                         f"writes {FORMAT}")
+                raise BackendUnavailable(format_refusal(self.path, found, doing="writes"))
             self.tables, self._deferred, self._missing = tables, False, False  # (no more wrapping)
 
     def _create_tables(self, w: Write) -> tuple[Tables, int]:

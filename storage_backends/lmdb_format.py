@@ -32,6 +32,12 @@ CHUNK = 4096  # meta records copied out per cursor pass (their buffers end with 
 READABLE = (None, 1, 2, FORMAT)  # formats read as they are (a read-only open); a write settles them
 
 
+def format_refusal(path: object, found: int | None, *, doing: str = "reads") -> str:
+    """Why the environment at ``path``, of format ``found``, is refused: the one wording of it,
+    whether an open or the first write after a read-only open finds it."""
+    return f"lmdb store at {path} has format {found}, this version {doing} {FORMAT}"
+
+
 def stored_format(tables: Tables, txn) -> int | None:
     """The environment's format (None: a new one)."""
     stored = txn.get(b"format", db=tables.info)

@@ -33,6 +33,25 @@ class StorageConfig:
         return not self.is_mla_model or self.tp_rank == self.dcp_rank
 
 
+@dataclass
+class ServerArgs:
+    """The fields of SGLang's ``ServerArgs`` that name a checkpoint's K/V, at SGLang 0.5.23's
+    defaults (``ServerArgs(model_path=...)``: checked against the real class)."""
+
+    model_path: str = "test/llama-like"
+    revision: str | None = None
+    dtype: str = "auto"
+    quantization: str | None = None
+    quantization_param_path: str | None = None
+    kv_cache_dtype: str = "auto"
+    json_model_override_args: str = "{}"
+    load_format: str = "auto"
+    model_loader_extra_config: str = "{}"
+    modelopt_quant: str | dict | None = None
+    modelopt_checkpoint_restore_path: str | None = None
+    rl_quant_profile: str | None = None
+
+
 class MHAPool:
     """A host pool of ``size`` token slots, K and V for ``layer_num`` layers of ``head_num`` heads."""
 

@@ -16,12 +16,15 @@ Every mistake is one :class:`ConfigError` line that names the key.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import xxhash
 
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.config_loading import ENV_PREFIX
@@ -33,6 +36,7 @@ log = logging.getLogger(__name__)
 
 ADAPTER_KEYS = ("config_file", "load_async", "save", "kv_layout")
 LAYOUTS = ("engine", "block_major", "layers_nb2", "layers_2nb", "layers_head_major")
+UNSET = (None, "", {}, "auto")  # an engine setting left at its default
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,44 @@ def _merge(base: dict, over: Mapping[str, Any]) -> dict:
         else:
             out[key] = value
     return out
+
+
+# -- what names a checkpoint's K/V beyond its files (folded into a namespace's revision) ---------
+def numerics_suffix(fields: Mapping[str, Any]) -> str:
+    """``+numerics-<hex>`` over the engine settings in ``fields`` that are set (those that change
+    the K/V a checkpoint computes for the same tokens without changing its files: weights
+    quantized as they load, config overrides, ...), or "" when none is, so an engine that sets
+    none keeps the namespace it had. Each engine's adapter names its own settings."""
+    fields = {name: value for name, value in fields.items() if value not in UNSET}
+    if not fields:
+        return ""
+    text = json.dumps(fields, sort_keys=True, default=stable_value)
+    return "+numerics-" + xxhash.xxh3_64_hexdigest(text.encode())
+
+
+def quantized_kv(cache_dtype: Any) -> bool:
+    """Whether a KV cache dtype setting names a quantized format (fp8, mxfp8, nvfp4, fp4): its
+    values depend on the activation dtype they were quantized from, which the stored dtype (or
+    the uint8 container an engine keeps them in) does not name."""
+    return str(cache_dtype or "").lower().startswith(("fp8", "mxfp", "nvfp", "fp4"))
+
+
+def dummy_weights(load_format: Any) -> str:
+    """The revision's mark of random weights (a profiling run): their KV is nobody's."""
+    return "+dummy-weights" if str(load_format or "").endswith("dummy") else ""
+
+
+def stable_value(value: Any) -> Any:
+    """A JSON-able form of a config value: a dataclass or object by its fields, a function (a
+    callable ``hf_overrides``) by its qualified name, a torch dtype by its name."""
+    if isinstance(value, (set, frozenset)):  # (str() of a set follows the hash seed)
+        return sorted(map(str, value))
+    if callable(value) and hasattr(value, "__qualname__"):
+        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    fields = getattr(value, "__dict__", None)
+    if isinstance(fields, dict) and fields:
+        return {k: v for k, v in fields.items() if not k.startswith("_")}
+    return str(value)
 
 
 # -- one store per (config, namespace) in a process ---------------------------------------------

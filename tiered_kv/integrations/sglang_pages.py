@@ -15,18 +15,41 @@ elements / (2 L page_size)); the real geometry is the one named in ``layout``. S
 its own chained page hashes (sha256 over the page tokens, seeded by ``extra_key`` and
 ``cache_salt``): a page key is 16 bytes of the namespace's hash of that string.
 
+The revision names what the pages' bytes follow beyond the checkpoint's name and the pool: the
+operator's revision (or the server's ``--revision``) and the server arguments that change the K/V
+the checkpoint computes for the same tokens (:data:`NUMERICS`), read from SGLang's server args.
+
 Scheduler-free and torch-free: the pool is read through its attributes only.
 """
 
 from __future__ import annotations
 
+import importlib
+import json
+import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from tiered_kv.dtypes import dtype_name, itemsize
 from tiered_kv.errors import ConfigError
 from tiered_kv.fingerprint import model_name
+from tiered_kv.integrations.common import dummy_weights, numerics_suffix, quantized_kv
 from tiered_kv.keys import Namespace
+
+log = logging.getLogger(__name__)
+
+# ServerArgs fields that change the K/V a checkpoint computes for the same tokens beyond its name
+# and the host pool's dtype: weights quantized as they load (``--quantization fp8`` of a bf16
+# checkpoint, ModelOpt, a FlashRL profile), a ModelOpt checkpoint loaded instead, config overrides
+# (RoPE scaling is applied to K before it is cached), the KV cache format (fp8 pools are uint8 on
+# the host: e4m3 and e5m2 pages look alike) and its scales. Folded into the revision when set.
+NUMERICS = ("quantization", "modelopt_quant", "modelopt_checkpoint_restore_path", "rl_quant_profile",
+            "json_model_override_args", "kv_cache_dtype", "quantization_param_path")
+QUANTIZING_LOADS = ("bitsandbytes",)  # load formats that quantize the weights as they load
+# where a running server publishes its ServerArgs: SGLang 0.5.23, then earlier releases
+SERVER_ARGS_SOURCES = (("sglang.srt.runtime_context", "get_server_args"),
+                       ("sglang.srt.server_args", "get_global_server_args"))
 
 
 @dataclass(frozen=True)
@@ -112,3 +135,55 @@ def page_key(namespace: Namespace, sglang_key: str) -> bytes:
 def _int(obj: Any, name: str, default: int) -> int:
     value = getattr(obj, name, None)
     return default if value is None else int(value)
+
+
+def server_args_of(kwargs: Mapping[str, Any] | None) -> Any:
+    """The ServerArgs of the SGLang server this backend serves: ``kwargs["server_args"]`` when
+    the caller hands them over, else those the scheduler process published, else None (logged:
+    the namespace then cannot follow ``--quantization`` and the rest of :data:`NUMERICS`)."""
+    given = (kwargs or {}).get("server_args")
+    if given is not None:
+        return given
+    installed = False
+    for module, getter in SERVER_ARGS_SOURCES:
+        try:
+            found = getattr(importlib.import_module(module), getter)()
+        except ImportError:  # SGLang not installed (tests, tools), or not this release's module
+            continue
+        except Exception:  # not published in this process yet, or a retired accessor
+            installed = True
+            continue
+        if found is not None:
+            return found
+    if installed:
+        log.warning("tiered-kv SGLang storage: SGLang's server args are not readable in this process, "
+                    "so --quantization, --kv-cache-dtype and the other settings that change the KV "
+                    "are not in the namespace; give servers that differ in them their own revision")
+    return None
+
+
+def page_revision(revision: str, server_args: Any) -> str:
+    """The namespace revision of a server's pages: ``revision`` (the operator's) else the server's
+    ``--revision``, plus dummy weights and the :data:`NUMERICS` that are set (none set, or no
+    server args: the revision as it was)."""
+    revision = revision or str(getattr(server_args, "revision", None) or "")
+    if server_args is None:
+        return revision
+    fields = {name: getattr(server_args, name, None) for name in NUMERICS}
+    fields["json_model_override_args"] = _json_value(fields["json_model_override_args"])  # "{}": unset
+    load_format = getattr(server_args, "load_format", None)
+    if load_format in QUANTIZING_LOADS:
+        fields["load_format"] = load_format
+    if quantized_kv(fields["kv_cache_dtype"]):  # the activation dtype the KV was quantized from
+        fields["dtype"] = getattr(server_args, "dtype", None)
+    return revision + dummy_weights(load_format) + numerics_suffix(fields)
+
+
+def _json_value(value: Any) -> Any:
+    """A JSON-text setting by its content (spacing and key order do not split namespaces)."""
+    if not isinstance(value, str) or not value.strip():
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value

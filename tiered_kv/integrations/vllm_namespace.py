@@ -6,14 +6,12 @@ with one ConfigError line."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
-
-import xxhash
 
 from tiered_kv.dtypes import dtype_name
 from tiered_kv.errors import ConfigError
 from tiered_kv.fingerprint import fold_weights, model_name
+from tiered_kv.integrations.common import dummy_weights, numerics_suffix, quantized_kv
 from tiered_kv.integrations.vllm_groups import is_replicated, kv_groups
 from tiered_kv.keys import Namespace
 
@@ -142,8 +140,7 @@ def _revision(vllm_config: Any, settings_config: Any) -> str:
     revision = settings_config.model_revision
     if not revision:
         revision = fold_weights(str(getattr(mc, "revision", None) or ""), mc.model)
-    if str(getattr(getattr(vllm_config, "load_config", None), "load_format", "")).endswith("dummy"):
-        revision += "+dummy-weights"
+    revision += dummy_weights(getattr(getattr(vllm_config, "load_config", None), "load_format", ""))
     return revision + _numerics(vllm_config)
 
 
@@ -152,23 +149,6 @@ def _numerics(vllm_config: Any) -> str:
     dtype under an fp8 KV cache, which the KV dtype does not name), or "" when none is."""
     mc = vllm_config.model_config
     fields = {name: getattr(mc, name, None) for name in NUMERICS}
-    if str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None) or "").startswith("fp8"):
+    if quantized_kv(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)):
         fields["dtype"] = getattr(mc, "dtype", None)
-    fields = {name: value for name, value in fields.items() if value not in (None, "", {}, "auto")}
-    if not fields:
-        return ""
-    text = json.dumps(fields, sort_keys=True, default=_stable)
-    return "+numerics-" + xxhash.xxh3_64_hexdigest(text.encode())
-
-
-def _stable(value: Any) -> Any:
-    """A JSON-able form of a config value: a dataclass or object by its fields, a function (a
-    callable ``hf_overrides``) by its qualified name, a torch dtype by its name."""
-    if isinstance(value, (set, frozenset)):  # (str() of a set follows the hash seed)
-        return sorted(map(str, value))
-    if callable(value) and hasattr(value, "__qualname__"):
-        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
-    fields = getattr(value, "__dict__", None)
-    if isinstance(fields, dict) and fields:
-        return {k: v for k, v in fields.items() if not k.startswith("_")}
-    return str(value)
+    return numerics_suffix(fields)
