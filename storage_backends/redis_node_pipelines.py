@@ -14,13 +14,26 @@ sent again through redis-py's cluster pipeline, which follows them and learns th
 refused or dropped connection (a node restarted, a master that failed over) re-reads the
 topology and sends that node's commands again, at most ``retries`` more times with backoff;
 a timeout is never sent again. What still fails is raised, for the caller's breaker.
+
+With ``node_threads`` (0, the default: one node after another) a call spanning several nodes
+sends their pipelines at once (:class:`NodeFanout`): one on the caller's thread, the others on
+up to that many threads the backend owns, so its latency is that of its slowest node, not the
+sum over nodes; a call on one node stays on the caller's thread. Each thread makes its own
+pipeline object (never shared) on the node's connection pool (which is thread-safe), and a call
+returns only once every pipeline it started has answered or failed. Not the default: with client
+and nodes on one 2-vCPU host it gained nothing for 2 MiB blocks and cost 25% of the GET rate of
+128 KiB ones (threads parsing replies contend for the GIL); it is for round trips that dominate
+(nodes across a network, a slow node).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from redis.exceptions import AskError, MovedError, RedisClusterException, RedisError
@@ -31,20 +44,104 @@ log = logging.getLogger(__name__)
 
 REDIRECTS = (MovedError, AskError)  # answered per command: redis-py's cluster pipeline follows them
 _UNSENT = object()  # the reply of a command whose node has not answered yet
+THREAD_PREFIX = "tiered-kv-redis-node"
+
+
+class NodeFanout:
+    """The threads on which a call spanning several nodes sends its per-node pipelines: made on
+    first need, one per node the cluster has for a call (at most ``threads``; none: every
+    pipeline on the caller's thread, one after another), joined by :meth:`close`."""
+
+    def __init__(self, threads: int = 0) -> None:
+        self.threads = threads
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    def run(self, jobs: Sequence[Callable[[], None]], workers: Callable[[], int]) -> None:
+        """Run ``jobs`` (one node's pipeline each) at once, the first on the caller's thread;
+        returns when every job started has ended, then raises the error that decides the call
+        (:func:`_deciding`). A job no thread has picked up when the caller gets to it is run by
+        the caller: a call never waits for a thread that another call's hung node holds. After an
+        error that is not retried, jobs not started are not started: the call raises anyway.
+        ``workers()``: how many threads to make, the first time some are needed."""
+        if len(jobs) <= 1:  # one node: no thread hop
+            for job in jobs:
+                job()
+            return
+        futures = [self._submit(job, workers) if self.threads else None for job in jobs[1:]]
+        try:
+            errors = [_error_of(jobs[0])]
+            for job, future in zip(jobs[1:], futures):
+                final = any(e is not None and not isinstance(e, RedisConnectionError) for e in errors)
+                if future is None or future.cancel():  # not started (or the pool is shut down)
+                    errors.append(None if final else _error_of(job))
+                else:
+                    errors.append(future.exception())  # waits: never abandoned while running
+        finally:  # (the caller interrupted: what has not started never will)
+            for future in futures:
+                if future is not None:
+                    future.cancel()
+        deciding = _deciding(errors)
+        if deciding is not None:
+            raise deciding
+
+    def _submit(self, job: Callable[[], None], workers: Callable[[], int]) -> Future | None:
+        with self._lock:
+            if self._closed:
+                return None  # (a call racing close(): its caller runs the job)
+            if self._pool is None:
+                size = max(1, min(self.threads, workers()))
+                self._pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix=THREAD_PREFIX)
+                log.debug("redis cluster pipelines sent on %d threads", size)
+            return self._pool.submit(job)
+
+    def close(self) -> None:
+        """Join the threads (a pipeline still running ends within the socket timeout); a call
+        made after this runs its pipelines on the caller's thread."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _error_of(job: Callable[[], None]) -> BaseException | None:
+    try:
+        job()
+    except Exception as exc:  # (kept: every node's error is weighed, none lost)
+        return exc
+    return None
+
+
+def _deciding(errors: Sequence[BaseException | None]) -> BaseException | None:
+    """The error a call raises when several nodes failed: one that is neither a timeout nor a
+    refused connection (unexpected), else a timeout (never retried: a hung node costs one),
+    else a refused connection (retried); the others are logged."""
+    failed = [e for e in errors if e is not None]
+    if not failed:
+        return None
+    rank = {RedisTimeoutError: 1, RedisConnectionError: 2}
+    deciding = min(failed, key=lambda e: next((r for t, r in rank.items() if isinstance(e, t)), 0))
+    for other in failed:
+        if other is not deciding:
+            log.debug("redis cluster node also failed in that call: %r", other)
+    return deciding
 
 
 def node_pipelines(client: Any, items: Sequence, name_of: Callable[[Any], bytes],
                    add: Callable[[Any, Any], Any], *, read: bool, retries: int,
-                   backoff: Callable[[int], float]) -> list:
+                   backoff: Callable[[int], float], fanout: NodeFanout) -> list:
     """The replies to ``add(pipe, item)`` for every item, in order (per-command errors as
     values, as ``execute(raise_on_error=False)`` gives them); the key of an item is
-    ``name_of(item)``. ``read``: commands a replica may answer, when ``client`` balances reads."""
+    ``name_of(item)``. ``read``: commands a replica may answer, when ``client`` balances reads.
+    The nodes' pipelines go at once on ``fanout``."""
     replies: list = [_UNSENT] * len(items)
     pending = list(range(len(items)))
     failures = 0
     while pending:
         try:
-            _send(client, items, name_of, add, read, pending, replies)
+            _send(client, items, name_of, add, read, pending, replies, fanout)
             pending = []
         except RedisTimeoutError:
             raise  # hung or black-holed: asking again only doubles the wait
@@ -54,7 +151,7 @@ def node_pipelines(client: Any, items: Sequence, name_of: Callable[[Any], bytes]
             failures += 1
             log.debug("redis cluster node unreachable (%r); topology read again, try %d", exc, failures)
             time.sleep(backoff(failures))
-            _reinitialize(client)
+            reinitialize(client)
             pending = [i for i in pending if replies[i] is _UNSENT]  # (a node that answered is not asked again)
     again = [i for i, reply in enumerate(replies) if isinstance(reply, REDIRECTS)]
     if again:
@@ -66,23 +163,35 @@ def node_pipelines(client: Any, items: Sequence, name_of: Callable[[Any], bytes]
     return replies
 
 
-def _send(client: Any, items: Sequence, name_of, add, read: bool, pending: list[int], replies: list) -> None:
-    """One pipeline per node for the ``pending`` items; their replies stored as they come."""
+def _send(client: Any, items: Sequence, name_of, add, read: bool, pending: list[int], replies: list,
+          fanout: NodeFanout) -> None:
+    """One pipeline per node for the ``pending`` items, all at once; their replies stored as
+    each node answers (a node that fails leaves its items ``_UNSENT``)."""
     balance = getattr(client, "load_balancing_strategy", None) if read else None
     groups: dict[str, tuple[Any, list[int]]] = {}
     manager = client.nodes_manager
-    for i in pending:
+    for i in pending:  # (on the caller's thread: a balanced read's round robin is not shared)
         node = manager.get_node_from_slot(client.keyslot(name_of(items[i])), load_balancing_strategy=balance)
         groups.setdefault(node.name, (node, []))[1].append(i)
-    for node, members in groups.values():
-        pipe = client.get_redis_connection(node).pipeline(transaction=False)
-        for i in members:
-            add(pipe, items[i])
-        for i, reply in zip(members, pipe.execute(raise_on_error=False)):
-            replies[i] = reply
+    fanout.run([partial(_node_pipeline, client, node, members, items, add, replies)
+                for node, members in groups.values()], partial(_nodes_of, client))
 
 
-def _reinitialize(client: Any) -> None:
+def _nodes_of(client: Any) -> int:
+    """The nodes a call may span: the masters, and their replicas when reads are balanced."""
+    return len(client.get_nodes() if getattr(client, "load_balancing_strategy", None) else client.get_primaries())
+
+
+def _node_pipeline(client: Any, node: Any, members: list[int], items: Sequence, add, replies: list) -> None:
+    """One node's pipeline, made on the thread that sends it (a pipeline is never shared)."""
+    pipe = client.get_redis_connection(node).pipeline(transaction=False)
+    for i in members:
+        add(pipe, items[i])
+    for i, reply in zip(members, pipe.execute(raise_on_error=False)):
+        replies[i] = reply  # (each thread its own indices)
+
+
+def reinitialize(client: Any) -> None:
     """Read the cluster's slots again (a promoted replica, a node back); failing that, the next
     try uses what is known."""
     try:
@@ -94,5 +203,5 @@ def _reinitialize(client: Any) -> None:
 def ping_every_node(client: Any, nodes: str) -> None:
     """PING ``nodes`` (``RedisCluster.PRIMARIES`` or ``ALL_NODES``) after reading the topology
     again; raises when one does not answer."""
-    _reinitialize(client)
+    reinitialize(client)
     client.ping(target_nodes=nodes)

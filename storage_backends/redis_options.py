@@ -24,7 +24,7 @@ def _no_quota(value: Any, name: str) -> None:
 
 PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "prefix": lambda v, name: v, "retries": _int, "max_connections": _int, "cluster": as_bool,
-    "read_from_replicas": as_bool,
+    "read_from_replicas": as_bool, "node_threads": _int,
     "ttl": lambda v, name: None if str(v).lower() in ("none", "", "0") else parse_duration(v, name=name),
     "timeout": lambda v, name: parse_duration(v, name=name),
     "pipeline_bytes": lambda v, name: parse_size(v, name=name),

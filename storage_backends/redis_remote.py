@@ -17,10 +17,11 @@ the call raises :class:`BackendUnavailable` and the circuit breaker opens
 (:mod:`storage_backends.redis_breaker`). While it is open every call fails at once, and one
 background probe (a PING, every cool-down that doubles from 0.5 s to 4 s; in a cluster to every
 master) watches for Redis to come back and closes it: no caller ever waits on a probe, and the
-same object works again on its own once Redis is healthy. In a cluster GETs, EXISTS and SETs go
-one pipeline per node (:mod:`storage_backends.redis_node_pipelines`), so a hung node costs a
-call one timeout there too. ``maxmemory`` refusals (OOM) make that put
-``False`` (``put_rejected``).
+same object works again on its own once Redis is healthy. In a cluster GETs, EXISTS, SETs and
+UNLINKs go one pipeline per node, the nodes at once (:mod:`storage_backends.redis_node_pipelines`),
+so a hung node costs a call one timeout there too; SCAN and INFO are retried as whole calls
+(:mod:`storage_backends.redis_admin`). ``maxmemory`` refusals (OOM) make that put ``False``
+(``put_rejected``).
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ from redis.retry import Retry
 from storage_backends.base import Backend, BackendStats, Visitor
 from storage_backends.quotas import as_tenant
 from storage_backends.redaction import redact_url
+from storage_backends.redis_admin import AdminRetry
 from storage_backends.redis_breaker import Breaker
 from storage_backends.redis_names import RedisNames
-from storage_backends.redis_node_pipelines import node_pipelines, ping_every_node
+from storage_backends.redis_node_pipelines import NodeFanout, node_pipelines, ping_every_node
 from storage_backends.redis_options import redis_arguments
 from storage_backends.redis_packer import PACKER, PackedConnection
 from tiered_kv.errors import BackendUnavailable, ConfigError
@@ -79,11 +81,12 @@ class RedisBackend(Backend):
 
     def __init__(self, url: str, *, prefix: bytes | str = b"tkv:", ttl: float | None = None,
                  timeout: float = 2.0, retries: int = 2, max_connections: int = 64, cluster: bool = False,
-                 pipeline_bytes: int = PIPELINE_BYTES, read_from_replicas: bool = False) -> None:
+                 pipeline_bytes: int = PIPELINE_BYTES, read_from_replicas: bool = False,
+                 node_threads: int = 0) -> None:
         super().__init__(redact_url(url))  # stats and logs never show a password
-        if timeout <= 0 or retries < 0 or max_connections < 1 or pipeline_bytes < 1:
-            raise ConfigError("redis timeout and pipeline_bytes must be positive, retries >= 0 "
-                              "and max_connections >= 1")
+        if timeout <= 0 or min(retries, node_threads) < 0 or max_connections < 1 or pipeline_bytes < 1:
+            raise ConfigError("redis timeout and pipeline_bytes must be positive, retries and "
+                              "node_threads >= 0 and max_connections >= 1")
         self.prefix = prefix.encode() if isinstance(prefix, str) else bytes(prefix)
         self.ttl_ms = max(1, round(ttl * 1000)) if ttl else None
         self.timeout, self.pipeline_bytes = timeout, pipeline_bytes
@@ -94,12 +97,12 @@ class RedisBackend(Backend):
         self._balanced = read_from_replicas  # a cluster's replicas answer reads too
         self._value_size = float(VALUE_SIZE_GUESS)  # running estimate: sizes GET pipelines
         self._breaker = Breaker(self.url, self._ping, DOWN_ERRORS + (redis.RedisError,))
-        self._closed = False
-        self._client: Any = None
-        self._client_lock = threading.Lock()
+        self._closed, self._client, self._client_lock = False, None, threading.Lock()
         # connection errors are retried, timeouts are not (see the module docstring)
         self.retries, self._backoff = retries, ExponentialBackoff(cap=min(0.5, timeout), base=0.02)
         retry = Retry(self._backoff, retries, supported_errors=(RedisConnectionError, ConnectionError))
+        self._admin = AdminRetry(self._backoff, retries)  # a cluster's SCAN and INFO (its client: no retries)
+        self._fanout = NodeFanout(node_threads)  # threads sending a cluster call's nodes at once
         common: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout,
                                       retry=retry, max_connections=max_connections)
         target = url.replace("redis+cluster://", "redis://", 1)
@@ -164,15 +167,15 @@ class RedisBackend(Backend):
         """Consecutive failed calls and probes (0: the breaker is closed)."""
         return self._breaker.failures
 
-    def _call(self, fn: Callable[[Any], T]) -> T:
-        """``fn(client)`` behind the breaker; Redis being away raises BackendUnavailable."""
+    def _call(self, fn: Callable[[Any], T], *, admin: bool = False) -> T:
+        """``fn(client)`` behind the breaker (``admin``: SCAN, INFO); Redis away raises BackendUnavailable."""
         if self._closed:
             raise ValueError("redis backend is closed")
         if self._breaker.open:  # the background probe decides when to close
             self._count(errors=1)
             raise BackendUnavailable(f"redis at {self.url} is down (next probe in {self._breaker.next_probe_s():.1f}s)")
         try:
-            return fn(self.client)
+            return self._admin.call(self.client, fn) if admin and self.cluster else fn(self.client)
         except DOWN_ERRORS as exc:
             self._count(errors=1)
             self._breaker.trip(exc)
@@ -226,7 +229,7 @@ class RedisBackend(Backend):
         a cluster one per node (:mod:`storage_backends.redis_node_pipelines`)."""
         if self.cluster:
             replies = node_pipelines(client, items, _name_of, add, read=read, retries=self.retries,
-                                     backoff=self._backoff.compute)
+                                     backoff=self._backoff.compute, fanout=self._fanout)
         else:
             pipe = client.pipeline(transaction=False)
             for item in items:
@@ -291,7 +294,7 @@ class RedisBackend(Backend):
         key twice, so keys are collected into a set first."""
         names: set[bytes] = set()
         for pattern in self.names.patterns(prefix, _glob_escape):
-            names |= self._call(lambda c, p=pattern: set(c.scan_iter(match=p, count=KEYS_PER_CALL)))
+            names |= self._call(lambda c, p=pattern: set(c.scan_iter(match=p, count=KEYS_PER_CALL)), admin=True)
         return iter(sorted({self.names.key(n) for n in names}))
 
     def stats(self) -> BackendStats:
@@ -301,7 +304,7 @@ class RedisBackend(Backend):
         key plus Redis' overhead, ~1.25x payload). ``capacity_bytes``: ``maxmemory`` or None.
         While Redis is unavailable: the counters, with ``extra['unavailable']``."""
         try:
-            facts = self._call(self._server_facts)
+            facts = self._call(self._server_facts, admin=True)
         except BackendUnavailable as exc:  # the counters are most wanted when Redis is away
             return self._snapshot(extra={"unavailable": str(exc), "breaker_failures": self._failures})
         return self._snapshot(
@@ -336,6 +339,7 @@ class RedisBackend(Backend):
             return
         self._closed = True
         self._breaker.close()
+        self._fanout.close()  # (before the client: no pipeline runs on a closed client)
         if self._client is not None:
             try:
                 self._client.close()

@@ -50,3 +50,17 @@ def _settled_masters(cluster: RedisClusterServers, deadline_s: float = 10.0) -> 
         if time.monotonic() > stop:
             raise AssertionError(f"masters' slot views never settled: {sorted(slots)}")
         time.sleep(0.05)
+
+
+def failed_over(cluster: RedisClusterServers, victim: Node, deadline_s: float = 30.0) -> None:
+    """Kill master ``victim`` once its replicas hold all it has, and return once its replica
+    serves its slots and no living node's slot map names it any more (a client reading the
+    topology again then finds the promoted replica, whichever node it asks)."""
+    cluster.wait_replicated()
+    cluster.kill(victim)
+    cluster.wait_healthy(deadline_s)
+    stop = time.monotonic() + deadline_s
+    while any(owner[1] == victim.port for node in cluster.living()
+              for _, _, owner, *_ in node.client().execute_command("CLUSTER", "SLOTS")):
+        assert time.monotonic() < stop, "a node's slot map still names the killed master"
+        time.sleep(0.05)
