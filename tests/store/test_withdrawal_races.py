@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from tests.store.helpers import keys_for, make_store, payloads
 
 WAIT_S = 1.0  # a bound: how long a forced order waits for a step that must not come first
@@ -61,7 +63,11 @@ def test_regression_a_write_behind_leased_before_the_withdrawal_was_queued_after
         assert store.host.stats().extra["leased"] == 0
 
 
-def test_regression_an_evicted_copy_taken_before_the_withdrawal_landed_after_its_delete(tmp_path):
+@pytest.mark.parametrize("withdrawal", ["begun", "over"])
+def test_regression_an_evicted_copy_taken_before_the_withdrawal_landed_after_its_delete(tmp_path, withdrawal):
+    # the eviction took k[0]'s bytes, then the withdrawal began before the hook queued their
+    # copy ("begun": its delete still in flight) or ran to its end ("over": nothing in flight
+    # named k[0] any more when the copy was queued)
     with make_store(tmp_path, host="32KiB", disk={"policy": "on_evict"}) as store:  # 2 host slots
         k = keys_for(3)
         data = payloads(store, 3)
@@ -69,38 +75,17 @@ def test_regression_an_evicted_copy_taken_before_the_withdrawal_landed_after_its
         submit = store.saver._submit
         withdrawals = []
 
-        def withdrawn_first(keys_, *args, **kwargs):  # its eviction copy is taken, then withdrawn
+        def withdrawn_first(keys_, *args, **kwargs):
             if k[0] in keys_ and not withdrawals:
                 withdrawals.append(store.invalidate(k[:1]))
+                if withdrawal == "over":
+                    withdrawals[0].result(10)
             return submit(keys_, *args, **kwargs)
 
         store.saver._submit = withdrawn_first
         store.save(k[1:], data[1:])  # evicts k[0] to the disk tier
         assert withdrawals, "k[0] was not evicted"
-        withdrawals[0].result(10)
-        store.flush(10)
-        assert store.tier("disk").contains(k[:1]) == [False] and store.lookup(k[:1]) == 0
-        assert store.tier("disk").contains(k[2:]) == [False] or store.lookup(k[2:]) == 1  # others as usual
-
-
-def test_regression_a_withdrawal_over_before_an_evicted_copy_was_queued_let_it_land_after_the_delete(tmp_path):
-    # the eviction took k[0]'s bytes; the whole withdrawal (retire, delete) ran before the hook
-    # queued their copy, so nothing in flight named k[0] any more when the copy was queued
-    with make_store(tmp_path, host="32KiB", disk={"policy": "on_evict"}) as store:  # 2 host slots
-        k = keys_for(3)
-        data = payloads(store, 3)
-        store.save(k[:1], data[:1])  # the wrong block
-        submit = store.saver._submit
-        withdrawn = []
-
-        def withdrawal_over_first(keys_, *args, **kwargs):
-            if k[0] in keys_ and not withdrawn:
-                withdrawn.append(store.invalidate(k[:1]).result(10))  # begun and finished
-            return submit(keys_, *args, **kwargs)
-
-        store.saver._submit = withdrawal_over_first
-        store.save(k[1:], data[1:])  # evicts k[0] to the disk tier
-        assert withdrawn == [1], "k[0] was not evicted"
+        assert withdrawals[0].result(10) == 1
         store.flush(10)
         assert store.tier("disk").contains(k[:1]) == [False] and store.lookup(k[:1]) == 0
         store.save(k[:1], data[:1])  # recomputed after the withdrawal: evicted and written as usual
