@@ -167,11 +167,11 @@ class HostBackend(Backend):
                     if entry.retired and entry.refs == 0:
                         self._drop(key, entry)
 
-    def retire_many(self, keys: Sequence[bytes]) -> int:
+    def retire_many(self, keys: Sequence[bytes], *, withdrawn: bool = True) -> int:
         """Withdraw entries whose bytes may be wrong: an unleased one is dropped now; a leased one,
         or one reserved and still being filled, becomes invisible at once (no lookup, pin or read
-        sees it; a commit does not publish it) and is dropped when its last lease ends. Returns
-        how many stay behind."""
+        sees it; a commit does not publish it) and is dropped when its last lease ends; how many
+        stay behind. Not ``withdrawn`` (a failed load's reservation): evicted bytes stay good."""
         left, gone = 0, []
         with self._lock:
             for key in keys:
@@ -185,7 +185,7 @@ class HostBackend(Backend):
                 else:  # leased, or reserved and being filled: withdrawn once that ends
                     entry.retired = True
                     left += 1
-            self._evicting.withdraw(keys)  # (bytes evicted before, not yet with the hook)
+            self._evicting.withdraw(keys if withdrawn else ())  # (bytes evicted before, not yet hooked)
             self._tell("removed", gone)
         return left
 

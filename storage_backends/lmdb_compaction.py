@@ -106,6 +106,8 @@ class Compactor:
         counted = self._pads.get(segment)
         if counted is not None and counted[:2] == (record.live_bytes, record.live_entries):
             return counted[2]
+        if counted is not None and counted[1] > record.live_entries:  # (the reads go to segments
+            return min(counted[2], bound)  # never counted: churn in one must not starve the rest)
         if reads[0] > 0:  # (one segment per check at least, however many values it holds)
             reads[0] -= record.live_entries
             pads = 0
@@ -116,8 +118,6 @@ class Compactor:
                     pads += self._writer.stride(length) - length
             self._pads[segment] = (record.live_bytes, record.live_entries, pads)
             return pads
-        if counted is not None and counted[1] > record.live_entries:
-            return min(counted[2], bound)
         return bound
 
     def _live_keys(self, txn, segment: int):

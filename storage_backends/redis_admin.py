@@ -12,13 +12,13 @@ node and die with it; what a call collects is collected afresh), and a timeout i
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from redis.backoff import AbstractBackoff
 from redis.exceptions import AuthenticationError, ClusterDownError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.retry import Retry
 
 from storage_backends.redis_node_pipelines import reinitialize
 
@@ -31,22 +31,23 @@ RETRIED = (RedisConnectionError, ClusterDownError, TryAgainError, SlotNotCovered
 
 class AdminRetry:
     """``call(client, fn)``: ``fn(client)``, tried again at most ``retries`` times on the
-    errors above (a wrong password is not: it does not mend), with ``backoff`` between tries."""
+    errors above (a wrong password is not: it does not mend), with ``backoff`` between tries.
+    (A loop of our own: redis-py's ``Retry.call_with_retry`` took the arguments this needs only
+    from 7.x, and the project supports redis-py 5 and 6.)"""
 
     def __init__(self, backoff: AbstractBackoff, retries: int) -> None:
-        self._retry = Retry(backoff, retries, supported_errors=RETRIED)
+        self._backoff, self._retries = backoff, retries
 
     def call(self, client: Any, fn: Callable[[Any], T]) -> T:
-        failed: list[BaseException] = []
-
-        def attempt() -> T:
-            if failed:  # after the backoff: a promoted replica is seen by then, if ever
-                reinitialize(client)
-            return fn(client)
-
-        def fail(exc: Exception, tries: int) -> None:
-            failed.append(exc)
-            log.debug("redis cluster admin call failed (%r), try %d", exc, tries)
-
-        return self._retry.call_with_retry(attempt, fail, with_failure_count=True,
-                                           is_retryable=lambda exc: not isinstance(exc, AuthenticationError))
+        self._backoff.reset()
+        tries = 0
+        while True:
+            try:
+                return fn(client)
+            except RETRIED as exc:
+                if isinstance(exc, AuthenticationError) or tries >= self._retries:
+                    raise
+                tries += 1
+                log.debug("redis cluster admin call failed (%r), try %d", exc, tries)
+                time.sleep(self._backoff.compute(tries))
+                reinitialize(client)  # after the backoff: a promoted replica is seen by then, if ever

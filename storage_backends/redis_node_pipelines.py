@@ -59,17 +59,18 @@ class NodeFanout:
         self._closed = False
 
     def run(self, jobs: Sequence[Callable[[], None]], workers: Callable[[], int]) -> None:
-        """Run ``jobs`` (one node's pipeline each) at once, the first on the caller's thread;
+        """Run ``jobs`` (one node's pipeline each; with no threads, one after another, the first
+        error raised at once) at once, the first on the caller's thread;
         returns when every job started has ended, then raises the error that decides the call
         (:func:`_deciding`). A job no thread has picked up when the caller gets to it is run by
         the caller: a call never waits for a thread that another call's hung node holds. After an
         error that is not retried, jobs not started are not started: the call raises anyway.
         ``workers()``: how many threads to make, the first time some are needed."""
-        if len(jobs) <= 1:  # one node: no thread hop
+        if len(jobs) <= 1 or not self.threads:  # one node, or none at once: in order, as ever
             for job in jobs:
                 job()
             return
-        futures = [self._submit(job, workers) if self.threads else None for job in jobs[1:]]
+        futures = [self._submit(job, workers) for job in jobs[1:]]
         try:
             errors = [_error_of(jobs[0])]
             for job, future in zip(jobs[1:], futures):

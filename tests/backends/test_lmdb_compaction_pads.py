@@ -66,3 +66,39 @@ def test_a_direct_writer_holds_back_each_values_own_pad_and_compacts_once_the_re
     assert b.compact() > 0
     assert b.get_many(list(live)) == list(live.values())
     b.close()
+
+
+def test_regression_a_segment_losing_values_every_check_kept_the_pad_reads_from_the_others(direct_dir, monkeypatch):
+    # each check spent its budget of pad reads on the segments whose counts had changed, in
+    # segment order, before any never counted: eviction chipping at the first segment (as many
+    # live values as the budget) kept every other segment on the flat page-per-value bound
+    import storage_backends.lmdb_compaction as compaction
+    from storage_backends.lmdb_segments import unpack_place
+
+    monkeypatch.setattr(compaction, "PAD_READS", 100)  # (128 MiB segments of 32 KiB values: 4096)
+
+    def opened():
+        return LmdbBackend(direct_dir, capacity=64 * MiB, segment_bytes="1MiB", segment_min="1KiB", direct_io=True)
+
+    b = opened()
+    b.compactor.dead_limit = 1 << 40
+    keys = [key(j) for j in range(8 * MiB // (4 * KiB))]
+    for start in range(0, len(keys), 64):
+        assert all(b.put_many([(keys[j], blob(j, 4 * KiB)) for j in range(start, min(len(keys), start + 64))]))
+    places = b.env.open_db(b"places", create=False)
+    with b.env.begin() as txn:
+        where = {k: unpack_place(txn.get(k, db=places)).segment for k in keys}
+    first = min(s for s, r in segment_records(b).items() if r.sealed)
+    churned = [k for k in keys if where[k] == first]
+    assert len(churned) > compaction.PAD_READS + 40
+    assert b.delete_many([k for k in keys if where[k] != first][1::2]) > 0  # the rest half dead
+    b.close()
+    b = opened()  # restarted: nothing counted yet
+    b.compactor.dead_limit = 256 * KiB
+    moved = 0
+    for k in churned[:30]:  # eviction keeps chipping at the first segment
+        b.delete_many([k])
+        moved += b.compactor.maybe_compact(force=True)
+    dead = b.compactor.dead_bytes()[0]
+    b.close()
+    assert moved > 0, f"{dead} dead bytes over a 256 KiB limit, nothing compacted in 30 checks"

@@ -62,3 +62,36 @@ def test_a_scan_that_met_a_hung_master_is_not_tried_again(own_redis_cluster, mon
     finally:
         hung.proc.send_signal(signal.SIGCONT)
         backend.close()
+
+
+def test_an_admin_call_is_tried_again_as_a_whole_on_refusals_but_not_past_retries_nor_on_a_wrong_password(
+        monkeypatch):
+    # (a loop of our own: the arguments of redis-py's call_with_retry it first used exist only
+    # from redis-py 7, and the project supports 5 and 6)
+    from redis.backoff import NoBackoff
+    from redis.exceptions import AuthenticationError
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from storage_backends import redis_admin
+
+    reads = []
+    monkeypatch.setattr(redis_admin, "reinitialize", reads.append)
+
+    def failing(*errors):
+        left = list(errors)
+
+        def fn(client):
+            if left:
+                raise left.pop(0)
+            return "answer"
+        return fn
+
+    retry = redis_admin.AdminRetry(NoBackoff(), 2)
+    assert retry.call("client", failing(RedisConnectionError("a"), RedisConnectionError("b"))) == "answer"
+    assert reads == ["client", "client"], "the topology is read again before each new try"
+    with pytest.raises(RedisConnectionError):
+        retry.call("client", failing(*[RedisConnectionError("c")] * 3))
+    reads.clear()
+    with pytest.raises(AuthenticationError):
+        retry.call("client", failing(AuthenticationError("wrong password")))
+    assert reads == []

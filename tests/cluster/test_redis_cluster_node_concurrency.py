@@ -18,7 +18,7 @@ from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from storage_backends.redis_node_pipelines import THREAD_PREFIX, NodeFanout
+from storage_backends.redis_node_pipelines import THREAD_PREFIX, NodeFanout, node_pipelines
 from storage_backends.redis_remote import RedisBackend
 from tests.cluster.helpers import failed_over
 from tests.redis_cluster import Node, RedisClusterServers
@@ -245,3 +245,69 @@ def test_node_threads_is_a_redis_option_and_never_negative():
         RedisBackend.from_url("redis+cluster://127.0.0.1:1?node_threads=-1")
     with pytest.raises(ConfigError):
         RedisBackend.from_url("redis+cluster://127.0.0.1:1?node_threads=many")
+
+
+class FakeCluster:
+    """Two nodes, A (slot 0: keys starting with a) and B, that fail as told; ``log`` names each
+    pipeline sent and each topology read, in order."""
+
+    def __init__(self, a_fails=(), b_fails=()) -> None:
+        self.log: list[str] = []
+        self.fails = {"A": list(a_fails), "B": list(b_fails)}
+        self.nodes = {name: type("FakeNode", (), {"name": name})() for name in "AB"}
+        cluster = self
+
+        class Nodes:
+            def get_node_from_slot(self, slot, load_balancing_strategy=None):
+                return cluster.nodes["A" if slot == 0 else "B"]
+
+            def initialize(self):
+                cluster.log.append("topology")
+
+        self.nodes_manager = Nodes()
+
+    def keyslot(self, name: bytes) -> int:
+        return 0 if name.startswith(b"a") else 1
+
+    def get_redis_connection(self, node):
+        cluster, node = self, node.name
+
+        class Pipe:
+            def __init__(self) -> None:
+                self.names: list[bytes] = []
+
+            def get(self, name):
+                self.names.append(name)
+
+            def execute(self, raise_on_error=False):
+                cluster.log.append(node)
+                if cluster.fails[node]:
+                    raise cluster.fails[node].pop(0)
+                return [b"v:" + n for n in self.names]
+
+        class Connection:
+            def pipeline(self, transaction=False):
+                return Pipe()
+
+        return Connection()
+
+    def get_primaries(self):
+        return list(self.nodes.values())
+
+
+def _get(cluster: FakeCluster, retries: int) -> list:
+    return node_pipelines(cluster, [b"a1", b"b1"], lambda name: name, lambda pipe, name: pipe.get(name),
+                          read=True, retries=retries, backoff=lambda n: 0.0, fanout=NodeFanout())
+
+
+def test_regression_by_default_a_refused_node_no_longer_stopped_the_pass_before_the_next_was_asked():
+    # one node after another (node_threads = 0), the first error ends the pass at once, as it
+    # always did: a refused node is retried with the nodes not asked yet, after the topology is
+    # read again; with no retries left it is raised without asking (or waiting out) the others
+    cluster = FakeCluster(a_fails=[RedisConnectionError("refused")])
+    assert _get(cluster, retries=2) == [b"v:a1", b"v:b1"]
+    assert cluster.log == ["A", "topology", "A", "B"]
+    cluster = FakeCluster(a_fails=[RedisConnectionError("refused")], b_fails=[RedisTimeoutError("hung")])
+    with pytest.raises(RedisConnectionError):
+        _get(cluster, retries=0)
+    assert cluster.log == ["A"]

@@ -148,3 +148,29 @@ def test_regression_cancelling_a_withdrawals_future_let_the_replacement_run_befo
         withdrawal.result(10)
         assert replacement is not None and replacement.result(10) == 1 and store.flush(10)
         assert store.tier("disk").contains(keys) == [True]
+
+
+def test_regression_a_failed_layer_wise_load_of_a_block_dropped_its_evicted_copy(tmp_path):
+    # a load that fails is not a withdrawal: the block's evicted bytes, on their way to the
+    # on_evict tier, are still good (the scheduler withdraws the keys after a failed block,
+    # not the block), and were then written nowhere
+    with make_store(tmp_path, host="32KiB", disk={"policy": "on_evict"}) as store:  # 2 host slots
+        k = keys_for(3)
+        data = payloads(store, 3)
+        store.save(k[:1], data[:1])  # the good block, in the host tier only
+        store.flush(10)
+        hook = store.saver.on_host_evict
+        reasons = []
+
+        def a_layer_wise_load_fails_first(key, value, tenant):
+            if key == k[0] and not reasons:  # not on disk yet: another request's load misses
+                plan = store.loader.load(store.prepare_load(k[:1]), layered=True)
+                reasons.extend(plan.wait(10).reasons)
+                store.release(plan)
+            return hook(key, value, tenant)
+
+        store.saver.on_host_evict = a_layer_wise_load_fails_first
+        store.save(k[1:], data[1:])  # evicts k[0]: its hook queues the copy
+        store.flush(10)
+        assert reasons and reasons[0] is not None, "the layer-wise load did not miss"
+        assert store.tier("disk").contains(k[:1]) == [True], "the good block is lost from every tier"

@@ -289,7 +289,7 @@ class Loader:
             if plan.progress is None:
                 self.host.abort_many(bad)
             else:  # the worker may still copy their checked frames out: freed at release, and
-                self.host.retire_many(bad)  # marked failed now (no other load waits on them)
+                self.host.retire_many(bad, withdrawn=False)  # marked failed now (no load waits on them)
                 plan.deferred.extend(bad)
         for i, slot in want:
             plan.slots[i] = slot if reasons[i] is None else None
