@@ -59,10 +59,10 @@ class NodeFanout:
         self._closed = False
 
     def run(self, jobs: Sequence[Callable[[], None]], workers: Callable[[], int]) -> None:
-        """Run ``jobs`` (one node's pipeline each; with no threads, one after another, the first
-        error raised at once) at once, the first on the caller's thread;
-        returns when every job started has ended, then raises the error that decides the call
-        (:func:`_deciding`). A job no thread has picked up when the caller gets to it is run by
+        """Run ``jobs`` (one node's pipeline each). With no threads: one after another on the
+        caller's thread, the first error raised at once. Else at once, the first on the caller's
+        thread; returns when every job started has ended, then raises the error that decides the
+        call (:func:`_deciding`). A job no thread has picked up when the caller gets to it is run by
         the caller: a call never waits for a thread that another call's hung node holds. After an
         error that is not retried, jobs not started are not started: the call raises anyway.
         ``workers()``: how many threads to make, the first time some are needed."""
@@ -166,8 +166,8 @@ def node_pipelines(client: Any, items: Sequence, name_of: Callable[[Any], bytes]
 
 def _send(client: Any, items: Sequence, name_of, add, read: bool, pending: list[int], replies: list,
           fanout: NodeFanout) -> None:
-    """One pipeline per node for the ``pending`` items, all at once; their replies stored as
-    each node answers (a node that fails leaves its items ``_UNSENT``)."""
+    """One pipeline per node for the ``pending`` items (sent as ``fanout`` runs them); their
+    replies stored as each node answers (a node that fails leaves its items ``_UNSENT``)."""
     balance = getattr(client, "load_balancing_strategy", None) if read else None
     groups: dict[str, tuple[Any, list[int]]] = {}
     manager = client.nodes_manager

@@ -18,7 +18,7 @@ the call raises :class:`BackendUnavailable` and the circuit breaker opens
 background probe (a PING, every cool-down that doubles from 0.5 s to 4 s; in a cluster to every
 master) watches for Redis to come back and closes it: no caller ever waits on a probe, and the
 same object works again on its own once Redis is healthy. In a cluster GETs, EXISTS, SETs and
-UNLINKs go one pipeline per node, the nodes at once (:mod:`storage_backends.redis_node_pipelines`),
+UNLINKs go one pipeline per node (at once with ``node_threads``; :mod:`storage_backends.redis_node_pipelines`),
 so a hung node costs a call one timeout there too; SCAN and INFO are retried as whole calls
 (:mod:`storage_backends.redis_admin`). ``maxmemory`` refusals (OOM) make that put ``False``
 (``put_rejected``).
