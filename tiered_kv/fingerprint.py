@@ -2,7 +2,9 @@
 
 A fingerprint hashes the names, sizes and modification times (ns) of a directory's weight files
 (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``, ``*.engine``) and the *contents*
-of its small JSON files (index files, ``config.json``, ``adapter_config.json``): replacing a
+of its small JSON files (index files, ``config.json``, ``adapter_config.json``, and the
+quantization settings ``hf_quant_config.json`` and ``quantize_config.json``, which say how the
+weights and the KV cache are quantized: an FP8 KV cache is switched there): replacing a
 model's or a LoRA adapter's weights in place (a new download, a fine-tune written over the old
 one) changes it without reading a byte of the weights, so computing one is cheap even for a
 large checkpoint, while a tool that rewrites an unchanged ``config.json`` does not. Replicas
@@ -23,7 +25,7 @@ import xxhash
 log = logging.getLogger(__name__)
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.engine", "*.index.json",
-                   "config.json", "adapter_config.json")
+                   "config.json", "adapter_config.json", "hf_quant_config.json", "quantize_config.json")
 CONTENT_HASHED_BYTES = 1 << 20  # JSON files up to this size are fingerprinted by content
 LORA_RECHECK_S = 1.0  # a LoRA path's files are stat'ed again at most this often
 

@@ -149,3 +149,45 @@ def test_server_args_sglang_has_not_published_are_said_and_leave_the_namespace_a
     with caplog.at_level(logging.WARNING, logger="tiered_kv.integrations.sglang_pages"):
         assert namespace_of(tmp_path, None) == plain_namespace()
     assert "--quantization" in caplog.text
+
+
+def local_model(tmp_path, name: str = "llama-like"):
+    """A checkpoint directory as SGLang's ``--model-path`` names it."""
+    model = tmp_path / "models" / name
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"num_hidden_layers": 2}')
+    (model / "model.safetensors").write_bytes(b"weights-1")
+    return model
+
+
+def test_regression_weights_replaced_in_place_under_a_local_model_path_kept_their_namespace(tmp_path):
+    # a fine-tune written over /models/llama-like (same path, new weights): the restarted server
+    # used to read the old weights' pages, K/V of another model
+    model = local_model(tmp_path)
+    before = namespace_of(tmp_path, ServerArgs(model_path=str(model)))
+    assert namespace_of(tmp_path, ServerArgs(model_path=str(model))) == before
+    (model / "model.safetensors").write_bytes(b"weights-2, longer")
+    after = namespace_of(tmp_path, ServerArgs(model_path=str(model)))
+    assert after.digest() != before.digest()
+    assert after.revision.startswith("files-")
+
+
+def test_a_local_model_named_only_by_sglangs_storage_model_name_is_fingerprinted_too(tmp_path):
+    model = local_model(tmp_path)
+    config = StorageConfig(model_name=str(model))
+    config.extra_config = {"disk": {"url": f"lmdb://{tmp_path}/l3", "capacity": "64MiB"}}
+    storage = TieredKVHiCacheStorage(config, {})  # SGLang handed no server args
+    try:
+        assert storage.revision.startswith("files-")
+    finally:
+        storage.close()
+
+
+def test_replicas_with_their_own_copies_share_pages_when_the_operator_names_the_revision(tmp_path):
+    # copies of one checkpoint at other paths differ in mtimes: the operator's revision names them
+    a, b = local_model(tmp_path / "a"), local_model(tmp_path / "b")
+    os.utime(b / "model.safetensors", ns=(1, 1))
+    on_a = namespace_of(tmp_path, ServerArgs(model_path=str(a)), revision="ft-2026-11")
+    on_b = namespace_of(tmp_path, ServerArgs(model_path=str(b)), revision="ft-2026-11")
+    assert on_a == on_b and on_a.revision == "ft-2026-11"
+    assert namespace_of(tmp_path, ServerArgs(model_path=str(a))) != namespace_of(tmp_path, ServerArgs(model_path=str(b)))

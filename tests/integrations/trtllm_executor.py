@@ -25,6 +25,7 @@ a wrong or missing loaded block changes the output.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -45,6 +46,27 @@ class LlmArgs:
     pipeline_parallel_size: int = 1
     dtype: str = "float32"
     max_seq_len: int | None = None
+    quant_config: object | None = None  # TensorRT-LLM's QuantConfig (QuantConfig() unless set)
+
+
+@dataclass
+class QuantConfig:
+    """TensorRT-LLM's ``QuantConfig`` dataclass: its declared fields and defaults, and one of its
+    cached properties (a value that lands in ``__dict__`` once read)."""
+
+    quant_algo: str | None = None
+    kv_cache_quant_algo: str | None = None
+    group_size: int = 128
+    smoothquant_val: float = 0.5
+    clamp_val: list[float] | None = None
+    use_meta_recipe: bool = False
+    has_zero_point: bool = False
+    pre_quant_scale: bool = False
+    exclude_modules: list[str] | None = None
+
+    @functools.cached_property
+    def quant_mode(self) -> object:
+        return object()  # (an object whose str() differs per instance)
 
 
 @dataclass

@@ -18,8 +18,8 @@ write-behind (SGLang's host pool is the L2): by default it holds 4 batches of 12
 
 What SGLang gets (its contract, see ``../shared/connectors.md``): every page is a self-checking
 block of the namespace :mod:`tiered_kv.integrations.sglang_pages` derives from the host pool
-(model, layout, geometry, dtype, TP shard; MLA stored once) and the server args that change the
-KV (``--quantization``, ``--kv-cache-dtype``, …, when set); ``batch_exists`` returns the leading
+(model, layout, geometry, dtype, TP shard; MLA stored once), a local model's weight files and the
+server args that change the KV (``--quantization``, ``--kv-cache-dtype``, …); ``batch_exists`` returns the leading
 run of stored pages; reads stop at the first page that is missing or fails its checks (a counted
 miss: SGLang cuts the prefix there); re-setting a stored page is success; a backup reports True
 for a page once a lower tier holds it (the host staging copy alone does not count when lower
@@ -105,7 +105,8 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         self.model_id = extra.get("model_id")
         revision = str(extra.get("revision") or self.settings.config.model_revision or "")
         # the server's quantization, KV dtype, config overrides, ... name the pages too
-        self.revision = sglang_pages.page_revision(revision, sglang_pages.server_args_of(kwargs))
+        self.revision = sglang_pages.page_revision(revision, sglang_pages.server_args_of(kwargs),
+                                                   getattr(storage_config, "model_name", None))
         self.write_timeout = float(extra.get("write_timeout", 60.0))
         self.writer = bool(getattr(storage_config, "is_storage_writer", True))
         self.mem_pool_host = None

@@ -16,8 +16,9 @@ its own chained page hashes (sha256 over the page tokens, seeded by ``extra_key`
 ``cache_salt``): a page key is 16 bytes of the namespace's hash of that string.
 
 The revision names what the pages' bytes follow beyond the checkpoint's name and the pool: the
-operator's revision (or the server's ``--revision``) and the server arguments that change the K/V
-the checkpoint computes for the same tokens (:data:`NUMERICS`), read from SGLang's server args.
+operator's revision (else the server's ``--revision`` and a fingerprint of a local model
+directory's weight files) and the server arguments that change the K/V the checkpoint computes
+for the same tokens (:data:`NUMERICS`), read from SGLang's server args.
 
 Scheduler-free and torch-free: the pool is read through its attributes only.
 """
@@ -33,7 +34,7 @@ from typing import Any
 
 from tiered_kv.dtypes import dtype_name, itemsize
 from tiered_kv.errors import ConfigError
-from tiered_kv.fingerprint import model_name
+from tiered_kv.fingerprint import fold_weights, model_name
 from tiered_kv.integrations.common import dummy_weights, numerics_suffix, quantized_kv
 from tiered_kv.keys import Namespace
 
@@ -162,11 +163,15 @@ def server_args_of(kwargs: Mapping[str, Any] | None) -> Any:
     return None
 
 
-def page_revision(revision: str, server_args: Any) -> str:
-    """The namespace revision of a server's pages: ``revision`` (the operator's) else the server's
-    ``--revision``, plus dummy weights and the :data:`NUMERICS` that are set (none set, or no
-    server args: the revision as it was)."""
-    revision = revision or str(getattr(server_args, "revision", None) or "")
+def page_revision(revision: str, server_args: Any, model: Any = None) -> str:
+    """The namespace revision of a server's pages: ``revision`` (the operator's), else the
+    server's ``--revision`` plus a fingerprint of the weight files when the model (``--model-path``,
+    else ``model``: SGLang's storage model name) is a local directory (weights replaced in place
+    change it, as for vLLM and TensorRT-LLM); then dummy weights and the :data:`NUMERICS` that
+    are set (none set, or no server args: nothing more)."""
+    if not revision:
+        local = getattr(server_args, "model_path", None) or model
+        revision = fold_weights(str(getattr(server_args, "revision", None) or ""), local)
     if server_args is None:
         return revision
     fields = {name: getattr(server_args, name, None) for name in NUMERICS}

@@ -9,12 +9,21 @@ calls (``update_state_after_alloc_by_layer_group``, ``request_finished_by_layer_
 the pages behind it and reports those blocks as ``-1``. The adapter stores full-attention K/V of
 one layer group, so a model with a window is refused when the connector is built: one
 ConfigError line naming where the window was found.
+
+The KV dtype is ``kv_cache_config.dtype`` when set, else the KV cache quantization TensorRT-LLM
+applies (``quant_config.kv_cache_quant_algo``, else the checkpoint's ``hf_quant_config.json`` or
+config.json ``quantization_config``): FP8 pages are ``float8_e4m3fn``, INT8 ones ``int8``; else
+the model's dtype. A ``quant_config`` that quantizes anything is folded into the revision (an
+engine built with ``quant_config=FP8`` from a bf16 checkpoint computes other K/V than the plain
+one from the same files), and so is the activation dtype under a quantized KV cache.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +31,13 @@ from tiered_kv.config import TieredKVConfig
 from tiered_kv.dtypes import dtype_name
 from tiered_kv.errors import ConfigError
 from tiered_kv.fingerprint import fold_weights, model_name
+from tiered_kv.integrations.common import numerics_suffix
 from tiered_kv.keys import Namespace
 
 SOURCE = "TensorRT-LLM tiered-kv settings (TIERED_KV_*)"
 
+KV_QUANT_DTYPES = {"FP8": "float8_e4m3fn", "INT8": "int8"}  # quantized KV pages TensorRT-LLM keeps as one pool
+QUANTIZED_KV = ("float8_e4m3fn", "float8_e5m2", "int8")  # KV dtypes whose values follow the activation dtype
 WINDOWED = ("the TensorRT-LLM adapter stores the full-attention KV of one layer group; TensorRT-LLM "
             "keeps a layer group per window size and frees the pages behind a window")
 
@@ -72,18 +84,87 @@ def trtllm_namespace(llm_args: Any, config: TieredKVConfig) -> Namespace:
         raise ConfigError(f"{SOURCE}: the model's config.json lacks {exc}") from None
     kv_cache_config = getattr(llm_args, "kv_cache_config", None)
     block_size = getattr(kv_cache_config, "tokens_per_block", None) or 32
-    dtype = getattr(kv_cache_config, "dtype", None)
-    if dtype in (None, "auto"):
-        dtype = getattr(llm_args, "dtype", None)
-    if dtype in (None, "auto"):
-        dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
+    kv_algo = kv_cache_quant_algo(llm_args, hf)
+    dtype = kv_dtype(llm_args, hf, kv_algo)
     # model_revision, when set, names the weights (see vllm._revision); else a local model
     # directory's weight files (checkpoint or built engine) are fingerprinted into the revision
     revision = config.model_revision or fold_weights(str(getattr(llm_args, "revision", None) or ""),
                                                       model_dir(llm_args))
-    return Namespace(model_id=model_name(llm_args.model), dtype=dtype_name(dtype), num_layers=layers,
+    revision += quantization_suffix(llm_args, dtype)
+    return Namespace(model_id=model_name(llm_args.model), dtype=dtype, num_layers=layers,
                      num_kv_heads=kv_heads, head_dim=head_dim, block_size=int(block_size),
                      revision=revision, cache_salt=config.cache_salt, hash_algo=config.hash_algo)
+
+
+def kv_cache_quant_algo(llm_args: Any, hf: dict) -> str | None:
+    """The KV cache quantization TensorRT-LLM applies (``"FP8"``, ``"INT8"``, ``"NVFP4"``, ...)
+    when ``kv_cache_config.dtype`` leaves it to the checkpoint or ``quant_config``, else None."""
+    explicit = getattr(getattr(llm_args, "kv_cache_config", None), "dtype", None)
+    if explicit not in (None, "auto"):
+        return None
+    algo = getattr(getattr(llm_args, "quant_config", None), "kv_cache_quant_algo", None)
+    if algo is None:
+        algo = (_hf_quant_config(llm_args).get("quantization") or {}).get("kv_cache_quant_algo")
+    if algo is None:
+        scheme = (hf.get("quantization_config") or {}).get("kv_cache_scheme") or {}
+        if scheme.get("num_bits") == 8 and scheme.get("type") == "float":  # llm-compressor's fp8 KV
+            algo = "FP8"
+    return None if algo is None else str(getattr(algo, "value", algo)).upper()
+
+
+def kv_dtype(llm_args: Any, hf: dict, kv_algo: str | None) -> str:
+    """The dtype of the KV pages (see the module text)."""
+    if kv_algo is not None:
+        if kv_algo not in KV_QUANT_DTYPES:
+            raise ConfigError(f"{SOURCE}: a KV cache quantized as {kv_algo} keeps scales beside its "
+                              f"pages; the adapter stores {sorted(KV_QUANT_DTYPES)} KV caches or unquantized ones")
+        return KV_QUANT_DTYPES[kv_algo]
+    dtype = getattr(getattr(llm_args, "kv_cache_config", None), "dtype", None)
+    if dtype in (None, "auto"):
+        dtype = getattr(llm_args, "dtype", None)
+    if dtype in (None, "auto"):
+        dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
+    return dtype_name(dtype)
+
+
+def quantization_suffix(llm_args: Any, dtype: str) -> str:
+    """``+numerics-<hex>`` over a ``quant_config`` that quantizes weights or KV (its fields that
+    are set) and, when the KV pages (``dtype``) are quantized, the activation dtype they were
+    quantized from; "" for a plain engine."""
+    quant = getattr(llm_args, "quant_config", None)
+    fields: dict[str, Any] = {}
+    if getattr(quant, "quant_algo", None) is not None or getattr(quant, "kv_cache_quant_algo", None) is not None:
+        fields["quant_config"] = _declared(quant)
+    if dtype in QUANTIZED_KV:
+        fields["dtype"] = getattr(llm_args, "dtype", None)
+    return numerics_suffix(fields)
+
+
+def _declared(value: Any) -> Any:
+    """A config object by its declared fields that are set, nested configs too (a dataclass's
+    ``cached_property`` values, which land in its ``__dict__`` once read, are left out: the
+    scheduler and the worker half must name the same namespace whatever each has read)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        found = {f.name: _declared(getattr(value, f.name, None)) for f in dataclasses.fields(value)}
+        return {name: item for name, item in found.items() if item not in (None, False, [], (), {})}
+    if isinstance(value, Mapping):
+        return {str(name): _declared(item) for name, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_declared(item) for item in value]
+    return getattr(value, "value", value)  # a QuantAlgo by its name
+
+
+def _hf_quant_config(llm_args: Any) -> dict:
+    """A ModelOpt checkpoint's ``hf_quant_config.json`` (empty when there is none)."""
+    directory = model_dir(llm_args)
+    path = Path(directory) / "hf_quant_config.json" if directory else None
+    if path is None or not path.is_file():
+        return {}
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{SOURCE}: cannot read {path}: {exc}") from None
+    return found if isinstance(found, dict) else {}
 
 
 def refuse_attention_windows(llm_args: Any, hf: dict) -> None:
