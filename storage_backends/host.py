@@ -93,10 +93,9 @@ class HostBackend(Backend):
         None where the key is already here or there is no room (within the tenant's quota)."""
         tenant = as_tenant(tenant)
         out: list[int | None] = []
-        evicted: list[tuple[bytes, bytes, bytes]] = []
         gone: list[bytes] = []
         quota_gone = 0  # (of ``gone``) evicted by a tenant's quota
-        with self._lock:
+        with self._evicting.handing(self.on_evict, self._lock) as evicted, self._lock:  # hooked, raise or not
             fast = None if lengths is not None or self._eviction.quotas else self._reserve_free(keys, tenant)
             if fast is not None:  # whole slots, all free: nothing evicted, nothing to tell
                 return fast
@@ -114,7 +113,6 @@ class HostBackend(Backend):
             self._tell("removed", gone)  # under the lock: told in the order it happened
         if gone:
             self._count(evictions=len(gone), quota_evictions=quota_gone)
-        self._evicting.run(self.on_evict, evicted, self._lock)
         return out
 
     def commit_many(self, keys: Sequence[bytes], *, pin: bool = False) -> None:
@@ -171,7 +169,8 @@ class HostBackend(Backend):
         """Withdraw entries whose bytes may be wrong: an unleased one is dropped now; a leased one,
         or one reserved and still being filled, becomes invisible at once (no lookup, pin or read
         sees it; a commit does not publish it) and is dropped when its last lease ends; how many
-        stay behind. Not ``withdrawn`` (a failed load's reservation): evicted bytes stay good."""
+        stay behind. Not ``withdrawn`` (a failed load's reservation, state "failed"): evicted
+        bytes stay good."""
         left, gone = 0, []
         with self._lock:
             for key in keys:
@@ -183,7 +182,7 @@ class HostBackend(Backend):
                 if entry.ready and entry.refs == 0:
                     self._drop(key, entry)
                 else:  # leased, or reserved and being filled: withdrawn once that ends
-                    entry.retired = True
+                    entry.retired, entry.withdrawn = True, entry.withdrawn or withdrawn
                     left += 1
             self._evicting.withdraw(keys if withdrawn else ())  # (bytes evicted before, not yet hooked)
             self._tell("removed", gone)

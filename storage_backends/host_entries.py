@@ -1,5 +1,5 @@
 """What the host tier knows of each key it holds: its slot, the bytes charged, its tenant and
-where it stands (reserved, committed, leased, withdrawn)."""
+where it stands (reserved, committed, leased, withdrawn, failed)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,13 @@ class HostEntry:
     ready: bool = False  # committed: visible to lookups and loads
     refs: int = 0  # pins (leases) held by loads in flight
     retired: bool = False  # superseded while leased: invisible, dropped when the last lease ends
+    withdrawn: bool = False  # retired because its bytes may be wrong (else: a failed load's reservation)
 
     @property
     def state(self) -> str:
-        """"reserved" (being filled), "ready" (committed), or "retired" (withdrawn, or a failed
-        reservation: held until its leases end or its load is released, never published)."""
-        return "retired" if self.retired else "ready" if self.ready else "reserved"
+        """"reserved" (being filled), "ready" (committed), "retired" (withdrawn: held until its
+        leases end, never published) or "failed" (a failed load's reservation, never withdrawn:
+        held until its load is released, never published)."""
+        if self.retired:
+            return "retired" if self.withdrawn else "failed"
+        return "ready" if self.ready else "reserved"

@@ -6,14 +6,15 @@ releasing it (the hook queues their write to a lower tier). A withdrawal of the 
 (:meth:`HostBackend.retire_many`: the bytes may be wrong) finds no entry left to retire, and
 could begin and end before the hook queues its write, which would then store the wrong bytes
 after their delete. So the withdrawal is remembered here until the hook has run, and the hook's
-writer asks for it. Every method is called under the host tier's lock."""
+writer asks for it. Every method but :meth:`handing` and :meth:`run` is called under the host
+tier's lock."""
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,18 @@ class PendingEvictions:
         else:
             del self._pending[key]
             self._withdrawn.discard(key)
+
+    @contextmanager
+    def handing(self, hook: EvictHook | None, lock: AbstractContextManager) -> Iterator[list]:
+        """The list an eviction appends the (key, bytes, tenant) it took to (:meth:`taken`),
+        handed to ``hook`` (:meth:`run`) when the block ends, also when it raised: the entries
+        are gone from the tier either way, and a key left pending would read as withdrawn for
+        good once withdrawn, its later evicted copies dropped."""
+        evicted: list[tuple[bytes, bytes, bytes]] = []
+        try:
+            yield evicted
+        finally:
+            self.run(hook, evicted, lock)
 
     def run(self, hook: EvictHook | None, evicted: list[tuple[bytes, bytes, bytes]],
             lock: AbstractContextManager) -> None:

@@ -4,6 +4,8 @@ one being filled or leased), and the eviction hook learns whose entry it sees.""
 
 from __future__ import annotations
 
+import pytest
+
 from storage_backends.host import HostBackend
 
 KiB = 1 << 10
@@ -81,3 +83,38 @@ def test_a_withdrawal_while_evicted_bytes_are_on_their_way_to_the_hook_is_known_
     assert h.withdrawn_in_eviction([b"old"]) == [False], "forgotten once its hook ended"
     h.put_many([(b"old", b"z")])  # evicts new, never withdrawn
     assert seen[-1] == (b"new", [True, False]) and h.withdrawn_in_eviction([b"new"]) == [False]
+
+
+def test_regression_a_reservation_that_raised_after_evicting_left_its_victim_pending_for_good(monkeypatch):
+    # reserve_many evicted "a" (its bytes taken for the hook), then raised before the hook ran:
+    # "a" stayed pending for good, its bytes reached no tier, and once "a" was withdrawn every
+    # later evicted copy of it read as withdrawn (the store drops those copies: written nowhere)
+    seen = []
+    h = None
+
+    def hook(key, value, tenant):
+        seen.append((key, bytes(value[:1]), h.withdrawn_in_eviction([key]) == [True]))
+
+    h = HostBackend(capacity=2 * SLOT, slot_bytes=SLOT, pinned=False, on_evict=hook)
+    h.put_many([(b"a", b"1")])
+    h.put_many([(b"b", b"2")])
+    first_victim, asked = h._eviction.next_victim, []
+
+    def fails_the_second_time(index):
+        asked.append(1)
+        if len(asked) == 2:
+            raise MemoryError("injected: the second slot's eviction fails")
+        return first_victim(index)
+
+    monkeypatch.setattr(h._eviction, "next_victim", fails_the_second_time)
+    with pytest.raises(MemoryError):
+        h.reserve_many([b"c", b"d"])  # "c" evicts "a", then "d" raises
+    monkeypatch.undo()
+    assert seen == [(b"a", b"1", False)], "the bytes the eviction took reached no hook"
+    h.abort_many([b"c"])
+    h.retire_many([b"a"])  # withdrawn long after its eviction ended
+    assert h.withdrawn_in_eviction([b"a"]) == [False]
+    h.put_many([(b"a", b"3")])  # recomputed, stored, then evicted: its copy is good
+    h.put_many([(b"e", b"4")])
+    h.put_many([(b"f", b"5")])
+    assert seen[-1] == (b"a", b"3", False)

@@ -11,6 +11,7 @@ import torch
 from tests.store.helpers import rewrite_stored_blocks
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.connector import build_connector
+from tiered_kv.connector.group_layout import GroupLayout
 from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.common import RequestStep, RequestView, StepOutput
 from tiered_kv.keys import Namespace
@@ -197,6 +198,27 @@ def test_registering_the_wrong_tensors_for_a_group_is_one_config_error(tmp_path)
     with pytest.raises(ConfigError, match="one entry per group"):
         conn.worker.register_kv_caches({f"layers.{i}": t for i, t in enumerate(tensors(FULL, 1))})
     conn.close()
+
+
+def test_regression_state_rows_registered_closer_than_a_row_apart_overlapped_on_every_copy():
+    # rows of a state tensor must not overlap: one whose row stride is below the row size (an
+    # expanded tensor, an odd view) passed every check, so a row's copy read and wrote its
+    # neighbours' values
+    ns = namespace(FULL, STATE)
+    row = STATE.shape[0]
+    flat = torch.zeros(NB * row)
+    for bad in (flat.as_strided((NB, row), (row // 2, 1)), torch.zeros(1, row).expand(NB, row)):
+        with pytest.raises(ConfigError, match=r"KV group 1 \(state\).* rows overlap"):
+            GroupLayout(ns, [tensors(FULL, 1), [bad, bad]])
+    # rows apart by more than a row (vLLM's state rows at the start of padded pages) are fine
+    pages = [torch.arange(NB * 2 * row, dtype=torch.float32).view(NB, 2 * row) + 1000 * i for i in range(2)]
+    before = [p.clone() for p in pages]
+    layout = GroupLayout(ns, [tensors(FULL, 1), [p[:, :row] for p in pages]])
+    layout.scatter_state(torch.tensor([[5]]), layout.gather_state(torch.tensor([[3]])))
+    for p, old in zip(pages, before):
+        assert torch.equal(p[5, :row], old[3, :row])  # row 3 copied into row 5
+        p[5, :row] = old[5, :row]
+        assert torch.equal(p, old)  # and nothing else written, the padding included
 
 
 def test_the_cli_shows_groups_and_explains_a_hybrid_hit_cut_where_no_state_is_held(tmp_path):

@@ -2,7 +2,8 @@
 was loaded did not fail to load (it was never read), whichever load path met it; a save of a
 key another save or load is storing right now, or twice in one call, found room (it is in
 flight), and one refused because a withdrawn copy of its key is still being read is a drop
-with its own name. ``saves_no_room`` is what the README says: no slot to be had."""
+with its own name, as is one refused because a failed layer-wise load still holds its key's
+slot (nothing was withdrawn). ``saves_no_room`` is what the README says: no slot to be had."""
 
 from __future__ import annotations
 
@@ -124,4 +125,19 @@ def test_a_save_refused_because_a_load_still_reads_the_withdrawn_copy_is_a_named
         assert store.metrics.events["saves_no_room"] == 0
         assert store.metrics.events["saves_dropped_withdrawn"] == 1
         store.save(key, payloads(store, 1))  # the lease over, the next save is stored
+        assert store.host.contains_many(key) == [True]
+
+
+def test_regression_a_save_refused_by_a_failed_layer_wise_loads_slot_was_counted_withdrawn(tmp_path):
+    with make_store(tmp_path) as store:
+        key = keys_for(1)  # stored nowhere: the load misses
+        plan = store.loader.load(store.prepare_load(key), layered=True)
+        assert plan.wait(10).reasons[0] is not None  # failed: its slot held until the release
+        batch = store.prepare_save(key)  # the engine computes the block and saves it
+        assert batch.keys == []
+        store.release(plan)
+        assert store.metrics.events["saves_dropped_withdrawn"] == 0, "nothing was withdrawn"
+        assert store.metrics.events["saves_held_by_failed_load"] == 1
+        assert store.metrics.events["saves_no_room"] == store.metrics.events["saves_in_flight"] == 0
+        store.save(key, payloads(store, 1))  # the load released, the next save is stored
         assert store.host.contains_many(key) == [True]

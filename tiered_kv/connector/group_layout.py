@@ -54,6 +54,10 @@ class _RowsPart:
             if t.dim() < 2 or prod(t.shape[1:]) != per_row or not t[0].is_contiguous():
                 raise ConfigError(f"{what}: tensor {tuple(t.shape)} is not rows of {per_row} contiguous "
                                   f"{group.dtype} values")
+            if t.shape[0] > 1 and t.stride(0) < per_row:  # an expanded or odd view: a row's copy
+                # would read and write its neighbours' values
+                raise ConfigError(f"{what}: tensor {tuple(t.shape)} has rows {t.stride(0)} values apart, "
+                                  f"less than a row of {per_row}: its rows overlap")
         # rows may be strided (vLLM's Mamba rows view the start of each padded page)
         self.rows = [t.as_strided((t.shape[0], per_row), (t.stride(0), 1)).view(dtype) for t in layers]
         self.device = layers[0].device

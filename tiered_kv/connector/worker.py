@@ -32,6 +32,7 @@ from tiered_kv.connector.group_layout import GroupLayout
 from tiered_kv.connector.host_spans import scatter_spans
 from tiered_kv.connector.layer_loads import LayerLoads
 from tiered_kv.connector.layout import KVLayout, device_ids, make_layout
+from tiered_kv.connector.load_starts import start_load
 from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec, save_groups
 from tiered_kv.store import LoadPlan, SaveBatch, TieredStore
 
@@ -123,12 +124,11 @@ class ConnectorWorker:
         layered = self.streams_layers
         sync: list[_PendingLoad] = []
         for spec in self.meta.loads:
-            keys = spec.keys + ((spec.state_key,) if spec.state_key else ())
-            plan = self.store.take_lease(spec.request_id, keys, spec.tenant)
-            self.store.loader.load(plan, layered=layered and not spec.is_async)
-            pending = _PendingLoad(spec, plan)
+            pending = _PendingLoad(spec, start_load(self.store, spec, layered and not spec.is_async))
             if spec.is_async:
                 self._async_loads[spec.request_id] = pending
+            elif pending.plan.released:  # the store was closed: every block failed (.load_starts)
+                self._finish_load(pending)
             else:
                 sync.append(pending)
         self.costs.step_started(bool(self.meta.loads))

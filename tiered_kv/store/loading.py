@@ -248,7 +248,7 @@ class Loader:
                 return pinned, ""
             if not self.host.reserved(key):  # aborted (the other load failed), or there was no room
                 return None, "promotion_failed" if waited else "no_room"
-            if self.host.states_many([key]) == ["retired"]:  # failed, held until its plan's release
+            if self.host.states_many([key])[0] in ("failed", "retired"):  # never to be published
                 return None, "promotion_failed"
             if time.monotonic() > deadline:
                 return None, "promotion_timeout"

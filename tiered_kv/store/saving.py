@@ -75,7 +75,11 @@ class Saver:
 
     def prepare_save(self, keys: Sequence[bytes], tenant: bytes | None = None) -> SaveBatch:
         """Phase one: reserve host slots for the keys not stored yet (each key is one request
-        of its block, for admission)."""
+        of its block, for admission). A key held already is not stored again; one given no slot
+        otherwise is counted by why: ``saves_no_room``, ``saves_in_flight`` (another save or
+        load is storing it), ``saves_dropped_withdrawn`` (a withdrawn copy a load still reads)
+        or ``saves_held_by_failed_load`` (a failed layer-wise load holds its slot until that
+        load is released: nothing was withdrawn); the next save of those last two is stored."""
         tenant = self.tenant if tenant is None else tenant
         counts = self.requests.request(keys)
         slots = self.host.reserve_many(list(keys), tenant=tenant)
@@ -84,11 +88,13 @@ class Saver:
         kept = [(k, s) for k, s in zip(keys, slots) if s is not None]
         skipped = len(keys) - len(kept)
         if skipped:  # held already (computed again), being stored by another save or load (or
-            # twice in this one), a withdrawn copy a load still reads (not stored: counted), no room
+            # twice in this one), a withdrawn copy a load still reads or a failed layer-wise
+            # load's reservation (neither stored this time: counted), no room
             unreserved = [(k, n) for k, s, n in zip(keys, slots, counts) if s is None]
             states = self.host.states_many([k for k, _ in unreserved])
             for state, event in ((None, "saves_no_room"), ("reserved", "saves_in_flight"),
-                                 ("retired", "saves_dropped_withdrawn")):
+                                 ("retired", "saves_dropped_withdrawn"),
+                                 ("failed", "saves_held_by_failed_load")):
                 if n := states.count(state):
                     self.metrics.event(event, n)
             self.write_earned([kn for kn, state in zip(unreserved, states) if state == "ready"], tenant)
@@ -239,7 +245,7 @@ class Saver:
         (withdrawn: their bytes were taken before the withdrawal)."""
         try:
             live = [(k, s) for (k, s), state in zip(pinned, self.host.states_many([k for k, _ in pinned]))
-                    if state not in (None, "retired")]
+                    if state not in (None, "retired", "failed")]
             return self.write_lower([(k, self.slots.row(s)) for k, s in live], targets, tenant)
         finally:
             self.host.unpin_many([k for k, _ in pinned])

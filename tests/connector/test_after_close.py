@@ -1,0 +1,45 @@
+"""The engine steps on after the store was closed (it shuts down with requests in flight, or a
+step races the close): nothing raises into it and no forward waits. Every block a load planned
+then is a load error the engine recomputes, counted ``store_closed`` and logged once; its saves
+are counted drops (``saves_after_close``)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tests.store.helpers import NS, keys_for, make_store, payloads
+from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec
+from tiered_kv.connector.worker import ConnectorWorker
+
+
+@pytest.mark.parametrize("layerwise", [False, True])
+def test_regression_a_step_after_the_store_closed_raised_store_closed_into_the_engine(tmp_path, layerwise, caplog):
+    store = make_store(tmp_path, layerwise_loads=layerwise)
+    keys = keys_for(4)
+    store.save(keys, payloads(store, 4))
+    store.flush(10)
+    worker = ConnectorWorker(store)
+    worker.register_kv_caches(torch.zeros(2, NS.num_layers, 8, NS.block_size, NS.num_kv_heads, NS.head_dim,
+                                          dtype=torch.bfloat16))
+    assert worker.streams_layers == layerwise
+    store.close()  # the engine shuts down; its worker steps twice more
+    caplog.set_level(logging.WARNING, logger="tiered_kv.connector.load_starts")
+    for _ in range(2):
+        worker.bind_connector_meta(ConnectorMeta(
+            loads=[LoadSpec("sync", tuple(keys[:2]), (1, 2), False), LoadSpec("async", tuple(keys[2:]), (3, 4), True)],
+            saves=[SaveSpec("new", tuple(keys_for(2, first_token=10_000)), (5, 6), 0)]))
+        worker.start_load_kv()
+        for layer in range(NS.num_layers):
+            worker.wait_for_layer_load(layer)
+        worker.save_kv_layer()
+        worker.wait_for_save()
+        assert worker.get_finished(["new"], ["async"]) == (["new"], ["async"])
+        assert worker.get_block_ids_with_load_errors() == {1, 2, 3, 4}  # recomputed by the engine
+        assert worker.take_failed_requests() == {"async"}
+    assert store.metrics.misses("store_closed") == 8
+    assert store.metrics.events["saves_after_close"] == 4
+    assert len([r for r in caplog.records if "after the store was closed" in r.getMessage()]) == 1
+    worker.close()
