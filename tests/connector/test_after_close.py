@@ -22,6 +22,7 @@ def test_regression_a_step_after_the_store_closed_raised_store_closed_into_the_e
     store.save(keys, payloads(store, 4))
     store.flush(10)
     worker = ConnectorWorker(store)
+    worker.takes_failed_requests = True  # as vLLM's adapter does
     worker.register_kv_caches(torch.zeros(2, NS.num_layers, 8, NS.block_size, NS.num_kv_heads, NS.head_dim,
                                           dtype=torch.bfloat16))
     assert worker.streams_layers == layerwise
@@ -43,3 +44,22 @@ def test_regression_a_step_after_the_store_closed_raised_store_closed_into_the_e
     assert store.metrics.events["saves_after_close"] == 4
     assert len([r for r in caplog.records if "after the store was closed" in r.getMessage()]) == 1
     worker.close()
+
+
+def test_regression_a_scheduler_lookup_after_the_store_closed_raised_backend_closed(tmp_path):
+    # the scheduler half shares the worker's store in one process; an engine still scheduling
+    # while it shuts down (the store closed at exit first) got BackendClosed from the host tier
+    from tests.connector.test_failed_load_sharing import SHARED, _connector
+    from tiered_kv.integrations.common import RequestView
+
+    conn = _connector(tmp_path)
+    conn.store.save(keys_for(2), payloads(conn.store, 2))
+    conn.store.close()
+    request = RequestView("late", SHARED + [3], len(SHARED) + 1, None)
+    assert conn.scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    conn.scheduler.update_state_after_alloc(request, [10, 11, 12, 13, 14], 0)
+    keys = keys_for(2)
+    assert conn.store.lookup(keys) == 0 and conn.store.present(keys) == [False, False]
+    assert conn.store.locate(keys) == [None, None]
+    assert conn.store.stats()["events"]["lookups_after_close"] >= 3
+    conn.close()

@@ -199,3 +199,30 @@ def test_a_host_copy_retired_while_being_filled_is_never_published():
     assert host.contains_many([b"k"]) == [False] and host.pin_many([b"k"]) == [None]
     host.unpin_many([b"k"])
     assert host.stats().used_bytes == 0
+
+
+def test_regression_failed_async_loads_were_kept_for_good_by_engines_that_never_take_them(tmp_path):
+    # our engine and TensorRT-LLM get failed blocks as load errors; the request ids kept for
+    # vLLM's transfer results grew by one per failed async load for the life of the process
+    from tests.connector.engine_helpers import GREEDY, connector, engine, prompt, reference
+
+    shared = prompt(160, seed=5)
+    prompts = [shared + prompt(40, seed=6), shared + prompt(70, seed=7)]
+    first = connector(tmp_path / "db")
+    engine(first).generate([shared + prompt(3, seed=8)], GREEDY)
+    first.close()
+    seen = []
+
+    def flip(key: bytes, value: bytes) -> bytes | None:
+        seen.append(key)
+        return value[:200] + bytes([value[200] ^ 0xFF]) + value[201:] if len(seen) == 5 else None
+
+    assert rewrite_stored_blocks(tmp_path / "db", flip) == 1
+    conn = connector(tmp_path / "db", load_async=True)
+    try:
+        outs = engine(conn).generate(prompts, GREEDY)
+        assert [o.output_token_ids for o in outs] == reference(prompts)
+        assert conn.store.metrics.misses() > 0  # the corrupt block was met and recomputed
+        assert conn.worker.take_failed_requests() == set()
+    finally:
+        conn.close()

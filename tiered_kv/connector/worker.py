@@ -34,18 +34,12 @@ from tiered_kv.connector.layer_loads import LayerLoads
 from tiered_kv.connector.layout import KVLayout, device_ids, make_layout
 from tiered_kv.connector.load_starts import start_load
 from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec, save_groups
+from tiered_kv.connector.save_copies import SaveCopies
 from tiered_kv.store import LoadPlan, SaveBatch, TieredStore
 
 log = logging.getLogger(__name__)
 
 LOAD_STATS_KEPT = 4096
-
-
-@dataclass
-class _PendingSave:
-    batch: SaveBatch
-    request_ids: set[str]
-    event: object | None = None  # torch.cuda.Event when the copy is asynchronous
 
 
 @dataclass
@@ -72,13 +66,14 @@ class ConnectorWorker:
         self.layout: KVLayout | GroupLayout | None = None
         self.meta = ConnectorMeta()
         self._async_loads: dict[str, _PendingLoad] = {}
-        self._saves: list[_PendingSave] = []
+        self._saves = SaveCopies(store)  # device->host copies not committed yet
         self._save_requests: set[str] = set()  # requests that had saves and are not reported
         self._finished: set[str] = set()  # finished ids passed in, not yet reported
         self._started_loading: set[str] = set()
         self._load_errors: set[int] = set()  # failed block ids not yet reported to the engine
         self._tainted: set[int] = set()  # failed block ids no step has computed again since
-        self._failed_requests: set[str] = set()  # async loads that failed (some engines take requests)
+        self._failed_requests: set[str] = set()  # async loads that failed, kept for an engine that
+        self.takes_failed_requests = False  # takes them (set by its adapter: vLLM's transfer results)
         # the engine fails a failed load's whole request and recomputes it from token 0 (set by the
         # adapter): no block is tainted then (its id is freed and reused, never recomputed in place)
         self.request_failures = False
@@ -117,6 +112,7 @@ class ConnectorWorker:
     # -- loads -----------------------------------------------------------------------------------
     def start_load_kv(self, *args, **kwargs) -> None:
         self._finish_layer_loads()  # (the engine skipped wait_for_save: never left running)
+        self._saves.commit_ready({k for s in self.meta.loads for k in (*s.keys, s.state_key) if k})  # .save_copies
         if self.meta.invalidate:
             self.flush_copies()  # a save of those keys still copying must not be committed later
             self.store.invalidate(self.meta.invalidate)
@@ -190,13 +186,12 @@ class ConnectorWorker:
             stats[tier or "failed"] = stats.get(tier or "failed", 0) + 1
         # loaded and checked: trustworthy again
         self._tainted.difference_update({b for b, s in zip(spec.block_ids, slots) if s is not None} - set(bad))
-        if bad and self.request_failures:
+        if bad and (spec.is_async or self.request_failures) and self.takes_failed_requests:
             self._failed_requests.add(spec.request_id)
+        if bad and self.request_failures:
             log.info("request %s: %d of %d blocks failed to load; the request is recomputed",
                      spec.request_id, len(bad), len(spec.block_ids))
         elif bad:
-            if spec.is_async:
-                self._failed_requests.add(spec.request_id)
             self._load_errors.update(b for b in bad if b >= 0)
             self._tainted.update(bad)
             log.info("request %s: %d of %d blocks failed to load and will be recomputed",
@@ -226,7 +221,9 @@ class ConnectorWorker:
 
     def take_failed_requests(self) -> set[str]:
         """Requests whose async load failed since the last call (engines that cannot map block
-        ids back to requests, such as vLLM with several KV cache groups, recompute them whole)."""
+        ids back to requests, such as vLLM with several KV cache groups, recompute them whole);
+        kept only once ``takes_failed_requests`` is set (an engine that never takes them, such
+        as TensorRT-LLM or ours, gets its failed blocks as load errors alone)."""
         failed, self._failed_requests = self._failed_requests, set()
         return failed
 
@@ -257,7 +254,7 @@ class ConnectorWorker:
                     log.exception("saving %d blocks failed; they are not stored", len(batch.keys))
                     self.store.commit_save(batch, ok=False)
                     self.store.metrics.event("saves_failed", len(batch.keys))
-        self._commit_ready()
+        self._saves.commit_ready()
 
     def _save_items(self, specs: list[SaveSpec]) -> dict[tuple, tuple[list[tuple[bytes, object]], set[str]]]:
         """Per (tenant, state entries or not): (key, block id or row) of the saves to make, and
@@ -286,7 +283,7 @@ class ConnectorWorker:
             ids = torch.tensor(block_ids, device=self.layout.device)
             data = gather(ids).view(len(block_ids), -1).view(torch.uint8)
             self.store.slots.fill(slots, data)
-            self._saves.append(_PendingSave(batch, owners))
+            self._saves.add(batch, owners)
             return
         # Stream rule: every CUDA tensor the side stream reads or writes is allocated on it (the
         # caching allocator may hand a block freed on another stream to someone else while the
@@ -301,24 +298,15 @@ class ConnectorWorker:
             event.record(self._stream)
         if self._reused_next_step:  # sliding-window blocks and running state change next step
             torch.cuda.current_stream(self.layout.device).wait_event(event)
-        self._saves.append(_PendingSave(batch, owners, event))
-
-    def _commit_ready(self) -> None:
-        keep = []
-        for pending in self._saves:
-            if pending.event is None or pending.event.query():
-                self.store.commit_save(pending.batch)
-            else:
-                keep.append(pending)
-        self._saves = keep
+        self._saves.add(batch, owners, event)
 
     # -- completion ------------------------------------------------------------------------------
     def get_finished(self, finished_req_ids, started_loading_req_ids=()) -> tuple[list[str], list[str]]:
         """(saved ids, loaded ids); each id only after the engine passed it in."""
-        self._commit_ready()
+        self._saves.commit_ready()
         self._finished.update(finished_req_ids or ())
         self._started_loading.update(started_loading_req_ids or ())
-        busy = {r for p in self._saves for r in p.request_ids}
+        busy = self._saves.busy_requests()
         saved = sorted(r for r in self._finished if r in self._save_requests and r not in busy)
         for r in saved:
             self._finished.discard(r)
@@ -340,7 +328,7 @@ class ConnectorWorker:
         blocks it did not hold for us (vLLM frees a preempted request's blocks at once)."""
         if self._stream is not None:
             self._stream.synchronize()
-        self._commit_ready()
+        self._saves.commit_ready()
 
     def close(self) -> None:
         self._finish_layer_loads()

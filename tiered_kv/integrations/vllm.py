@@ -235,6 +235,7 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
         """Saves and loads done, and async loads that failed: those are also "received" (vLLM
         releases them from waiting) and recomputed from token 0."""
+        self._worker.core.takes_failed_requests = True  # (before get_finished finishes loads)
         saved, loaded = self._worker.get_finished(finished_req_ids)
         failed = self._worker.core.take_failed_requests()
         return KVConnectorTransferResults(finished_sending=set(saved or ()),

@@ -203,9 +203,10 @@ class Loader:
             self._settle(plan, want, reasons)  # every reservation of this job ends here
             self.saver.write_earned([(plan.keys[i], plan.counts[i]) for i, _ in want if reasons[i] is None],
                                     plan.tenant)  # promoted: the tiers below may have been earned
+            deadline = time.monotonic() + PROMOTION_WAIT_S  # one bound for the job, not per block
             for i in others:
                 try:
-                    pinned, why = self._pin_promoted(plan.keys[i])
+                    pinned, why = self._pin_promoted(plan.keys[i], deadline)
                 except Exception:
                     log.exception("lease of a promoted block failed")
                     pinned, why = None, LOAD_ERROR
@@ -233,14 +234,13 @@ class Loader:
                 plan.served[i] = tier
         return dict(zip(idx, reasons))
 
-    def _pin_promoted(self, key: bytes) -> tuple[int | None, str]:
+    def _pin_promoted(self, key: bytes, deadline: float) -> tuple[int | None, str]:
         """Lease ``key`` in the host tier: (its slot, else why not). When another load is
         promoting it right now (two requests sharing a prefix load in the same step), wait for
         that load to commit or abort instead of failing the block (bounded by PROMOTION_WAIT_S);
         not for one that failed and keeps its reservation until its release (layer-wise: frames
         may still be copied out of it), which would hold this load, and the forward pass waiting
-        on it, until the step ends."""
-        deadline = time.monotonic() + PROMOTION_WAIT_S
+        on it, until the step ends. ``deadline`` (monotonic) bounds the wait of the whole job."""
         delay, waited = 0.0002, False
         while True:
             (pinned,) = self.host.pin_many([key])

@@ -43,7 +43,7 @@ import torch
 from storage_backends.host import HostBackend
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.dtypes import itemsize
-from tiered_kv.errors import ConfigError
+from tiered_kv.errors import BackendClosed, ConfigError
 from tiered_kv.keys import Namespace, leading_present
 from tiered_kv.store import codec_choice
 from tiered_kv.store.admission import RequestCounts
@@ -205,13 +205,15 @@ class TieredStore:
     def locate(self, keys: Sequence[bytes]) -> list[str | None]:
         """The first tier holding this rank's copy of each key (None: nowhere). No side effects;
         each lower tier answers within ``lookup_timeout`` or counts as a miss."""
-        return self.presence.locate(keys, self.host.contains_many(keys))[0]
+        on_host = self._on_host(keys)
+        return [None] * len(keys) if on_host is None else self.presence.locate(keys, on_host)[0]
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether every tensor-parallel rank can load each of ``keys`` (not a leading run: the
         state entries of a hybrid model are looked up one by one). Same rules as :meth:`lookup`."""
         withdrawn = self.invalidations.suppressed(keys)
-        held = self.presence.locate(keys, self.host.contains_many(keys))[1]
+        on_host = self._on_host(keys)
+        held = [False] * len(keys) if on_host is None else self.presence.locate(keys, on_host)[1]
         return [h and not w for h, w in zip(held, withdrawn)]
 
     def lookup(self, keys: Sequence[bytes]) -> int:
@@ -219,7 +221,21 @@ class TieredStore:
         tier, the others from the shared lower tiers). Side-effect free, bounded in time; keys
         being withdrawn (:meth:`invalidate`) count as absent."""
         keys = keys[: leading_present([not w for w in self.invalidations.suppressed(keys)])]
-        return self.presence.lookup(keys, self.host.contains_many(keys))
+        on_host = self._on_host(keys)
+        return 0 if on_host is None else self.presence.lookup(keys, on_host)
+
+    def _on_host(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Which ``keys`` the host tier holds; None once the store is closed: a lookup then finds
+        nothing, counted ``lookups_after_close`` (a scheduler still stepping while its engine
+        shuts down got ``BackendClosed``)."""
+        try:
+            if not self._closed:
+                return self.host.contains_many(keys)
+        except BackendClosed:
+            if not self._closed:
+                raise
+        self.metrics.event("lookups_after_close", len(keys))
+        return None
 
     def count_restore_skips(self, blocks: dict[str, int], tokens: int, probe: bool = False) -> None:
         """The restore policy left ``blocks`` (per tier) unloaded, ``tokens`` tokens, as slower
