@@ -52,14 +52,12 @@ class HostBackend(Backend):
         self.slab = new_slab(self.num_slots, slot_bytes, self.pinned)
         log.info("host tier: %d slots x %s = %s (%s)", self.num_slots, format_size(slot_bytes),
                  format_size(self.capacity), "pinned" if self.pinned else "pageable")
-        self._np = self.slab.numpy()
-        self._lock = threading.Lock()
+        self._np, self._lock = self.slab.numpy(), threading.Lock()
         self._entries: dict[bytes, HostEntry] = {}
         self._recency = RecencyIndex(self._held)  # every entry, reserved ones included
         self._eviction = Eviction(LRU, None, self.quotas)  # capacity: the slots
         self._counters.extra["quota_evictions"] = 0
-        self._free = list(range(self.num_slots - 1, -1, -1))
-        self._ready = 0
+        self._free, self._ready = list(range(self.num_slots - 1, -1, -1)), 0  # free slots (pop order), ready entries
         self.on_evict = on_evict
         self._evicting = PendingEvictions()  # evicted bytes on their way to ``on_evict``
         self._closed = False
@@ -92,25 +90,29 @@ class HostBackend(Backend):
         """Phase one: a slot per key of ``tenant`` (charged ``lengths``, else a whole slot), or
         None where the key is already here or there is no room (within the tenant's quota)."""
         tenant = as_tenant(tenant)
-        out: list[int | None] = []
-        gone: list[bytes] = []
-        quota_gone = 0  # (of ``gone``) evicted by a tenant's quota
+        out, gone, quota_gone = [], [], 0  # slots handed out, keys evicted (of them by a quota)
         with self._evicting.handing(self.on_evict, self._lock) as evicted, self._lock:  # hooked, raise or not
             fast = None if lengths is not None or self._eviction.quotas else self._reserve_free(keys, tenant)
             if fast is not None:  # whole slots, all free: nothing evicted, nothing to tell
                 return fast
-            for i, key in enumerate(keys):
-                length = self.slot_bytes if lengths is None else lengths[i]
-                if key in self._entries or length > self.slot_bytes:
-                    slot = None
-                else:
-                    slot, by_quota = self._take_slot(tenant, length, evicted, gone)
-                    quota_gone += by_quota
-                if slot is not None:
-                    self._entries[key] = HostEntry(slot, length, tenant)
-                    self._recency.add(key, length, tenant)
-                out.append(slot)
-            self._tell("removed", gone)  # under the lock: told in the order it happened
+            try:
+                for i, key in enumerate(keys):
+                    length = self.slot_bytes if lengths is None else lengths[i]
+                    if key in self._entries or length > self.slot_bytes:
+                        slot = None
+                    else:
+                        slot, by_quota = self._take_slot(tenant, length, evicted, gone)
+                        quota_gone += by_quota
+                    if slot is not None:
+                        self._entries[key] = HostEntry(slot, length, tenant)
+                        self._recency.add(key, length, tenant)
+                    out.append(slot)
+            except BaseException:  # none of this call's reservations stays: its caller got the error
+                for key in [k for k, slot in zip(keys, out) if slot is not None]:
+                    self._drop(key, self._entries[key])
+                raise
+            finally:
+                self._tell("removed", gone)  # under the lock: told in the order it happened
         if gone:
             self._count(evictions=len(gone), quota_evictions=quota_gone)
         return out
@@ -138,8 +140,7 @@ class HostBackend(Backend):
         """Roll back reservations that were never committed."""
         with self._lock:
             for key in keys:
-                entry = self._entries.get(key)
-                if entry is not None and not entry.ready:
+                if (entry := self._entries.get(key)) is not None and not entry.ready:
                     self._drop(key, entry)
 
     def pin_many(self, keys: Sequence[bytes]) -> list[int | None]:  # type: ignore[override]

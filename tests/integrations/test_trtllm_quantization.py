@@ -61,14 +61,26 @@ def test_a_cached_property_read_on_one_half_does_not_split_the_halves_namespaces
     assert namespace(model, quant_config=read) == namespace(model, quant_config=unread)
 
 
-def test_an_fp8_kv_cache_from_quant_config_names_fp8_pages_and_their_activation_dtype(model):
-    fp8 = namespace(model, quant_config=QuantConfig(kv_cache_quant_algo="FP8"), dtype="bfloat16")
+def test_an_fp8_kv_cache_set_by_kv_cache_config_names_fp8_pages_and_their_activation_dtype(model):
+    fp8 = namespace(model, kv=KvCacheConfig(dtype="fp8"), dtype="bfloat16")
     assert fp8.dtype == "float8_e4m3fn"
-    other_activations = namespace(model, quant_config=QuantConfig(kv_cache_quant_algo="FP8"), dtype="float16")
-    assert fp8.digest() != other_activations.digest()
-    assert namespace(model, kv=KvCacheConfig(dtype="fp8"), dtype="bfloat16").dtype == "float8_e4m3fn"
-    int8 = namespace(model, quant_config=QuantConfig(kv_cache_quant_algo="INT8"))
-    assert int8.dtype == "int8"
+    assert fp8.digest() != namespace(model, kv=KvCacheConfig(dtype="fp8"), dtype="float16").digest()
+
+
+def test_a_kv_quantization_set_by_hand_on_a_plain_checkpoint_is_ignored_as_the_pytorch_backend_does(model):
+    # TensorRT-LLM's PyTorch backend ignores a hand-set quant_config: the pool stays bf16, and a
+    # namespace that said fp8 refused the pool at registration
+    by_hand = namespace(model, quant_config=QuantConfig(kv_cache_quant_algo="FP8"), dtype="bfloat16")
+    assert by_hand.dtype == "bfloat16"
+    assert by_hand.digest() != namespace(model, dtype="bfloat16").digest()  # kept apart all the same
+
+
+def test_a_quantized_checkpoints_kv_quantization_as_tensorrt_llm_read_it_names_the_pages(model):
+    # a checkpoint layout not read here: TensorRT-LLM copies its reading into quant_config
+    (model / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
+    read = QuantConfig(quant_algo="FP8", kv_cache_quant_algo="FP8")
+    assert namespace(model, quant_config=read).dtype == "float8_e4m3fn"
+    assert namespace(model, quant_config=QuantConfig(quant_algo="FP8")).dtype == "float32"
 
 
 def test_a_checkpoints_own_fp8_kv_cache_is_read_from_its_quantization_files(model):
@@ -95,9 +107,48 @@ def test_switching_a_checkpoints_kv_quantization_file_changes_the_namespace(mode
 
 
 def test_a_kv_cache_quantized_with_block_scales_is_refused_in_one_line(model):
+    (model / "hf_quant_config.json").write_text(json.dumps({"quantization": {"kv_cache_quant_algo": "NVFP4"}}))
     with pytest.raises(ConfigError, match="NVFP4 keeps scales") as refused:
-        namespace(model, quant_config=QuantConfig(kv_cache_quant_algo="NVFP4"))
+        namespace(model)
     assert "\n" not in str(refused.value)
+    with pytest.raises(ConfigError, match="NVFP4 keeps scales"):
+        namespace(model, kv=KvCacheConfig(dtype="nvfp4"))
+
+
+class _LoadFormat:
+    """TensorRT-LLM's ``LoadFormat`` enum member ``DUMMY``."""
+
+    name, value = "DUMMY", 1
+
+
+@pytest.mark.parametrize("setting", [
+    {"load_format": "dummy"}, {"load_format": _LoadFormat()},  # random weights: a profiling run
+    {"model_kwargs": {"rope_scaling": {"type": "yarn", "factor": 4.0}}},  # RoPE is applied to K
+    {"force_dynamic_quantization": True},
+])
+def test_regression_what_changes_the_kv_of_the_same_files_shared_the_plain_engines_namespace(model, setting):
+    assert namespace(model, **setting).digest() != namespace(model).digest()
+    assert namespace(model, model_kwargs={}, force_dynamic_quantization=False, load_format="auto") == namespace(model)
+
+
+def test_a_pydantic_quant_config_is_named_by_its_declared_fields_whatever_was_read_of_it(model):
+    pydantic = pytest.importorskip("pydantic")
+    import functools
+
+    class StrictQuantConfig(pydantic.BaseModel):  # current TensorRT-LLM's QuantConfig is pydantic
+        quant_algo: str | None = None
+        kv_cache_quant_algo: str | None = None
+        group_size: int = 128
+
+        @functools.cached_property
+        def quant_mode(self) -> object:
+            return object()
+
+    read, unread = StrictQuantConfig(quant_algo="FP8"), StrictQuantConfig(quant_algo="FP8")
+    read.quant_mode  # noqa: B018
+    assert namespace(model, quant_config=read) == namespace(model, quant_config=unread)
+    assert namespace(model, quant_config=read).digest() != namespace(
+        model, quant_config=StrictQuantConfig(quant_algo="FP8", group_size=64)).digest()
 
 
 def test_regression_an_fp8_kv_pool_of_a_prequantized_checkpoint_was_refused_at_registration(model, tmp_path, monkeypatch):

@@ -47,6 +47,9 @@ class LlmArgs:
     dtype: str = "float32"
     max_seq_len: int | None = None
     quant_config: object | None = None  # TensorRT-LLM's QuantConfig (QuantConfig() unless set)
+    load_format: object = "auto"
+    model_kwargs: dict | None = None
+    force_dynamic_quantization: bool = False
 
 
 @dataclass

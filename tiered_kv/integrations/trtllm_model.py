@@ -10,12 +10,14 @@ the pages behind it and reports those blocks as ``-1``. The adapter stores full-
 one layer group, so a model with a window is refused when the connector is built: one
 ConfigError line naming where the window was found.
 
-The KV dtype is ``kv_cache_config.dtype`` when set, else the KV cache quantization TensorRT-LLM
-applies (``quant_config.kv_cache_quant_algo``, else the checkpoint's ``hf_quant_config.json`` or
-config.json ``quantization_config``): FP8 pages are ``float8_e4m3fn``, INT8 ones ``int8``; else
-the model's dtype. A ``quant_config`` that quantizes anything is folded into the revision (an
-engine built with ``quant_config=FP8`` from a bf16 checkpoint computes other K/V than the plain
-one from the same files), and so is the activation dtype under a quantized KV cache.
+The KV dtype follows what TensorRT-LLM's PyTorch backend (the one with connectors) applies:
+``kv_cache_config.dtype`` when set, else the checkpoint's KV cache quantization (its
+``hf_quant_config.json`` or config.json ``quantization_config``): FP8 pages are
+``float8_e4m3fn``, INT8 ones ``int8``; else the model's dtype. Folded into the revision, when
+set: random weights (``load_format`` dummy), ``model_kwargs``, ``force_dynamic_quantization``, a
+``quant_config`` that quantizes (that backend takes quantization from the checkpoint, whose files
+are fingerprinted, and ignores one set by hand: folding it only keeps such engines apart), and
+the activation dtype under a quantized KV cache.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from tiered_kv.config import TieredKVConfig
 from tiered_kv.dtypes import dtype_name
 from tiered_kv.errors import ConfigError
 from tiered_kv.fingerprint import fold_weights, model_name
-from tiered_kv.integrations.common import numerics_suffix
+from tiered_kv.integrations.common import dummy_weights, numerics_suffix
 from tiered_kv.keys import Namespace
 
 SOURCE = "TensorRT-LLM tiered-kv settings (TIERED_KV_*)"
@@ -97,18 +99,24 @@ def trtllm_namespace(llm_args: Any, config: TieredKVConfig) -> Namespace:
 
 
 def kv_cache_quant_algo(llm_args: Any, hf: dict) -> str | None:
-    """The KV cache quantization TensorRT-LLM applies (``"FP8"``, ``"INT8"``, ``"NVFP4"``, ...)
-    when ``kv_cache_config.dtype`` leaves it to the checkpoint or ``quant_config``, else None."""
+    """The KV cache quantization TensorRT-LLM's PyTorch backend applies (``"FP8"``, ``"INT8"``,
+    ``"NVFP4"``, ...): ``kv_cache_config.dtype`` when set (``fp8``, ``nvfp4``; a plain dtype:
+    None), else the checkpoint's (``hf_quant_config.json``, config.json's
+    ``quantization_config``; for a layout of them not read here, ``quant_config``, into which
+    TensorRT-LLM copies what it read of a quantized checkpoint: a ``quant_config`` the user set
+    on a plain checkpoint is ignored by that backend, and so here)."""
     explicit = getattr(getattr(llm_args, "kv_cache_config", None), "dtype", None)
     if explicit not in (None, "auto"):
-        return None
-    algo = getattr(getattr(llm_args, "quant_config", None), "kv_cache_quant_algo", None)
-    if algo is None:
-        algo = (_hf_quant_config(llm_args).get("quantization") or {}).get("kv_cache_quant_algo")
-    if algo is None:
-        scheme = (hf.get("quantization_config") or {}).get("kv_cache_scheme") or {}
-        if scheme.get("num_bits") == 8 and scheme.get("type") == "float":  # llm-compressor's fp8 KV
-            algo = "FP8"
+        name = str(explicit).upper()
+        return name if name in ("FP8", "INT8") or name.startswith(("NVFP", "MXFP", "FP4")) else None
+    checkpoint = _hf_quant_config(llm_args).get("quantization") or {}
+    inline = hf.get("quantization_config") or {}
+    algo = checkpoint.get("kv_cache_quant_algo") or inline.get("kv_cache_quant_algo")
+    scheme = inline.get("kv_cache_scheme") or {}
+    if algo is None and scheme.get("num_bits") == 8 and scheme.get("type") == "float":  # llm-compressor
+        algo = "FP8"
+    if algo is None and (checkpoint or inline):  # quantized: TensorRT-LLM's reading of it
+        algo = getattr(getattr(llm_args, "quant_config", None), "kv_cache_quant_algo", None)
     return None if algo is None else str(getattr(algo, "value", algo)).upper()
 
 
@@ -128,30 +136,40 @@ def kv_dtype(llm_args: Any, hf: dict, kv_algo: str | None) -> str:
 
 
 def quantization_suffix(llm_args: Any, dtype: str) -> str:
-    """``+numerics-<hex>`` over a ``quant_config`` that quantizes weights or KV (its fields that
-    are set) and, when the KV pages (``dtype``) are quantized, the activation dtype they were
-    quantized from; "" for a plain engine."""
+    """Random weights (``load_format`` dummy: a profiling run's KV is nobody's), then
+    ``+numerics-<hex>`` over what changes the K/V of the same checkpoint files when set: a
+    ``quant_config`` that quantizes weights or KV (its declared fields that are set),
+    ``model_kwargs`` (config overrides), ``force_dynamic_quantization`` and, when the KV pages
+    (``dtype``) are quantized, the activation dtype they were quantized from; "" for a plain
+    engine."""
     quant = getattr(llm_args, "quant_config", None)
-    fields: dict[str, Any] = {}
+    fields: dict[str, Any] = {"model_kwargs": _declared(getattr(llm_args, "model_kwargs", None)),
+                              "force_dynamic_quantization": getattr(llm_args, "force_dynamic_quantization", None) or None}
     if getattr(quant, "quant_algo", None) is not None or getattr(quant, "kv_cache_quant_algo", None) is not None:
         fields["quant_config"] = _declared(quant)
     if dtype in QUANTIZED_KV:
         fields["dtype"] = getattr(llm_args, "dtype", None)
-    return numerics_suffix(fields)
+    load_format = getattr(llm_args, "load_format", None)
+    return dummy_weights(str(getattr(load_format, "name", load_format) or "").lower()) + numerics_suffix(fields)
 
 
 def _declared(value: Any) -> Any:
-    """A config object by its declared fields that are set, nested configs too (a dataclass's
-    ``cached_property`` values, which land in its ``__dict__`` once read, are left out: the
-    scheduler and the worker half must name the same namespace whatever each has read)."""
+    """A config object by its declared fields that are set (a dataclass's, or a pydantic
+    model's), nested configs too: ``cached_property`` values, which land in an object's
+    ``__dict__`` once read, are left out (the namespace must not follow what TensorRT-LLM has
+    read of its own config)."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        found = {f.name: _declared(getattr(value, f.name, None)) for f in dataclasses.fields(value)}
-        return {name: item for name, item in found.items() if item not in (None, False, [], (), {})}
-    if isinstance(value, Mapping):
+        names = [f.name for f in dataclasses.fields(value)]
+    elif isinstance(getattr(type(value), "model_fields", None), Mapping):  # pydantic (TensorRT-LLM's StrictBaseModel)
+        names = list(type(value).model_fields)
+    elif isinstance(value, Mapping):
         return {str(name): _declared(item) for name, item in value.items()}
-    if isinstance(value, (list, tuple)):
+    elif isinstance(value, (list, tuple)):
         return [_declared(item) for item in value]
-    return getattr(value, "value", value)  # a QuantAlgo by its name
+    else:
+        return getattr(value, "value", value)  # a QuantAlgo by its name
+    found = {name: _declared(getattr(value, name, None)) for name in names}
+    return {name: item for name, item in found.items() if item not in (None, False, [], (), {})}
 
 
 def _hf_quant_config(llm_args: Any) -> dict:
