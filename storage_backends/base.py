@@ -30,6 +30,11 @@ Visitor = Callable[[int, memoryview], None]
 SplitVisitor = Callable[[int, "memoryview | None", "memoryview | None"], "bool | None"]  # (i, head, value)
 
 
+class Unchecked(str):
+    """A line of a medium's ``check()`` answer that is no problem of the store: what that
+    check could not look at (bookkeeping an older format does not keep yet), for the report."""
+
+
 class RangeReader(Protocol):
     """What :meth:`Backend.visit_ranges` hands its visitor: reads of parts of the values it
     found, by index."""

@@ -284,8 +284,13 @@ class FileBackend(Backend):
 
     def check(self, fix: bool = False) -> list[str]:
         """Leftover temporary files, tenant files no key links to (both older than
-        ``file_entries.STALE_S``), links to nothing and foreign files; removed with ``fix``."""
-        return check_dir(self.path, fix)
+        ``file_entries.STALE_S``), links to nothing and foreign files; removed with ``fix``.
+        Files renamed or removed by another process during the walk are skipped."""
+        try:
+            return check_dir(self.path, fix)
+        except OSError as exc:
+            self._count(errors=1)
+            raise BackendUnavailable(f"file store at {self.path}: {exc}") from exc
 
     def close(self) -> None:
         if self._closed:

@@ -110,10 +110,16 @@ def check_dir(root: Path, fix: bool = False) -> list[str]:
             if sub.name != MARKER:
                 problems.append(f"foreign file: {sub.name}")
             continue
-        entries = list(os.scandir(sub.path))
+        try:
+            entries = list(os.scandir(sub.path))
+        except FileNotFoundError:  # removed since the listing above: nothing of the store's
+            continue
         linked = {_link_of(Path(e.path)) for e in entries if e.is_symlink()}
         for entry in entries:
-            problem = _problem(entry, sub.name, linked, now)
+            try:
+                problem = _problem(entry, sub.name, linked, now)
+            except FileNotFoundError:  # renamed or removed since the scan (a live store)
+                continue
             if problem:
                 problems.append(f"{problem}: {sub.name}/{entry.name}")
                 doomed.append(entry.path)
@@ -127,11 +133,16 @@ def _problem(entry: os.DirEntry, bucket: str, linked: set, now: float) -> str | 
     if key_of(name) is not None and name.endswith(bucket) and len(bucket) == 2:
         if not entry.is_symlink():
             return None
-        target = _link_of(Path(entry.path))
-        if tenant_of_link(target or "") is None:
+        try:
+            target = os.readlink(entry.path)  # FileNotFoundError: gone since the scan
+        except OSError:  # a plain value now (rewritten for no tenant since the scan)
+            return None
+        if tenant_of_link(target) is None:
             return "foreign link"
-        return None if os.path.exists(entry.path) else "link to a missing tenant file"
-    recent = now - entry.stat(follow_symlinks=False).st_mtime < STALE_S
+        if os.path.exists(entry.path) or _link_of(Path(entry.path)) != target:
+            return None  # resolves, or was replaced or removed since
+        return "link to a missing tenant file"
+    recent = now - entry.stat(follow_symlinks=False).st_mtime < STALE_S  # gone: the caller skips it
     if is_tenant_file(name) and len(bucket) == 2:
         return None if name in linked or recent else "tenant file no key links to"
     if name.endswith(".tmp"):

@@ -1,12 +1,16 @@
 """The consistency check of the LMDB tier's tables: the block table and the sound places are the truth; meta records,
 both LRU indexes and the totals (overall and per tenant) must follow it. Problems are repaired
-when a write transaction is given."""
+when a write transaction is given. A format 1 store opened read-only has no tenant tables yet
+(its first write derives them from the meta records): their check is left out, and said so."""
 
 from __future__ import annotations
 
 import struct
 import time
 
+from storage_backends.base import Unchecked
+from storage_backends.lmdb_format import stored_format
+from storage_backends.lmdb_missing import MissingTable
 from storage_backends.lmdb_tables import (
     TOTALS,
     Meta,
@@ -26,7 +30,9 @@ from storage_backends.lmdb_tables import (
 def check_tables(tables: Tables, txn, w: Write | None, placed: dict[bytes, int] | None = None) -> list[str]:
     """Problems between the tables, repaired through ``w`` when given (a write transaction
     whose totals are written on commit). ``placed``: the values in segment files (key ->
-    length, as :func:`storage_backends.lmdb_segment_check.check_segments` found them sound)."""
+    length, as :func:`storage_backends.lmdb_segment_check.check_segments` found them sound).
+    Without the tenant tables (a read-only open of format 1) the answer ends in an
+    :class:`~storage_backends.base.Unchecked` line instead of their check."""
     blocks = {bytes(k): len(v) for k, v in txn.cursor(db=tables.blocks)}
     problems: list[str] = []
     for key, size in (placed or {}).items():
@@ -56,10 +62,15 @@ def check_tables(tables: Tables, txn, w: Write | None, placed: dict[bytes, int] 
             txn.delete(key, db=tables.meta)
     problems += _check_index(txn, w, tables.lru, "LRU entry", b"",
                              {stamp_of(m.atime, k): (k, lru_value(k)) for k, m in metas.items()})
-    wanted = {tenant_stamp(m.tenant, m.atime, k): (k, lru_value(k, tenant_prefix(m.tenant)))
-              for k, m in metas.items()}
-    problems += _check_index(txn, w, tables.tenant_lru, "tenant LRU entry", None, wanted)
-    problems += _check_totals(tables, txn, w, metas)
+    by_tenant = not any(isinstance(t, MissingTable) for t in (tables.tenant_lru, tables.tenants))
+    if by_tenant:
+        wanted = {tenant_stamp(m.tenant, m.atime, k): (k, lru_value(k, tenant_prefix(m.tenant)))
+                  for k, m in metas.items()}
+        problems += _check_index(txn, w, tables.tenant_lru, "tenant LRU entry", None, wanted)
+    problems += _check_totals(tables, txn, w, metas, by_tenant)
+    if not by_tenant:
+        problems.append(Unchecked(f"format {stored_format(tables, txn)}: upgraded by the first write; "
+                                  "tenant bookkeeping not checked"))
     return problems
 
 
@@ -96,12 +107,16 @@ def _check_index(txn, w: Write | None, db, what: str, prefix: bytes | None,
     return problems
 
 
-def _check_totals(tables: Tables, txn, w: Write | None, metas: dict[bytes, Meta]) -> list[str]:
+def _check_totals(tables: Tables, txn, w: Write | None, metas: dict[bytes, Meta], by_tenant: bool) -> list[str]:
     problems = []
     truth = (sum(m.size for m in metas.values()), len(metas))
     used, entries = read_totals(tables, txn)
     if (used, entries) != truth:
         problems.append(f"info totals {used} bytes / {entries} entries, tables hold {truth[0]} / {truth[1]}")
+    if w is not None:
+        w.used, w.entries = truth
+    if not by_tenant:
+        return problems
     per_tenant: dict[bytes, tuple[int, int]] = {}
     for m in metas.values():
         n, count = per_tenant.get(m.tenant, (0, 0))
@@ -116,6 +131,4 @@ def _check_totals(tables: Tables, txn, w: Write | None, metas: dict[bytes, Meta]
                 txn.put(tenant_prefix(tenant), TOTALS.pack(*want), db=tables.tenants)
             elif w is not None:
                 txn.delete(tenant_prefix(tenant), db=tables.tenants)
-    if w is not None:
-        w.used, w.entries = truth
     return problems

@@ -55,7 +55,7 @@ from storage_backends.lmdb_values import SegmentValues
 from storage_backends.lmdb_warmup import warm_index
 from storage_backends.lmdb_writes import LmdbWrites
 from storage_backends.options import as_int, directory_of, existing_directory, split_options
-from storage_backends.quotas import Quotas
+from storage_backends.quotas import NO_QUOTAS, Quotas
 from storage_backends.segment_writeback import writeback_mode
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError, InvalidKey
 from tiered_kv.units import as_bool, format_size, parse_size
@@ -67,6 +67,7 @@ log = logging.getLogger(__name__)
 OPTIONS = ("capacity", "sync", "map_size", "readahead", "writemap", "max_readers", "batch_bytes",
            "record_access", "tenant_quota", "tenant_quotas", "segment_min", "segment_bytes", "writeback",
            "eager_writeback", "direct_io")
+DEFAULT_CAPACITY = 8 << 30  # a URL's capacity when it gives none (the engine's [[tiers]] without one)
 
 
 def path_of(url: str) -> Path:
@@ -76,13 +77,14 @@ def path_of(url: str) -> Path:
 
 class LmdbBackend(Backend):
     """The disk tier's Backend interface over an :class:`LmdbEnvironment`, plus this process's
-    pins (leases) and the capacity they are evicted to."""
+    pins (leases) and the capacity they are evicted to. ``capacity=None`` (a tool's open) evicts
+    nothing (quotas only reported): a put that does not fit is refused; the map is the environment's own."""
 
     name = "lmdb"
     store_signature = "LMDB data.mdb"
     takes_gathered = True  # a segment value is written from its parts (LMDB's pages get them joined)
 
-    def __init__(self, path: str | os.PathLike, *, capacity: int | str, sync: bool | str = False,
+    def __init__(self, path: str | os.PathLike, *, capacity: int | str | None, sync: bool | str = False,
                  map_size: int | str | None = None, readahead: bool | str = True,
                  writemap: bool | str = False, max_readers: int | str = 512,
                  batch_bytes: int | str = 2 << 20, record_access: bool | str = True,
@@ -92,19 +94,19 @@ class LmdbBackend(Backend):
                  read_only: bool = False) -> None:
         self.path = Path(path)
         super().__init__(url or f"lmdb://{self.path.resolve()}")
-        self.capacity = parse_size(capacity, name="lmdb capacity")
-        if self.capacity <= 0:
+        self.capacity = None if capacity is None else parse_size(capacity, name="lmdb capacity")
+        if self.capacity is not None and self.capacity <= 0:
             raise ConfigError(f"lmdb capacity must be positive, got {capacity!r}")
         self.quotas = Quotas.from_options("lmdb", tenant_quota, tenant_quotas)
         self.tenant_quota = self.quotas.default
-        self._eviction = Eviction(LRU, self.capacity, self.quotas)
+        self._eviction = Eviction(LRU, self.capacity, self.quotas if self.capacity else NO_QUOTAS)
         self._counters.extra["quota_evictions"] = 0
         self.sync = as_bool(sync, "lmdb sync")
         self.record_access = as_bool(record_access, "lmdb record_access")  # False: tools' reads
         # 1-2 MiB per write transaction amortises the commit; 4+ MiB faults fresh pages
         self.batch_bytes = parse_size(batch_bytes, name="lmdb batch_bytes")
         wanted = parse_size(map_size, name="lmdb map_size") if map_size is not None else \
-            max(2 * self.capacity, self.capacity + (1 << 30))  # sparse: costs address space only
+            0 if self.capacity is None else max(2 * self.capacity, self.capacity + (1 << 30))  # 0: the env's own
         # values of at least segment_min bytes go to segment files of segment_bytes each
         minimum, per_file = parse_size(segment_min, name="lmdb segment_min"), parse_size(segment_bytes, name="lmdb segment_bytes")
         if minimum < 1 or per_file < (1 << 20):
@@ -127,14 +129,15 @@ class LmdbBackend(Backend):
                        max_readers=as_int(max_readers, "lmdb max_readers"), lock=True)
         self._lock = threading.Lock()  # pins
         self._pins: Counter = Counter()
-        self._db = LmdbEnvironment(self.path, options, max_map=max(wanted, 4 * self.capacity + (1 << 30)),
+        self._db = LmdbEnvironment(self.path, options, max_map=self.capacity and max(wanted, 4 * self.capacity + (1 << 30)),
                                    batch_bytes=self.batch_bytes, count=self._count,
                                    evict=self._evict_beyond_capacity, record_access=self.record_access,
                                    read_only=read_only)
         self._db.on_changes = self._tell_in_order  # committed puts, evictions and deletes
         self.values = SegmentValues(self._db, SegmentFiles(self.path, per_file, writeback, direct), minimum, self.sync)
         self._reads = LmdbReads(self._db, self.values, self._count)
-        self.compactor = Compactor(self._db, self.values, dead_limit=max(self.capacity // 4, 2 * per_file))
+        bound = self.capacity or self._db.map_size // 2  # (a tool's open: the map's usual capacity)
+        self.compactor = Compactor(self._db, self.values, dead_limit=max(bound // 4, 2 * per_file))
         self._writes = LmdbWrites(self._db, self.values, self._eviction, self._pinned, self._count, self.compactor)
         if self.record_access:  # a writer: seal what dead processes left (tools change nothing)
             self.values.recover()
@@ -144,21 +147,17 @@ class LmdbBackend(Backend):
             self.warmup = warm_index(self._db.txn, self._db.tables.meta, lambda: self._db.closed,
                                      f"lmdb tier at {self.path}")
         log.info("lmdb tier at %s: %d blocks, %s of %s used (map %s, file %s, %s)", self.path,
-                 entries, format_size(used), format_size(self.capacity),
+                 entries, format_size(used), format_size(self.capacity) if self.capacity else "no capacity",
                  format_size(self._db.map_size), format_size(self._db.file_bytes()[0]),
                  "sync" if self.sync else "no-sync")
-        if used > self.capacity and self.record_access:  # (tools open without a capacity)
+        if self.capacity is not None and used > self.capacity and self.record_access:
             log.warning("lmdb tier at %s holds %s, over its capacity %s: the next puts evict",
                         self.path, format_size(used), format_size(self.capacity))
 
     @classmethod
     def from_url(cls, url: str, *, read_only: bool = False, **options) -> LmdbBackend:
-        _, query = split_options(url)
-        query.update({k: v for k, v in options.items() if v is not None})
-        unknown = sorted(set(query) - set(OPTIONS))
-        if unknown:
-            raise ConfigError(f"unknown lmdb option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
-        query.setdefault("capacity", 8 << 30)
+        query = _options(url, options)
+        query.setdefault("capacity", DEFAULT_CAPACITY)
         return cls(path_of(url), url=url, read_only=read_only, **query)
 
     @classmethod
@@ -174,11 +173,13 @@ class LmdbBackend(Backend):
     @classmethod
     def open_read_only(cls, url: str, *, timeout: float = 5.0) -> LmdbBackend:
         """The existing environment at ``url``; reads are not recorded (``record_access=False``),
-        and opening writes nothing (an older format stays as it is until a write)."""
+        and opening writes nothing (an older format stays as it is until a write). With no capacity (a tool
+        does not know the engine's): its puts never evict, one that does not fit is refused."""
         path = existing_directory(path_of(url))
         if cls.store_url_at(path) is None:
             raise ConfigError(f"{path} is not an LMDB store (no data.mdb)")
-        return cls.from_url(url, record_access=False, read_only=True)
+        query = {k: v for k, v in _options(url, {"record_access": False}).items() if k != "capacity"}
+        return cls(path, url=url, read_only=True, capacity=None, **query)
 
     # -- the environment's handles (maintenance and tests) -----------------------------------
     @property
@@ -255,8 +256,9 @@ class LmdbBackend(Backend):
             return set(self._pins)
 
     def _evict_beyond_capacity(self, w: Write, nbytes: int) -> int:
-        """Room for ``nbytes`` more than the capacity allows (the map is full, cannot grow)."""
-        return evict_beyond(self._db.tables, w, nbytes, self._eviction, self._pinned)
+        """Room for ``nbytes`` more than the capacity allows (the map is full, cannot grow); none
+        without a capacity (a tool's open: the put is refused)."""
+        return 0 if self.capacity is None else evict_beyond(self._db.tables, w, nbytes, self._eviction, self._pinned)
 
     def flush(self) -> None:
         """Apply buffered accesses and make every committed put durable (fsync)."""
@@ -336,3 +338,12 @@ class LmdbBackend(Backend):
         with self._db.guard("check"):
             return self._db.write(lambda w: run(w.txn, w))
 
+
+def _options(url: str, options: dict) -> dict:
+    """The URL's query with ``options`` over it (None: not given); unknown names refused."""
+    _, query = split_options(url)
+    query.update({k: v for k, v in options.items() if v is not None})
+    unknown = sorted(set(query) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(f"unknown lmdb option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
+    return query

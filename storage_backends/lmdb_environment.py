@@ -42,9 +42,10 @@ class LmdbEnvironment:
     """One environment and its tables. ``count`` takes the backend's counters (``errors=1``,
     a write's ``puts``, ...); ``evict`` makes room beyond the capacity when the map is full and
     cannot grow; ``record_access=False`` keeps no read accesses (tools); ``read_only`` opens
-    without writing (no table created, the format left alone until a write)."""
+    without writing (no table created, the format left alone until a write). ``max_map`` None
+    (a tool's open, ``map_size=0``: the size the environment has): twice that and 1 GiB more."""
 
-    def __init__(self, path: Path, options: dict, *, max_map: int, batch_bytes: int,
+    def __init__(self, path: Path, options: dict, *, max_map: int | None, batch_bytes: int,
                  count: Callable[..., None], evict: Evict, record_access: bool = True,
                  read_only: bool = False) -> None:
         self.path = path
@@ -59,6 +60,8 @@ class LmdbEnvironment:
         self.closed = False
         self._settling = threading.Lock()  # the first write after a read-only open
         self.env = self._open_env(options)
+        if max_map is None:  # as an engine's map may grow: to twice its first size (and 1 GiB more)
+            self.max_map = 2 * self.map_size + (1 << 30)
         self.tables = self._open_tables(create=not read_only)
         self._missing = any(isinstance(t, MissingTable) for t in vars(self.tables).values())
         self._deferred = read_only and (self._read_format() != FORMAT or self._missing)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from storage_backends.redaction import redact_url
 from tiered_kv.errors import ConfigError
 
 
@@ -32,11 +33,11 @@ def directory_of(url: str, scheme: str) -> Path:
     base, _ = split_options(url)
     prefix = f"{scheme}:"
     if not base.lower().startswith(prefix):
-        raise ConfigError(f"not a {scheme} URL: {url!r}")
+        raise ConfigError(f"not a {scheme} URL: {redact_url(url)!r}")
     rest = base[len(prefix):]
     rest = rest[2:] if rest.startswith("//") else rest
     if not rest:
-        raise ConfigError(f"{scheme} URL {url!r} names no directory")
+        raise ConfigError(f"{scheme} URL {redact_url(url)!r} names no directory")
     return Path(unquote(rest)).expanduser()
 
 

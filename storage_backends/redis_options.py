@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from storage_backends.options import split_options
+from storage_backends.redaction import password_misread, redact_url
 from tiered_kv.errors import ConfigError
 from tiered_kv.units import as_bool, parse_duration, parse_size
 
@@ -36,6 +37,7 @@ def redis_arguments(url: str, options: dict[str, Any]) -> tuple[str, dict[str, A
     """(URL for redis-py, keyword arguments of the backend). Our options come from the query
     string or ``options`` (those win); the rest of the query (``db``, ``ssl_cert_reqs``,
     ``ssl_ca_certs``, ...) stays in the URL for redis-py."""
+    redis_target(url)  # refused first: where the password is misread, so is the query
     _, query = split_options(url)
     mine: dict[str, Any] = {k: query[k] for k in PARSERS if k in query}
     mine.update({k: v for k, v in options.items() if v is not None})
@@ -46,3 +48,13 @@ def redis_arguments(url: str, options: dict[str, Any]) -> tuple[str, dict[str, A
     rest = "&".join(p for p in text.split("&") if p and p.split("=")[0] not in PARSERS)
     kwargs = {name: PARSERS[name](value, f"redis {name}") for name, value in mine.items()}
     return (f"{head}?{rest}" if rest else head), kwargs
+
+
+def redis_target(url: str) -> str:
+    """The URL redis-py is given (a cluster's as ``redis://``). ConfigError where redis-py would
+    take a piece of the password for the host or port (a ``/``, ``?`` or ``#`` left unescaped in
+    it): it would quote that piece, or connect there."""
+    if password_misread(url):
+        raise ConfigError(f"bad Redis URL {redact_url(url)!r}: percent-encode a '/', '?' or '#' in "
+                          "its password (%2F, %3F, %23)")
+    return url.replace("redis+cluster://", "redis://", 1)

@@ -42,12 +42,12 @@ from redis.retry import Retry
 
 from storage_backends.base import Backend, BackendStats, Visitor
 from storage_backends.quotas import as_tenant
-from storage_backends.redaction import redact_url
+from storage_backends.redaction import redact_text, redact_url
 from storage_backends.redis_admin import AdminRetry
 from storage_backends.redis_breaker import Breaker
 from storage_backends.redis_names import RedisNames
 from storage_backends.redis_node_pipelines import NodeFanout, node_pipelines, ping_every_node
-from storage_backends.redis_options import redis_arguments
+from storage_backends.redis_options import redis_arguments, redis_target
 from storage_backends.redis_packer import PACKER, PackedConnection
 from tiered_kv.errors import BackendUnavailable, ConfigError
 
@@ -105,7 +105,7 @@ class RedisBackend(Backend):
         self._fanout = NodeFanout(node_threads)  # threads sending a cluster call's nodes at once
         common: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout,
                                       retry=retry, max_connections=max_connections)
-        target = url.replace("redis+cluster://", "redis://", 1)
+        target = redis_target(url)
         # raw blocks come as head + host slot (no copy next to the head) where our packer sends
         # the commands: everywhere but the TLS cluster client, which brings its own connections
         self.takes_gathered = not (self.cluster and target.startswith("rediss://"))
@@ -127,7 +127,7 @@ class RedisBackend(Backend):
             common["retry"] = Retry(NoBackoff(), 0)
             self._make_cluster = lambda: redis.RedisCluster.from_url(target, **common)  # connects
         except (ValueError, TypeError, redis.RedisError) as exc:
-            raise ConfigError(f"bad Redis URL {self.url!r}: {exc}") from None
+            raise ConfigError(f"bad Redis URL {self.url!r}: {redact_text(str(exc), url)}") from None
         if not redis.utils.HIREDIS_AVAILABLE:
             log.warning("hiredis is not installed: Redis reads will be several times slower "
                         "(pip install 'redis[hiredis]')")

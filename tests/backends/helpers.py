@@ -37,3 +37,23 @@ def finish(proc: subprocess.Popen, timeout: float = 60.0) -> str:
     out, err = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, err
     return out
+
+
+def after_listing(monkeypatch, directory: Path, meanwhile, times: int | None = 1) -> None:
+    """Each listing (``os.scandir``) of ``directory`` is taken, then ``meanwhile()`` runs before
+    the caller looks at any entry (the first ``times`` listings; None: every one): another
+    process renaming or removing files while a walk is between its scan and its stats, every
+    time instead of by chance."""
+    real, left = os.scandir, [times]
+
+    def scandir(path="."):
+        entries = real(path)
+        if left[0] == 0 or os.fspath(path) != os.fspath(directory):
+            return entries
+        left[0] = None if left[0] is None else left[0] - 1
+        with entries:
+            listed = list(entries)
+        meanwhile()
+        return iter(listed)
+
+    monkeypatch.setattr(os, "scandir", scandir)

@@ -11,6 +11,7 @@ import lmdb
 import pytest
 
 import storage_backends.lmdb_format as lmdb_format
+from storage_backends.base import Unchecked
 from storage_backends.lmdb_disk import LmdbBackend
 from storage_backends.lmdb_tables import FORMAT, TOTALS, tenant_prefix
 from tests.backends import test_lmdb_processes as processes
@@ -78,6 +79,24 @@ def test_a_format_1_environment_is_upgraded_in_place_all_of_it_no_tenants(tmp_pa
         assert struct.unpack("<Q", txn.get(b"format", db=env.open_db(b"info", txn=txn)))[0] == FORMAT == 3
     with LmdbBackend(tmp_path / "db", capacity=MiB) as b:  # opened again: nothing more to do
         assert totals(b)[b""][1] == 6 and totals(b)[A] == (100, 1) and b.check() == []
+
+
+def test_regression_a_read_only_check_of_a_format_1_store_missed_every_entry_in_the_tenant_tables(tmp_path):
+    """Opened read-only, a format 1 store keeps no tenant tables until its first write: their
+    check is left out and said so (it was a missing tenant LRU entry per key and wrong tenant
+    totals); the rest is still checked, and ``fix`` (a write) upgrades it, then checks it all."""
+    old = [(bytes([i]) * 32, bytes([i]) * (1000 + i), 1000 * (5 - i)) for i in range(3)]
+    write_format_1(tmp_path / "db", old)
+    with lmdb.open(str(tmp_path / "db"), max_dbs=8) as env, env.begin(write=True) as txn:
+        txn.delete(struct.pack(">Q", 1000 * 5) + old[0][0], db=env.open_db(b"lru", txn=txn))  # real drift
+    tool = LmdbBackend.open_read_only(f"lmdb://{tmp_path / 'db'}")
+    problems = tool.check()
+    assert problems == [f"missing LRU entry: {old[0][0].hex()}",
+                        "format 1: upgraded by the first write; tenant bookkeeping not checked"]
+    assert [type(p) for p in problems] == [str, Unchecked]
+    assert tool.check(fix=True) == problems[:1] and tool.check() == []
+    assert totals(tool) == {b"": (sum(len(v) for _, v, _ in old), 3)}
+    tool.close()
 
 
 def test_check_finds_and_repairs_drift_in_the_tenant_tables(tmp_path):

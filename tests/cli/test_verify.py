@@ -3,9 +3,15 @@ drift; `--fix` removes / repairs them and says so; a clean store verifies with e
 
 from __future__ import annotations
 
+import os
+
 import lmdb
 
+from storage_backends.file_dir import FileBackend
+from storage_backends.file_entries import remove, target_of
+from storage_backends.file_layout import file_of, temp_of
 from storage_backends.lmdb_disk import LmdbBackend
+from tests.backends.helpers import after_listing
 from tests.cli.conftest import cli
 from tiered_kv.store.records import is_block_key
 
@@ -89,3 +95,63 @@ def test_verify_on_a_file_store_reports_leftover_temporary_files(demo_store, tmp
     assert [f["kind"] for f in found["findings"]] == ["meta_drift"]
     assert cli("verify", dest, "--fix").code == 0 and not leftover.exists()
     assert cli("verify", dest).code == 0
+
+
+def test_regression_verify_of_a_live_file_store_exited_2_on_a_file_renamed_mid_walk(tmp_path, monkeypatch):
+    """Another process puts and deletes: between each listing of a directory and verify's look
+    at its files, the key it stored last goes and the put it had half-way renames its temporary
+    link over the key's name (``No such file or directory (…/2a/.….link.tmp)``: exit 2)."""
+    root = tmp_path / "fs"
+    FileBackend(root).close()
+    names = (file_of(root, i.to_bytes(15, "big") + b"\x2a") for i in range(1, 1000))
+    done, half_way, moves = [], [], []
+
+    def start_a_put():
+        name = next(names)
+        name.parent.mkdir(exist_ok=True)
+        target_of(name, b"tenant-a").write_bytes(b"a value")
+        link = temp_of(name, "link")
+        os.symlink(target_of(name, b"tenant-a").name, link)
+        half_way.append((link, name))
+
+    def the_writer_goes_on():
+        for name in done:
+            remove(name)
+        link, name = half_way.pop()
+        os.replace(link, name)
+        done[:] = [name]
+        start_a_put()
+        moves.append(name)
+
+    start_a_put()
+    after_listing(monkeypatch, root / "2a", the_writer_goes_on, times=None)
+    for args in (["verify", f"file://{root}"], ["verify", f"file://{root}", "--fix"]):
+        result = cli(*args)
+        assert (result.code, result.err) == (0, ""), args
+    assert len(moves) >= 4  # each run's listing of the keys and its check met the writer
+
+
+def test_regression_verify_reported_drift_on_every_entry_of_a_healthy_format_1_store(demo_store, tmp_path):
+    """A store the version before tenants wrote, verified read-only, was said to miss a tenant
+    LRU entry per key and its tenant totals (exit 1): those tables come with its first write."""
+    from storage_backends.lmdb_tables import FORMAT
+    from tests.backends.test_lmdb_failure_paths import stored_format
+    from tests.backends.test_lmdb_tenants import write_format_1
+
+    demo = LmdbBackend.open_read_only(demo_store.url)
+    keys = sorted(demo.scan())
+    values = [bytes(v) for v in demo.get_many(keys)]
+    demo.close()
+    write_format_1(tmp_path / "old", [(k, v, 10**9 * i) for i, (k, v) in enumerate(zip(keys, values))])
+    url = f"lmdb://{tmp_path / 'old'}"
+    result = cli("verify", url, "--json")
+    assert result.code == 0, result.out
+    [tier] = result.json()["tiers"]
+    assert tier["findings"] == [] and tier["valid_blocks"] == len(keys) - 1
+    assert tier["notes"] == ["format 1: upgraded by the first write; tenant bookkeeping not checked"]
+    assert stored_format(tmp_path / "old") == 1  # verify wrote nothing
+    fixed = cli("verify", url, "--fix", "--json")
+    assert fixed.code == 0 and fixed.json()["tiers"][0]["notes"] == [], fixed.out
+    assert stored_format(tmp_path / "old") == FORMAT  # --fix writes: upgraded, then checked whole
+    again = cli("verify", url)
+    assert again.code == 0 and "note" not in again.out, again.out

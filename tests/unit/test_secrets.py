@@ -8,6 +8,7 @@ string. The Redis these tests talk to is a real redis-server that requires that 
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 from pathlib import Path
 
@@ -95,6 +96,60 @@ def test_redacted_urls_keep_everything_but_the_secrets():
         "rediss://:***@h/0?auth_token=***&ssl_cert_reqs=none"
     assert redact_url("unix:///run/redis.sock?db=0&passwd=x") == "unix:///run/redis.sock?db=0&passwd=***"
     assert redact_url("lmdb:///var/cache/kv?capacity=8GiB") == "lmdb:///var/cache/kv?capacity=8GiB"
+
+
+def pieces_of(password: str) -> list[str]:
+    """The password, decoded, and each piece of it a parser may cut out and quote."""
+    whole = [password, password.replace("%2F", "/")]
+    return whole + [p for w in whole for p in re.split(r"[/?#@=&:]", w) if p]
+
+
+def engine_store(url: str):
+    """An engine's store whose remote tier is ``url`` (from a config, as an engine opens it)."""
+    from tiered_kv.keys import Namespace
+    from tiered_kv.store import TieredStore
+
+    ns = Namespace(model_id="m", dtype="float32", num_layers=1, num_kv_heads=1, head_dim=4, block_size=4)
+    return TieredStore(TieredKVConfig.load({"host": {"capacity": "1MiB"}, "remote": {"url": url}}), ns)
+
+
+@pytest.mark.parametrize("password", ["Ab3/xYz9+q", "Pq7?wZk2", "Hx4#Lm9", "Gy2/Qe5@Wd7?Tf3#Ua8"])
+def test_regression_a_password_holding_a_slash_query_or_hash_mark_was_printed_as_a_bad_redis_url(password, caplog):
+    """``bad Redis URL 'redis://default:Ab3/xYz9+q@…': Port could not be cast to integer value
+    as 'Ab3'``: the userinfo was cut at the first ``/`` (or ``?``), and redis-py quoted a piece."""
+    url = f"redis://default:{password}@127.0.0.1:{free_port()}/0"
+    caplog.set_level(logging.DEBUG)
+    result = cli("inspect", url)
+    assert result.code == 2 and "'redis://default:***@127.0.0.1:" in result.err, result.err
+    assert "percent-encode" in result.err
+    with pytest.raises(ConfigError, match="percent-encode") as refused:
+        engine_store(url)
+    said = [result.out, result.err, str(refused.value), *(r.getMessage() for r in caplog.records)]
+    for piece in pieces_of(password):
+        assert not any(piece in text for text in said), (piece, said)
+
+
+@pytest.mark.parametrize("password", ["Rt5@Vb8", "Ns6%2FJk3"])
+def test_a_password_holding_an_at_sign_or_an_escape_is_read_whole_and_never_shown(password, caplog):
+    url = f"redis://default:{password}@127.0.0.1:{free_port()}/0?password={password}"  # nothing listens
+    caplog.set_level(logging.DEBUG)
+    result = cli("inspect", url)
+    assert result.code == 3 and "redis://default:***" in result.err, result.err
+    store = engine_store(url)
+    shown = str(store.stats())
+    store.close()
+    said = [result.out, result.err, shown, *(r.getMessage() for r in caplog.records)]
+    for piece in pieces_of(password):
+        assert not any(piece in text for text in said), (piece, said)
+
+
+def test_regression_redacted_urls_ended_the_userinfo_at_the_first_slash_or_question_mark():
+    assert redact_url("redis://default:Ab3/xYz9+q@127.0.0.1:6390/0") == "redis://default:***@127.0.0.1:6390/0"
+    assert redact_url("rediss://u:a?b#c@d@h:1/0?db=1&token=t") == "rediss://u:***@h:1/0?db=1&token=***"
+    assert redact_url("redis://u:p@ss@h:1/0?db=1&token=t") == "redis://u:***@h:1/0?db=1&token=***"
+    # read two ways (a password up to the @, or a query value holding it): secret either way
+    assert redact_url("redis://h:6379/0?password=p@ss") == "redis://h:***"
+    assert redact_url("redis://u:p@ss@h:1/0?password=p@ss") == "redis://u:***"
 
 
 def test_cli_tables_and_json_on_a_locked_redis_never_show_the_password(demo_on_locked_redis, locked_redis,

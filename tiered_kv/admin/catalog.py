@@ -28,6 +28,7 @@ from tiered_kv.store.records import (
 )
 
 READ_BATCH = 64  # values read per call when headers are needed
+UNREADABLE = "the store lists it but cannot read its value (its segment file is gone or cut short)"
 
 
 @dataclass
@@ -41,7 +42,8 @@ class Entry:
     last_access: float | None = None  # seconds since the epoch (None: the medium does not say)
     hits: int | None = None
     header: BlockHeader | None = None  # when the value was read
-    error: str | None = None  # why the header could not be read
+    error: str | None = None  # why the header (or the value: ``unreadable``) could not be read
+    unreadable: bool = False  # listed by the medium, but its value could not be read
 
     @property
     def namespace(self) -> bytes | None:
@@ -95,10 +97,13 @@ def entries(backend: Backend, *, headers: bool = False, keys: Sequence[bytes] | 
         metas = [meta_of(k) for k in batch] if meta_of is not None else [None] * len(batch)
         read = headers or meta_of is None
         values = backend.get_many(batch) if read else [None] * len(batch)
+        lost = set(unreadable(backend, [k for k, v in zip(batch, values) if read and v is None]))
         for key, meta, value in zip(batch, metas, values):
-            if read and value is None or (not read and meta is None):
+            if (value is None if read else meta is None) and key not in lost:
                 continue  # deleted since the scan
             entry = Entry(key, kind_of(key))
+            if key in lost:
+                entry.error, entry.unreadable = UNREADABLE, True
             if meta is not None:
                 entry.size, entry.hits = meta["size"], meta["hits"]
                 entry.created = meta["created_ns"] / 1e9
@@ -108,6 +113,12 @@ def entries(backend: Backend, *, headers: bool = False, keys: Sequence[bytes] | 
                 if entry.kind == "block":
                     _read_header(entry, value)
             yield entry
+
+
+def unreadable(backend: Backend, keys: Sequence[bytes]) -> list[bytes]:
+    """Those of ``keys`` (whose values just read as absent) that the medium still lists: not
+    deleted since, but unreadable (an LMDB value whose segment file is gone or cut short)."""
+    return [k for k, listed in zip(keys, backend.contains_many(keys)) if listed] if keys else []
 
 
 def _read_header(entry: Entry, value: bytes) -> None:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 
 from tiered_kv.admin.block_checks import check_block
-from tiered_kv.admin.catalog import READ_BATCH, Entry, entries, kind_of
+from tiered_kv.admin.catalog import READ_BATCH, UNREADABLE, Entry, entries, kind_of, unreadable
 from tiered_kv.admin.opening import Tier
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import Namespace
@@ -72,18 +72,21 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
     Blocks are validated on the way (fully decoded with ``verify``, else their header only),
     against their namespace record's block when the source has one (a block of another shape,
     dtype or size is corrupt) and with the declared size bounded otherwise: corrupt ones are
-    skipped and reported, never copied."""
+    skipped and reported, never copied, as are blocks the source lists but cannot read (an LMDB
+    value whose segment file is cut short). Evictions at the destination are counted from before
+    the namespace records are put (a tool's open of an LMDB store evicts nothing)."""
     keys = [k for k in sorted(src.backend.scan())
             if kind_of(k) == "block" and (namespace is None or k.startswith(namespace))]
     digests = sorted({split_key(k)[0] for k in keys} | ({namespace} if namespace else set()))
     records = [(k, v) for k, v in zip(map(namespace_key, digests), src.backend.get_many(
         [namespace_key(d) for d in digests])) if v is not None]
+    before = dst.backend.stats().evictions  # (the records' puts count too)
     if records:
         dst.backend.put_many(records)
     recorded = {k[len(NAMESPACE_PREFIX):]: _namespace_of(k, v) for k, v in records}
     copied = present = rejected = nbytes = 0
     corrupt: dict[str, str] = {}  # key (hex) -> why it was not copied
-    before = dst.backend.stats().evictions
+    lost: dict[str, str] = {}  # the same, for blocks listed but unreadable
     for start in range(0, len(keys), READ_BATCH):
         batch = keys[start : start + READ_BATCH]
         if not overwrite:
@@ -93,9 +96,13 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
         else:
             batch_todo = batch
         good = []
-        for key, value in zip(batch_todo, src.backend.get_many(batch_todo)):
+        values = src.backend.get_many(batch_todo)
+        for key in unreadable(src.backend, [k for k, v in zip(batch_todo, values) if v is None]):
+            lost[key.hex()] = UNREADABLE  # the others are gone since the scan
+            log.warning("copy: skipped %s: %s", key.hex(), UNREADABLE)
+        for key, value in zip(batch_todo, values):
             if value is None:
-                continue  # gone since the scan
+                continue
             try:  # against its namespace's block (from the record), else with its size bounded
                 check_block(key, value, recorded.get(split_key(key)[0]), decode=verify)
             except CorruptBlock as exc:
@@ -112,7 +119,8 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
     dst.backend.flush()
     return {"source": src.shown_url, "destination": dst.shown_url, "blocks": len(keys),
             "copied": copied, "copied_bytes": nbytes, "already_present": present,
-            "corrupt_skipped": list(corrupt), "corrupt_details": corrupt, "rejected": rejected,
+            "corrupt_skipped": list(corrupt), "corrupt_details": corrupt, "unreadable_skipped": list(lost),
+            "unreadable_details": lost, "rejected": rejected,
             "namespace_records": len(records),
             "evicted_at_destination": dst.backend.stats().evictions - before}
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from tiered_kv.admin.block_checks import block_layout, check_block
 from tiered_kv.admin.catalog import (
+    UNREADABLE,
     Entry,
     Namespaces,
     block_digests,
@@ -19,6 +20,7 @@ from tiered_kv.admin.catalog import (
     namespaces,
     resolve_namespace,
     sample_header,
+    unreadable,
 )
 from tiered_kv.admin.opening import Tier
 from tiered_kv.admin.tenants import default_quota, tenant_usage
@@ -186,7 +188,7 @@ def show_entry(tier: Tier, key: bytes, *, stats: bool = True) -> dict:
                  "size": entry.size, "created": iso(entry.created), "last_access": iso(entry.last_access),
                  "hits": entry.hits}
     if entry.kind != "block":
-        return out
+        return _unreadable(out, entry.unreadable)
     digest = split_key(key)[0]
     out["namespace"] = digest.hex()
     out["model_id"] = found.known[digest].model_id if digest in found.known else None
@@ -196,6 +198,8 @@ def show_entry(tier: Tier, key: bytes, *, stats: bool = True) -> dict:
         out["groups"] = [{**g.describe(), "entry": "state" if g.is_state else "block",
                           "bytes": [plan.offsets[i], plan.offsets[i] + plan.sizes[i]]}
                          for i, g in enumerate(ns.groups)]
+    if entry.unreadable:
+        return _unreadable(out, True)
     h = entry.header
     if h is not None:
         out["header"] = {
@@ -206,6 +210,8 @@ def show_entry(tier: Tier, key: bytes, *, stats: bool = True) -> dict:
             "encrypted": h.sealed,
         }
     [value] = tier.backend.get_many([key])
+    if value is None and unreadable(tier.backend, [key]):  # listed still: not vanished
+        return _unreadable(out, True)
     if value is None:
         raise LookupError(f"entry {key.hex()} vanished")
     try:  # against its namespace's block: a lying header never makes us allocate what it declares
@@ -216,6 +222,13 @@ def show_entry(tier: Tier, key: bytes, *, stats: bool = True) -> dict:
     out["valid"] = True
     if stats and payload is not None:  # an encrypted block's payload needs its key
         out["layers"] = layer_stats(payload, header.dtype, header.shape)
+    return out
+
+
+def _unreadable(out: dict, unreadable: bool) -> dict:
+    """``out``, reporting (when ``unreadable``) an entry listed whose value cannot be read."""
+    if unreadable:
+        out.update(valid=False, reason="unreadable", error=UNREADABLE)
     return out
 
 

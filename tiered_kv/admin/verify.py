@@ -10,6 +10,9 @@ Findings:
 - ``orphaned``: an entry that is neither a block nor a namespace record (nothing ever reads it);
 - ``meta_drift``: the medium's own bookkeeping disagrees with its contents (LMDB meta / LRU /
   totals tables, leftover temporary files of the file medium), from the backend's ``check``.
+  What that check could not look at (an older format's store opened read-only keeps no tenant
+  tables until its first write) is a note, not a finding; with ``fix`` (a write: the format is
+  upgraded first) it is checked too.
 
 ``fix`` deletes corrupt, mismatched and orphaned entries (the engine recomputes those blocks)
 and lets the backend repair its bookkeeping; the report says what was done.
@@ -22,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from storage_backends.base import Unchecked
 from tiered_kv.admin.block_checks import check_block
 from tiered_kv.admin.catalog import READ_BATCH, kind_of, namespaces
 from tiered_kv.admin.opening import Tier
@@ -72,10 +76,13 @@ def verify_tier(tier: Tier, *, fix: bool = False, progress: Callable[[int, int],
         if progress is not None:
             progress(len(batch), len(keys))
     check = getattr(backend, "check", None)
-    if check is not None:
-        findings += [Finding(tier.name, "meta_drift", None, p) for p in check(False)]
+    said = check(False) if check is not None else []
+    if fix and any(isinstance(p, Unchecked) for p in said):
+        said = check(True)  # a write: the older format is upgraded, then every table checked
+    findings += [Finding(tier.name, "meta_drift", None, p) for p in said if not isinstance(p, Unchecked)]
     actions = _fix(tier, findings) if fix and findings else []
-    notes = [f"namespace {d.hex()} ({ns.model_id}) has a record but no blocks"
+    notes = [str(p) for p in said if isinstance(p, Unchecked)]
+    notes += [f"namespace {d.hex()} ({ns.model_id}) has a record but no blocks"
              for d, ns in found.known.items() if not blocks[d]]
     notes += [f"{n} blocks of namespace {d.hex()} have no namespace record (model id unknown)"
               for d, n in blocks.items() if d not in found.known and d not in found.broken]

@@ -100,7 +100,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
         with render.progress("copy", not args.json) as advance:
             report = copy(src, dst, namespace=digest, overwrite=args.overwrite,
                           verify=not args.no_verify, progress=advance)
-    bad = bool(report["corrupt_skipped"] or report["rejected"])
+    bad = bool(report["corrupt_skipped"] or report["unreadable_skipped"] or report["rejected"])
     if args.json:
         render.emit_json(report)
     else:
@@ -110,6 +110,8 @@ def cmd_copy(args: argparse.Namespace) -> int:
                   f"from {report['source']} to {report['destination']}; {report['already_present']} already there")
         for key, why in report["corrupt_details"].items():  # one line each: which block, what is wrong
             out.print(f"skipped corrupt block {key}: {why}", soft_wrap=True, markup=False)
+        for key, why in report["unreadable_details"].items():
+            out.print(f"skipped unreadable block {key}: {why}", soft_wrap=True, markup=False)
         if report["rejected"]:
             out.print(f"the destination refused {report['rejected']} blocks (full?)")
         if report["evicted_at_destination"]:
