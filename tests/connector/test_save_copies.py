@@ -39,17 +39,23 @@ def _copies_on_a_side_stream(worker) -> None:
     worker._gather = gather
 
 
+def _compute_shared(conn, pool, request_id: str, last: int) -> None:
+    """A step in which ``request_id`` computes SHARED's four blocks (no external tokens) and
+    saves them."""
+    view = RequestView(request_id, SHARED + [last], len(SHARED) + 1, None)
+    conn.scheduler.get_num_new_matched_tokens(view, 0)
+    conn.scheduler.update_state_after_alloc(view, [0, 1, 2, 3, 4], 0)
+    _fill(pool, [0, 1, 2, 3], 1.0)
+    _step(conn, new=[RequestStep(request_id, view.prompt_token_ids, [0, 1, 2, 3, 4], 0, len(view.prompt_token_ids))])
+    conn.worker.wait_for_save()
+
+
 def _seed(tmp_path) -> None:
     """A first engine saved SHARED's four blocks to disk and exited."""
     conn = _connector(tmp_path)
     pool = _pool()
     conn.register_kv_caches(pool)
-    view = RequestView("seed", SHARED + [7], len(SHARED) + 1, None)
-    conn.scheduler.get_num_new_matched_tokens(view, 0)
-    conn.scheduler.update_state_after_alloc(view, [0, 1, 2, 3, 4], 0)
-    _fill(pool, [0, 1, 2, 3], 1.0)
-    _step(conn, new=[RequestStep("seed", view.prompt_token_ids, [0, 1, 2, 3, 4], 0, len(view.prompt_token_ids))])
-    conn.worker.wait_for_save()
+    _compute_shared(conn, pool, "seed", 7)
     conn.store.flush()
     conn.close()
 
@@ -60,13 +66,7 @@ def test_regression_a_load_of_blocks_whose_save_was_still_copying_stalled_the_fo
     pool = _pool()
     conn.register_kv_caches(pool)
     _copies_on_a_side_stream(conn.worker)
-    # step 1: A computes the four blocks again (0 external tokens) and saves them: the copy runs on
-    a = RequestView("A", SHARED + [5], len(SHARED) + 1, None)
-    conn.scheduler.get_num_new_matched_tokens(a, 0)
-    conn.scheduler.update_state_after_alloc(a, [0, 1, 2, 3, 4], 0)
-    _fill(pool, [0, 1, 2, 3], 1.0)
-    _step(conn, new=[RequestStep("A", a.prompt_token_ids, [0, 1, 2, 3, 4], 0, len(a.prompt_token_ids))])
-    conn.worker.wait_for_save()
+    _compute_shared(conn, pool, "A", 5)  # step 1: A computes the four blocks again; the copy runs on
     conn.worker.get_finished([], [])
     # step 2: B shares the four blocks, found on disk (a reserved slot is not a host hit): a sync load
     b = RequestView("B", SHARED + [9] * BS + [3], len(SHARED) + BS + 1, None)

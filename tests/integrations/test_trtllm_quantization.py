@@ -17,12 +17,6 @@ from tiered_kv.integrations.common import parse_settings
 from tiered_kv.integrations.trtllm import TieredKVWorker, trtllm_namespace
 
 
-@pytest.fixture(autouse=True)
-def _no_env(monkeypatch):
-    for name in [n for n in os.environ if n.startswith("TIERED_KV_")]:
-        monkeypatch.delenv(name)
-
-
 @pytest.fixture
 def model(tmp_path):
     path = tmp_path / "llama-like"
@@ -33,7 +27,8 @@ def model(tmp_path):
 
 def namespace(model, **llm):
     kv = llm.pop("kv", KvCacheConfig())
-    return trtllm_namespace(LlmArgs(model=str(model), kv_cache_config=kv, **llm), parse_settings(None, source="t").config)
+    settings = parse_settings(None, source="t", environ={})  # (no TIERED_KV_* of the test's environment)
+    return trtllm_namespace(LlmArgs(model=str(model), kv_cache_config=kv, **llm), settings.config)
 
 
 def test_a_plain_engine_keeps_its_namespace_with_or_without_a_default_quant_config(model):
@@ -154,6 +149,8 @@ def test_a_pydantic_quant_config_is_named_by_its_declared_fields_whatever_was_re
 def test_regression_an_fp8_kv_pool_of_a_prequantized_checkpoint_was_refused_at_registration(model, tmp_path, monkeypatch):
     # the namespace said the model dtype, the pool held fp8: every FP8-KV checkpoint was refused
     (model / "hf_quant_config.json").write_text(json.dumps({"quantization": {"kv_cache_quant_algo": "FP8"}}))
+    for name in [n for n in os.environ if n.startswith("TIERED_KV_")]:
+        monkeypatch.delenv(name)
     monkeypatch.setenv("TIERED_KV_DISK_URL", f"lmdb://{tmp_path}/db")
     worker = TieredKVWorker(LlmArgs(model=str(model), kv_cache_config=KvCacheConfig(), dtype="bfloat16"))
     try:
