@@ -5,6 +5,7 @@ the namespace it had; an FP8 KV cache is stored as FP8 pages instead of being re
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 
@@ -126,24 +127,26 @@ def test_regression_what_changes_the_kv_of_the_same_files_shared_the_plain_engin
     assert namespace(model, model_kwargs={}, force_dynamic_quantization=False, load_format="auto") == namespace(model)
 
 
+class _PydanticQuantConfig:
+    """Current TensorRT-LLM's ``QuantConfig``: a pydantic model (its fields in the class's
+    ``model_fields``) with a cached property that lands in ``__dict__`` once read."""
+
+    model_fields = {"quant_algo": None, "kv_cache_quant_algo": None, "group_size": None}
+
+    def __init__(self, quant_algo=None, kv_cache_quant_algo=None, group_size=128) -> None:
+        self.quant_algo, self.kv_cache_quant_algo, self.group_size = quant_algo, kv_cache_quant_algo, group_size
+
+    @functools.cached_property
+    def quant_mode(self) -> object:
+        return object()
+
+
 def test_a_pydantic_quant_config_is_named_by_its_declared_fields_whatever_was_read_of_it(model):
-    pydantic = pytest.importorskip("pydantic")
-    import functools
-
-    class StrictQuantConfig(pydantic.BaseModel):  # current TensorRT-LLM's QuantConfig is pydantic
-        quant_algo: str | None = None
-        kv_cache_quant_algo: str | None = None
-        group_size: int = 128
-
-        @functools.cached_property
-        def quant_mode(self) -> object:
-            return object()
-
-    read, unread = StrictQuantConfig(quant_algo="FP8"), StrictQuantConfig(quant_algo="FP8")
+    read, unread = _PydanticQuantConfig(quant_algo="FP8"), _PydanticQuantConfig(quant_algo="FP8")
     read.quant_mode  # noqa: B018
     assert namespace(model, quant_config=read) == namespace(model, quant_config=unread)
     assert namespace(model, quant_config=read).digest() != namespace(
-        model, quant_config=StrictQuantConfig(quant_algo="FP8", group_size=64)).digest()
+        model, quant_config=_PydanticQuantConfig(quant_algo="FP8", group_size=64)).digest()
 
 
 def test_regression_an_fp8_kv_pool_of_a_prequantized_checkpoint_was_refused_at_registration(model, tmp_path, monkeypatch):
