@@ -146,8 +146,9 @@ def quantized_kv(cache_dtype: Any) -> bool:
 
 
 def dummy_weights(load_format: Any) -> str:
-    """The revision's mark of random weights (a profiling run): their KV is nobody's."""
-    return "+dummy-weights" if str(load_format or "").endswith("dummy") else ""
+    """The revision's mark of random weights (a profiling run): their KV is nobody's. The load
+    format as a string or an enum member (TensorRT-LLM's ``LoadFormat.DUMMY``), any case."""
+    return "+dummy-weights" if str(getattr(load_format, "name", load_format) or "").lower().endswith("dummy") else ""
 
 
 def stable_value(value: Any) -> Any:

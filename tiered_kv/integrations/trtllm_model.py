@@ -149,8 +149,7 @@ def quantization_suffix(llm_args: Any, dtype: str) -> str:
         fields["quant_config"] = _declared(quant)
     if dtype in QUANTIZED_KV:
         fields["dtype"] = getattr(llm_args, "dtype", None)
-    load_format = getattr(llm_args, "load_format", None)
-    return dummy_weights(str(getattr(load_format, "name", load_format) or "").lower()) + numerics_suffix(fields)
+    return dummy_weights(getattr(llm_args, "load_format", None)) + numerics_suffix(fields)
 
 
 def _declared(value: Any) -> Any:
