@@ -144,6 +144,13 @@ class Backend(ABC):
         when ``url`` names no store of this medium."""
         raise ConfigError(f"{cls.name} stores cannot be opened by tools")
 
+    @classmethod
+    def create_for_tool(cls, url: str, *, room: int = 0) -> Backend:
+        """A new store at ``url`` for a tool to fill (``copy``) with about ``room`` bytes: as the
+        medium creates one, but bounded only by what the URL asks (a tool does not know the
+        engine's capacity). By default the medium's own opening."""
+        return cls.from_url(url)
+
     # -- the interface ----------------------------------------------------------------------
     @abstractmethod
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:

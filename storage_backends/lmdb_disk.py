@@ -39,6 +39,7 @@ from storage_backends.lmdb_check import check_tables
 from storage_backends.lmdb_compaction import Compactor
 from storage_backends.lmdb_entries import evict_beyond
 from storage_backends.lmdb_environment import LmdbEnvironment
+from storage_backends.lmdb_options import url_options
 from storage_backends.lmdb_reads import LmdbReads
 from storage_backends.lmdb_segment_check import check_segments
 from storage_backends.lmdb_segments import SegmentFiles
@@ -54,7 +55,7 @@ from storage_backends.lmdb_tables import (
 from storage_backends.lmdb_values import SegmentValues
 from storage_backends.lmdb_warmup import warm_index
 from storage_backends.lmdb_writes import LmdbWrites
-from storage_backends.options import as_int, directory_of, existing_directory, split_options
+from storage_backends.options import as_int, directory_of, existing_directory
 from storage_backends.quotas import NO_QUOTAS, Quotas
 from storage_backends.segment_writeback import writeback_mode
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError, InvalidKey
@@ -64,9 +65,6 @@ __all__ = ["BackendClosed", "InvalidKey", "LmdbBackend", "path_of"]
 
 log = logging.getLogger(__name__)
 
-OPTIONS = ("capacity", "sync", "map_size", "readahead", "writemap", "max_readers", "batch_bytes",
-           "record_access", "tenant_quota", "tenant_quotas", "segment_min", "segment_bytes", "writeback",
-           "eager_writeback", "direct_io")
 DEFAULT_CAPACITY = 8 << 30  # a URL's capacity when it gives none (the engine's [[tiers]] without one)
 
 
@@ -156,7 +154,7 @@ class LmdbBackend(Backend):
 
     @classmethod
     def from_url(cls, url: str, *, read_only: bool = False, **options) -> LmdbBackend:
-        query = _options(url, options)
+        query = url_options(url, options)
         query.setdefault("capacity", DEFAULT_CAPACITY)
         return cls(path_of(url), url=url, read_only=read_only, **query)
 
@@ -178,8 +176,16 @@ class LmdbBackend(Backend):
         path = existing_directory(path_of(url))
         if cls.store_url_at(path) is None:
             raise ConfigError(f"{path} is not an LMDB store (no data.mdb)")
-        query = {k: v for k, v in _options(url, {"record_access": False}).items() if k != "capacity"}
+        query = {k: v for k, v in url_options(url, {"record_access": False}).items() if k != "capacity"}
         return cls(path, url=url, read_only=True, capacity=None, **query)
+
+    @classmethod
+    def create_for_tool(cls, url: str, *, room: int = 0) -> LmdbBackend:
+        """A new store at ``url`` for a tool to fill: only the capacity the URL gives (none: it never
+        evicts, as a tool's open of an existing store), a map with room for ``room`` bytes besides."""
+        query = url_options(url, {"record_access": False})
+        query.setdefault("map_size", room + (1 << 30))
+        return cls(path_of(url), url=url, capacity=query.pop("capacity", None), **query)
 
     # -- the environment's handles (maintenance and tests) -----------------------------------
     @property
@@ -338,12 +344,3 @@ class LmdbBackend(Backend):
         with self._db.guard("check"):
             return self._db.write(lambda w: run(w.txn, w))
 
-
-def _options(url: str, options: dict) -> dict:
-    """The URL's query with ``options`` over it (None: not given); unknown names refused."""
-    _, query = split_options(url)
-    query.update({k: v for k, v in options.items() if v is not None})
-    unknown = sorted(set(query) - set(OPTIONS))
-    if unknown:
-        raise ConfigError(f"unknown lmdb option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
-    return query

@@ -113,3 +113,37 @@ def test_regression_copy_did_not_count_the_evictions_its_namespace_records_made(
         full.close()
     assert report["copied"] == 2 and lost > 0
     assert report["evicted_at_destination"] == lost
+
+
+def test_regression_copy_into_a_new_store_evicts_what_it_copied_beyond_the_default_capacity(
+        tmp_path, monkeypatch):
+    """A copy into a new directory created the store with the engine's default capacity (8 GiB;
+    64 KiB here, so a few hundred KiB stand for a store of more than 8 GiB) and evicted the
+    blocks it had just copied down to it: a partial copy that exited 0. A new destination now
+    has only the capacity its URL gives, and room for what the source holds."""
+    source_url, copied_keys = saved(tmp_path / "source", 32, OTHER)  # ~0.5 MiB
+    monkeypatch.setattr(lmdb_disk, "DEFAULT_CAPACITY", 64 * KiB)
+    new = tmp_path / "new"
+
+    result = cli("copy", source_url, f"lmdb://{new}", "--json")
+
+    assert result.code == 0, result.out + result.err
+    report = result.json()
+    assert (report["copied"], report["rejected"], report["evicted_at_destination"]) == (32, 0, 0)
+    assert still_held(f"lmdb://{new}", copied_keys, capacity="64MiB") == 32
+
+
+def test_a_new_destination_keeps_the_capacity_its_url_gives(tmp_path):
+    source_url, _ = saved(tmp_path / "source", 32, OTHER)  # 32 blocks of 16 KiB
+    new = tmp_path / "new"
+
+    result = cli("copy", source_url, f"lmdb://{new}?capacity=256KiB", "--json")
+
+    report = result.json()
+    assert report["evicted_at_destination"] > 0 and report["copied"] == 32
+    assert result.code == 0, "what the user asked for: evictions reported, not a failure"
+    backend = LmdbBackend(new, capacity=256 * KiB)
+    try:
+        assert backend.stats().used_bytes <= 256 * KiB
+    finally:
+        backend.close()

@@ -42,10 +42,11 @@ def opened(args: argparse.Namespace):
 
 
 @contextmanager
-def opened_url(url: str, args: argparse.Namespace, *, create: bool = False, name: str = "store"):
-    """The store at ``url`` (with ``create``: the copy destination, created when new); closed afterwards."""
-    opener = open_destination if create else open_tier
-    tier: Tier = opener(url, name=name, timeout=args.timeout)
+def opened_url(url: str, args: argparse.Namespace, *, create: bool = False, name: str = "store", room: int = 0):
+    """The store at ``url`` (with ``create``: the copy destination, created when new, with room
+    for ``room`` bytes); closed afterwards."""
+    tier: Tier = (open_destination(url, name=name, timeout=args.timeout, room=room) if create
+                  else open_tier(url, name=name, timeout=args.timeout))
     try:
         yield tier
     finally:
