@@ -110,8 +110,9 @@ class RedisBackend(Backend):
         # the commands: everywhere but the TLS cluster client, which brings its own connections
         self.takes_gathered = not (self.cluster and target.startswith("rediss://"))
         try:
-            if not self.cluster:  # makes no connection yet
+            if not self.cluster:  # makes no connection yet; a connection's settings are checked as one is made
                 self._client = redis.Redis.from_url(target, command_packer=PACKER, **common)
+                self._client.connection_pool.connection_class(**self._client.connection_pool.connection_kwargs)
             elif parse_url(target).get("path"):
                 raise ConfigError("Redis Cluster cannot be reached over a unix socket")
             elif not target.startswith("rediss://"):  # the TLS cluster client sets its own class

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -50,15 +51,21 @@ def registered_schemes() -> list[str]:
 
 
 def scheme_of(url: str) -> str:
-    scheme = urlsplit(url).scheme.lower() if ":" in url else url.lower()
+    """The registered scheme of ``url`` (or of a bare scheme name); ConfigError (UnknownBackend)
+    for another one, and for a URL that cannot be parsed (an unclosed ``[`` of an IPv6 host)."""
+    try:
+        scheme = urlsplit(url).scheme.lower() if ":" in url else url.lower()
+    except ValueError as exc:
+        raise ConfigError(f"bad URL {redact_url(url)!r}: {exc}") from None
     if scheme not in _REGISTRY:
         raise UnknownBackend(f"no storage backend for {redact_url(url)!r}; known schemes: {registered_schemes()}")
     return scheme
 
 
 def is_url(arg: str) -> bool:
-    """Whether ``arg`` is a URL rather than a path (a one-letter scheme is a Windows drive)."""
-    return ":" in arg and len(urlsplit(arg).scheme) > 1
+    """Whether ``arg`` is a URL rather than a path (a one-letter scheme is a Windows drive); one
+    that cannot be parsed still is (its opening says what is wrong with it)."""
+    return re.match(r"[A-Za-z][A-Za-z0-9+.-]+:", arg) is not None
 
 
 def backend_class(url: str) -> type:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, replace
@@ -42,10 +41,18 @@ from typing import Any
 
 from tiered_kv.config_loading import build, read_toml
 from tiered_kv.config_loading import env_dict as _env_dict
+from tiered_kv.config_tiers import (  # noqa: F401 (the tiers' settings are part of this module's API)
+    POLICIES,
+    DiskConfig,
+    RemoteConfig,
+    TierConfig,
+    check_choice,
+    duration_field,
+    size_field,
+)
 from tiered_kv.errors import ConfigError
-from tiered_kv.units import as_bool, parse_duration, parse_size
+from tiered_kv.units import as_bool
 
-POLICIES = ("write_through", "on_evict", "off")
 RESTORE_POLICIES = ("cost", "always")
 MIN_SECRET_BYTES = 16
 
@@ -108,14 +115,6 @@ def _secret(key: str, value: Any) -> Secret:
 
 
 
-def _size(default: int) -> Any:
-    return field(default=default, metadata={"parse": parse_size})
-
-
-def _duration(default: float | None) -> Any:
-    return field(default=default, metadata={"parse": parse_duration})
-
-
 def _bool_or_auto(value: bool | int | str, name: str) -> bool | str:
     """True, False or "auto" from a setting (a bool, 0 / 1, "yes", "off", "auto", …)."""
     if isinstance(value, str) and value.strip().lower() == "auto":
@@ -137,119 +136,16 @@ def layerwise_on(setting: bool | str, device_type: str | None) -> bool:
     return bool(setting)
 
 
-def _check_url(section: str, url: str | None) -> None:
-    if url is None:
-        return
-    from storage_backends.registry import scheme_of  # the registry imports no backend
-
-    try:
-        scheme_of(url)
-    except ConfigError as exc:
-        raise ConfigError(f"{section}.url: {exc}") from None
-
-
-def _check_level(key: str, level: int) -> None:
-    if isinstance(level, bool) or not isinstance(level, int) or not -7 <= level <= 22:
-        raise ConfigError(f"{key} must be a zstd level in [-7, 22], got {level!r}")
-
-
-def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key} must be one of {list(choices)}, got {value!r}")
-
-
 @dataclass(frozen=True)
 class HostConfig:
-    capacity: int = _size(1 << 30)  # bytes of host slots (pinned when CUDA is present)
+    capacity: int = size_field(1 << 30)  # bytes of host slots (pinned when CUDA is present)
     pinned: str = "auto"  # "auto" (pin when CUDA is available), "yes" or "no"
-    tenant_quota: int | None = _size(None)  # bytes of slots each tenant (cache_salt) may hold; None = no quota
+    tenant_quota: int | None = size_field(None)  # bytes of slots each tenant (cache_salt) may hold; None = no quota
 
     def __post_init__(self) -> None:
-        _check_choice("host.pinned", self.pinned, ("auto", "yes", "no"))
+        check_choice("host.pinned", self.pinned, ("auto", "yes", "no"))
         if self.tenant_quota is not None and self.tenant_quota <= 0:
             raise ConfigError(f"host.tenant_quota must be positive, got {self.tenant_quota}")
-
-
-class _Settings(dict):
-    """A table of medium settings that can be part of a hashable config (never mutated)."""
-
-    def __hash__(self) -> int:  # type: ignore[override]
-        return hash(json.dumps(self, sort_keys=True, default=repr))  # nested tables in any order
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    """One lower tier: a medium named by URL, how its blocks are encoded, when blocks are written
-    to it, and who may fill it. ``[disk]`` and ``[remote]`` are the two usual ones; more come in
-    order from ``[[tiers]]`` tables."""
-
-    name: str = ""  # tier name in metrics, logs and tools (unique; "host" is taken)
-    url: str | None = None  # the medium, e.g. "lmdb:///var/cache/tkv", "file:///mnt/tkv"; None = off
-    capacity: int | None = _size(None)  # bytes of stored blocks before LRU eviction; None = medium decides
-    codec: str = "auto"  # "auto" (measured at open: see tiered_kv.store.codec_choice), "raw", "zstd" or "zstd+shuffle"
-    level: int = 1  # zstd level (1 is the best speed/ratio trade on KV bytes)
-    policy: str = "write_through"  # when host blocks are written here: write_through|on_evict|off
-    admit_after_hits: int = 1  # write a block here only once it was requested (saved or loaded) this often
-    tenant_quota: int | None = _size(None)  # bytes each tenant (cache_salt) may hold here; None = no quota
-    options: Mapping[str, Any] = field(default_factory=dict)  # medium-specific settings, passed on open
-
-    def __post_init__(self) -> None:
-        key = self.name or "tier"
-        if not self.name or self.name == "host" or not self.name.replace("_", "").isalnum():
-            raise ConfigError(f"{key}.name must be a word other than 'host', got {self.name!r}")
-        _check_url(key, self.url)
-        _check_choice(f"{key}.policy", self.policy, POLICIES)
-        _check_choice(f"{key}.codec", self.codec, ("auto", "raw", "zstd", "zstd+shuffle"))
-        _check_level(f"{key}.level", self.level)
-        if self.capacity is not None and self.capacity <= 0:
-            raise ConfigError(f"{key}.capacity must be positive, got {self.capacity}")
-        if isinstance(self.admit_after_hits, bool) or self.admit_after_hits < 1:
-            raise ConfigError(f"{key}.admit_after_hits must be at least 1, got {self.admit_after_hits!r}")
-        if self.tenant_quota is not None and self.tenant_quota <= 0:
-            raise ConfigError(f"{key}.tenant_quota must be positive, got {self.tenant_quota}")
-        if not isinstance(self.options, Mapping):
-            raise ConfigError(f"{key}.options must be a table of settings, got {self.options!r}")
-        object.__setattr__(self, "options", _Settings(self.options))  # configs are dict keys
-
-    def medium_options(self) -> dict[str, Any]:
-        """What the medium is opened with: its own settings, the capacity and the quota."""
-        out = dict(self.options)
-        if self.capacity is not None:
-            out["capacity"] = self.capacity
-        if self.tenant_quota is not None:
-            out["tenant_quota"] = self.tenant_quota
-        return out
-
-
-@dataclass(frozen=True)
-class DiskConfig(TierConfig):
-    """The local disk tier (``[disk]``), first of the lower tiers."""
-
-    name: str = "disk"  # tier name in metrics, logs and tools
-    capacity: int | None = _size(8 << 30)  # bytes of stored (compressed) blocks before LRU eviction
-    sync: bool = False  # fsync every commit (True) or leave it to flush()/the OS (False)
-
-    def medium_options(self) -> dict[str, Any]:
-        return {**super().medium_options(), "sync": self.sync}
-
-
-@dataclass(frozen=True)
-class RemoteConfig(TierConfig):
-    """The shared remote tier (``[remote]``, Redis), after the disk tier."""
-
-    name: str = "remote"  # tier name in metrics, logs and tools
-    ttl: float | None = _duration(None)  # seconds a block lives in Redis; None = no expiry
-    timeout: float = _duration(2.0)  # socket timeout per Redis call, seconds
-    retries: int = 2  # retries with backoff before a call counts as remote_unavailable
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.retries < 0:
-            raise ConfigError(f"remote.retries must not be negative, got {self.retries}")
-
-    def medium_options(self) -> dict[str, Any]:
-        return {**super().medium_options(), "ttl": self.ttl, "timeout": self.timeout,
-                "retries": self.retries}
 
 
 @dataclass(frozen=True)
@@ -259,19 +155,19 @@ class TieredKVConfig:
     remote: RemoteConfig = field(default_factory=RemoteConfig)  # remote (Redis) tier
     tiers: tuple[TierConfig, ...] = ()  # more lower tiers, in order after disk and remote
     workers: int = 2  # transfer threads (zstd, LMDB and redis-py release the GIL)
-    max_inflight_save: int = _size(512 << 20)  # write-behind bytes queued before saves drop
-    max_inflight_load: int = _size(512 << 20)  # load bytes in flight; later loads queue behind them
-    lookup_timeout: float = _duration(0.05)  # scheduler-side lookup deadline per tier; unanswered = miss
+    max_inflight_save: int = size_field(512 << 20)  # write-behind bytes queued before saves drop
+    max_inflight_load: int = size_field(512 << 20)  # load bytes in flight; later loads queue behind them
+    lookup_timeout: float = duration_field(0.05)  # scheduler-side lookup deadline per tier; unanswered = miss
     hash_algo: str = "xxh3_128"  # block key hash: xxh3_128, blake2b_128 or sha256_128
     cache_salt: str = ""  # tenant salt folded into every key
     model_revision: str = ""  # weights fingerprint folded into the namespace
     metrics_port: int | None = None  # serve Prometheus metrics on this port; None = off
-    metrics_log_interval: float | None = _duration(None)  # log a one-line traffic summary this often; None = off
+    metrics_log_interval: float | None = duration_field(None)  # log a one-line traffic summary this often; None = off
     layer_groups: int = 8  # stored blocks are framed in up to this many layer groups, each read and checked alone; 1 = one frame
     layerwise_loads: bool | str = field(default="auto", metadata={"parse": _bool_or_auto})  # sync loads arrive layer group by layer group (wait_for_layer_load waits for one); False = all before the forward; "auto" = on accelerators, not CPU engines
     restore_policy: str = "cost"  # "cost": load the stored prefix that minimizes predicted TTFT; "always": every stored block
     restore_min_samples: int = 3  # restores per tier and engine steps observed before "cost" may skip a load (the floor)
-    encryption_secret: Secret | None = None  # encrypt lower-tier blocks (AES-GCM, a key per tenant) with this; env:NAME / file:PATH read it; None = plain
+    encryption_secret: Secret | None = field(default=None, metadata={"blank": "refused"})  # encrypt lower-tier blocks (AES-GCM, a key per tenant) with this; env:NAME / file:PATH read it; None (left out) = plain; "" is refused
 
     def __post_init__(self) -> None:
         if self.encryption_secret is not None:
@@ -280,14 +176,14 @@ class TieredKVConfig:
             raise ConfigError(f"workers must be at least 1, got {self.workers}")
         if isinstance(self.layer_groups, bool) or not isinstance(self.layer_groups, int) or self.layer_groups < 1:
             raise ConfigError(f"layer_groups must be a positive integer, got {self.layer_groups!r}")
-        _check_choice("restore_policy", self.restore_policy, RESTORE_POLICIES)
+        check_choice("restore_policy", self.restore_policy, RESTORE_POLICIES)
         if not (isinstance(self.layerwise_loads, bool) or self.layerwise_loads == "auto"):
             raise ConfigError(f"layerwise_loads must be true, false or \"auto\", got {self.layerwise_loads!r}")
         if self.restore_min_samples < 1:
             raise ConfigError(f"restore_min_samples must be at least 1, got {self.restore_min_samples}")
         from tiered_kv.keys import HASHES
 
-        _check_choice("hash_algo", self.hash_algo, tuple(HASHES))
+        check_choice("hash_algo", self.hash_algo, tuple(HASHES))
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be a TCP port, got {self.metrics_port}")
         if not self.lookup_timeout > 0:
@@ -331,13 +227,24 @@ class TieredKVConfig:
         overlay = env_dict(os.environ if environ is None else environ)
         for key, value in overlay.items():
             if isinstance(value, dict):
-                base[key] = {**dict(base.get(key) or {}), **value}
+                base[key] = {**_table(key, base.get(key)), **value}
             else:
                 base[key] = value
         return cls.from_dict(base)
 
     def with_overrides(self, **changes: Any) -> TieredKVConfig:
         return replace(self, **changes)
+
+
+def _table(key: str, section: Any) -> dict:
+    """A section of a config being overlaid with variables, as a dict of its settings."""
+    if section is None:
+        return {}
+    if is_dataclass(section) and not isinstance(section, type):
+        return {f.name: getattr(section, f.name) for f in fields(section)}
+    if not isinstance(section, Mapping):
+        raise ConfigError(f"{key} must be a table of settings, got {section!r}")
+    return dict(section)
 
 
 def env_dict(environ: Mapping[str, str]) -> dict:

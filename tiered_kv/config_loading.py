@@ -73,6 +73,9 @@ def build(cls: type, data: dict, prefix: str):
                 raise ConfigError(f"{key} must be a table of settings, got {value!r}")
             kwargs[name] = build(target, dict(value), key + ".")
         else:
+            if f.metadata.get("blank") == "refused" and isinstance(value, str) and _blank(value):
+                # (an unset shell variable expands to ""; a secret that means "off" fails open)
+                raise ConfigError(f"{key} is empty: leave it out to store plain blocks")
             kwargs[name] = _coerce(key, value, target, f.metadata.get("parse"))
     try:
         return cls(**kwargs)
@@ -98,7 +101,7 @@ def _build_list(item: type, key: str, value: Any) -> tuple:
 def _coerce(key: str, value: Any, target: Any, parse) -> Any:
     args = typing.get_args(target)
     optional = type(None) in args
-    if value is None or (optional and isinstance(value, str) and value.lower() in ("", "none", "null")):
+    if value is None or (optional and isinstance(value, str) and _blank(value)):
         if optional:
             return None
         raise ConfigError(f"{key} must not be empty")
@@ -124,6 +127,11 @@ def _coerce(key: str, value: Any, target: Any, parse) -> Any:
             raise ConfigError(f"{key} must be a string, got {value!r}")
         return value
     return value
+
+
+def _blank(text: str) -> bool:
+    """Whether a setting's text means "not set" (``""``, ``none``, ``null``)."""
+    return text.strip().lower() in ("", "none", "null")
 
 
 def _exact_int(key: str, value: Any) -> int:
