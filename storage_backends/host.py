@@ -143,13 +143,13 @@ class HostBackend(Backend):
                 if (entry := self._entries.get(key)) is not None and not entry.ready:
                     self._drop(key, entry)
 
-    def pin_many(self, keys: Sequence[bytes]) -> list[int | None]:  # type: ignore[override]
-        """Lease committed entries (they are neither evicted nor deleted); their slots or None."""
+    def pin_many(self, keys: Sequence[bytes], tenant: bytes | None = None) -> list[int | None]:  # type: ignore[override]
+        """Lease committed entries (then kept); their slots, or None (with ``tenant``: for another tenant's)."""
         out: list[int | None] = []
         with self._lock:
             for key in keys:
                 entry = self._entries.get(key)
-                if entry is None or not entry.ready or entry.retired:
+                if entry is None or not entry.ready or entry.retired or tenant not in (None, entry.tenant):
                     out.append(None)
                     continue
                 entry.refs += 1

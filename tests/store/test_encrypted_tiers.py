@@ -105,6 +105,28 @@ def test_another_tenants_blocks_fail_authentication(tmp_path):
         assert store.metrics.misses("wrong_key") == N
 
 
+def test_regression_another_tenant_was_served_a_tenants_plaintext_from_host_memory(tmp_path):
+    """The host tier keeps plaintext and leased its entries to whoever asked: bob, asking for
+    alice's keys, got her bytes (and his lease resealed them under his key for the tiers below).
+    Another tenant's host entry is now a ``wrong_key`` miss, as the lower tiers' copies are."""
+    alice, bob = b"alice-01", b"bob--002"
+    with make_store(tmp_path, encryption_secret=SECRET) as store:
+        keys, data = keys_for(N), payloads(store, N)
+        store.save(keys, data, alice)
+        assert store.flush(30)
+        for tenant, want in ((bob, False), (alice, True)):
+            plan = store.load(store.prepare_load(keys, tenant))
+            try:
+                plan.wait(30)
+                assert plan.ok == [want] * N and (plan.slots == [None] * N) is not want
+                if want:
+                    assert all(torch.equal(store.slot_tensor(s), p) for s, p in zip(plan.slots, data))
+            finally:
+                store.release(plan)
+        assert store.metrics.misses("wrong_key") == N
+        assert bob not in store.tier("disk").backend.tenant_totals(), "nothing resealed for bob"
+
+
 def test_a_sealed_block_moved_under_another_key_is_never_served(tmp_path):
     keys, _ = stored(tmp_path)
     first = stored_values(tmp_path)[0]

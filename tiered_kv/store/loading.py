@@ -96,11 +96,11 @@ class Loader:
         protected from eviction. Each key is one request of its block, for admission, unless
         ``count`` is False (a read that only checks what a later lease will load)."""
         keys = list(keys)
-        slots = self.host.pin_many(keys)
+        tenant = self.saver.tenant if tenant is None else tenant
+        slots = self.host.pin_many(keys, bytes(tenant))  # (another tenant's plaintext is not served)
         sources = ["host" if s is not None else "lower" for s in slots]
         plan = LoadPlan(keys, sources, slots=list(slots), reasons=[None] * len(keys),
-                        served=["host" if s is not None else None for s in slots],
-                        tenant=self.saver.tenant if tenant is None else tenant)
+                        served=["host" if s is not None else None for s in slots], tenant=tenant)
         plan.lower_pinned = [k for k, s in zip(keys, slots) if s is None]
         for tier in self.tiers:
             tier.pin(plan.lower_pinned)
@@ -206,7 +206,7 @@ class Loader:
             deadline = time.monotonic() + PROMOTION_WAIT_S  # one bound for the job, not per block
             for i in others:
                 try:
-                    pinned, why = self._pin_promoted(plan.keys[i], deadline)
+                    pinned, why = self._pin_promoted(plan.keys[i], plan.tenant, deadline)
                 except Exception:
                     log.exception("lease of a promoted block failed")
                     pinned, why = None, LOAD_ERROR
@@ -234,18 +234,21 @@ class Loader:
                 plan.served[i] = tier
         return dict(zip(idx, reasons))
 
-    def _pin_promoted(self, key: bytes, deadline: float) -> tuple[int | None, str]:
+    def _pin_promoted(self, key: bytes, tenant: bytes, deadline: float) -> tuple[int | None, str]:
         """Lease ``key`` in the host tier: (its slot, else why not). When another load is
         promoting it right now (two requests sharing a prefix load in the same step), wait for
         that load to commit or abort instead of failing the block (bounded by PROMOTION_WAIT_S);
         not for one that failed and keeps its reservation until its release (layer-wise: frames
         may still be copied out of it), which would hold this load, and the forward pass waiting
-        on it, until the step ends. ``deadline`` (monotonic) bounds the wait of the whole job."""
+        on it, until the step ends. ``deadline`` (monotonic) bounds the wait of the whole job.
+        Another tenant's block is not leased (``wrong_key``, as a lower tier's would be)."""
         delay, waited = 0.0002, False
         while True:
-            (pinned,) = self.host.pin_many([key])
+            (pinned,) = self.host.pin_many([key], bytes(tenant))
             if pinned is not None:
                 return pinned, ""
+            if self.host.states_many([key])[0] == "ready":  # committed, and not for this tenant
+                return None, "wrong_key"
             if not self.host.reserved(key):  # aborted (the other load failed), or there was no room
                 return None, "promotion_failed" if waited else "no_room"
             if self.host.states_many([key])[0] in ("failed", "retired"):  # never to be published
