@@ -284,6 +284,13 @@ def test_parse_size_refuses_anything_else_with_config_error(value):
         parse_size(value, name="my.size")
 
 
+@pytest.mark.parametrize("value", [1.5, "1.5", "0.0005KB", "1.0001KiB"])
+def test_regression_a_fraction_of_a_byte_was_cut_off_silently(value):
+    """``capacity = 1.5`` (meant as GiB) gave a 1-byte capacity: a size is whole bytes."""
+    with pytest.raises(ConfigError, match="whole number of bytes"):
+        parse_size(value, name="host.capacity")
+
+
 @pytest.mark.parametrize("text, seconds", [
     ("250ms", 0.25),
     ("30s", 30.0),
