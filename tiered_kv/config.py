@@ -39,9 +39,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import Any
 
-from tiered_kv.config_loading import build, read_toml
-from tiered_kv.config_loading import env_dict as _env_dict
-from tiered_kv.config_tiers import (  # noqa: F401 (the tiers' settings are part of this module's API)
+from tiered_kv.errors import ConfigError
+from tiered_kv.settings.loading import build, read_toml
+from tiered_kv.settings.loading import env_dict as _env_dict
+from tiered_kv.settings.tiers import (  # noqa: F401 (the tiers' settings are part of this module's API)
     POLICIES,
     DiskConfig,
     RemoteConfig,
@@ -50,7 +51,6 @@ from tiered_kv.config_tiers import (  # noqa: F401 (the tiers' settings are part
     duration_field,
     size_field,
 )
-from tiered_kv.errors import ConfigError
 from tiered_kv.units import as_bool
 
 RESTORE_POLICIES = ("cost", "always")

@@ -27,9 +27,9 @@ from typing import Any
 import xxhash
 
 from tiered_kv.config import TieredKVConfig
-from tiered_kv.config_loading import ENV_PREFIX
 from tiered_kv.errors import ConfigError
 from tiered_kv.keys import Namespace
+from tiered_kv.settings.loading import ENV_PREFIX
 from tiered_kv.units import as_bool
 
 log = logging.getLogger(__name__)

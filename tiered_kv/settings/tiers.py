@@ -1,0 +1,177 @@
+"""The lower tiers' settings: a medium named by URL (``[disk]``, ``[remote]``, ``[[tiers]]``).
+
+A medium setting that is also a field (``capacity``, ``tenant_quota``; the disk's ``sync``; the
+remote's ``ttl``, ``timeout``, ``retries``) may be written as the field, in the URL's query or in
+``options`` (which win over the query, as the medium reads them). Written in the URL or
+``options`` only, it is taken into the field, so that the config says what the medium is opened
+with (the field's default used to be passed over it: ``?sync=true`` opened without fsync). Written
+both ways with different values, it is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+from tiered_kv.errors import ConfigError
+from tiered_kv.units import as_bool, parse_duration, parse_size
+
+POLICIES = ("write_through", "on_evict", "off")
+
+
+def size_field(default: int) -> Any:
+    return field(default=default, metadata={"parse": parse_size})
+
+
+def duration_field(default: float | None) -> Any:
+    return field(default=default, metadata={"parse": parse_duration})
+
+
+def check_url(section: str, url: str | None) -> None:
+    if url is None:
+        return
+    from storage_backends.registry import scheme_of  # the registry imports no backend
+
+    try:
+        scheme_of(url)
+    except ConfigError as exc:
+        raise ConfigError(f"{section}.url: {exc}") from None
+
+
+def check_level(key: str, level: int) -> None:
+    if isinstance(level, bool) or not isinstance(level, int) or not -7 <= level <= 22:
+        raise ConfigError(f"{key} must be a zstd level in [-7, 22], got {level!r}")
+
+
+def check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {list(choices)}, got {value!r}")
+
+
+def _size(value: Any, name: str) -> int:
+    return parse_size(value, name=name)
+
+
+def _duration(value: Any, name: str) -> float:
+    return parse_duration(value, name=name)
+
+
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
+        raise ConfigError(f"{name} must be a whole number, got {value!r}")
+    return int(value)
+
+
+def _ttl(value: Any, name: str) -> float | None:
+    return None if str(value).strip().lower() in ("none", "", "0") else parse_duration(value, name=name)
+
+
+class _Settings(dict):
+    """A table of medium settings that can be part of a hashable config (never mutated)."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(json.dumps(self, sort_keys=True, default=repr))  # nested tables in any order
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One lower tier: a medium named by URL, how its blocks are encoded, when blocks are written
+    to it, and who may fill it. ``[disk]`` and ``[remote]`` are the two usual ones; more come in
+    order from ``[[tiers]]`` tables."""
+
+    name: str = ""  # tier name in metrics, logs and tools (unique; "host" is taken)
+    url: str | None = None  # the medium, e.g. "lmdb:///var/cache/tkv", "file:///mnt/tkv"; None = off
+    capacity: int | None = size_field(None)  # bytes of stored blocks before LRU eviction; None = medium decides
+    codec: str = "auto"  # "auto" (measured at open: see tiered_kv.store.codec_choice), "raw", "zstd" or "zstd+shuffle"
+    level: int = 1  # zstd level (1 is the best speed/ratio trade on KV bytes)
+    policy: str = "write_through"  # when host blocks are written here: write_through|on_evict|off
+    admit_after_hits: int = 1  # write a block here only once it was requested (saved or loaded) this often
+    tenant_quota: int | None = size_field(None)  # bytes each tenant (cache_salt) may hold here; None = no quota
+    options: Mapping[str, Any] = field(default_factory=dict)  # medium-specific settings, passed on open
+
+    # medium settings that are fields too: how the URL's query or ``options`` spell them
+    MEDIUM_FIELDS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {"capacity": _size, "tenant_quota": _size}
+
+    def __post_init__(self) -> None:
+        key = self.name or "tier"
+        if not self.name or self.name == "host" or not self.name.replace("_", "").isalnum():
+            raise ConfigError(f"{key}.name must be a word other than 'host', got {self.name!r}")
+        check_url(key, self.url)
+        if not isinstance(self.options, Mapping):
+            raise ConfigError(f"{key}.options must be a table of settings, got {self.options!r}")
+        self._adopt_medium_settings(key)
+        check_choice(f"{key}.policy", self.policy, POLICIES)
+        check_choice(f"{key}.codec", self.codec, ("auto", "raw", "zstd", "zstd+shuffle"))
+        check_level(f"{key}.level", self.level)
+        if self.capacity is not None and self.capacity <= 0:
+            raise ConfigError(f"{key}.capacity must be positive, got {self.capacity}")
+        if isinstance(self.admit_after_hits, bool) or self.admit_after_hits < 1:
+            raise ConfigError(f"{key}.admit_after_hits must be at least 1, got {self.admit_after_hits!r}")
+        if self.tenant_quota is not None and self.tenant_quota <= 0:
+            raise ConfigError(f"{key}.tenant_quota must be positive, got {self.tenant_quota}")
+        object.__setattr__(self, "options", _Settings(self.options))  # configs are dict keys
+
+    def _adopt_medium_settings(self, key: str) -> None:
+        """Fields given only in the URL's query or ``options`` (those win, as the medium reads
+        them) take that value; a field set both ways to different values is refused."""
+        if not self.url:
+            return
+        from storage_backends.options import split_options
+
+        given = {**split_options(self.url)[1], **self.options}
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, parse in self.MEDIUM_FIELDS.items():
+            if name not in given:
+                continue
+            value, mine = parse(given[name], f"{key}.{name}"), getattr(self, name)
+            if mine != defaults[name] and mine != value:
+                raise ConfigError(f"{key}.{name} is {mine!r}, but the url or options say {given[name]!r}: "
+                                  "set it in one place")
+            object.__setattr__(self, name, value)
+
+    def medium_options(self) -> dict[str, Any]:
+        """What the medium is opened with: its own settings, the capacity and the quota."""
+        out = dict(self.options)
+        if self.capacity is not None:
+            out["capacity"] = self.capacity
+        if self.tenant_quota is not None:
+            out["tenant_quota"] = self.tenant_quota
+        return out
+
+
+@dataclass(frozen=True)
+class DiskConfig(TierConfig):
+    """The local disk tier (``[disk]``), first of the lower tiers."""
+
+    name: str = "disk"  # tier name in metrics, logs and tools
+    capacity: int | None = size_field(8 << 30)  # bytes of stored (compressed) blocks before LRU eviction
+    sync: bool = False  # fsync every commit (True) or leave it to flush()/the OS (False)
+
+    MEDIUM_FIELDS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {**TierConfig.MEDIUM_FIELDS, "sync": as_bool}
+
+    def medium_options(self) -> dict[str, Any]:
+        return {**super().medium_options(), "sync": self.sync}
+
+
+@dataclass(frozen=True)
+class RemoteConfig(TierConfig):
+    """The shared remote tier (``[remote]``, Redis), after the disk tier."""
+
+    name: str = "remote"  # tier name in metrics, logs and tools
+    ttl: float | None = duration_field(None)  # seconds a block lives in Redis; None = no expiry
+    timeout: float = duration_field(2.0)  # socket timeout per Redis call, seconds
+    retries: int = 2  # retries with backoff before a call counts as remote_unavailable
+
+    MEDIUM_FIELDS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {
+        **TierConfig.MEDIUM_FIELDS, "ttl": _ttl, "timeout": _duration, "retries": _count}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.retries < 0:
+            raise ConfigError(f"remote.retries must not be negative, got {self.retries}")
+
+    def medium_options(self) -> dict[str, Any]:
+        return {**super().medium_options(), "ttl": self.ttl, "timeout": self.timeout,
+                "retries": self.retries}
