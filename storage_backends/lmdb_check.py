@@ -5,7 +5,6 @@ when a write transaction is given. A format 1 store opened read-only has no tena
 
 from __future__ import annotations
 
-import struct
 import time
 
 from storage_backends.base import Unchecked
@@ -25,6 +24,7 @@ from storage_backends.lmdb_tables import (
     tenant_totals,
     unpack_meta,
 )
+from tiered_kv.errors import DamagedRecord
 
 
 def check_tables(tables: Tables, txn, w: Write | None, placed: dict[bytes, int] | None = None) -> list[str]:
@@ -75,12 +75,13 @@ def check_tables(tables: Tables, txn, w: Write | None, placed: dict[bytes, int] 
 
 
 def _metas(tables: Tables, txn, w: Write | None, problems: list[str]) -> dict[bytes, Meta]:
-    """Every readable meta record (unreadable ones are problems, deleted with ``w``)."""
+    """Every readable meta record (unreadable ones, too short or with a tenant tail longer than a
+    label, are problems, deleted with ``w``: their values are then blocks without meta, rebuilt)."""
     metas, unreadable = {}, []
     for key, record in txn.cursor(db=tables.meta):
         try:
-            metas[bytes(key)] = unpack_meta(record)
-        except struct.error:
+            metas[bytes(key)] = unpack_meta(record, key)
+        except DamagedRecord:
             unreadable.append(bytes(key))
     problems += [f"unreadable meta record: {key.hex()}" for key in unreadable]
     for key in unreadable if w is not None else ():

@@ -98,7 +98,7 @@ class LmdbBackend(Backend):
         self.quotas = Quotas.from_options("lmdb", tenant_quota, tenant_quotas)
         self.tenant_quota = self.quotas.default
         self._eviction = Eviction(LRU, self.capacity, self.quotas if self.capacity else NO_QUOTAS)
-        self._counters.extra["quota_evictions"] = 0
+        self._counters.extra.update(quota_evictions=0, damaged_meta=0)  # (damaged_meta: lmdb_damage)
         self.sync = as_bool(sync, "lmdb sync")
         self.record_access = as_bool(record_access, "lmdb record_access")  # False: tools' reads
         # 1-2 MiB per write transaction amortises the commit; 4+ MiB faults fresh pages
@@ -320,12 +320,13 @@ class LmdbBackend(Backend):
             return [indexed(stamp, value) for stamp, value in txn.cursor(db=self.lru)]
 
     def entry_meta(self, key: bytes) -> dict | None:
-        """Size, last access, hits, creation time and tenant of ``key`` (None when absent)."""
+        """Size, last access, hits, creation time and tenant of ``key`` (None when absent; an
+        unreadable meta record: DamagedRecord)."""
         with self._db.txn() as txn:
             record = txn.get(as_key(key), db=self.meta)
             if record is None:
                 return None
-            meta = unpack_meta(record)
+            meta = unpack_meta(record, key)
         return {"size": meta.size, "last_access_ns": meta.atime, "hits": meta.hits,
                 "created_ns": meta.created, "tenant": meta.tenant}
 

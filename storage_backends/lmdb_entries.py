@@ -1,6 +1,7 @@
 """Entry operations of the LMDB tier inside one write transaction: put (after what
 :mod:`storage_backends.eviction` decides must go), remove, evict beyond the capacity, and apply
-buffered read accesses. ``tables`` is a :class:`storage_backends.lmdb_tables.Tables`."""
+buffered read accesses. ``tables`` is a :class:`storage_backends.lmdb_tables.Tables`. A meta
+record that cannot be read never raises here (:mod:`storage_backends.lmdb_damage`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from storage_backends.eviction import Eviction, Victim
+from storage_backends.lmdb_damage import damaged_victim, drop_damaged, read_meta
 from storage_backends.lmdb_places import place_value, unplace
 from storage_backends.lmdb_segments import Place
 from storage_backends.lmdb_tables import (
@@ -20,7 +22,6 @@ from storage_backends.lmdb_tables import (
     stamp_of,
     tenant_prefix,
     tenant_stamp,
-    unpack_meta,
 )
 
 Pinned = Callable[[], set[bytes]]  # this process's leased keys, now
@@ -29,7 +30,8 @@ Pinned = Callable[[], set[bytes]]  # this process's leased keys, now
 class TableIndex:
     """The :class:`~storage_backends.eviction.EvictionIndex` of one write transaction: the
     ``lru`` and ``tenant_lru`` tables (entries left there by damage are skipped, and dropped by
-    :meth:`drop_stale`), the pins of this process and the totals of ``w``."""
+    :meth:`drop_stale`; an entry whose meta record is damaged may go, for its stored bytes), the
+    pins of this process and the totals of ``w``."""
 
     def __init__(self, tables: Tables, w: Write, pinned: Pinned) -> None:
         self.tables, self.w, self._pinned, self._pins = tables, w, pinned, None
@@ -44,13 +46,24 @@ class TableIndex:
             if stamp[: len(prefix)] != prefix:
                 return
             key = indexed(stamp, value, len(prefix))
-            record = self.w.txn.get(key, db=self.tables.meta)
-            meta = unpack_meta(record) if record is not None else None
-            if meta is None or meta.atime != atime_of(stamp, len(prefix)) or \
-                    (tenant is not None and meta.tenant != tenant):
+            size = self._size_at(key, atime_of(stamp, len(prefix)), tenant)
+            if size is None:
                 self._stale.append((db, bytes(stamp)))  # not the key's real position
                 continue
-            yield key, meta.size
+            yield key, size
+
+    def _size_at(self, key: bytes, atime: int, tenant: bytes | None) -> int | None:
+        """The bytes ``key`` holds when an index entry at ``atime`` (of ``tenant``'s) is its
+        real position; None when that entry is stale."""
+        record = self.w.txn.get(key, db=self.tables.meta)
+        if record is None:
+            return None
+        meta = read_meta(self.w, key, record)
+        if meta is None:  # damaged: it may go, for the bytes it holds
+            return damaged_victim(self.tables, self.w, key, record, atime)
+        if meta.atime != atime or (tenant is not None and meta.tenant != tenant):
+            return None
+        return meta.size
 
     def pinned(self, key: bytes) -> bool:
         if self._pins is None:
@@ -115,13 +128,15 @@ def unindex_entry(tables: Tables, txn, key: bytes, atime: int, tenant: bytes) ->
 
 
 def remove_entry(tables: Tables, w: Write, key: bytes) -> bool:
-    """Delete ``key`` from every table; whether it was there."""
+    """Delete ``key`` from every table (a damaged meta record too); whether it was there."""
     record = w.txn.get(key, db=tables.meta)
-    if record is not None:
-        meta = unpack_meta(record)  # before any write invalidates the buffer
+    meta = read_meta(w, key, record) if record is not None else None  # before any write invalidates it
+    if meta is not None:
         unindex_entry(tables, w.txn, key, meta.atime, meta.tenant)
         w.txn.delete(key, db=tables.meta)
         w.add(meta.tenant, -meta.size, -1)
+    elif record is not None:
+        drop_damaged(tables, w, key, record)
     placed = unplace(tables, w, key)
     return w.txn.delete(key, db=tables.blocks) or placed or record is not None
 
@@ -146,13 +161,17 @@ def evict_beyond(tables: Tables, w: Write, nbytes: int, eviction: Eviction, pinn
     return len(victims)
 
 
-def apply_accesses(tables: Tables, txn, touches: dict[bytes, tuple[int, int]]) -> None:
-    """Record buffered reads (key -> (last access ns, hits)) in the meta and LRU tables."""
+def apply_accesses(tables: Tables, w: Write, touches: dict[bytes, tuple[int, int]]) -> None:
+    """Record buffered reads (key -> (last access ns, hits)) in the meta and LRU tables (not
+    those of an entry whose meta record is damaged: counted, passed over)."""
+    txn = w.txn
     for key, (atime, hits) in touches.items():
         record = txn.get(key, db=tables.meta)
         if record is None:
             continue  # evicted or deleted meanwhile (maybe by another process)
-        meta = unpack_meta(record)
+        meta = read_meta(w, key, record)
+        if meta is None:
+            continue
         if atime > meta.atime:
             unindex_entry(tables, txn, key, meta.atime, meta.tenant)
             index_entry(tables, txn, key, atime, meta.tenant)

@@ -204,7 +204,9 @@ class LmdbEnvironment:
 
     def write(self, body: Callable[[Write], object], nbytes: int = 0):
         """``body`` in one write transaction, after the buffered accesses. On a full map
-        (or disk) the transaction is rolled back, room is made and it runs again."""
+        (or disk) the transaction is rolled back, room is made and it runs again. Accesses go
+        back to the buffer only when they were not what failed: a full map, or ``body`` raised
+        (an error while applying them drops them, logged: else it would fail every write)."""
         if self._deferred:
             self._settle_deferred()
         return self._write(body, nbytes)
@@ -212,11 +214,12 @@ class LmdbEnvironment:
     def _write(self, body: Callable[[Write], object], nbytes: int = 0):
         for _ in range(6):
             touches = self.accesses.take()
-            telling = False
+            telling = applied = False
             try:
                 with self.txn(write=True) as txn:
                     w = Write(txn, self.tables)
-                    apply_accesses(self.tables, txn, touches)
+                    apply_accesses(self.tables, w, touches)
+                    applied = True
                     result = body(w)
                     w.save()
                     # the writers' changes are told in their commit order (LMDB has one writer)
@@ -228,10 +231,14 @@ class LmdbEnvironment:
                 if not self._make_room(nbytes, grow=isinstance(exc, lmdb.MapFullError)):
                     raise NoSpace(str(exc)) from exc
                 continue
-            except BaseException:
+            except BaseException as exc:
                 if telling:
                     self._in_order.release()
-                self.accesses.restore(touches)
+                if applied:
+                    self.accesses.restore(touches)
+                elif touches:
+                    self._failures.warning("lmdb tier at %s: %d read accesses not recorded: %r", self.path,
+                                           len(touches), exc)
                 raise
             if telling:
                 try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 
+from storage_backends.lmdb_damage import read_meta
 from storage_backends.lmdb_tables import (
     FORMAT,
     TOTALS,
@@ -21,7 +22,6 @@ from storage_backends.lmdb_tables import (
     lru_value,
     tenant_prefix,
     tenant_stamp,
-    unpack_meta,
 )
 
 log = logging.getLogger(__name__)
@@ -65,11 +65,13 @@ def _index_tenants(tables: Tables, w: Write) -> None:
         cursor = w.txn.cursor(db=tables.meta)
         batch = []
         if cursor.set_range(start):
-            for key, record in cursor:
-                batch.append((bytes(key), unpack_meta(record)))
+            for key, record in cursor:  # (a damaged record is left out: counted, check() reports it)
+                batch.append((bytes(key), read_meta(w, bytes(key), record)))
                 if len(batch) == CHUNK:
                     break
         for key, meta in batch:
+            if meta is None:
+                continue
             w.txn.put(tenant_stamp(b"", meta.atime, key), lru_value(key, tenant_prefix(b"")), db=tables.tenant_lru)
             used, entries = used + meta.size, entries + 1
         if len(batch) < CHUNK:

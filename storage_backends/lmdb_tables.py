@@ -22,7 +22,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from tiered_kv.errors import InvalidKey
+from storage_backends.quotas import MAX_TENANT
+from tiered_kv.errors import DamagedRecord, InvalidKey
 
 META = struct.Struct("<QQIQ")  # stored size, last access ns, hits, created ns (then the tenant)
 U64 = struct.Struct("<Q")
@@ -43,8 +44,11 @@ class Meta(NamedTuple):
         return META.pack(self.size, self.atime, min(self.hits, 2**32 - 1), self.created) + self.tenant
 
 
-def unpack_meta(record) -> Meta:
-    """A meta record; struct.error when it is too short to be one."""
+def unpack_meta(record, key: bytes = b"") -> Meta:
+    """A meta record; DamagedRecord when it is too short to be one or its tenant tail is longer
+    than a tenant label can be (``key``: named in the message)."""
+    if not META.size <= len(record) <= META.size + MAX_TENANT:
+        raise DamagedRecord(f"unreadable meta record ({len(record)} bytes): {bytes(key).hex()}")
     return Meta(*META.unpack_from(record), bytes(record[META.size:]))
 
 

@@ -38,6 +38,14 @@ class NamespaceMismatch(CorruptBlock):
     reason = "namespace_mismatch"
 
 
+class DamagedRecord(CorruptBlock):
+    """A medium's own bookkeeping record (e.g. an LMDB ``meta`` record) cannot be read: too short,
+    or with a field out of range. The medium treats its entry as damaged (counted, skipped or
+    dropped; ``check(fix=True)`` rebuilds it); it never reaches the engine."""
+
+    reason = "damaged_record"
+
+
 class BackendError(TieredKVError):
     """A storage medium failed."""
 
