@@ -12,7 +12,7 @@ import hashlib
 import sys
 from array import array
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import xxhash
 
@@ -23,6 +23,7 @@ from tiered_kv.kv_groups import KVGroup, check_groups, entry_plan, state_groups
 FORMAT_VERSION = 1
 KEY_BYTES = 16
 CANONICAL_LAYOUT = "LKTHD"  # a block's payload as [layers, K/V, tokens, heads, dim]
+WITHHELD_SALT = "<withheld: tenant {}>"  # the cache_salt of a namespace read back from a tier's record
 
 
 def _blake2b_128(data: bytes) -> bytes:
@@ -58,7 +59,7 @@ class Namespace:
     layout: str = CANONICAL_LAYOUT  # payload layout; other values name an engine's own (SGLang pages)
     tp_rank: int = 0  # tensor-parallel rank of this shard
     tp_size: int = 1  # tensor-parallel world size
-    cache_salt: str = ""  # tenant salt: different salts never share blocks
+    cache_salt: str = field(default="", repr=False)  # tenant salt (a secret): different salts never share blocks
     hash_algo: str = "xxh3_128"  # one of HASHES; a cryptographic one for multi-tenant use
     token_bytes: int = 4  # 4 (int32) or 8 (int64) bytes per token id in the key
     format_version: int = FORMAT_VERSION  # stored-block format version
@@ -130,7 +131,8 @@ class Namespace:
     @property
     def tenant(self) -> bytes:
         """The tenant label of this namespace's blocks in the tiers (:func:`tenant_label`)."""
-        return tenant_label(self.cache_salt)
+        pinned = self.__dict__.get("_tenant")  # (a namespace read back from a record: :meth:`recorded`)
+        return pinned if pinned is not None else tenant_label(self.cache_salt)
 
     def num_full_blocks(self, num_tokens: int) -> int:
         return num_tokens // self.block_size
@@ -147,7 +149,21 @@ class Namespace:
             values["groups"] = tuple(KVGroup.from_dict(g) for g in values["groups"])
         return cls(**values)
 
+    @classmethod
+    def recorded(cls, data: Mapping, digest: bytes, tenant: bytes) -> Namespace:
+        """A salted namespace as a tier's record describes it (``data``: its other fields). Salts
+        are never stored, so it is known by its ``digest`` and ``tenant`` label: :meth:`digest`,
+        :attr:`tenant` and so :func:`block_keys` (which start from the digest) are the writer's;
+        ``cache_salt`` is :data:`WITHHELD_SALT` (naming the label), so :meth:`canonical` and
+        ``dataclasses.replace`` do not give that namespace back."""
+        given = {k: v for k, v in data.items() if k != "cache_salt"}
+        ns = cls.from_dict({**given, "cache_salt": WITHHELD_SALT.format(bytes(tenant).hex())}, strict=False)
+        object.__setattr__(ns, "_digest", bytes(digest))
+        object.__setattr__(ns, "_tenant", bytes(tenant))
+        return ns
+
     def describe(self) -> dict:
+        """Every field (``cache_salt`` too: for this process, never for a tier or a log)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "groups"}
         if self.groups:
             out["groups"] = [g.describe() for g in self.groups]

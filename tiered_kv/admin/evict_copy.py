@@ -1,6 +1,7 @@
 """Operations that change a store: ``evict`` (by size, age or namespace) and ``copy`` (blocks
 and their namespace records from one medium to another, e.g. warm a Redis from an LMDB, or
-export to a ``file://`` directory). Both only ever delete or copy whole entries."""
+export to a ``file://`` directory). Both only ever delete or copy whole entries; ``copy`` puts each
+block for the tenant its source stores it for, and namespace records without a salt."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from tiered_kv.admin.catalog import READ_BATCH, UNREADABLE, Entry, entries, kind
 from tiered_kv.admin.opening import Tier
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import Namespace
-from tiered_kv.store.records import NAMESPACE_PREFIX, decode_namespace, namespace_key, split_key
+from tiered_kv.store.records import NAMESPACE_PREFIX, decode_namespace, namespace_key, scrubbed, split_key
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,8 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
     keys = [k for k in sorted(src.backend.scan())
             if kind_of(k) == "block" and (namespace is None or k.startswith(namespace))]
     digests = sorted({split_key(k)[0] for k in keys} | ({namespace} if namespace else set()))
-    records = [(k, v) for k, v in zip(map(namespace_key, digests), src.backend.get_many(
-        [namespace_key(d) for d in digests])) if v is not None]
+    records = [(k, scrubbed(k, v) or v) for k, v in zip(map(namespace_key, digests), src.backend.get_many(
+        [namespace_key(d) for d in digests])) if v is not None]  # (an older version's: without its salt)
     before = dst.backend.stats().evictions  # (the records' puts count too)
     if records:
         dst.backend.put_many(records)
@@ -110,7 +111,7 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
                 log.warning("copy: skipped %s: %s", key.hex(), exc.detail)
                 continue
             good.append((key, value))
-        stored = dst.backend.put_many(good) if good else []
+        stored = _put_as_theirs(src, dst, good)
         copied += sum(stored)
         rejected += len(stored) - sum(stored)
         nbytes += sum(len(v) for (_, v), s in zip(good, stored) if s)
@@ -123,6 +124,27 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
             "unreadable_details": lost, "rejected": rejected,
             "namespace_records": len(records),
             "evicted_at_destination": dst.backend.stats().evictions - before}
+
+
+def tenants_of(backend, keys: list[bytes]) -> list[bytes]:
+    """The tenant label each of ``keys`` is stored for, from the medium's meta data where it
+    keeps one (LMDB, file); ``b""`` where it keeps none (Redis) or the key is gone."""
+    meta_of = getattr(backend, "entry_meta", None)  # (no batched form: a small read per key)
+    metas = [meta_of(k) for k in keys] if meta_of is not None else [None] * len(keys)
+    return [bytes(m.get("tenant") or b"") if m else b"" for m in metas]
+
+
+def _put_as_theirs(src: Tier, dst: Tier, items: list[tuple[bytes, bytes]]) -> list[bool]:
+    """Put ``items`` into ``dst`` each for the tenant it is stored for in ``src`` (so the
+    destination's usage per tenant and quotas follow them); stored or not, in order."""
+    groups: dict[bytes, list[int]] = {}
+    for i, tenant in enumerate(tenants_of(src.backend, [k for k, _ in items])):
+        groups.setdefault(tenant, []).append(i)
+    stored = [False] * len(items)
+    for tenant, where in groups.items():
+        for i, ok in zip(where, dst.backend.put_many([items[i] for i in where], tenant=tenant)):
+            stored[i] = ok
+    return stored
 
 
 def _namespace_of(key: bytes, value) -> Namespace | None:

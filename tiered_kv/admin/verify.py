@@ -15,7 +15,9 @@ Findings:
   upgraded first) it is checked too.
 
 ``fix`` deletes corrupt, mismatched and orphaned entries (the engine recomputes those blocks)
-and lets the backend repair its bookkeeping; the report says what was done.
+and lets the backend repair its bookkeeping; the report says what was done. Namespace records an
+older version wrote with the ``cache_salt`` in them are a note (the salt is never shown), and
+``fix`` rewrites them without it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from tiered_kv.admin.catalog import READ_BATCH, kind_of, namespaces
 from tiered_kv.admin.opening import Tier
 from tiered_kv.errors import CorruptBlock
 from tiered_kv.store.codec import BlockCodec
-from tiered_kv.store.records import namespace_key, split_key
+from tiered_kv.store.records import NAMESPACE_PREFIX, namespace_key, scrubbed, split_key
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +83,14 @@ def verify_tier(tier: Tier, *, fix: bool = False, progress: Callable[[int, int],
         said = check(True)  # a write: the older format is upgraded, then every table checked
     findings += [Finding(tier.name, "meta_drift", None, p) for p in said if not isinstance(p, Unchecked)]
     actions = _fix(tier, findings) if fix and findings else []
+    salted = _salted_records(backend)
+    if fix and salted:
+        done = sum(backend.put_many(salted))
+        actions.append(f"rewrote {done} of {len(salted)} namespace records without their cache_salt")
     notes = [str(p) for p in said if isinstance(p, Unchecked)]
+    if salted and not fix:
+        notes.append(f"{len(salted)} namespace records hold their cache_salt in the clear (an older "
+                     "version wrote them): verify --fix rewrites them without it")
     notes += [f"namespace {d.hex()} ({ns.model_id}) has a record but no blocks"
              for d, ns in found.known.items() if not blocks[d]]
     notes += [f"{n} blocks of namespace {d.hex()} have no namespace record (model id unknown)"
@@ -112,6 +121,13 @@ def _check_block(codec: BlockCodec, key: bytes, value, ns) -> tuple[str, str] | 
     except CorruptBlock as exc:
         return "corrupt", exc.detail
     return None
+
+
+def _salted_records(backend) -> list[tuple[bytes, bytes]]:
+    """(key, the record without its salt) for each namespace record that holds one."""
+    keys = list(backend.scan(NAMESPACE_PREFIX))
+    pairs = [(k, scrubbed(k, v)) for k, v in zip(keys, backend.get_many(keys)) if v is not None]
+    return [(k, v) for k, v in pairs if v is not None]
 
 
 def _fix(tier: Tier, findings: list[Finding]) -> list[str]:
