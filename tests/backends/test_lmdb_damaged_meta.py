@@ -169,3 +169,25 @@ def test_accesses_stay_buffered_when_the_write_that_applied_them_fails_for_its_o
     assert b.stats().extra["pending_touches"] == 1
     assert b.lru_order() == [b"b", b"a"] and b.entry_meta(b"a")["hits"] == 1
     b.close()
+
+
+def test_regression_the_tools_stopped_at_a_damaged_meta_record(tmp_path):
+    """``tiered-kv ls`` and ``copy`` asked the medium for each entry's meta data, and a damaged
+    record ended the command (exit 2) at that entry. It is listed (its meta data unknown) and copied."""
+    from tests.cli.conftest import cli
+    from tests.store.helpers import NS
+
+    keys = keys_for(4)
+    with make_store(tmp_path) as store:
+        store.save(keys, payloads(store, 4))
+        assert store.flush(30)
+    backend = LmdbBackend(tmp_path / "lmdb", capacity=64 * MiB)
+    damage_meta(backend, NS.digest() + keys[0], "short")
+    backend.close()
+
+    listing = cli("ls", tmp_path / "lmdb", "--json")
+    assert listing.code in (0, 1), listing.err
+    rows = listing.json()["tiers"][0]["rows"]
+    assert len(rows) == 4 and sum(r["hits"] is None for r in rows) == 1, rows  # (its meta data unknown)
+    copied = cli("copy", f"lmdb://{tmp_path / 'lmdb'}", f"lmdb://{tmp_path / 'copy'}", "--json")
+    assert copied.code == 0 and copied.json()["copied"] == 4, copied.out + copied.err

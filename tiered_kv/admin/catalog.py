@@ -16,7 +16,7 @@ from pathlib import Path
 
 from storage_backends.base import Backend
 from tiered_kv.admin.opening import Tier
-from tiered_kv.errors import ConfigError, CorruptBlock
+from tiered_kv.errors import ConfigError, CorruptBlock, DamagedRecord
 from tiered_kv.keys import Namespace
 from tiered_kv.store.codec import BlockCodec, BlockHeader
 from tiered_kv.store.records import (
@@ -29,6 +29,7 @@ from tiered_kv.store.records import (
 
 READ_BATCH = 64  # values read per call when headers are needed
 UNREADABLE = "the store lists it but cannot read its value (its segment file is gone or cut short)"
+DAMAGED_META = "its meta record (size, times, tenant) cannot be read: verify --fix rebuilds it"
 
 
 @dataclass
@@ -87,6 +88,15 @@ def namespaces(backend: Backend) -> Namespaces:
     return out
 
 
+def meta_or_damage(meta_of, key: bytes) -> dict | str | None:
+    """The medium's meta data of ``key`` (None: gone), or :data:`DAMAGED_META` when its record
+    cannot be read (the entry is still listed, and copied, for what its value holds)."""
+    try:
+        return meta_of(key)
+    except DamagedRecord:
+        return DAMAGED_META
+
+
 def entries(backend: Backend, *, headers: bool = False, keys: Sequence[bytes] | None = None) -> Iterator[Entry]:
     """Every entry (or those of ``keys``), with size and times from the medium's meta data where
     it keeps some (LMDB, file) and from block headers otherwise (Redis) or with ``headers``."""
@@ -94,14 +104,16 @@ def entries(backend: Backend, *, headers: bool = False, keys: Sequence[bytes] | 
     meta_of = getattr(backend, "entry_meta", None)
     for start in range(0, len(keys), READ_BATCH):
         batch = keys[start : start + READ_BATCH]
-        metas = [meta_of(k) for k in batch] if meta_of is not None else [None] * len(batch)
-        read = headers or meta_of is None
+        metas = [meta_or_damage(meta_of, k) for k in batch] if meta_of is not None else [None] * len(batch)
+        read = headers or meta_of is None or DAMAGED_META in metas  # (then its value says what is there)
         values = backend.get_many(batch) if read else [None] * len(batch)
         lost = set(unreadable(backend, [k for k, v in zip(batch, values) if read and v is None]))
         for key, meta, value in zip(batch, metas, values):
             if (value is None if read else meta is None) and key not in lost:
                 continue  # deleted since the scan
             entry = Entry(key, kind_of(key))
+            if meta == DAMAGED_META:
+                entry.error, meta = DAMAGED_META, None
             if key in lost:
                 entry.error, entry.unreadable = UNREADABLE, True
             if meta is not None:

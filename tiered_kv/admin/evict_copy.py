@@ -10,7 +10,15 @@ import time
 from collections.abc import Callable
 
 from tiered_kv.admin.block_checks import check_block
-from tiered_kv.admin.catalog import READ_BATCH, UNREADABLE, Entry, entries, kind_of, unreadable
+from tiered_kv.admin.catalog import (
+    READ_BATCH,
+    UNREADABLE,
+    Entry,
+    entries,
+    kind_of,
+    meta_or_damage,
+    unreadable,
+)
 from tiered_kv.admin.opening import Tier
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import Namespace
@@ -130,8 +138,8 @@ def tenants_of(backend, keys: list[bytes]) -> list[bytes]:
     """The tenant label each of ``keys`` is stored for, from the medium's meta data where it
     keeps one (LMDB, file); ``b""`` where it keeps none (Redis) or the key is gone."""
     meta_of = getattr(backend, "entry_meta", None)  # (no batched form: a small read per key)
-    metas = [meta_of(k) for k in keys] if meta_of is not None else [None] * len(keys)
-    return [bytes(m.get("tenant") or b"") if m else b"" for m in metas]
+    metas = [meta_or_damage(meta_of, k) for k in keys] if meta_of is not None else [None] * len(keys)
+    return [bytes(m.get("tenant") or b"") if isinstance(m, dict) else b"" for m in metas]
 
 
 def _put_as_theirs(src: Tier, dst: Tier, items: list[tuple[bytes, bytes]]) -> list[bool]:
