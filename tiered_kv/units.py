@@ -31,8 +31,8 @@ def parse_size(value: int | float | str, *, name: str = "size") -> int:
         raise ConfigError(f"{name}: expected a byte size like 8GiB or 512MB, got {value!r}")
     if number < 0:
         raise ConfigError(f"{name}: size must not be negative, got {value!r}")
-    if number * factor != int(number * factor):  # 1.5 (bytes) meant something else: never cut to 1
-        raise ConfigError(f"{name}: a size is a whole number of bytes, got {value!r} (write 1.5GiB for 1.5 GiB)")
+    if factor == 1 and number != int(number):  # 1.5 bytes meant something else: never cut to 1
+        raise ConfigError(f"{name}: a size in bytes is a whole number, got {value!r} (1.5GiB: write the unit)")
     return int(number * factor)
 
 

@@ -114,3 +114,20 @@ def test_regression_the_cli_printed_a_traceback_for_a_malformed_url(url):
     result = cli("inspect", url)
     assert result.code == 2 and "Traceback" not in result.err, result.err
     assert len(result.err.strip().splitlines()) == 1
+
+
+def test_a_variable_and_the_url_saying_otherwise_is_refused_not_decided_by_a_default():
+    """``TIERED_KV_DISK_SYNC=false`` over a URL's ``?sync=true``: both were written."""
+    with pytest.raises(ConfigError, match="set it in one place"):
+        TieredKVConfig.load({"disk": {"url": "lmdb:///x?sync=true"}}, environ={"TIERED_KV_DISK_SYNC": "false"})
+
+
+def test_a_field_written_at_its_default_value_and_the_url_saying_otherwise_is_refused():
+    with pytest.raises(ConfigError, match="set it in one place"):
+        TieredKVConfig.from_dict({"disk": {"url": "lmdb:///x?capacity=16GiB", "capacity": "8GiB"}})
+
+
+def test_settings_written_nowhere_are_the_documented_defaults():
+    config = TieredKVConfig.from_dict({"disk": {"url": "lmdb:///x"}, "remote": {"url": "redis://h:6379/0"}})
+    assert (config.disk.capacity, config.disk.sync) == (8 * GiB, False)
+    assert (config.remote.timeout, config.remote.retries, config.remote.ttl) == (2.0, 2, None)

@@ -1,18 +1,19 @@
 """The lower tiers' settings: a medium named by URL (``[disk]``, ``[remote]``, ``[[tiers]]``).
 
 A medium setting that is also a field (``capacity``, ``tenant_quota``; the disk's ``sync``; the
-remote's ``ttl``, ``timeout``, ``retries``) may be written as the field, in the URL's query or in
-``options`` (which win over the query, as the medium reads them). Written in the URL or
-``options`` only, it is taken into the field, so that the config says what the medium is opened
-with (the field's default used to be passed over it: ``?sync=true`` opened without fsync). Written
-both ways with different values, it is refused.
+remote's ``ttl``, ``timeout``, ``retries``) may be written as the field (a TOML key or a
+``TIERED_KV_*`` variable), in the URL's query or in ``options`` (which win over the query, as the
+medium reads them). Such a field is None until written: written in the URL or ``options`` only,
+it takes that value, so that the config says what the medium is opened with (the field's default
+used to be passed over it: ``?sync=true`` opened without fsync); written nowhere, its default
+(``MEDIUM_DEFAULTS``); written both ways with different values, it is refused.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from tiered_kv.errors import ConfigError
@@ -93,6 +94,7 @@ class TierConfig:
 
     # medium settings that are fields too: how the URL's query or ``options`` spell them
     MEDIUM_FIELDS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {"capacity": _size, "tenant_quota": _size}
+    MEDIUM_DEFAULTS: ClassVar[dict[str, Any]] = {}  # what such a field written nowhere means
 
     def __post_init__(self) -> None:
         key = self.name or "tier"
@@ -114,22 +116,20 @@ class TierConfig:
         object.__setattr__(self, "options", _Settings(self.options))  # configs are dict keys
 
     def _adopt_medium_settings(self, key: str) -> None:
-        """Fields given only in the URL's query or ``options`` (those win, as the medium reads
-        them) take that value; a field set both ways to different values is refused."""
-        if not self.url:
-            return
+        """Fields not written (None) take what the URL's query or ``options`` say (those win, as
+        the medium reads them), else their default; one written both ways, differently, is refused."""
         from storage_backends.options import split_options
 
-        given = {**split_options(self.url)[1], **self.options}
-        defaults = {f.name: f.default for f in fields(self)}
+        given = {**split_options(self.url)[1], **self.options} if self.url else {}
         for name, parse in self.MEDIUM_FIELDS.items():
-            if name not in given:
-                continue
-            value, mine = parse(given[name], f"{key}.{name}"), getattr(self, name)
-            if mine != defaults[name] and mine != value:
-                raise ConfigError(f"{key}.{name} is {mine!r}, but the url or options say {given[name]!r}: "
-                                  "set it in one place")
-            object.__setattr__(self, name, value)
+            mine = getattr(self, name)
+            if name in given:
+                value = parse(given[name], f"{key}.{name}")
+                if mine is not None and mine != value:
+                    raise ConfigError(f"{key}.{name} is {mine!r}, but the url or options say {given[name]!r}: "
+                                      "set it in one place")
+                mine = value
+            object.__setattr__(self, name, self.MEDIUM_DEFAULTS.get(name) if mine is None else mine)
 
     def medium_options(self) -> dict[str, Any]:
         """What the medium is opened with: its own settings, the capacity and the quota."""
@@ -146,10 +146,11 @@ class DiskConfig(TierConfig):
     """The local disk tier (``[disk]``), first of the lower tiers."""
 
     name: str = "disk"  # tier name in metrics, logs and tools
-    capacity: int | None = size_field(8 << 30)  # bytes of stored (compressed) blocks before LRU eviction
-    sync: bool = False  # fsync every commit (True) or leave it to flush()/the OS (False)
+    capacity: int | None = size_field(None)  # bytes of stored (compressed) blocks before LRU eviction; 8 GiB
+    sync: bool | None = None  # fsync every commit (True) or leave it to flush()/the OS (False, the default)
 
     MEDIUM_FIELDS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {**TierConfig.MEDIUM_FIELDS, "sync": as_bool}
+    MEDIUM_DEFAULTS: ClassVar[dict[str, Any]] = {"capacity": 8 << 30, "sync": False}
 
     def medium_options(self) -> dict[str, Any]:
         return {**super().medium_options(), "sync": self.sync}
@@ -161,11 +162,12 @@ class RemoteConfig(TierConfig):
 
     name: str = "remote"  # tier name in metrics, logs and tools
     ttl: float | None = duration_field(None)  # seconds a block lives in Redis; None = no expiry
-    timeout: float = duration_field(2.0)  # socket timeout per Redis call, seconds
-    retries: int = 2  # retries with backoff before a call counts as remote_unavailable
+    timeout: float | None = duration_field(None)  # socket timeout per Redis call, seconds; 2 s
+    retries: int | None = None  # retries with backoff before a call counts as remote_unavailable; 2
 
     MEDIUM_FIELDS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {
         **TierConfig.MEDIUM_FIELDS, "ttl": _ttl, "timeout": _duration, "retries": _count}
+    MEDIUM_DEFAULTS: ClassVar[dict[str, Any]] = {"timeout": 2.0, "retries": 2}
 
     def __post_init__(self) -> None:
         super().__post_init__()

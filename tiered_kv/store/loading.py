@@ -247,8 +247,9 @@ class Loader:
             (pinned,) = self.host.pin_many([key], bytes(tenant))
             if pinned is not None:
                 return pinned, ""
-            if self.host.states_many([key])[0] == "ready":  # committed, and not for this tenant
-                return None, "wrong_key"
+            if self.host.states_many([key])[0] == "ready":  # committed since, or another tenant's
+                (pinned,) = self.host.pin_many([key], bytes(tenant))
+                return (pinned, "") if pinned is not None else (None, "wrong_key")
             if not self.host.reserved(key):  # aborted (the other load failed), or there was no room
                 return None, "promotion_failed" if waited else "no_room"
             if self.host.states_many([key])[0] in ("failed", "retired"):  # never to be published
