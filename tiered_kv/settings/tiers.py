@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from storage_backends.redis_options import PARSERS as REDIS_PARSERS
 from tiered_kv.errors import ConfigError
 from tiered_kv.units import as_bool, parse_duration, parse_size
 
@@ -55,18 +56,10 @@ def _size(value: Any, name: str) -> int:
     return parse_size(value, name=name)
 
 
-def _duration(value: Any, name: str) -> float:
-    return parse_duration(value, name=name)
-
-
 def _count(value: Any, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
         raise ConfigError(f"{name} must be a whole number, got {value!r}")
     return int(value)
-
-
-def _ttl(value: Any, name: str) -> float | None:
-    return None if str(value).strip().lower() in ("none", "", "0") else parse_duration(value, name=name)
 
 
 class _Settings(dict):
@@ -166,7 +159,8 @@ class RemoteConfig(TierConfig):
     retries: int | None = None  # retries with backoff before a call counts as remote_unavailable; 2
 
     MEDIUM_FIELDS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {
-        **TierConfig.MEDIUM_FIELDS, "ttl": _ttl, "timeout": _duration, "retries": _count}
+        **TierConfig.MEDIUM_FIELDS, "ttl": REDIS_PARSERS["ttl"], "timeout": REDIS_PARSERS["timeout"],
+        "retries": _count}  # (ttl and timeout as the Redis medium reads them)
     MEDIUM_DEFAULTS: ClassVar[dict[str, Any]] = {"timeout": 2.0, "retries": 2}
 
     def __post_init__(self) -> None:

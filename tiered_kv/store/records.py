@@ -85,8 +85,7 @@ def record_doc(namespace: Namespace) -> dict:
 
 def _seal(doc: Mapping, digest: bytes) -> str:
     members = {k: v for k, v in doc.items() if k not in (SEAL_MEMBER, COSTS_MEMBER)}
-    text = json.dumps(members, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.blake2b(bytes(digest) + text, digest_size=16, person=b"tkv-ns-record").hexdigest()
+    return hashlib.blake2b(bytes(digest) + _dump(members), digest_size=16, person=b"tkv-ns-record").hexdigest()
 
 
 def _dump(doc: Mapping) -> bytes:
