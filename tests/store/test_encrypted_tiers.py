@@ -76,6 +76,36 @@ def test_a_replica_without_the_secret_counts_misses_and_leaves_the_blocks(tmp_pa
         assert ok == [True] * N and all(torch.equal(a, b) for a, b in zip(outs, data))
 
 
+def test_regression_after_a_secret_rotation_the_old_blocks_missed_for_good(tmp_path):
+    """A replica with a new secret read the old blocks as ``wrong_key`` misses, recomputed them,
+    and its save skipped them (the tier held those keys): every later restart missed again. The
+    save now replaces a block this replica read as sealed under another secret."""
+    keys, data = stored(tmp_path)
+    with make_store(tmp_path, encryption_secret=OTHER) as store:
+        ok, _ = load(store, keys[:4])
+        assert ok == [False] * 4 and store.metrics.misses("wrong_key") == 4
+        store.save(keys, data)  # the engine recomputed and saves them all
+        assert store.flush(30)
+    with make_store(tmp_path, encryption_secret=OTHER) as store:
+        ok, outs = load(store, keys)
+        assert ok == [True] * 4 + [False] * (N - 4)  # the blocks never read here were left alone
+        assert all(torch.equal(a, b) for a, b in zip(outs[:4], data))
+        assert store.metrics.misses("wrong_key") == N - 4
+    with make_store(tmp_path, encryption_secret=SECRET) as store:  # the old secret: its last two
+        ok, _ = load(store, keys)
+        assert ok == [False] * 4 + [True] * (N - 4)
+
+
+def test_a_replica_without_the_secret_never_replaces_sealed_blocks(tmp_path):
+    keys, data = stored(tmp_path)
+    with make_store(tmp_path) as store:
+        ok, _ = load(store, keys)
+        assert ok == [False] * N and store.metrics.misses("no_key") == N
+        store.save(keys, data)
+        assert store.flush(30)
+    assert all(BlockCodec.read_header(v).sealed for v in stored_values(tmp_path))
+
+
 def test_plain_blocks_are_refused_once_encryption_is_on_and_replaced_by_sealed_ones(tmp_path):
     keys, data = stored(tmp_path, secret=None)
     with make_store(tmp_path, encryption_secret=SECRET) as store:

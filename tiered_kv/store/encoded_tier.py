@@ -17,6 +17,7 @@ encryption was on) is a miss removed like a corrupt one, so a sealed copy can ta
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 # miss reasons of blocks another replica may read: counted, never removed
 KEY_REASONS = frozenset({"no_key", "wrong_key"})
+FOREIGN_KEPT = 1 << 16  # the most keys a tier remembers as sealed under another secret
 
 
 class EncodedTier:
@@ -68,6 +70,10 @@ class EncodedTier:
         self.unavailable = f"{config.name}_unavailable"
         self.cipher = None if secret is None else TenantCipher(secret.reveal())  # None: blocks stay plain
         self.said: set[str] = set()  # KEY_REASONS already logged as a warning
+        # keys read here as ``wrong_key`` (sealed under another secret: a rotated one): the next
+        # save of each replaces it, or the block would miss here for good (oldest forgotten first)
+        self.foreign: dict[bytes, None] = {}
+        self._foreign_lock = threading.Lock()
         # raw blocks go to the medium as head + payload where it lies, written with one gathered
         # write (no copy next to the head), when the medium takes that and nothing is encrypted
         self.gathers = (getattr(backend, "takes_gathered", False) and self.codec.codec == "raw"
@@ -79,14 +85,31 @@ class EncodedTier:
 
     # -- presence ----------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Presence of each key; all False (counted) when the medium is down."""
+        """Presence of each key, for a save (one held is not written again); all False (counted)
+        when the medium is down. A key this replica read as sealed under another secret counts
+        as absent, so the save replaces that block with one this replica can open."""
         if not keys:
             return []
         try:
-            return self.backend.contains_many([self.ns + k for k in keys])
+            held = self.backend.contains_many([self.ns + k for k in keys])
         except BackendUnavailable:
             self.metrics.miss(self.name, self.unavailable, len(keys))
             return [False] * len(keys)
+        foreign = self.foreign
+        return [h and k not in foreign for k, h in zip(keys, held)] if foreign else held
+
+    def _mark_foreign(self, key: bytes) -> None:
+        if self.cipher is None:  # (a replica without a secret would replace sealed blocks by plain ones)
+            return
+        with self._foreign_lock:
+            self.foreign[key] = None
+            while len(self.foreign) > FOREIGN_KEPT:
+                del self.foreign[next(iter(self.foreign))]
+
+    def _replaced(self, keys: list[bytes]) -> None:
+        with self._foreign_lock:
+            for k in keys:
+                self.foreign.pop(k, None)
 
     # -- write -------------------------------------------------------------------------------
     def encode(self, key: bytes, payload, into=None):
@@ -114,6 +137,8 @@ class EncodedTier:
             self.metrics.event(f"{self.name}_save_failed", len(blobs))
             self.metrics.miss(self.name, self.unavailable, 0)
             return [False] * len(blobs)
+        if self.foreign:
+            self._replaced([k[len(self.ns):] for (k, _), s in zip(blobs, stored) if s])
         ok = sum(stored)
         if ok < len(blobs):
             self.metrics.event(f"{self.name}_save_rejected", len(blobs) - ok)
@@ -214,6 +239,8 @@ class _Read:
         self.reasons[i] = reason
         if reason in KEY_REASONS:  # good, maybe, for a replica holding the key: left in place
             self.locked += 1
+            if reason == "wrong_key":  # ... until this replica saves the block again
+                self.tier._mark_foreign(self.keys[i])
             log.debug("%s tier: block %s cannot be opened here (%s)", self.tier.name, self.keys[i].hex(), reason)
             return
         self.corrupt.append(self.keys[i])
