@@ -204,6 +204,7 @@ class Loader:
             self.saver.write_earned([(plan.keys[i], plan.counts[i]) for i, _ in want if reasons[i] is None],
                                     plan.tenant)  # promoted: the tiers below may have been earned
             deadline = time.monotonic() + PROMOTION_WAIT_S  # one bound for the job, not per block
+            shared = 0  # blocks another load promoted, leased here: host hits of this load
             for i in others:
                 try:
                     pinned, why = self._pin_promoted(plan.keys[i], plan.tenant, deadline)
@@ -215,8 +216,12 @@ class Loader:
                 if pinned is None:  # no room, or the other load failed: a counted miss
                     plan.reasons[i] = why
                     self.metrics.miss("host", why)
-                elif plan.progress is not None:
-                    plan.progress.hold(i, pinned, self.block_nbytes)
+                else:
+                    shared += 1
+                    if plan.progress is not None:
+                        plan.progress.hold(i, pinned, self.block_nbytes)
+            if shared:
+                self.metrics.hit("host", shared, shared * self.block_nbytes)
             plan.finished = max(plan.finished, time.perf_counter())
 
     def _read_reserved(self, plan: LoadPlan, want: list[tuple[int, int]]) -> dict[int, str | None]:
