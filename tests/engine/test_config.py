@@ -54,3 +54,14 @@ def test_impossible_requests_are_refused():
     engine.add_request([1, 2], SamplingParams(), request_id="x")
     with pytest.raises(ConfigError, match="in use"):
         engine.add_request([1, 2], SamplingParams(), request_id="x")
+
+
+def test_regression_a_generate_call_refused_for_one_prompt_left_the_others_queued():
+    """``generate`` checked each prompt as it queued it: a bad second prompt raised after the
+    first was queued, which then ran (taking blocks and steps) in the next call, its output lost."""
+    engine = make_engine(num_blocks=64, max_num_batched_tokens=256)
+    with pytest.raises(ConfigError):
+        engine.generate([[1, 2, 3, 4], [10**9]], SamplingParams(max_tokens=4))
+    assert not engine.has_unfinished_requests()
+    (out,) = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))
+    assert out.prompt_token_ids == [5, 6, 7, 8] and len(out.output_token_ids) <= 4

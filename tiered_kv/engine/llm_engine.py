@@ -103,6 +103,11 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
+        return self._admit(self._checked_request(prompt_token_ids, sampling_params, request_id))
+
+    def _checked_request(self, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None,
+                         request_id: str | None) -> Sequence:
+        """A new request, checked (a ConfigError otherwise); not queued yet."""
         params = sampling_params or SamplingParams()
         prompt = [int(t) for t in prompt_token_ids]
         index = next(self._counter)
@@ -122,10 +127,13 @@ class LLMEngine:
         if self.kv_cache_manager.blocks_to_completion(request) > self.kv_cache_manager.get_max_resource_count():
             raise ConfigError(f"request {request_id!r} needs more KV blocks than the pool has "
                               f"({self.engine_config.num_blocks})")
-        self._requests[request_id] = request
-        self.sampler.add_request(request_id, seed)
+        return request
+
+    def _admit(self, request: Sequence) -> str:
+        self._requests[request.request_id] = request
+        self.sampler.add_request(request.request_id, request.seed)
         self.scheduler.add_request(request)
-        return request_id
+        return request.request_id
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -144,7 +152,9 @@ class LLMEngine:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ConfigError("need one SamplingParams per prompt")
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        # every prompt checked before any is queued: a bad one leaves nothing behind to run later
+        requests = [self._checked_request(p, sp, None) for p, sp in zip(prompts, params_list, strict=True)]
+        ids = [self._admit(r) for r in requests]
         done: dict[str, Output] = {}
         while self.has_unfinished_requests():
             for output in self.step():
