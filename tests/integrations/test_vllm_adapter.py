@@ -183,6 +183,32 @@ def test_keys_fold_in_lora_and_cache_salt(tmp_path):
         halves.close()
 
 
+def test_regression_a_prompt_with_other_embeddings_was_promised_the_first_prompts_kv(tmp_path):
+    """Mixed-mode prompts (vLLM 0.32 chat completions with ``prompt_embeds`` parts) carry token
+    ids with placeholders where the model reads the embeddings; vLLM folds the embeddings into
+    its block hashes, our keys took the ids alone: another request with the same ids and other
+    embeddings was promised and loaded the first one's KV. Such prompts are not keyed now."""
+    placeholder = 999
+    tokens = prompt(2 * BS, seed=1) + [placeholder] * (3 * BS) + prompt(BS + 1, seed=2)
+
+    def mixed(eng, rid):
+        req = eng.add(rid, tokens, max_tokens=1)
+        req.prompt_embeds = torch.randn(len(tokens), 8)  # (what the model reads at the placeholders)
+        req.prompt_is_token_ids = [t != placeholder for t in tokens]
+        return req
+
+    halves = Halves(extra(tmp_path))
+    try:
+        eng = Engine(halves.sched, halves.worker)
+        mixed(eng, "a")
+        eng.run()
+        halves.worker._worker.core.flush_copies()
+        assert halves.sched.get_num_new_matched_tokens(mixed(Engine(halves.sched, halves.worker), "b"), 0) == (0, False)
+        assert halves.sched.get_num_new_matched_tokens(Request("c", tokens, 1), 0)[0] == 0  # nothing was saved
+    finally:
+        halves.close()
+
+
 def test_scheduler_alone_looks_up_the_disk_tier_without_a_host_slab(tmp_path):
     run(extra(tmp_path), PROMPTS)  # engine A wrote the LMDB store and is gone
     sched = TieredKVConnector(vllm_config(extra(tmp_path)), KVConnectorRole.SCHEDULER, kv_cache_config())

@@ -145,6 +145,10 @@ class Engine:
         self.computed = 0
         self.steps = 0
         self.preempt_at: dict[int, str] = {}  # step -> request to preempt (tests)
+        # steps before which every running request is preempted, as vLLM's
+        # reset_prefix_cache(reset_running_requests=True) does between steps: they may resume in
+        # the next schedule(), whose output names them in preempted_req_ids too
+        self.reset_before: set[int] = set()
 
     def add(self, rid: str, prompt: list[int], max_tokens: int = 3) -> Request:
         req = Request(rid, prompt, max_tokens)
@@ -162,18 +166,24 @@ class Engine:
         self.free.extend(req.block_ids)
         req.block_ids = []
 
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._free(req)
+        req.num_computed_tokens, req.status = 0, "PREEMPTED"
+        self.waiting.insert(0, req)
+        self.preempted_ids.add(req.request_id)
+
     def step(self) -> None:
         self.steps += 1
         budget, sched = self.budget, {}
         new_reqs, cached = [], CachedRequestData()
+        if self.steps in self.reset_before:
+            while self.running:
+                self._preempt(self.running[-1])
         victim = self.preempt_at.pop(self.steps, None)
-        if victim and self.requests[victim] in self.running:
-            req = self.requests[victim]
-            self.running.remove(req)
-            self._free(req)
-            req.num_computed_tokens, req.status = 0, "PREEMPTED"
-            self.waiting.insert(0, req)
-            self.preempted_ids.add(victim)
+        preempted_here = bool(victim and self.requests[victim] in self.running)
+        if preempted_here:
+            self._preempt(self.requests[victim])
         for req in list(self.running):  # running requests first, as vLLM does
             n = min(budget, req.num_tokens - req.num_computed_tokens)
             if n <= 0:
@@ -185,7 +195,7 @@ class Engine:
             sched[req.request_id], budget = n, budget - n
         has_sync = False
         for req in list(self.waiting):
-            if self.preempted_ids:
+            if preempted_here:
                 break  # vLLM schedules no waiting request in a step that preempted
             if req.status == "WAITING_FOR_REMOTE_KVS":
                 if req.request_id not in self.recving:

@@ -64,6 +64,7 @@ class SchedulerSide:
         self.core: ConnectorScheduler | None = None
         self.requests: dict[str, Any] = {}  # live vLLM Request objects (all_token_ids grows)
         self.reported: dict[str, int] = {}  # tokens handed to the core per request
+        self.allocated: set[str] = set()  # requests allocated since the last build_connector_meta
         self.matched_tokens = 0  # external tokens promised so far (for reports)
         self.matched_requests = 0
         self.n_groups = len(namespace.groups)
@@ -81,8 +82,10 @@ class SchedulerSide:
 
     @staticmethod
     def _view(request: Any) -> RequestView | None:
-        if getattr(request, "prompt_token_ids", None) is None:
-            return None  # prompt embeddings: no token ids to key by
+        if getattr(request, "prompt_token_ids", None) is None or getattr(request, "prompt_embeds", None) is not None:
+            # prompt embeddings (all of the prompt, or mixed with token ids whose places then hold
+            # placeholders): the ids do not say what the model read there, so nothing is keyed
+            return None
         return RequestView(request.request_id, list(request.prompt_token_ids), int(request.num_prompt_tokens),
                      _key_extra(request), getattr(request, "cache_salt", None) or None)
 
@@ -99,6 +102,7 @@ class SchedulerSide:
         if view is None:
             return
         self.requests[view.request_id] = request
+        self.allocated.add(view.request_id)
         self._core().update_state_after_alloc(view, block_ids, num_external_tokens)
         if num_external_tokens > 0:
             self.matched_tokens += num_external_tokens
@@ -110,7 +114,11 @@ class SchedulerSide:
         core = self._core()
         preempted = tuple(getattr(so, "preempted_req_ids", None) or ())
         for rid in preempted:
-            core.request_preempted(rid)
+            # one allocated in this schedule() was preempted before it (vLLM's reset_prefix_cache
+            # preempts between steps, and the next step resumes): its new allocation stands
+            if rid not in self.allocated:
+                core.request_preempted(rid)
+        self.allocated.clear()
         new, cached = [], []
         for nr in so.scheduled_new_reqs:
             request = self.requests.get(nr.req_id)
