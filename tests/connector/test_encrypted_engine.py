@@ -72,21 +72,27 @@ def test_layerwise_loads_without_the_key_fail_every_block_and_write_nothing(tmp_
 
 
 def test_reference_engine_outputs_are_identical_with_the_key_and_without_it(tmp_path):
+    """A replica without the secret leaves the sealed blocks in place; one with another secret
+    (a rotated one) replaces those it recomputes, and then the old secret's replica recomputes."""
     prompts = [prompt(300, seed=21), prompt(170, seed=22)]
     want = reference(prompts)
-    conn = connector(tmp_path / "db", encryption_secret=SECRET)
-    assert [o.output_token_ids for o in engine(conn).generate(prompts, GREEDY)] == want
-    conn.close()
-    for secret, reason in ((None, "no_key"), (OTHER, "wrong_key")):
+
+    def run(secret, reason=None, external=None):
         conn = connector(tmp_path / "db", encryption_secret=secret)
         out = engine(conn).generate(prompts, GREEDY)
         assert [o.output_token_ids for o in out] == want
-        assert conn.store.metrics.misses(reason) > 0
+        if reason is None:
+            assert conn.store.metrics.misses() == 0
+        else:
+            assert conn.store.metrics.misses(reason) > 0
         assert conn.store.metrics.misses("corrupt") == 0
+        if external is not None:
+            assert [o.num_external_tokens for o in out] == external
         conn.close()
-    conn = connector(tmp_path / "db", encryption_secret=SECRET)  # the blocks were left in place
-    out = engine(conn).generate(prompts, GREEDY)
-    assert [o.num_external_tokens for o in out] == [288, 160]
-    assert [o.output_token_ids for o in out] == want
-    assert conn.store.metrics.misses() == 0
-    conn.close()
+
+    run(SECRET)
+    run(None, "no_key")
+    run(SECRET, external=[288, 160])  # the blocks were left in place
+    run(OTHER, "wrong_key")
+    run(OTHER, external=[288, 160])  # ... and replaced by the blocks it recomputed
+    run(SECRET, "wrong_key")
