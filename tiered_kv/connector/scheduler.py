@@ -57,6 +57,7 @@ class _Request:
     external: int = 0  # tokens matched externally at allocation
     saved: int = 1 << 62  # leading blocks already stored (or being stored)
     planned: int = 0  # blocks planned for saving so far (withdrawn when a block before failed)
+    first_planned: int = 1 << 62  # the first block planned for saving (those before were loaded or cached)
     had_saves: bool = False  # whether any save was planned (request_finished holds blocks)
     promised: bool = False  # an async load was promised and has not been seen to complete
     no_loads: bool = False  # a promised load failed: claim nothing more for this request
@@ -83,6 +84,9 @@ class ConnectorScheduler:
         self._loads: list[LoadSpec] = []
         self._invalidate: list[bytes] = []  # keys to withdraw in the next step's plan
         self._suspect: dict[bytes, int] = {}  # withdrawn keys -> steps they still count as absent
+        # requests finished since the last plan: vLLM (kv_load_failure_policy "fail") finishes the
+        # requests a failed load hit before it reports the failed blocks (blocks_failed)
+        self._finished: dict[str, _Request] = {}
 
     # -- keys ----------------------------------------------------------------------------------
     def _state(self, request_id: str, tokens: Sequence[int], extra: str | None = None,
@@ -194,10 +198,11 @@ class ConnectorScheduler:
         if not failed:
             return
         keys: list[bytes] = []
-        for state in self._requests.values():
+        for state in [*self._requests.values(), *self._finished.values()]:
             first = next((i for i, b in enumerate(state.block_ids) if b in failed), None)
-            if first is not None and first + 1 < state.planned:
-                keys.extend(state.chain.keys[first + 1 : state.planned])
+            start = None if first is None else max(first + 1, state.first_planned)  # (not its loaded blocks)
+            if start is not None and start < state.planned:
+                keys.extend(state.chain.keys[start : state.planned])
             if first is not None and self.namespace.has_state:  # states at or after the failed block
                 keys.extend(self.namespace.state_key(k) for k in state.chain.keys[first : state.planned])
         if keys:
@@ -209,6 +214,7 @@ class ConnectorScheduler:
     def build_connector_meta(self, scheduler_output) -> ConnectorMeta:
         meta = ConnectorMeta(loads=self._loads, invalidate=tuple(dict.fromkeys(self._invalidate)))
         self._loads, self._invalidate = [], []
+        self._finished.clear()
         if self._suspect:  # withdrawn by the workers once they ran the plans that carried them
             self._suspect = {k: n - 1 for k, n in self._suspect.items() if n > 1}
         for rd in scheduler_output.new_requests:
@@ -253,6 +259,7 @@ class ConnectorScheduler:
                                    **extra))
         state.saved = max(state.saved, full)
         state.planned = max(state.planned, full)
+        state.first_planned = min(state.first_planned, first)
         state.had_saves = True
 
     def _state_save(self, state: _Request, end: int) -> dict:
@@ -286,6 +293,8 @@ class ConnectorScheduler:
     def request_finished(self, request, block_ids: Sequence[int]) -> bool:
         """True when saves were planned: the worker reports the id once its copies are done."""
         state = self._requests.pop(request.request_id, None)
+        if state is not None:
+            self._finished[request.request_id] = state
         self._matched_from.pop(request.request_id, None)
         self._decisions.pop(request.request_id, None)
         self._drop_loads(request.request_id)
