@@ -139,7 +139,10 @@ class Namespace:
 
     @classmethod
     def from_dict(cls, data: Mapping, *, strict: bool = True) -> Namespace:
-        """The inverse of :meth:`describe`; unknown fields are a TypeError when ``strict``."""
+        """The inverse of :meth:`describe`; unknown fields are a TypeError when ``strict``, and so
+        is ``data`` that is no mapping (a namespace file holding a JSON list)."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"namespace fields must be a mapping (a JSON object), got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if strict and unknown:

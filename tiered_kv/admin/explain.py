@@ -38,6 +38,11 @@ class RestoreOptions:
     load_async: bool = False
     device: str = "cuda"  # the device type the engine's KV cache lives on (settles "auto")
 
+    def __post_init__(self) -> None:  # the floors the config holds restore_min_samples and layer_groups to
+        for option, value in (("--min-samples", self.min_samples), ("--layer-groups", self.layer_groups)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{option} must be a positive integer, got {value!r}")
+
     @classmethod
     def of(cls, config, **overrides) -> RestoreOptions:
         """A config's settings (None: the defaults), with the ``overrides`` that are not None."""
@@ -65,6 +70,8 @@ def read_tokens(path: str) -> list[int]:
         text = Path(path).read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read tokens from {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"cannot read tokens from {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     return parse_token_ids(text, path)
 
 

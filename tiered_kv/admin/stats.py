@@ -9,6 +9,7 @@ import base64
 import urllib.error
 import urllib.request
 from collections import defaultdict
+from math import isfinite
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -21,7 +22,9 @@ from tiered_kv.errors import BackendUnavailable, ConfigError
 def fetch(target: str, timeout: float = 5.0) -> str:
     """Metrics text from an exporter URL (``host:port`` is enough) or a saved file."""
     if Path(target).is_file():
-        return Path(target).read_text()
+        return _text(Path(target).read_bytes(), redact_url(target))
+    if Path(target).exists():
+        raise ConfigError(f"{redact_url(target)} is not a file: give a saved scrape or http(s)://HOST:PORT[/metrics]")
     url = target if "://" in target else f"http://{target}"
     if url.split("://", 1)[1].count("/") == 0:
         url += "/metrics"
@@ -29,10 +32,18 @@ def fetch(target: str, timeout: float = 5.0) -> str:
         raise ConfigError(f"metrics URL must be http(s)://HOST:PORT[/metrics] or a file, got {redact_url(target)!r}")
     try:
         with urllib.request.urlopen(_request(url), timeout=timeout) as response:
-            return response.read().decode()
+            body = response.read()
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = redact_text(str(getattr(exc, "reason", exc)), url)
         raise BackendUnavailable(f"cannot fetch metrics from {redact_url(url)}: {reason}") from None
+    return _text(body, redact_url(url))
+
+
+def _text(body: bytes, source: str) -> str:
+    try:
+        return body.decode()
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: not Prometheus metrics text (not UTF-8: {exc.reason} at byte {exc.start})") from None
 
 
 def _request(url: str) -> urllib.request.Request:
@@ -47,15 +58,32 @@ def _request(url: str) -> urllib.request.Request:
                                   headers={"Authorization": "Basic " + token.decode()})
 
 
+_TRAFFIC = ("tiered_kv_blocks_total", "tiered_kv_bytes_total", "tiered_kv_transfer_seconds_total")
+_TIER_GAUGES = ("tiered_kv_tier_entries", "tiered_kv_tier_used_bytes", "tiered_kv_tier_capacity_bytes")
+# the labels each summed metric needs; a sample without one (another exporter's, an older
+# version's) is skipped and counted, as is one whose value is no finite number
+_NEEDS = {"tiered_kv_hits_total": ("tier",), "tiered_kv_misses_total": ("tier", "reason"),
+          "tiered_kv_evictions_total": ("tier",), "tiered_kv_events_total": ("event",),
+          "tiered_kv_queued_bytes": ("direction",),
+          **{n: ("tier", "direction") for n in _TRAFFIC}, **{n: ("tier",) for n in _TIER_GAUGES}}
+
+
+def _usable(name: str, labels: dict, value: float) -> bool:
+    if name in _TRAFFIC and labels.get("direction") not in ("in", "out"):
+        return False
+    return all(labels.get(label) for label in _NEEDS.get(name, ())) and (name not in _NEEDS or isfinite(value))
+
+
 def summarize(text: str) -> dict:
     """Per tier: hits, misses by reason, blocks / bytes / seconds per direction, evictions,
-    entries; store-wide: events and queued bytes (summed over namespaces)."""
+    entries; store-wide: events and queued bytes (summed over namespaces); ``skipped_samples``:
+    the samples left out (a label missing, a value no finite number)."""
     tiers: dict[str, dict] = defaultdict(lambda: {"hits": 0, "misses": defaultdict(float), "in": defaultdict(float),
                                                   "out": defaultdict(float), "evictions": 0})
     events: dict[str, float] = defaultdict(float)
     queued: dict[str, float] = defaultdict(float)
     namespaces = set()
-    seen = False
+    seen, skipped = False, 0
     try:
         families = list(text_string_to_metric_families(text))
     except (ValueError, TypeError) as exc:
@@ -64,20 +92,23 @@ def summarize(text: str) -> dict:
         for s in family.samples:
             if not s.name.startswith("tiered_kv_") or s.name.endswith("_created"):
                 continue
-            seen = True
             lab = s.labels
+            if not _usable(s.name, lab, s.value):
+                skipped += 1
+                continue
+            seen = True
             namespaces.add((lab.get("namespace"), lab.get("model")))
             name, tier = s.name, lab.get("tier")
             if name == "tiered_kv_hits_total":
                 tiers[tier]["hits"] += s.value
             elif name == "tiered_kv_misses_total":
                 tiers[tier]["misses"][lab["reason"]] += s.value
-            elif name in ("tiered_kv_blocks_total", "tiered_kv_bytes_total", "tiered_kv_transfer_seconds_total"):
+            elif name in _TRAFFIC:
                 what = name[len("tiered_kv_"):-len("_total")].replace("transfer_", "")
                 tiers[tier][lab["direction"]][what] += s.value
             elif name == "tiered_kv_evictions_total":
                 tiers[tier]["evictions"] += s.value
-            elif name in ("tiered_kv_tier_entries", "tiered_kv_tier_used_bytes", "tiered_kv_tier_capacity_bytes"):
+            elif name in _TIER_GAUGES:
                 key = name[len("tiered_kv_tier_"):]
                 tiers[tier][key] = tiers[tier].get(key, 0) + s.value
             elif name == "tiered_kv_events_total":
@@ -85,7 +116,8 @@ def summarize(text: str) -> dict:
             elif name == "tiered_kv_queued_bytes":
                 queued[lab["direction"]] += s.value
     if not seen:
-        raise ConfigError("no tiered_kv metrics in that text (is it a tiered-kv exporter?)")
+        left = f"; {skipped} samples skipped (a label missing or a value not a number)" if skipped else ""
+        raise ConfigError(f"no tiered_kv metrics in that text (is it a tiered-kv exporter?){left}")
     out = {}
     for name, t in sorted(tiers.items()):
         row = {"hits": int(t["hits"]), "misses": {r: int(n) for r, n in sorted(t["misses"].items())},
@@ -104,4 +136,4 @@ def summarize(text: str) -> dict:
         out[name] = row
     return {"namespaces": [{"namespace": n, "model": m} for n, m in sorted(namespaces, key=str)],
             "tiers": out, "events": {k: int(v) for k, v in sorted(events.items())},
-            "queued_bytes": {k: int(v) for k, v in sorted(queued.items())}}
+            "queued_bytes": {k: int(v) for k, v in sorted(queued.items())}, "skipped_samples": skipped}

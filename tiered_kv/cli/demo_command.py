@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from tiered_kv.cli.render import EXIT_OK, EXIT_PROBLEM
+from tiered_kv.errors import ConfigError
 
 
 def add_parser(sub) -> None:
@@ -34,9 +35,11 @@ def _cmd_demo_restart(args: argparse.Namespace) -> int:
     from tiered_kv.cli.demo_run import DemoOptions, run_demo
 
     if args.prompt_tokens < 700:
-        raise SystemExit("tiered-kv: error: --prompt-tokens must be at least 700")
+        raise ConfigError(f"--prompt-tokens must be at least 700, got {args.prompt_tokens}")
+    if args.corrupt < 0:
+        raise ConfigError(f"--corrupt must be 0 or more, got {args.corrupt}")
     if args.model_dir and args.model_kind != "llama":
-        raise SystemExit("tiered-kv: error: --model-dir loads Llama models; --model hybrid|mla are seeded")
+        raise ConfigError("--model-dir loads Llama models; --model hybrid|mla are seeded")
     opts = DemoOptions(args.dir, args.store_url, args.model_dir, args.prompt_tokens, args.corrupt,
                        model_size=args.model_size, model_kind=args.model_kind)
     report = run_demo(opts)

@@ -13,6 +13,7 @@ import json
 import logging
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from storage_backends.redaction import redact_text, redact_url
+from tiered_kv.cli.render import EXIT_UNAVAILABLE, EXIT_USAGE
+from tiered_kv.errors import BackendUnavailable, ConfigError, TieredKVError
 
 log = logging.getLogger(__name__)
 
@@ -185,11 +188,35 @@ def _child(opts: DemoOptions, phase: str, out_file: Path) -> dict:
     started = time.perf_counter()
     proc = subprocess.run(cmd, input=options, capture_output=True, text=True)
     if proc.returncode != 0:
-        stderr = redact_text(proc.stderr[-4000:], opts.store_url) if opts.store_url else proc.stderr[-4000:]
-        raise RuntimeError(f"demo {phase} failed:\n{stderr}")
+        raise _failure(opts, phase, proc.returncode, proc.stderr)
     result = json.loads(out_file.read_text())
     result["process_s"] = round(time.perf_counter() - started, 2)
     return result
+
+
+def _failure(opts: DemoOptions, phase: str, code: int, stderr: str) -> BaseException:
+    """The error of a phase whose process exited with ``code``: its own one-line error (exit 2:
+    configuration, 3: the store unreachable) as ours; any other failure (a crash, a signal) as one
+    line, its last line of stderr; the whole stderr (redacted) is logged, shown with ``-v``."""
+    text = redact_text(stderr, opts.store_url) if opts.store_url else stderr
+    if code in (130, -signal.SIGINT):
+        return KeyboardInterrupt()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    last = lines[-1] if lines else f"demo {phase} exited with {code} and no message"
+    if code == EXIT_USAGE:
+        return ConfigError(last)
+    if code == EXIT_UNAVAILABLE:
+        return BackendUnavailable(last)
+    log.info("demo %s exited with %s; its stderr:\n%s", phase, code, text[-8000:])
+    how = f"failed (exit {code})"
+    if code < 0:  # a signal (the OOM killer's SIGKILL, ...)
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    detail = f": {lines[-1]}" if lines else ""
+    hint = "" if log.isEnabledFor(logging.INFO) or not lines else " (-v shows its output)"
+    return TieredKVError(f"demo {phase} {how}{detail}{hint}")
 
 
 def run_demo(opts: DemoOptions) -> dict:
@@ -243,5 +270,22 @@ def _phase(phase: str, workdir: str, out_file: str, extra: str) -> None:
     Path(out_file).write_text(json.dumps(result))
 
 
+def _phase_main(argv: list[str], extra: str) -> int:
+    """A phase as a process: its typed errors (a missing model directory, a bad store URL) are
+    one line on stderr and the CLI's exit code, which :func:`_failure` reads back."""
+    try:
+        _phase(*argv[:3], extra)
+    except BackendUnavailable as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except TieredKVError as exc:
+        print(exc, file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:  # e.g. a work directory it cannot write
+        print(f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""), file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
 if __name__ == "__main__":
-    _phase(*sys.argv[1:4], sys.stdin.read())
+    sys.exit(_phase_main(sys.argv[1:4], sys.stdin.read()))
