@@ -181,6 +181,12 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self._sched is not None and self._sched.events is not None:
             self._sched.events.receive(getattr(connector_output, "kv_cache_events", None))
 
+    def reset_cache(self) -> bool:
+        """vLLM resets its prefix cache (``reset_connector=True``; sleep, ``pause_generation``):
+        the store is kept, by design (README: sleep mode); True, so vLLM's reset goes on."""
+        log.info("tiered-kv: vLLM reset its prefix cache; the store keeps its blocks (namespace unchanged)")
+        return True
+
     def take_events(self) -> list:
         """vLLM's ``BlockStored`` / ``BlockRemoved`` for the store's tiers since the last call."""
         events = self._sched.events if self._sched is not None else None
