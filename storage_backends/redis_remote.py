@@ -45,6 +45,7 @@ from storage_backends.quotas import as_tenant
 from storage_backends.redaction import redact_text, redact_url
 from storage_backends.redis_admin import AdminRetry
 from storage_backends.redis_breaker import Breaker
+from storage_backends.redis_figures import server_facts
 from storage_backends.redis_names import RedisNames
 from storage_backends.redis_node_pipelines import NodeFanout, node_pipelines, ping_every_node
 from storage_backends.redis_options import redis_arguments, redis_target
@@ -60,7 +61,6 @@ DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAga
 PIPELINE_BYTES = 4 << 20  # default: bytes of values per pipeline of SETs or GETs
 VALUE_SIZE_GUESS = 2 << 20  # value size assumed until some are seen (sizes the first GETs)
 KEYS_PER_CALL = 1000  # keys per EXISTS pipeline, UNLINK and SCAN page
-ENTRY_SAMPLE = 10_000  # stats(): keys a SCAN samples before extrapolating with the key count
 
 
 def _glob_escape(data: bytes) -> bytes:
@@ -276,18 +276,31 @@ class RedisBackend(Backend):
         return ok
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        """UNLINK (the server frees large values in the background)."""
+        """UNLINK (the server frees large values in the background), ``KEYS_PER_CALL`` keys a
+        call, each call's keys told removed once it ran (UNLINK counts, it does not name: every
+        key asked for). A call that fails part-way raises: the calls before it were told, and so
+        was the failed one when it was sent (a timeout or a dropped connection: it may have run)."""
         n = 0
-        for start in range(0, len(keys), KEYS_PER_CALL):
-            names = self.names.names(keys[start : start + KEYS_PER_CALL])
-            if self.cluster:  # one pipeline per node, retried as GETs and SETs are
-                replies = self._call(lambda c, ns=names: self._pipelined(c, ns, lambda p, name: p.unlink(name), read=False))
-                n += sum(r for r in replies if isinstance(r, int))
-            else:
-                n += int(self._call(lambda c, ns=names: c.unlink(*ns)))
-        self._count(deletes=n)
-        self._tell("removed", keys)  # (UNLINK counts, it does not name: every key asked for)
+        try:
+            for start in range(0, len(keys), KEYS_PER_CALL):
+                chunk = keys[start : start + KEYS_PER_CALL]
+                sent = self.available  # an open breaker refuses a call before sending it
+                try:
+                    n += self._unlink(self.names.names(chunk))
+                except BackendUnavailable:
+                    if sent:
+                        self._tell("removed", chunk)
+                    raise
+                self._tell("removed", chunk)
+        finally:
+            self._count(deletes=n)
         return n
+
+    def _unlink(self, names: list[bytes]) -> int:
+        if self.cluster:  # one pipeline per node, retried as GETs and SETs are
+            replies = self._call(lambda c: self._pipelined(c, names, lambda p, name: p.unlink(name), read=False))
+            return sum(r for r in replies if isinstance(r, int))
+        return int(self._call(lambda c: c.unlink(*names)))
 
     # -- listing and figures -----------------------------------------------------------------
     def scan(self, prefix: bytes = b"") -> Iterator[bytes]:
@@ -301,11 +314,11 @@ class RedisBackend(Backend):
     def stats(self) -> BackendStats:
         """``entries``: keys under our prefix, exact when the database holds at most
         ``ENTRY_SAMPLE`` keys, else our share of a SCAN sample of that many keys times the key
-        count (``extra['entries_exact']``). ``used_bytes``: the server's ``used_memory`` (every
+        count (``extra['entries_exact']``; :mod:`storage_backends.redis_figures`). ``used_bytes``: the server's ``used_memory`` (every
         key plus Redis' overhead, ~1.25x payload). ``capacity_bytes``: ``maxmemory`` or None.
         While Redis is unavailable: the counters, with ``extra['unavailable']``."""
         try:
-            facts = self._call(self._server_facts, admin=True)
+            facts = self._call(lambda c: server_facts(c, self.prefix), admin=True)
         except BackendUnavailable as exc:  # the counters are most wanted when Redis is away
             return self._snapshot(extra={"unavailable": str(exc), "breaker_failures": self._failures})
         return self._snapshot(
@@ -314,26 +327,6 @@ class RedisBackend(Backend):
             extra={**facts, "hiredis": bool(redis.utils.HIREDIS_AVAILABLE), "cluster": self.cluster,
                    "prefix": self.prefix.decode("latin-1"), "used_bytes_is": "server used_memory",
                    "pipeline_bytes": self.pipeline_bytes, "breaker_failures": self._failures})
-
-    def _server_facts(self, client: Any) -> dict:
-        info = client.info()  # a cluster of several nodes answers {node: info}
-        nodes = [info] if "redis_version" in info else list(info.values())
-        nodes = [n for n in nodes if n.get("role") == "master"] or nodes
-        total = sum(v.get("keys", 0) for n in nodes for k, v in n.items()
-                    if k.startswith("db") and isinstance(v, dict))
-        seen = ours = 0
-        for name in client.scan_iter(count=KEYS_PER_CALL):
-            seen, ours = seen + 1, ours + name.startswith(self.prefix)
-            if seen >= ENTRY_SAMPLE:
-                break
-        exact = seen < ENTRY_SAMPLE
-        return {"entries": ours if exact else round(ours * total / seen), "entries_exact": exact,
-                "server_keys": total, "used_memory": sum(n.get("used_memory", 0) for n in nodes),
-                "maxmemory": sum(n.get("maxmemory", 0) for n in nodes),
-                "server_version": nodes[0].get("redis_version") if nodes else None,
-                "maxmemory_policy": nodes[0].get("maxmemory_policy") if nodes else None,
-                "server_evicted_keys": sum(n.get("evicted_keys", 0) for n in nodes),
-                "server_expired_keys": sum(n.get("expired_keys", 0) for n in nodes)}
 
     def close(self) -> None:
         if self._closed:

@@ -143,3 +143,49 @@ def test_maxmemory_with_lru_policy_evicts_on_the_server(tmp_path):
         b.close()
     finally:
         server.stop()
+
+
+def test_keys_a_delete_failing_part_way_removed_are_announced(own_redis):
+    """delete_many UNLINKs KEYS_PER_CALL keys a call: when a later call fails, the keys the
+    earlier ones deleted are gone from Redis and must be announced removed (they used to be told
+    only after the last call: a router kept routing to them). The server itself refuses the
+    second call: a user whose ACL covers the first call's keys only."""
+    from storage_backends.redis_remote import KEYS_PER_CALL
+
+    writer = open_backend(own_redis.url)
+    ours = [b"a%06d" % i for i in range(KEYS_PER_CALL)]  # the first UNLINK
+    theirs = [b"b%06d" % i for i in range(10)]  # the second, refused (NOPERM)
+    assert all(writer.put_many([(k, b"v") for k in ours + theirs]))
+    admin = redis.Redis.from_url(own_redis.url)
+    admin.execute_command("ACL", "SETUSER", "deleter", "on", ">pw", "~tkv:a*", "+@all")
+    admin.close()
+    deleter = open_backend(own_redis.url.replace("redis://", "redis://deleter:pw@"), retries=0)
+    heard = []
+    deleter.listen(lambda change, keys: heard.append((change, list(keys))))
+    try:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            deleter.delete_many(ours + theirs)
+        present = writer.contains_many(ours + theirs)
+        gone = [k for k, there in zip(ours + theirs, present) if not there]
+        assert gone == ours
+        announced = [k for change, keys in heard if change == "removed" for k in keys]
+        assert announced == ours  # and not the keys the refused call left in place
+        assert deleter.stats().deletes == len(ours)
+    finally:
+        deleter.close()
+        writer.close()
+
+
+def test_a_failed_delete_announces_its_keys_only_when_it_was_sent(own_redis):
+    b = open_backend(own_redis.url, timeout="300ms", retries=0)
+    assert b.put_many([(b"k", b"v")]) == [True]
+    heard = []
+    b.listen(lambda change, keys: heard.append((change, list(keys))))
+    own_redis.stop()
+    with pytest.raises(BackendUnavailable):
+        b.delete_many([b"k"])  # sent: the UNLINK may have run before the connection went
+    assert heard == [("removed", [b"k"])]
+    with pytest.raises(BackendUnavailable):
+        b.delete_many([b"x"])  # the breaker is open now: refused unsent
+    assert heard == [("removed", [b"k"])]
+    b.close()

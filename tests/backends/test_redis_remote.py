@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
-import storage_backends.redis_remote as redis_remote
+import storage_backends.redis_figures as redis_figures
 from storage_backends.gathered import Gathered
 from storage_backends.redis_packer import PACKER
 from storage_backends.registry import open_backend
@@ -249,7 +249,7 @@ def test_stats_report_server_figures(redis_url):
 
 
 def test_stats_estimate_entries_past_the_sample(redis_url, monkeypatch):
-    monkeypatch.setattr(redis_remote, "ENTRY_SAMPLE", 100)
+    monkeypatch.setattr(redis_figures, "ENTRY_SAMPLE", 100)
     ours, theirs = open_backend(redis_url, prefix="ours:"), open_backend(redis_url, prefix="theirs:")
     ours.put_many([(b"%d" % i, b"v") for i in range(300)])
     theirs.put_many([(b"%d" % i, b"v") for i in range(300)])

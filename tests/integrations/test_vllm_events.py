@@ -11,7 +11,7 @@ import pytest
 
 from tests.integrations.test_vllm_adapter import extra, prompt
 from tests.integrations.vllm_engine import BS, Engine, kv_cache_config, vllm_config
-from tiered_kv.integrations import vllm_events
+from tiered_kv.integrations import vllm_events, vllm_holdings
 from tiered_kv.integrations.vllm import KVConnectorRole, TieredKVConnector
 from tiered_kv.store.block_events import BlockEvent
 
@@ -107,6 +107,82 @@ def test_a_block_is_announced_once_every_rank_stored_its_shard():
     unknown = BlockEvent("removed", "disk", (b"x" * 16,), 0.0)  # never planned here: the key itself
     tracker.receive(vllm_events.TieredKVEvents([(0, unknown)]))
     assert tracker.take()[0].block_hashes == [vllm_events.maybe_convert_block_hash(b"x" * 16)]
+
+
+def test_an_eviction_past_the_remembered_names_is_removed_under_the_announced_hash(tmp_path, monkeypatch):
+    """Planned names are forgotten least recently planned first (REMEMBERED), a tier evicts least
+    recently stored first: once the host tier held more blocks than names were remembered, its
+    evictions were announced under our keys, hashes no BlockStored carried (the router kept
+    them). REMEMBERED is scaled down to the host tier of 16 blocks."""
+    monkeypatch.setattr(vllm_events, "REMEMBERED", 8)
+    worker, sched = halves(tmp_path, host="8KiB")
+    try:
+        engine = Engine(sched, worker, num_blocks=256)
+        announced, removed = set(), []
+        for i in range(12):
+            tokens = prompt(6 * BS, seed=100 + i)
+            engine.add(f"r{i}", tokens, max_tokens=1).block_hashes = vllm_hashes(tokens)
+            engine.run()
+            for e in step_events(worker, sched):
+                if type(e).__name__ == "BlockStored":
+                    announced.update(e.block_hashes)
+                elif e.medium == "host":
+                    removed.extend(e.block_hashes)
+        assert removed
+        assert [h for h in removed if h not in announced] == []
+    finally:
+        worker.shutdown()
+        sched.shutdown()
+
+
+def _two_ranks(key: bytes = b"k" * 16):
+    tracker = vllm_events.VllmEventTracker(block_size=4, ranks=2)
+    request = SimpleNamespace(all_token_ids=list(range(4)), block_hashes=[b"h"], lora_request=None)
+    tracker.remember(request, [key], 0, [key])
+
+    def step(*events):  # (kind, rank) pairs about ``key`` in the host tier
+        tracker.receive(vllm_events.TieredKVEvents([(r, BlockEvent(k, "host", (key,), 0.0)) for k, r in events]))
+        return [type(e).__name__ for e in tracker.take()]
+
+    return tracker, step
+
+
+def test_a_block_stored_again_by_the_rank_that_dropped_it_is_announced_again():
+    """TP=2: removed as soon as rank 0 dropped its shard; rank 1 kept its own and stores nothing,
+    so rank 0 storing it again makes the block whole again (it used to wait for rank 1 forever)."""
+    _, step = _two_ranks()
+    assert step(("stored", 0), ("stored", 1)) == ["BlockStored"]
+    assert step(("removed", 0)) == ["BlockRemoved"]
+    assert step(("stored", 0)) == ["BlockStored"]
+
+
+def test_a_block_both_ranks_drop_is_announced_removed_once():
+    _, step = _two_ranks()
+    assert step(("stored", 0), ("stored", 1)) == ["BlockStored"]
+    assert step(("removed", 1), ("removed", 0)) == ["BlockRemoved"]
+    assert step(("stored", 1)) == []  # rank 0 has not stored its shard again
+    assert step(("stored", 1)) == []  # a shard stored again while it is held: nothing new
+
+
+def test_a_tier_holding_more_blocks_than_are_tracked_retracts_the_least_recently_stored(monkeypatch):
+    """Per tier HELD blocks are tracked; past that the least recently stored is forgotten, and
+    announced removed under the hash it was stored under (nothing could retract it later)."""
+    monkeypatch.setattr(vllm_holdings, "HELD", 2)
+    tracker = vllm_events.VllmEventTracker(block_size=4)
+    keys = [b"k%d" % i * 8 for i in range(3)]
+    for i, key in enumerate(keys):  # three separate prompts
+        request = SimpleNamespace(all_token_ids=list(range(4)), block_hashes=[b"h%d" % i], lora_request=None)
+        tracker.remember(request, [key], 0, [key])
+    tracker.receive(vllm_events.TieredKVEvents([(0, BlockEvent("stored", "remote", (k,), 0.0)) for k in keys]))
+    events = tracker.take()
+    h0 = vllm_events.maybe_convert_block_hash(b"h0")
+    assert [type(e).__name__ for e in events] == ["BlockStored"] * 3 + ["BlockRemoved"]
+    assert events[-1] == vllm_events.BlockRemoved(block_hashes=[h0], medium="remote")
+    assert len(tracker.held) == 2
+    tracker.receive(vllm_events.TieredKVEvents([(0, BlockEvent("removed", "remote", keys, 0.0))]))
+    [gone] = tracker.take()  # the two tracked by their hashes; the forgotten one as named now
+    assert sorted(gone.block_hashes) == sorted(vllm_events.maybe_convert_block_hash(b"h%d" % i) for i in range(3))
+    assert len(tracker.held) == 0
 
 
 def test_with_vllm_installed_the_events_are_vllms_own_classes():

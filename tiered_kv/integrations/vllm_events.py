@@ -10,8 +10,10 @@ The path through vLLM 0.32 (on only when ``kv_events_config.enable_kv_cache_even
    the workers' into one in ``KVConnectorOutput.kv_cache_events``);
 2. the scheduler half's ``update_connector_output()`` passes it to :class:`VllmEventTracker`,
    which turns it into ``BlockStored`` / ``BlockRemoved`` (``medium``: our tier name, ``host``,
-   ``disk``, ``remote``...); a block is announced stored once every tensor-parallel rank stored
-   its shard in that tier, removed as soon as one rank dropped it;
+   ``disk``, ``remote``...; vLLM's own ``GPU``, ``CPU`` and ``STORAGE`` are no tier's name); a
+   block is announced stored once every tensor-parallel rank stored its shard in that tier (and
+   again when they do again), removed as soon as one rank dropped it, under the hash its
+   ``BlockStored`` carried (:mod:`tiered_kv.integrations.vllm_holdings`);
 3. ``take_events()`` hands them to vLLM's scheduler, which publishes them with its own.
 
 Block identity: the store keys blocks by our chained content keys, routers by vLLM's block
@@ -22,8 +24,9 @@ adapter; events carry those, so they name the same blocks as vLLM's GPU events d
 has no hash for a block (its hash block size differs from the block size) the event carries
 our keys instead, chained the same way, with the token ids (routers hashing tokens still
 match). Keys this scheduler never planned (a bounded memory of ``REMEMBERED`` keys forgot
-them, or another process stored them) get vLLM's placeholder form: the key as the hash, no
-tokens, ``block_size`` 0.
+them, or another process stored them) are stored in vLLM's placeholder form: the key as the
+hash, no tokens, ``block_size`` 0. A removal names the block as its ``BlockStored`` did, kept
+per tier while the tier holds it (forgetting planned names does not rename it).
 """
 
 from __future__ import annotations
@@ -33,12 +36,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiered_kv.integrations.vllm_holdings import Holdings
 from tiered_kv.store.block_events import REMOVED, STORED, BlockEvent
 
 log = logging.getLogger(__name__)
 
-REMEMBERED = 1 << 17  # keys whose vLLM names are remembered (least recently planned forgotten)
-PENDING = 1 << 16  # blocks stored by some ranks, waiting for the others
+REMEMBERED = 1 << 17  # keys whose planned vLLM names are remembered (least recently planned forgotten)
 QUEUED = 1 << 16  # vLLM events waiting for take_events (oldest dropped beyond, counted)
 
 try:
@@ -119,10 +122,14 @@ class VllmEventTracker:
 
     block_size: int
     ranks: int = 1  # tensor-parallel ranks that each store a shard of every block
-    names: OrderedDict = field(default_factory=OrderedDict)  # key -> BlockName
-    pending: OrderedDict = field(default_factory=OrderedDict)  # (tier, key) -> ranks that stored it
+    names: OrderedDict = field(default_factory=OrderedDict)  # key -> BlockName, as planned
+    held: Holdings = field(init=False)  # per tier: ranks holding each block, the hash announced
     queued: list = field(default_factory=list)
+    crowded: set = field(default_factory=set)  # tiers that outgrew vllm_holdings.HELD (warned once)
     dropped: int = 0  # vLLM events dropped because nobody took them
+
+    def __post_init__(self) -> None:
+        self.held = Holdings(self.ranks)
 
     def remember(self, request: Any, keys: list[bytes] | tuple[bytes, ...], first_block: int,
                  chain: list[bytes]) -> None:
@@ -153,41 +160,35 @@ class VllmEventTracker:
         if not isinstance(container, TieredKVEvents):
             return
         for rank, event in container.get_all_events():
-            keys = self._settled(rank, event)
-            if keys:
-                self._queue(list(self._convert(event.kind, event.tier, keys)))
+            if event.kind == REMOVED:
+                hashes = self.held.removed(event.tier, rank, event.keys, lambda k: self._name(k).block_hash)
+                if hashes:
+                    self._queue([BlockRemoved(block_hashes=hashes, medium=event.tier)])
+                continue
+            assert event.kind == STORED
+            names = self.held.stored(event.tier, rank, event.keys, self._name)
+            forgotten = self.held.trim(event.tier)
+            self._queue(list(self._stored(event.tier, names)))
+            if forgotten:  # retracted while their hashes are known (vllm_holdings: bounded)
+                log.log(logging.DEBUG if event.tier in self.crowded else logging.WARNING,
+                        "tiered-kv: tier %s holds more blocks than the %d KV events keep track of: "
+                        "%d least recently stored announced removed", event.tier,
+                        len(self.held.tiers[event.tier]), len(forgotten))
+                self.crowded.add(event.tier)
+                self._queue([BlockRemoved(block_hashes=forgotten, medium=event.tier)])
 
     def take(self) -> list:
         out, self.queued = self.queued, []
         return out
 
-    def _settled(self, rank: int, event: BlockEvent) -> list[bytes]:
-        """The keys of ``event`` to announce now: removals at once, stores once every rank has."""
-        if event.kind == REMOVED:
-            for key in event.keys:
-                self.pending.pop((event.tier, key), None)
-            return list(event.keys)
-        if self.ranks <= 1:
-            return list(event.keys)
-        done = []
-        for key in event.keys:
-            seen = self.pending.setdefault((event.tier, key), set())
-            seen.add(rank)
-            if len(seen) >= self.ranks:
-                del self.pending[(event.tier, key)]
-                done.append(key)
-        while len(self.pending) > PENDING:
-            self.pending.popitem(last=False)
-        return done
+    def _name(self, key: bytes) -> BlockName:
+        """``key``'s vLLM name as planned, else vLLM's placeholder form (the key as the hash)."""
+        return self.names.get(key) or BlockName(maybe_convert_block_hash(key), None, ())
 
-    def _convert(self, kind: str, tier: str, keys: list[bytes]):
-        names = [self.names.get(k) or BlockName(maybe_convert_block_hash(k), None, ()) for k in keys]
-        if kind == REMOVED:
-            yield BlockRemoved(block_hashes=[n.block_hash for n in names], medium=tier)
-            return
-        assert kind == STORED
+    def _stored(self, tier: str, names: list[BlockName]):
+        """One BlockStored per run of chained blocks."""
         start = 0
-        for i in range(1, len(names) + 1):  # one BlockStored per run of chained blocks
+        for i in range(1, len(names) + 1):
             if i < len(names) and names[i].token_ids and names[i - 1].token_ids \
                     and names[i].parent == names[i - 1].block_hash \
                     and (names[i].lora_id, names[i].lora_name) == (names[i - 1].lora_id, names[i - 1].lora_name):

@@ -21,6 +21,9 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.units import as_bool, parse_duration, parse_size
 
 POLICIES = ("write_through", "on_evict", "off")
+# vLLM's own KV-event media (vllm.distributed.kv_events: MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE):
+# a tier's name is its events' ``medium``, so none may be one of these, in any case
+VLLM_MEDIA = ("GPU", "CPU", "STORAGE")
 
 
 def size_field(default: int) -> Any:
@@ -75,7 +78,7 @@ class TierConfig:
     to it, and who may fill it. ``[disk]`` and ``[remote]`` are the two usual ones; more come in
     order from ``[[tiers]]`` tables."""
 
-    name: str = ""  # tier name in metrics, logs and tools (unique; "host" is taken)
+    name: str = ""  # tier name in metrics, logs, tools and KV events (unique; not "host", nor vLLM's GPU, CPU, STORAGE)
     url: str | None = None  # the medium, e.g. "lmdb:///var/cache/tkv", "file:///mnt/tkv"; None = off
     capacity: int | None = size_field(None)  # bytes of stored blocks before LRU eviction; None = medium decides
     codec: str = "auto"  # "auto" (measured at open: see tiered_kv.store.codec_choice), "raw", "zstd" or "zstd+shuffle"
@@ -89,10 +92,15 @@ class TierConfig:
     MEDIUM_FIELDS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {"capacity": _size, "tenant_quota": _size}
     MEDIUM_DEFAULTS: ClassVar[dict[str, Any]] = {}  # what such a field written nowhere means
 
+    SECTION: ClassVar[str] = "tiers"  # where the settings are written (errors about the name say so)
+
     def __post_init__(self) -> None:
         key = self.name or "tier"
         if not self.name or self.name == "host" or not self.name.replace("_", "").isalnum():
-            raise ConfigError(f"{key}.name must be a word other than 'host', got {self.name!r}")
+            raise ConfigError(f"{self.SECTION}.name must be a word other than 'host', got {self.name!r}")
+        if self.name.upper() in VLLM_MEDIA:
+            raise ConfigError(f"{self.SECTION}.name must not be {self.name!r}: vLLM's KV events name its own "
+                              f"caches {', '.join(VLLM_MEDIA)} (any case), and a tier's name is its events' medium")
         check_url(key, self.url)
         if not isinstance(self.options, Mapping):
             raise ConfigError(f"{key}.options must be a table of settings, got {self.options!r}")
@@ -139,6 +147,7 @@ class DiskConfig(TierConfig):
     """The local disk tier (``[disk]``), first of the lower tiers."""
 
     name: str = "disk"  # tier name in metrics, logs and tools
+    SECTION: ClassVar[str] = "disk"
     capacity: int | None = size_field(None)  # bytes of stored (compressed) blocks before LRU eviction; 8 GiB
     sync: bool | None = None  # fsync every commit (True) or leave it to flush()/the OS (False, the default)
 
@@ -154,6 +163,7 @@ class RemoteConfig(TierConfig):
     """The shared remote tier (``[remote]``, Redis), after the disk tier."""
 
     name: str = "remote"  # tier name in metrics, logs and tools
+    SECTION: ClassVar[str] = "remote"
     ttl: float | None = duration_field(None)  # seconds a block lives in Redis; None = no expiry
     timeout: float | None = duration_field(None)  # socket timeout per Redis call, seconds; 2 s
     retries: int | None = None  # retries with backoff before a call counts as remote_unavailable; 2

@@ -16,7 +16,7 @@ as :class:`BlockEvent` batches. A router, or an engine's own KV-event publisher,
 - Keys are the store's content keys (16-byte chained hashes, :mod:`tiered_kv.keys`).
 - Not seen: what other processes do to a shared tier (they publish their own), and what a medium
   drops by its own policy (Redis ``maxmemory`` evictions and TTL expiry). A Redis delete names
-  every key it was asked to delete.
+  the keys of every call that ran (or was sent and failed: it may have run).
 - **Bounded**: a feed holds at most ``limit`` blocks; when more arrive the oldest events go and
   their blocks are counted in ``feed.dropped``. Nothing grows when nobody drains.
 - **Cheap and quiet**: with no subscriber a medium's report costs one check; publishing never
