@@ -1,7 +1,8 @@
-"""What names an SGLang server's pages beyond the checkpoint and the host pool: the server args
-that change the K/V a checkpoint computes for the same tokens (``--quantization fp8`` of a bf16
-checkpoint, ``--kv-cache-dtype``, ``--json-model-override-args``, ...), folded into the namespace
-when set; a server that sets none keeps the namespace it had."""
+"""What names an SGLang server's pages beyond the host pool: the checkpoint (``--model-path``,
+not the served name) and the server args that change the K/V a checkpoint computes for the same
+tokens (``--quantization fp8`` of a bf16 checkpoint, ``--kv-cache-dtype``,
+``--json-model-override-args``, ...), folded into the namespace when set; a server that sets none
+keeps the namespace it had."""
 
 from __future__ import annotations
 
@@ -25,9 +26,11 @@ def _no_env(monkeypatch):
         monkeypatch.delenv(name)
 
 
-def server(tmp_path, server_args: ServerArgs | None, *, pool=None, **extra) -> TieredKVHiCacheStorage:
-    """The backend SGLang builds for a server started with ``server_args`` (None: SGLang gave none)."""
-    config = StorageConfig()
+def server(tmp_path, server_args: ServerArgs | None, *, pool=None, served_name: str | None = None,
+           **extra) -> TieredKVHiCacheStorage:
+    """The backend SGLang builds for a server started with ``server_args`` (None: SGLang gave none)
+    and ``--served-model-name served_name`` (SGLang's storage model name; else the model path)."""
+    config = StorageConfig() if served_name is None else StorageConfig(model_name=served_name)
     config.extra_config = {"backend_name": "tiered_kv", "module_path": "tiered_kv.integrations.sglang",
                            "class_name": "TieredKVHiCacheStorage",
                            "disk": {"url": f"lmdb://{tmp_path}/l3", "capacity": "64MiB"}, **extra}
@@ -68,6 +71,41 @@ def test_regression_a_quantized_server_on_the_same_checkpoint_got_the_plain_serv
     plain = namespace_of(tmp_path, ServerArgs())
     assert namespace_of(tmp_path, ServerArgs(**setting)).digest() != plain.digest()
     assert namespace_of(tmp_path, ServerArgs(**setting)) == namespace_of(tmp_path, ServerArgs(**setting))
+
+
+def test_regression_two_servers_with_one_served_name_read_each_others_pages(tmp_path):
+    # --served-model-name llm on an Instruct checkpoint and on its base model (same geometry):
+    # SGLang names the storage model by the served name, and nothing of a hub checkpoint reached
+    # the namespace: the base model was served the Instruct model's K/V
+    keys, pool = sglang_keys(3), MHAPool("page_first", seed=1)
+    instruct = server(tmp_path, ServerArgs(model_path="meta-llama/Llama-3.1-8B-Instruct"), pool=pool,
+                      served_name="llm")
+    assert instruct.batch_set(keys, pages_of(pool, 0, 3)) is True
+    instruct.close()
+    target = MHAPool("page_first", seed=2)
+    base = server(tmp_path, ServerArgs(model_path="meta-llama/Llama-3.1-8B"), pool=target, served_name="llm")
+    try:
+        assert base.batch_exists(keys) == 0
+        assert base.batch_get_v1(keys, target.page_indices(4, 3)) == [False] * 3
+        assert base.namespace.model_id == "meta-llama/Llama-3.1-8B"  # the checkpoint, not "llm"
+    finally:
+        base.close()
+
+
+def test_one_checkpoint_served_under_other_names_shares_its_pages(tmp_path):
+    keys, pool = sglang_keys(3), MHAPool("page_first", seed=1)
+    checkpoint = ServerArgs(model_path="meta-llama/Llama-3.1-8B-Instruct")
+    blue = server(tmp_path, checkpoint, pool=pool, served_name="chat-blue")
+    assert blue.batch_set(keys, pages_of(pool, 0, 3)) is True
+    blue.close()
+    green = server(tmp_path, checkpoint, pool=MHAPool("page_first", seed=2), served_name="chat-green")
+    try:
+        assert green.batch_exists(keys) == 3
+    finally:
+        green.close()
+    # a hub revision names other weights of the same id
+    pinned = namespace_of(tmp_path, ServerArgs(model_path=checkpoint.model_path, revision="0e9e39f"))
+    assert pinned.digest() != namespace_of(tmp_path, checkpoint).digest()
 
 
 def test_with_nothing_set_the_namespace_is_the_one_it_was(tmp_path):

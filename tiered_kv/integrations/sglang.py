@@ -11,20 +11,23 @@ Attach by configuration only (SGLang 0.5.23)::
 The extra config carries SGLang's keys and ours side by side: tiered-kv's settings (``host``,
 ``disk``, ``remote``, ``workers``, … of :class:`~tiered_kv.config.TieredKVConfig`) at the top
 level or in a ``tiered_kv`` table, ``config_file`` (a TOML file of them), ``model_id`` /
-``revision`` (when SGLang's model name is not what should name the blocks) and
-``write_timeout`` (seconds a backup waits for its pages to reach the lower tiers, default 60).
-``TIERED_KV_*`` variables apply as everywhere. The host tier here is only a staging area for
+``revision`` (when ``--model-path`` is not what should name the blocks) and ``write_timeout``
+(seconds a backup waits for its pages to reach the lower tiers: default 5 s; with a lookup
+deadline per lower tier at most 8 s, inside the 10 s SGLang joins its storage threads for:
+:mod:`tiered_kv.integrations.sglang_io`). ``TIERED_KV_*`` variables apply as everywhere. The host tier here is only a staging area for
 write-behind (SGLang's host pool is the L2): by default it holds 4 batches of 128 pages.
 
 What SGLang gets (its contract, see ``../shared/connectors.md``): every page is a self-checking
-block of the namespace :mod:`tiered_kv.integrations.sglang_pages` derives from the host pool
-(model, layout, geometry, dtype, TP shard; MLA stored once), a local model's weight files and the
-server args that change the KV (``--quantization``, ``--kv-cache-dtype``, …); ``batch_exists`` returns the leading
-run of stored pages; reads stop at the first page that is missing or fails its checks (a counted
+block of the namespace :mod:`tiered_kv.integrations.sglang_pages` derives from the checkpoint
+(``--model-path``, not the served name), the host pool (layout, geometry, dtype, TP shard; MLA
+stored once), a local model's weight files and the server args that change the KV
+(``--quantization``, ``--kv-cache-dtype``, …); ``batch_exists`` returns the leading run of this
+rank's stored pages; reads stop at the first page that is missing or fails its checks (a counted
 miss: SGLang cuts the prefix there); re-setting a stored page is success; a backup reports True
-for a page once a lower tier holds it (the host staging copy alone does not count when lower
-tiers are configured); nothing raises into SGLang's threads (an exception there zeroes a whole
-prefetch): every failure is logged, counted and answered as a miss. Both interfaces work: v0
+for a page once a lower tier holds it (:mod:`tiered_kv.integrations.sglang_io`); nothing raises
+into SGLang's I/O threads (an exception there zeroes a whole prefetch): every failure is logged,
+counted and answered as a miss. A failed ``clear`` raises (SGLang reports it failed). ``get_stats``
+(every scheduler step with ``--enable-metrics``) does no I/O. Both interfaces work: v0
 (``get``/``set`` of flat data pages) and the v1 zero-copy one (``batch_get_v1``/``batch_set_v1``
 over host indices, selected by ``"interface_v1": 1``); both store the same bytes.
 """
@@ -36,16 +39,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from storage_backends.log_throttle import LogThrottle
 from tiered_kv.config import TieredKVConfig
-from tiered_kv.errors import ConfigError
+from tiered_kv.errors import BackendUnavailable, ConfigError
 from tiered_kv.integrations import sglang_pages
 from tiered_kv.integrations.common import acquire_store, parse_settings, release_store
+from tiered_kv.integrations.sglang_io import Staging, backup, read_pages, stored_run, write_timeout_of
 from tiered_kv.integrations.sglang_pages import PageGeometry, geometry_of, page_key, page_namespace
-from tiered_kv.keys import leading_present
 
 try:  # SGLang installed: subclass its interface (its factory checks the class)
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
@@ -57,7 +59,6 @@ log = logging.getLogger(__name__)
 OUR_KEYS = frozenset(f.name for f in TieredKVConfig.__dataclass_fields__.values()) | {"config_file"}
 ADAPTER_KEYS = frozenset({"model_id", "revision", "write_timeout", "tiered_kv"})
 NOT_REGISTERED = "SGLang has not registered its host pool with the storage backend yet"
-STAGING_BYTES = 64 << 20  # reads into non-contiguous host pages are staged this much at a time
 DEFAULT_STAGED_PAGES = 4 * 128  # host staging tier: 4 of SGLang's storage batches
 
 
@@ -102,19 +103,21 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             raise ConfigError("SGLang extra config: 'tiered_kv' must be a table of tiered-kv settings")
         self._ours = {**{k: v for k, v in extra.items() if k in OUR_KEYS}, **nested}
         self.settings = parse_settings(self._ours, source="SGLang storage extra config")  # fail early
-        self.model_id = extra.get("model_id")
+        server_args = sglang_pages.server_args_of(kwargs)
+        # the checkpoint names the pages: SGLang's model_name is the served name, a mere label
+        self.model_id = extra.get("model_id") or sglang_pages.checkpoint_of(server_args)
         revision = str(extra.get("revision") or self.settings.config.model_revision or "")
         # the server's quantization, KV dtype, config overrides, ... name the pages too
-        self.revision = sglang_pages.page_revision(revision, sglang_pages.server_args_of(kwargs),
+        self.revision = sglang_pages.page_revision(revision, server_args,
                                                    getattr(storage_config, "model_name", None))
-        self.write_timeout = float(extra.get("write_timeout", 60.0))
+        self.write_timeout = write_timeout_of(extra.get("write_timeout"), self.settings.config)
         self.writer = bool(getattr(storage_config, "is_storage_writer", True))
         self.mem_pool_host = None
         self.geometry: PageGeometry | None = None
         self.namespace = None
         self._store = None
         self._lock = threading.Lock()
-        self._local = threading.local()  # per-thread staging buffer
+        self._staging = Staging()  # per-thread staging blocks for reads
         self._failures = 0  # calls answered as misses because they failed
         self._complaints = LogThrottle(log, 30.0)
         self._metrics_lock = threading.Lock()
@@ -165,12 +168,12 @@ class TieredKVHiCacheStorage(HiCacheStorage):
     @_answers(lambda *a, **k: 0)
     def batch_exists(self, keys: Sequence[str], extra_info: Any = None) -> int:
         """How many leading pages of ``keys`` this rank has stored (SGLang takes the smallest
-        answer of its ranks)."""
-        return self._stored_run(self._keys(keys))
+        answer of its ranks: only this rank's copies are asked for)."""
+        return stored_run(self.store, self._keys(keys))
 
     @_answers(lambda *a, **k: False)
     def exists(self, key: str) -> bool:
-        return self._stored_run(self._keys([key])) == 1
+        return stored_run(self.store, self._keys([key])) == 1
 
     # -- v0: flat data pages -------------------------------------------------------------------
     @_answers(lambda *a, **k: None)
@@ -207,14 +210,17 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         return self._write(keys, [pool.get_data_page(s, flat=True) for s in starts])
 
     # -- the rest of the interface ---------------------------------------------------------------
-    @_answers(lambda *a, **k: None)
     def clear(self) -> None:
-        """Remove every page of this namespace from every tier (SGLang's cache flush)."""
+        """Remove every page of this namespace from every tier (SGLang's ``clear_storage_backend``).
+        A failure raises: SGLang's storage attachment logs it and answers False (a failure
+        answered as None was logged "cleared successfully")."""
         from tiered_kv.admin.evict_copy import evict
         from tiered_kv.admin.opening import Tier
 
         store = self.store
-        store.flush(self.write_timeout)
+        if not store.flush(self.write_timeout):  # a write-behind left running would store pages again
+            raise BackendUnavailable(f"tiered-kv SGLang storage: backups still being written after "
+                                     f"{self.write_timeout:g} s; nothing cleared")
         for tier in store.tiers:
             evict(Tier(tier.name, tier.backend), namespace=self.namespace.digest())
         store.host.delete_many(list(store.host.scan()))
@@ -222,7 +228,9 @@ class TieredKVHiCacheStorage(HiCacheStorage):
     @_answers(lambda *a, **k: None)
     def get_stats(self):
         """SGLang's ``StorageMetrics`` of the calls since the last time it asked (pages per call,
-        GB/s), with our store's ``stats()`` as ``tiered_kv``; None before the pool is registered."""
+        GB/s); None before the pool is registered. SGLang asks on its scheduler thread every step
+        (``--enable-metrics``): nothing here touches a tier (the store's own metrics are served by
+        ``metrics_port`` / ``metrics_log_interval``)."""
         with self._metrics_lock:
             drained = self._metrics
             self._metrics = {k: [] for k in drained}
@@ -231,10 +239,8 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         try:
             from sglang.srt.observability.metrics_collector import StorageMetrics
         except ImportError:
-            return {**drained, "tiered_kv": self._store.stats()}
-        metrics = StorageMetrics(**drained)
-        metrics.tiered_kv = self._store.stats()
-        return metrics
+            return drained
+        return StorageMetrics(**drained)
 
     def close(self) -> None:
         with self._lock:
@@ -248,11 +254,6 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         if namespace is None:
             raise ConfigError(NOT_REGISTERED)
         return [page_key(namespace, k) for k in keys]
-
-    def _stored_run(self, keys: list[bytes]) -> int:
-        """The leading run of ``keys`` some tier of this rank holds (each lower tier answers within
-        the store's lookup deadline or counts as a miss)."""
-        return leading_present([w is not None for w in self.store.locate(keys)]) if keys else 0
 
     def _page_starts(self, keys: Sequence[str], host_indices: Any) -> list[int]:
         """The host index each page starts at. SGLang's indices are logical: with decode context
@@ -268,76 +269,23 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         return torch.zeros(self.geometry.page_elements, dtype=self.store.dtype)
 
     def _read(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
-        """Load the leading stored run of ``keys`` into ``pages`` (tensors of one page each, any
-        shape or strides); False from the first page that is missing or fails its checks."""
+        """Load the leading stored run of ``keys`` into ``pages`` (one page each, any layout)."""
         started = time.perf_counter()
-        store, ours = self.store, self._keys(keys)
-        found = self._stored_run(ours)
-        ok = [False] * len(keys)
-        shape = store.shape
-        direct = [p.is_contiguous() and p.device.type == "cpu" for p in pages[:found]]
-        done = 0
-        while done < found:  # runs of pages of one kind: contiguous host pages, or others
-            kind = direct[done]
-            limit = found if kind else min(found, done + self._staging_pages())
-            end = done + 1
-            while end < limit and direct[end] == kind:
-                end += 1
-            if kind:  # decoded straight into the page (contiguous host memory)
-                got = store.load_into(ours[done:end], [p.view(shape) for p in pages[done:end]])
-            else:  # staged, then copied into the page's parts
-                staging = self._staging(end - done)
-                got = store.load_into(ours[done:end], list(staging))
-                for page, block, good in zip(pages[done:end], staging, got):
-                    if not good:
-                        break
-                    page.copy_(block.view(page.shape))
-            lead = next((i for i, good in enumerate(got) if not good), len(got))
-            ok[done : done + lead] = [True] * lead
-            if lead < len(got):
-                break
-            done = end
-        loaded = sum(ok)
-        self._note("prefetch", loaded, started)
+        ok = read_pages(self.store, self._keys(keys), pages, self._staging)
+        self._note("prefetch", sum(ok), started)
         return ok
 
     def _write(self, keys: Sequence[str], pages: Sequence[Any]) -> list[bool]:
-        """Store ``pages`` (flat data pages) under ``keys`` and wait (``write_timeout``) for their
-        write-behind; True where some tier holds the page afterwards, as ``batch_exists`` sees
-        it (a write-behind the store dropped or failed is counted there, and the page is a miss
-        once the staging copy is evicted)."""
+        """Back ``pages`` (flat data pages) up under ``keys``: True where a lower tier holds them
+        within ``write_timeout`` (:func:`~tiered_kv.integrations.sglang_io.backup`)."""
         if not keys:
             return []
         if not self.writer:  # an MLA rank that is not the writer: the writer stores the same bytes
             return [True] * len(keys)
         started = time.perf_counter()
-        store, ours = self.store, self._keys(keys)
-        shape = store.shape
-        future = store.save(ours, [p.reshape(shape) for p in pages])
-        if future is not None:
-            try:
-                future.result(timeout=self.write_timeout)
-            except FutureTimeout:
-                log.warning("tiered-kv SGLang storage: %d pages not written within %.0f s",
-                            len(keys), self.write_timeout)
-        ok = [w is not None for w in store.locate(ours)]
+        ok = backup(self.store, self._keys(keys), pages, self.write_timeout)
         self._note("backup", sum(ok), started)
         return ok
-
-    def _staging_pages(self) -> int:
-        return max(1, STAGING_BYTES // self.geometry.page_bytes)
-
-    def _staging(self, n: int):
-        """This thread's staging blocks (reused across calls), the first ``n`` of them."""
-        import torch
-
-        buf = getattr(self._local, "staging", None)
-        shape = self.store.shape
-        if (buf is None or buf.shape[0] < n or tuple(buf.shape[1:]) != tuple(shape)
-                or buf.dtype != self.store.dtype):
-            buf = torch.empty((max(n, 1), *shape), dtype=self.store.dtype)
-            self._local.staging = buf
-        return buf[:n]
 
     def _note(self, what: str, pages: int, started: float) -> None:
         if not pages:

@@ -15,10 +15,17 @@ elements / (2 L page_size)); the real geometry is the one named in ``layout``. S
 its own chained page hashes (sha256 over the page tokens, seeded by ``extra_key`` and
 ``cache_salt``): a page key is 16 bytes of the namespace's hash of that string.
 
-The revision names what the pages' bytes follow beyond the checkpoint's name and the pool: the
-operator's revision (else the server's ``--revision`` and a fingerprint of a local model
-directory's weight files) and the server arguments that change the K/V the checkpoint computes
-for the same tokens (:data:`NUMERICS`), read from SGLang's server args.
+The model is the checkpoint (``--model-path``: a hub id as given, a local directory by its own
+name), not SGLang's storage model name: that is ``--served-model-name``, a label servers of other
+checkpoints may share. The revision names what the pages' bytes follow beyond the checkpoint's
+name and the pool: the operator's revision (else the server's ``--revision`` and a fingerprint of
+a local model directory's weight files) and the server arguments that change the K/V the
+checkpoint computes for the same tokens (:data:`NUMERICS`), read from SGLang's server args.
+
+The namespace is fixed when SGLang attaches the backend. Weights updated in place at run time
+(``update_weights_from_disk`` / ``_from_tensor`` / ``_from_distributed``, a new
+``weight_version``) do not change it, and SGLang's cache flush after an update leaves L3 as it
+is: clear the storage then (``POST /hicache/storage-backend/clear``).
 
 Scheduler-free and torch-free: the pool is read through its attributes only.
 """
@@ -103,7 +110,8 @@ def geometry_of(pool: Any, *, mla: bool) -> PageGeometry:
 def page_namespace(geometry: PageGeometry, storage_config: Any, *, model_id: str | None = None,
                    revision: str = "", hash_algo: str = "xxh3_128") -> Namespace:
     """The namespace of ``geometry``'s pages for the rank ``storage_config``
-    (SGLang's ``HiCacheStorageConfig``) describes."""
+    (SGLang's ``HiCacheStorageConfig``) describes; ``model_id`` names the checkpoint
+    (:func:`checkpoint_of`), else SGLang's storage model name (the served name) does."""
     model = model_id or getattr(storage_config, "model_name", None)
     if not model:
         raise ConfigError("SGLang did not name the model (HiCacheStorageConfig.model_name); "
@@ -136,6 +144,13 @@ def page_key(namespace: Namespace, sglang_key: str) -> bytes:
 def _int(obj: Any, name: str, default: int) -> int:
     value = getattr(obj, name, None)
     return default if value is None else int(value)
+
+
+def checkpoint_of(server_args: Any) -> str | None:
+    """The checkpoint a server computes its KV with: ``--model-path`` (a hub id or a path; the
+    ``--revision`` is folded by :func:`page_revision`); None without server args."""
+    path = getattr(server_args, "model_path", None)
+    return str(path) if path else None
 
 
 def server_args_of(kwargs: Mapping[str, Any] | None) -> Any:

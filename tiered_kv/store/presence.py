@@ -5,7 +5,9 @@ With tensor parallelism each rank stores its own shard of a block, under its own
 scheduler computes them once). The scheduler runs beside one rank, or none, and its promise
 binds all ranks: a block counts as present only when every rank's copy is held by some tier.
 A rank whose copy is missing (a dropped save, a failed write, a removed corrupt copy, LRU that
-took one rank's copy first) would otherwise turn every hit into a wasted load.
+took one rank's copy first) would otherwise turn every hit into a wasted load. An engine whose
+ranks agree among themselves (SGLang's HiCache) asks for its own rank's copies only
+(:meth:`RankedPresence.locate_own`).
 
 Each tier is asked behind a :class:`~tiered_kv.store.lookup_deadline.DeadlineLookup`: a tier that does
 not answer in time, or is down, counts as a miss (``lookup_timeout``, ``<tier>_unavailable``).
@@ -65,6 +67,23 @@ class RankedPresence:
                     if r == self.own_rank and where[i] is None:
                         where[i] = name
         return where, [all(have[r][i] for r in ranks) for i in range(n)]
+
+    def locate_own(self, keys: Sequence[bytes], own_present: Sequence[bool] | None = None) -> list[str | None]:
+        """The tier holding this rank's copy of each key ("host" where ``own_present`` says so),
+        asking the lower tiers for this rank's keys only: for an engine that agrees across its
+        ranks itself (SGLang takes the smallest answer of its ranks), at ``tp_size`` times fewer
+        keys per lookup than :meth:`locate`."""
+        where: list[str | None] = ["host" if p else None for p in (own_present or [False] * len(keys))]
+        prefix = self.prefixes[self.own_rank]
+        for name, backend in self.tiers:
+            todo = [i for i, w in enumerate(where) if w is None]
+            if not todo:
+                break
+            found = self._ask(name, backend, [prefix + keys[i] for i in todo], len(todo))
+            for i, hit in zip(todo, found):
+                if hit:
+                    where[i] = name
+        return where
 
     def lookup(self, keys: Sequence[bytes], own_present: Sequence[bool] | None = None) -> int:
         """How many leading ``keys`` every rank can load."""
