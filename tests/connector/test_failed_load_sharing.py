@@ -109,11 +109,10 @@ def test_blocks_computed_over_a_block_that_failed_to_load_for_another_request_ar
     conn.close()
 
 
-def test_kv_saved_over_a_block_that_failed_on_another_rank_is_withdrawn_and_recomputed_kv_stored(tmp_path):
-    """This rank saved B's blocks 4 and 5 (its own loads succeeded); another rank's load of block 1
-    failed, so B's KV after block 1 is wrong everywhere (it went through the all-reduce). The
-    engine reports the failed block; every rank withdraws the keys computed over it, and the
-    recomputed KV is what ends up stored."""
+def _saved_over_a_failed_block(tmp_path):
+    """Request B shares the stored prefix (blocks 0-3, from vLLM's prefix cache) and saved its
+    blocks 4 and 5, computed over block 1, which failed to load on another rank: (connector, KV
+    pool, B's tokens, its block table)."""
     _seed_store(tmp_path)
     conn = _connector(tmp_path)
     pool = _pool()
@@ -127,6 +126,15 @@ def test_kv_saved_over_a_block_that_failed_on_another_rank_is_withdrawn_and_reco
     _step(conn, new=[RequestStep("B", b_tokens, b_blocks, 4 * BS, len(b_tokens) - 4 * BS)])
     conn.worker.wait_for_save()
     conn.worker.flush_copies()
+    return conn, pool, b_tokens, b_blocks
+
+
+def test_kv_saved_over_a_block_that_failed_on_another_rank_is_withdrawn_and_recomputed_kv_stored(tmp_path):
+    """This rank saved B's blocks 4 and 5 (its own loads succeeded); another rank's load of block 1
+    failed, so B's KV after block 1 is wrong everywhere (it went through the all-reduce). The
+    engine reports the failed block; every rank withdraws the keys computed over it, and the
+    recomputed KV is what ends up stored."""
+    conn, pool, b_tokens, b_blocks = _saved_over_a_failed_block(tmp_path)
     conn.store.flush()
     b_keys = conn.scheduler.keys_of("B")
     wrong = _stored_copy(conn, b_keys[4])
@@ -155,19 +163,7 @@ def test_regression_under_vllms_fail_policy_kv_over_a_failed_block_stayed_stored
     (``request_finished``) before it reports the failed blocks; the finished request was
     forgotten by then, so nothing this rank saved over the other rank's failed block was
     withdrawn, and a later request was served it."""
-    _seed_store(tmp_path)
-    conn = _connector(tmp_path)
-    pool = _pool()
-    conn.register_kv_caches(pool)
-    b_tokens = SHARED + list(range(5000, 5000 + 2 * BS + 1))
-    b = RequestView("B", b_tokens, len(b_tokens), None)
-    b_blocks = [0, 1, 2, 3, 10, 11, 12]
-    conn.scheduler.get_num_new_matched_tokens(b, 4 * BS)
-    conn.scheduler.update_state_after_alloc(b, b_blocks, 0)
-    _fill(pool, [10, 11], -3.0)  # computed over a block that failed on the other rank
-    _step(conn, new=[RequestStep("B", b_tokens, b_blocks, 4 * BS, len(b_tokens) - 4 * BS)])
-    conn.worker.wait_for_save()
-    conn.worker.flush_copies()
+    conn, _, b_tokens, b_blocks = _saved_over_a_failed_block(tmp_path)
     b_keys = conn.scheduler.keys_of("B")
     conn.scheduler.request_finished(RequestView("B", b_tokens, len(b_tokens), None), b_blocks)  # FINISHED_ERROR
     conn.scheduler.blocks_failed({1})  # then update_connector_output(invalid_block_ids={1})
