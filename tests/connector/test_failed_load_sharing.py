@@ -202,6 +202,55 @@ def test_regression_a_failed_load_withdrew_the_blocks_the_request_had_loaded_fin
     conn.close()
 
 
+def test_regression_a_request_preempted_before_the_failure_report_kept_its_kv_over_the_failed_block(tmp_path):
+    """vLLM's async scheduling runs the next ``schedule()`` before the update that reports the
+    step's failed blocks; a preemption there cleared the request's block table, so its saves
+    computed over another rank's failed block were never withdrawn."""
+    _seed_store(tmp_path)
+    conn = _connector(tmp_path)
+    conn.register_kv_caches(_pool())
+    tokens = SHARED + list(range(7000, 7000 + 2 * BS + 1))
+    a = RequestView("A", tokens, len(tokens), None)
+    assert conn.scheduler.get_num_new_matched_tokens(a, 0) == (4 * BS, False)
+    blocks = [0, 1, 2, 3, 4, 5, 6]
+    conn.scheduler.update_state_after_alloc(a, blocks, 4 * BS)
+    _step(conn, new=[RequestStep("A", tokens, blocks, 0, len(tokens) - 4 * BS)])  # step N: saves 4, 5
+    conn.worker.wait_for_save()
+    conn.worker.flush_copies()
+    keys = conn.scheduler.keys_of("A")
+    conn.scheduler.request_preempted("A")  # schedule(N+1)
+    _step(conn)
+    conn.scheduler.blocks_failed({1})  # update_from_output(N): block 1 failed on another rank
+    assert set(_step(conn).invalidate) == set(keys[4:6])
+    conn.close()
+
+
+def test_regression_a_resumed_request_withdrew_its_own_saves_it_had_loaded_fine(tmp_path):
+    """A request that saved its blocks, was preempted and resumed loads them back; one of those
+    loads failed, and the withdrawal still started where its first life's saves did, deleting
+    the good stored copies of the blocks loaded after the failed one."""
+    conn = _connector(tmp_path)
+    conn.register_kv_caches(_pool())
+    tokens = list(range(3000, 3000 + 6 * BS + 1))
+    r = RequestView("R", tokens, len(tokens), None)
+    assert conn.scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+    conn.scheduler.update_state_after_alloc(r, list(range(7)), 0)
+    _step(conn, new=[RequestStep("R", tokens, list(range(7)), 0, len(tokens))])  # saves blocks 0-5
+    conn.worker.wait_for_save()
+    conn.worker.flush_copies()
+    keys = conn.scheduler.keys_of("R")
+    conn.scheduler.request_preempted("R")
+    _step(conn)
+    assert conn.scheduler.get_num_new_matched_tokens(r, 0) == (6 * BS, False)
+    again = list(range(20, 27))
+    conn.scheduler.update_state_after_alloc(r, again, 6 * BS)
+    _step(conn, new=[RequestStep("R", tokens, again, 0, 1)])
+    conn.scheduler.blocks_failed({21})  # its load of block 1 failed (on some rank)
+    meta = _step(conn)
+    assert not set(meta.invalidate) & set(keys)
+    conn.close()
+
+
 def test_vllm_reports_of_failed_blocks_reach_the_next_plan(tmp_path):
     from types import SimpleNamespace
 

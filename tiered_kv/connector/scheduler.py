@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from tiered_kv.connector.group_rows import GroupRows
@@ -36,6 +36,10 @@ from tiered_kv.store.restore_costs import attention_work
 log = logging.getLogger(__name__)
 
 SUSPECT_STEPS = 4  # plans a withdrawn key stays absent for lookups (async schedulers run ahead)
+# plans a request is kept for a late report of its failed blocks: a finished one until the next
+# (the report comes in the same engine update), a preempted one until the one after (under async
+# scheduling the schedule() that preempted it runs before the update reporting the step before)
+FINISHED_PLANS, PREEMPTED_PLANS = 1, 2
 
 
 class BlockIndex(Protocol):
@@ -84,9 +88,11 @@ class ConnectorScheduler:
         self._loads: list[LoadSpec] = []
         self._invalidate: list[bytes] = []  # keys to withdraw in the next step's plan
         self._suspect: dict[bytes, int] = {}  # withdrawn keys -> steps they still count as absent
-        # requests finished since the last plan: vLLM (kv_load_failure_policy "fail") finishes the
-        # requests a failed load hit before it reports the failed blocks (blocks_failed)
-        self._finished: dict[str, _Request] = {}
+        # requests finished or preempted lately, as they were, and how many plans they are kept:
+        # vLLM reports a step's failed blocks (blocks_failed) after it finished the requests they
+        # hit (kv_load_failure_policy "fail"), and under async scheduling after the next
+        # schedule() may have preempted them
+        self._gone: dict[str, tuple[_Request, int]] = {}
 
     # -- keys ----------------------------------------------------------------------------------
     def _state(self, request_id: str, tokens: Sequence[int], extra: str | None = None,
@@ -198,13 +204,15 @@ class ConnectorScheduler:
         if not failed:
             return
         keys: list[bytes] = []
-        for state in [*self._requests.values(), *self._finished.values()]:
+        for state in [*self._requests.values(), *(gone for gone, _ in self._gone.values())]:
             first = next((i for i, b in enumerate(state.block_ids) if b in failed), None)
-            start = None if first is None else max(first + 1, state.first_planned)  # (not its loaded blocks)
-            if start is not None and start < state.planned:
-                keys.extend(state.chain.keys[start : state.planned])
-            if first is not None and self.namespace.has_state:  # states at or after the failed block
-                keys.extend(self.namespace.state_key(k) for k in state.chain.keys[first : state.planned])
+            if first is None:
+                continue
+            start = max(first + 1, state.first_planned)  # (not the blocks it loaded)
+            keys.extend(state.chain.keys[start : state.planned])
+            if self.namespace.has_state:  # states it saved at or after the failed block
+                keys.extend(self.namespace.state_key(k)
+                            for k in state.chain.keys[max(first, state.first_planned) : state.planned])
         if keys:
             log.info("%d saved blocks were computed over %d failed blocks: withdrawing them",
                      len(keys), len(failed))
@@ -214,7 +222,7 @@ class ConnectorScheduler:
     def build_connector_meta(self, scheduler_output) -> ConnectorMeta:
         meta = ConnectorMeta(loads=self._loads, invalidate=tuple(dict.fromkeys(self._invalidate)))
         self._loads, self._invalidate = [], []
-        self._finished.clear()
+        self._gone = {rid: (state, n - 1) for rid, (state, n) in self._gone.items() if n > 1}
         if self._suspect:  # withdrawn by the workers once they ran the plans that carried them
             self._suspect = {k: n - 1 for k, n in self._suspect.items() if n > 1}
         for rd in scheduler_output.new_requests:
@@ -278,9 +286,11 @@ class ConnectorScheduler:
         is dropped with its lease."""
         state = self._requests.get(request_id)
         if state is not None:
+            self._gone[request_id] = (replace(state), PREEMPTED_PLANS)  # its saves so far, for a late failure
             state.block_ids = []
             state.external = 0
             state.promised = state.no_loads = False
+            state.planned, state.first_planned = 0, 1 << 62  # a resume may load what it saved
         self._matched_from.pop(request_id, None)
         self._decisions.pop(request_id, None)
         self._drop_loads(request_id)
@@ -294,7 +304,7 @@ class ConnectorScheduler:
         """True when saves were planned: the worker reports the id once its copies are done."""
         state = self._requests.pop(request.request_id, None)
         if state is not None:
-            self._finished[request.request_id] = state
+            self._gone[request.request_id] = (state, FINISHED_PLANS)
         self._matched_from.pop(request.request_id, None)
         self._decisions.pop(request.request_id, None)
         self._drop_loads(request.request_id)
