@@ -11,6 +11,7 @@ import pytest
 
 from tests.integrations.test_vllm_adapter import extra, prompt
 from tests.integrations.vllm_engine import BS, Engine, kv_cache_config, vllm_config
+from tiered_kv.errors import ConfigError
 from tiered_kv.integrations import vllm_events, vllm_holdings
 from tiered_kv.integrations.vllm import KVConnectorRole, TieredKVConnector
 from tiered_kv.store.block_events import BlockEvent
@@ -190,3 +191,27 @@ def test_with_vllm_installed_the_events_are_vllms_own_classes():
     assert vllm_events.BlockStored is kv_events.BlockStored
     assert vllm_events.BlockRemoved is kv_events.BlockRemoved
     assert issubclass(vllm_events.TieredKVEvents, kv_events.KVConnectorKVEvents)
+
+
+@pytest.mark.parametrize("tier, key", [({"disk": {"name": "GPU"}}, "disk.name"),
+                                       ({"disk": {"name": "cpu"}}, "disk.name"),
+                                       ({"tiers": [{"name": "Storage", "url": "file:///tmp/x"}]}, "tiers.name")])
+def test_regression_with_kv_events_on_a_tier_named_like_vllms_own_medium_passed_for_its_gpu_cache(tmp_path, tier, key):
+    """A tier's name is its KV events' ``medium``: a tier named "GPU" had its blocks announced as
+    if vLLM's own GPU prefix cache held them. With events on such a name is refused; without
+    them it is only a name."""
+    settings = extra(tmp_path)
+    settings["disk"].update(tier.get("disk", {}))
+    cfg = vllm_config({**settings, **{k: v for k, v in tier.items() if k != "disk"}})
+    cfg.kv_events_config = SimpleNamespace(enable_kv_cache_events=True)
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match=rf"^{key}\W.*GPU, CPU, STORAGE"):
+            TieredKVConnector(cfg, role, kv_cache_config())
+    cfg.kv_events_config = SimpleNamespace(enable_kv_cache_events=False)
+    TieredKVConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config()).shutdown()
+
+
+def test_the_reserved_tier_names_are_vllms_own_media():
+    kv_events = pytest.importorskip("vllm.distributed.kv_events")
+    media = {v for k, v in vars(kv_events).items() if k.startswith("MEDIUM_") and isinstance(v, str)}
+    assert media and {m.upper() for m in media} <= set(vllm_events.VLLM_MEDIA)

@@ -176,28 +176,6 @@ def test_bad_values_raise_config_error_naming_the_key(data, key):
         TieredKVConfig.from_dict(data)
 
 
-@pytest.mark.parametrize("data, key", [
-    ({"disk": {"name": "GPU"}}, "disk.name"),
-    ({"remote": {"name": "gpu"}}, "remote.name"),
-    ({"disk": {"name": "Cpu"}}, "disk.name"),
-    ({"tiers": [{"name": "storage", "url": "file:///tmp/x"}]}, "tiers.name"),
-])
-def test_a_tier_named_like_a_vllm_kv_event_medium_is_refused(data, key):
-    # regression: a tier's name is its KV events' medium; name="GPU" was accepted, and its
-    # blocks were announced as if vLLM's own GPU prefix cache held them
-    with pytest.raises(ConfigError, match=rf"^{key}\W.*GPU, CPU, STORAGE"):
-        TieredKVConfig.from_dict(data)
-    TieredKVConfig.from_dict({"tiers": [{"name": "gpu_spill", "url": "file:///tmp/x"}]})  # a word with it: fine
-
-
-def test_the_reserved_tier_names_are_vllms_own_media():
-    kv_events = pytest.importorskip("vllm.distributed.kv_events")
-    from tiered_kv.settings.tiers import VLLM_MEDIA
-
-    media = {v for k, v in vars(kv_events).items() if k.startswith("MEDIUM_") and isinstance(v, str)}
-    assert media and {m.upper() for m in media} <= set(VLLM_MEDIA)
-
-
 @pytest.mark.parametrize("section", ["disk", "remote"])
 @pytest.mark.parametrize("level", [23, -8, 99])
 def test_zstd_level_out_of_range_is_refused_at_load(section, level):

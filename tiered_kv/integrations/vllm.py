@@ -131,6 +131,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
         events = bool(getattr(getattr(vllm_config, "kv_events_config", None), "enable_kv_cache_events", False))
+        if events:
+            vllm_events.check_media(self.settings.config)
         if is_worker:
             # the namespace's groups are vLLM's, in vLLM's order
             layer_names = ([list(g.layer_names) for g in kv_cache_config.kv_cache_groups]

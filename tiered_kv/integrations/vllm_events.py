@@ -36,6 +36,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.vllm_holdings import Holdings
 from tiered_kv.store.block_events import REMOVED, STORED, BlockEvent
 
@@ -69,6 +70,20 @@ except ImportError:  # no vLLM: the same fields in plain frozen dataclasses (tes
 
     def maybe_convert_block_hash(hash_bytes: bytes) -> Any:  # type: ignore[misc]
         return hash_bytes
+
+
+# vLLM's own KV-event media (vllm.distributed.kv_events: MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE)
+VLLM_MEDIA = ("GPU", "CPU", "STORAGE")
+
+
+def check_media(config) -> None:
+    """With vLLM's KV events on, a tier's name is its events' ``medium``: none may be one of
+    vLLM's own (any case), or a router would take our blocks for vLLM's GPU prefix cache's."""
+    for tier in config.lower_tiers:
+        if tier.name.upper() in VLLM_MEDIA:
+            raise ConfigError(f"{tier.SECTION}.name must not be {tier.name!r} with vLLM's KV events on: vLLM "
+                              f"names its own caches {', '.join(VLLM_MEDIA)} (any case), and a tier's name is "
+                              f"its events' medium")
 
 
 class TieredKVEvents(KVConnectorKVEvents):

@@ -21,9 +21,6 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.units import as_bool, parse_duration, parse_size
 
 POLICIES = ("write_through", "on_evict", "off")
-# vLLM's own KV-event media (vllm.distributed.kv_events: MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE):
-# a tier's name is its events' ``medium``, so none may be one of these, in any case
-VLLM_MEDIA = ("GPU", "CPU", "STORAGE")
 
 
 def size_field(default: int) -> Any:
@@ -78,7 +75,7 @@ class TierConfig:
     to it, and who may fill it. ``[disk]`` and ``[remote]`` are the two usual ones; more come in
     order from ``[[tiers]]`` tables."""
 
-    name: str = ""  # tier name in metrics, logs, tools and KV events (unique; not "host", nor vLLM's GPU, CPU, STORAGE)
+    name: str = ""  # tier name in metrics, logs, tools and KV events (unique; "host" is taken)
     url: str | None = None  # the medium, e.g. "lmdb:///var/cache/tkv", "file:///mnt/tkv"; None = off
     capacity: int | None = size_field(None)  # bytes of stored blocks before LRU eviction; None = medium decides
     codec: str = "auto"  # "auto" (measured at open: see tiered_kv.store.codec_choice), "raw", "zstd" or "zstd+shuffle"
@@ -98,9 +95,6 @@ class TierConfig:
         key = self.name or "tier"
         if not self.name or self.name == "host" or not self.name.replace("_", "").isalnum():
             raise ConfigError(f"{self.SECTION}.name must be a word other than 'host', got {self.name!r}")
-        if self.name.upper() in VLLM_MEDIA:
-            raise ConfigError(f"{self.SECTION}.name must not be {self.name!r}: vLLM's KV events name its own "
-                              f"caches {', '.join(VLLM_MEDIA)} (any case), and a tier's name is its events' medium")
         check_url(key, self.url)
         if not isinstance(self.options, Mapping):
             raise ConfigError(f"{key}.options must be a table of settings, got {self.options!r}")
