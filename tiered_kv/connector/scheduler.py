@@ -36,9 +36,8 @@ from tiered_kv.store.restore_costs import attention_work
 log = logging.getLogger(__name__)
 
 SUSPECT_STEPS = 4  # plans a withdrawn key stays absent for lookups (async schedulers run ahead)
-# plans a request is kept for a late report of its failed blocks: a finished one until the next
-# (the report comes in the same engine update), a preempted one until the one after (under async
-# scheduling the schedule() that preempted it runs before the update reporting the step before)
+# plans a request's life is kept for a late report of failed blocks: a finished one's to the next
+# plan (same engine update), a preempted one's to the one after (async scheduling runs ahead)
 FINISHED_PLANS, PREEMPTED_PLANS = 1, 2
 
 
@@ -88,10 +87,8 @@ class ConnectorScheduler:
         self._loads: list[LoadSpec] = []
         self._invalidate: list[bytes] = []  # keys to withdraw in the next step's plan
         self._suspect: dict[bytes, int] = {}  # withdrawn keys -> steps they still count as absent
-        # requests finished or preempted lately, as they were, and how many plans they are kept:
-        # vLLM reports a step's failed blocks (blocks_failed) after it finished the requests they
-        # hit (kv_load_failure_policy "fail"), and under async scheduling after the next
-        # schedule() may have preempted them
+        # lives of requests finished (vLLM's fail policy) or preempted before vLLM reported their
+        # failed blocks, as they were, and the plans they are kept for (*_PLANS)
         self._gone: dict[str, tuple[_Request, int]] = {}
 
     # -- keys ----------------------------------------------------------------------------------
@@ -168,6 +165,9 @@ class ConnectorScheduler:
 
     def update_state_after_alloc(self, request, block_ids: Sequence[int], num_external_tokens: int) -> None:
         state = self._state(request.request_id, request.prompt_token_ids, _extra(request), _tenant(request))
+        if state.planned:  # a new life of a request resumed without a preemption seen here (vLLM's reset)
+            self._gone[request.request_id] = (replace(state), PREEMPTED_PLANS)
+            state.planned, state.first_planned = 0, 1 << 62
         self._set_blocks(state, block_ids)
         decision = self._decisions.pop(request.request_id, None)
         if decision is not None:  # once per allocation (the engine may have asked several times)
