@@ -314,8 +314,8 @@ class RedisBackend(Backend):
     def stats(self) -> BackendStats:
         """``entries``: keys under our prefix, exact when the database holds at most
         ``ENTRY_SAMPLE`` keys, else our share of a SCAN sample of that many keys times the key
-        count (``extra['entries_exact']``; :mod:`storage_backends.redis_figures`). ``used_bytes``: the server's ``used_memory`` (every
-        key plus Redis' overhead, ~1.25x payload). ``capacity_bytes``: ``maxmemory`` or None.
+        count (``extra['entries_exact']``; :mod:`storage_backends.redis_figures`). ``used_bytes``:
+        the server's ``used_memory`` (every key plus Redis' overhead, ~1.25x payload). ``capacity_bytes``: ``maxmemory`` or None.
         While Redis is unavailable: the counters, with ``extra['unavailable']``."""
         try:
             facts = self._call(lambda c: server_facts(c, self.prefix), admin=True)

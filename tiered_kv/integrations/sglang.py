@@ -14,8 +14,9 @@ level or in a ``tiered_kv`` table, ``config_file`` (a TOML file of them), ``mode
 ``revision`` (when ``--model-path`` is not what should name the blocks) and ``write_timeout``
 (seconds a backup waits for its pages to reach the lower tiers: default 5 s; with a lookup
 deadline per lower tier at most 8 s, inside the 10 s SGLang joins its storage threads for:
-:mod:`tiered_kv.integrations.sglang_io`). ``TIERED_KV_*`` variables apply as everywhere. The host tier here is only a staging area for
-write-behind (SGLang's host pool is the L2): by default it holds 4 batches of 128 pages.
+:mod:`tiered_kv.integrations.sglang_io`). ``TIERED_KV_*`` variables apply as everywhere. The
+host tier here is only a staging area for write-behind (SGLang's host pool is the L2): by
+default it holds 4 batches of 128 pages.
 
 What SGLang gets (its contract, see ``../shared/connectors.md``): every page is a self-checking
 block of the namespace :mod:`tiered_kv.integrations.sglang_pages` derives from the checkpoint

@@ -58,7 +58,7 @@ def own_copies(store, keys: Sequence[bytes], *, host: bool = True) -> list[str |
         on_host = store.host.contains_many(keys) if host else None
     except BackendClosed:  # released under a call in flight (SGLang detaching): nothing stored
         return [None] * len(keys)
-    return store.presence.locate_own(keys, on_host)
+    return store.presence.locate(keys, on_host, own_only=True)[0]
 
 
 def stored_run(store, keys: Sequence[bytes]) -> int:

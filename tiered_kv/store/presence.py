@@ -7,7 +7,7 @@ binds all ranks: a block counts as present only when every rank's copy is held b
 A rank whose copy is missing (a dropped save, a failed write, a removed corrupt copy, LRU that
 took one rank's copy first) would otherwise turn every hit into a wasted load. An engine whose
 ranks agree among themselves (SGLang's HiCache) asks for its own rank's copies only
-(:meth:`RankedPresence.locate_own`).
+(``locate(..., own_only=True)``).
 
 Each tier is asked behind a :class:`~tiered_kv.store.lookup_deadline.DeadlineLookup`: a tier that does
 not answer in time, or is down, counts as a miss (``lookup_timeout``, ``<tier>_unavailable``).
@@ -45,12 +45,15 @@ class RankedPresence:
         self.gates = {name: DeadlineLookup(name, deadline) for name, _ in self.tiers}
         self._count_miss = count_miss or (lambda tier, reason, n: None)
 
-    def locate(self, keys: Sequence[bytes], own_present: Sequence[bool] | None = None,
-               ) -> tuple[list[str | None], list[bool]]:
+    def locate(self, keys: Sequence[bytes], own_present: Sequence[bool] | None = None, *,
+               own_only: bool = False) -> tuple[list[str | None], list[bool]]:
         """(tier holding this rank's copy of each key, or "host" where ``own_present`` says so;
-        whether every rank's copy of each key is held somewhere)."""
-        n, ranks = len(keys), range(len(self.prefixes))
-        have = [[False] * n for _ in ranks]
+        whether every rank's copy of each key is held somewhere). ``own_only``: ask the lower
+        tiers for this rank's copies only, for an engine that agrees across its ranks itself
+        (SGLang takes the smallest answer of its ranks): ``tp_size`` times fewer keys."""
+        n = len(keys)
+        ranks = [self.own_rank] if own_only else range(len(self.prefixes))
+        have = {r: [False] * n for r in ranks}
         where: list[str | None] = [None] * n
         for i, present in enumerate(own_present or ()):
             if present:
@@ -67,23 +70,6 @@ class RankedPresence:
                     if r == self.own_rank and where[i] is None:
                         where[i] = name
         return where, [all(have[r][i] for r in ranks) for i in range(n)]
-
-    def locate_own(self, keys: Sequence[bytes], own_present: Sequence[bool] | None = None) -> list[str | None]:
-        """The tier holding this rank's copy of each key ("host" where ``own_present`` says so),
-        asking the lower tiers for this rank's keys only: for an engine that agrees across its
-        ranks itself (SGLang takes the smallest answer of its ranks), at ``tp_size`` times fewer
-        keys per lookup than :meth:`locate`."""
-        where: list[str | None] = ["host" if p else None for p in (own_present or [False] * len(keys))]
-        prefix = self.prefixes[self.own_rank]
-        for name, backend in self.tiers:
-            todo = [i for i, w in enumerate(where) if w is None]
-            if not todo:
-                break
-            found = self._ask(name, backend, [prefix + keys[i] for i in todo], len(todo))
-            for i, hit in zip(todo, found):
-                if hit:
-                    where[i] = name
-        return where
 
     def lookup(self, keys: Sequence[bytes], own_present: Sequence[bool] | None = None) -> int:
         """How many leading ``keys`` every rank can load."""
