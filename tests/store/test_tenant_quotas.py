@@ -114,3 +114,30 @@ def test_a_block_a_lease_earns_a_tier_for_is_charged_to_the_leasing_tenant(tmp_p
         store.flush()
         usage = store.tier("disk").backend.tenant_usage()
         assert usage[A] > 2 * BLOCK and usage.get(b"", 0) < 1024
+
+
+def test_a_salt_per_user_does_not_make_a_metrics_series_per_user(tmp_path):
+    from tiered_kv.store.prometheus import TENANT_SERIES, export, unexport
+
+    tenants = [tenant_label(f"user-{i}") for i in range(TENANT_SERIES + 8)]
+    with make_store(tmp_path, disk={"codec": "raw"}) as store:
+        for i, tenant in enumerate(tenants):  # user i saves i + 1 blocks: the larger users rank first
+            keys = keys_for(i + 1, first_token=1000 * (i + 1))
+            store.save(keys, payloads(store, i + 1, seed=i), tenant=tenant)
+        store.flush()
+        usage = store.tier("disk").backend.tenant_usage()
+        port = export(store, 0, "127.0.0.1")
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        finally:
+            unexport(store)
+    series = {}
+    for line in text.splitlines():
+        if line.startswith("tiered_kv_tenant_used_bytes{") and 'tier="disk"' in line:
+            label = line.split('tenant="')[1].split('"')[0]
+            series[label] = float(line.rsplit(" ", 1)[1])
+    assert len(series) == TENANT_SERIES + 1
+    largest = sorted(usage, key=usage.get, reverse=True)[:TENANT_SERIES]
+    assert {t.hex() or "-" for t in largest} | {"other"} == set(series)
+    assert series["other"] == sum(usage.values()) - sum(usage[t] for t in largest)
+    assert sum(series.values()) == sum(usage.values())  # nobody's bytes go unreported

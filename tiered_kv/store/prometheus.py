@@ -20,8 +20,9 @@ Metric families (labels ``namespace``, ``model`` on all of them):
 - ``tiered_kv_tier_up{tier}`` (1 / 0: a Redis tier whose circuit breaker is open is 0; read
   from memory, no network);
 - ``tiered_kv_quota_evictions_total{tier}``, ``tiered_kv_tenant_used_bytes{tier,tenant}`` (the
-  tenant's 8-byte label in hex, ``-`` for none); admission's skipped writes are the event
-  ``admission_skipped``;
+  tenant's 8-byte label in hex, ``-`` for none; the :data:`TENANT_SERIES` tenants holding the
+  most bytes of a tier each, the rest summed as ``other``, so that a salt per user does not make a
+  series per user); admission's skipped writes are the event ``admission_skipped``;
 - cost-aware restore: ``tiered_kv_restore_skipped_tokens_total`` (stored tokens the restore policy
   left to recompute; their blocks are ``tiered_kv_misses_total{reason="slower_than_recompute"}``
   in the tier that held them, its probes the event ``restore_probes``), and the estimates it
@@ -63,6 +64,8 @@ class MetricSource(Protocol):
 log = logging.getLogger(__name__)
 
 CHEAP_MEDIA = ("host", "lmdb")  # stats() without network or directory walks
+TENANT_SERIES = 32  # tenants with a series of their own per tier; the rest are summed as "other"
+OTHER_TENANTS = "other"
 _servers: dict[int, tuple] = {}  # port -> (server, thread, collector)
 _lock = threading.Lock()
 
@@ -174,10 +177,20 @@ def _collect_store(store: MetricSource, fam: dict) -> None:
         if stats.capacity_bytes is not None:
             fam["capacity"].add_metric(ids + [tier], stats.capacity_bytes)
         fam["quota_evictions"].add_metric(ids + [tier], stats.extra.get("quota_evictions", 0))
-        for tenant, used in (backend.tenant_usage() or {}).items():
-            fam["tenant_used"].add_metric(ids + [tier, tenant.hex() or "-"], used)
+        for tenant, used in tenant_series(backend.tenant_usage() or {}):
+            fam["tenant_used"].add_metric(ids + [tier, tenant], used)
     for tier, n in evictions.items():
         fam["evictions"].add_metric(ids + [tier], n)
+
+
+def tenant_series(usage: dict[bytes, int]) -> list[tuple[str, int]]:
+    """``(label, bytes)`` per series: the :data:`TENANT_SERIES` largest tenants by name (hex,
+    ``-`` for none), then one ``other`` summing the rest (present once there is any rest)."""
+    ranked = sorted(usage.items(), key=lambda item: (-item[1], item[0]))
+    out = [(tenant.hex() or "-", used) for tenant, used in ranked[:TENANT_SERIES]]
+    if len(ranked) > TENANT_SERIES:
+        out.append((OTHER_TENANTS, sum(used for _, used in ranked[TENANT_SERIES:])))
+    return out
 
 
 def _collect_costs(costs, ids: list[str], fam: dict) -> None:
