@@ -161,3 +161,10 @@ def test_regression_a_saved_scrape_not_utf8_escaped_as_a_unicode_error(tmp_path)
 
 def test_regression_stats_of_a_directory_was_cannot_fetch_no_host_exit_3(tmp_path):
     assert one_error_line(*run("stats", tmp_path)).startswith(f"{tmp_path} is not a file")
+
+
+@pytest.mark.parametrize("name", ["missing.txt", "scrapes/missing.prom"])
+def test_regression_stats_of_a_missing_file_was_cannot_fetch_host_exit_3(tmp_path, name):
+    path = tmp_path / name
+    code, out, err = run("stats", path)
+    assert code == 2 and one_error_line(code, out, err).startswith(f"no such file: {path}")

@@ -25,6 +25,8 @@ def fetch(target: str, timeout: float = 5.0) -> str:
         return _text(Path(target).read_bytes(), redact_url(target))
     if Path(target).exists():
         raise ConfigError(f"{redact_url(target)} is not a file: give a saved scrape or http(s)://HOST:PORT[/metrics]")
+    if "://" not in target and not _has_port(target):
+        raise ConfigError(f"no such file: {redact_url(target)} (a running store: http(s)://HOST:PORT[/metrics])")
     url = target if "://" in target else f"http://{target}"
     if url.split("://", 1)[1].count("/") == 0:
         url += "/metrics"
@@ -37,6 +39,12 @@ def fetch(target: str, timeout: float = 5.0) -> str:
         reason = redact_text(str(getattr(exc, "reason", exc)), url)
         raise BackendUnavailable(f"cannot fetch metrics from {redact_url(url)}: {reason}") from None
     return _text(body, redact_url(url))
+
+
+def _has_port(target: str) -> bool:
+    """Whether a target without a scheme names ``HOST:PORT`` (an exporter) rather than a path."""
+    host = target.split("/", 1)[0].rpartition("@")[2]
+    return host.rpartition(":")[2].isdigit()
 
 
 def _text(body: bytes, source: str) -> str:
