@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from redis.cluster import cleanup_kwargs
+from redis.connection import ConnectionPool, parse_url
+
 from storage_backends.options import split_options
 from storage_backends.redaction import password_misread, redact_url
 from tiered_kv.errors import ConfigError
@@ -58,3 +61,14 @@ def redis_target(url: str) -> str:
         raise ConfigError(f"bad Redis URL {redact_url(url)!r}: percent-encode a '/', '?' or '#' in "
                           "its password (%2F, %3F, %23)")
     return url.replace("redis+cluster://", "redis://", 1)
+
+
+def check_cluster_options(target: str, common: dict[str, Any]) -> None:
+    """Raise where redis-py's cluster client, made on first use, would refuse ``target``'s
+    options (a ``db`` other than 0, a connection setting its connections do not take): that
+    client connects as it is made, so without this check a bad URL is only ever "Redis down"."""
+    options = parse_url(target)
+    if options.get("db", 0) != 0:
+        raise ConfigError("a Redis Cluster has only db 0")
+    pool = ConnectionPool(**cleanup_kwargs(**{**common, **options}))  # each node's, as the client makes it
+    pool.connection_class(**pool.connection_kwargs)  # makes no connection: a setting it does not take raises

@@ -48,7 +48,7 @@ from storage_backends.redis_breaker import Breaker
 from storage_backends.redis_figures import server_facts
 from storage_backends.redis_names import RedisNames
 from storage_backends.redis_node_pipelines import NodeFanout, node_pipelines, ping_every_node
-from storage_backends.redis_options import redis_arguments, redis_target
+from storage_backends.redis_options import check_cluster_options, redis_arguments, redis_target
 from storage_backends.redis_packer import PACKER, PackedConnection
 from tiered_kv.errors import BackendUnavailable, ConfigError
 
@@ -126,6 +126,8 @@ class RedisBackend(Backend):
             # cluster-level retries (GETs, EXISTS and SETs go one pipeline per node, retried as
             # above by storage_backends.redis_node_pipelines)
             common["retry"] = Retry(NoBackoff(), 0)
+            if self.cluster:
+                check_cluster_options(target, common)
             self._make_cluster = lambda: redis.RedisCluster.from_url(target, **common)  # connects
         except (ValueError, TypeError, redis.RedisError) as exc:
             raise ConfigError(f"bad Redis URL {self.url!r}: {redact_text(str(exc), url)}") from None
