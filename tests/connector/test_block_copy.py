@@ -54,3 +54,28 @@ def test_triton_gather_and_scatter_equal_torch_under_the_interpreter():
     """)
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_regression_triton_read_a_strided_column_of_group_rows_as_contiguous_block_ids():
+    """A KV group's block ids are a column of the rows ``[n, groups]`` (``rows[:, g]``, strided):
+    the kernel read id ``i`` at ``ids + i`` and saved (and loaded) other blocks than named."""
+    script = textwrap.dedent("""
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"
+        import torch
+        from tiered_kv.connector import block_copy as bc
+        kv = torch.randn(2, 3, 7, 4, 2, 8)
+        rows = torch.tensor([[6, 1], [0, 2], [3, 5]])
+        ids = rows[:, 0]
+        assert not ids.is_contiguous()
+        assert torch.equal(bc.gather_triton(kv, ids), bc.gather_torch(kv, ids))
+        a, b = torch.zeros_like(kv), torch.zeros_like(kv)
+        src = torch.randn(3, 3, 2, 4, 2, 8)
+        bc.scatter_triton(a, ids, src)
+        bc.scatter_torch(b, ids, src)
+        assert torch.equal(a, b)
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

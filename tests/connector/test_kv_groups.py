@@ -259,3 +259,25 @@ def test_mla_latents_are_stored_once_for_every_tensor_parallel_rank(tmp_path):
     assert conn.worker.get_finished({"a"}) == (["a"], [])
     assert len(keys) == 6 and conn.store.lookup(keys) == 0
     conn.close()
+
+
+def test_regression_every_load_of_fp8_latents_kept_in_bytes_failed_on_cpu(tmp_path):
+    """MLA latents in fp8, kept by the engine in uint8 tensors (vLLM's fp8 cache): their rows
+    were copied as fp8, and CPU torch has no ``index_copy_`` for fp8: every block failed to load
+    and was recomputed. The rows move as the engine's bytes."""
+    mla8 = KVGroup("mla", 3, (12,), "float8_e4m3fn", BS)
+    ns = namespace(mla8)
+    gen = torch.Generator().manual_seed(3)
+    a = [[torch.randint(0, 120, (NB, BS, 12), generator=gen, dtype=torch.uint8) for _ in range(3)]]
+    fill_store(tmp_path, ns, a, [list(range(1, 8))], [len(PROMPT)])
+    b = [[torch.zeros_like(t) for t in a[0]]]
+    conn = connector(tmp_path, ns)
+    conn.worker.register_kv_caches(b)
+    n, _ = conn.get_num_new_matched_tokens(request("b"), 0)
+    assert n == 6 * BS
+    conn.update_state_after_alloc(request("b"), [list(range(9, 16))], n)
+    run_step(conn, "b", [list(range(9, 16))], 0, 1)
+    assert conn.get_block_ids_with_load_errors() == set()
+    for layer in range(3):
+        assert torch.equal(b[0][layer][9:15], a[0][layer][1:7])
+    conn.close()

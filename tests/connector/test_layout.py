@@ -107,3 +107,30 @@ def test_loaded_slots_go_to_the_engine_in_runs_only_when_runs_are_long():
     assert scatter_spans(layout, slots, list(range(16)) + [30], list(range(17)))  # 2 runs, 17 blocks
     assert torch.equal(layout.gather(torch.arange(16)), data[:16])
     assert torch.equal(layout.gather(torch.tensor([30]))[0], data[16])
+
+
+def test_regression_fp8_blocks_scattered_into_an_engine_buffer_of_bytes_were_value_converted():
+    """An fp8 namespace over an engine buffer of bytes (how engines keep fp8 KV): the batched and
+    the layer-wise scatters converted each fp8 value to an integer (1.5 -> 1) instead of
+    copying its bits, and the engine got wrong KV; the gather copies bits."""
+    ns = Namespace(model_id="m", dtype="float8_e4m3fn", num_layers=L, num_kv_heads=H, head_dim=D, block_size=BS)
+    kv = torch.zeros(2, L, NB, BS, H, D, dtype=torch.uint8)
+    layout = make_layout(ns, kv)
+    assert layout.name == "engine"
+    data = (_canonical(2) * 3).to(torch.float8_e4m3fn)
+    ids = torch.tensor([7, 2])
+    layout.scatter(ids, data)
+    assert torch.equal(layout.gather(ids), data.view(torch.uint8))
+    kv.zero_()
+    layout.scatter_layers(ids, data[:, 1:], 1)
+    assert torch.equal(layout.gather(ids)[:, 1:], data[:, 1:].view(torch.uint8))
+
+
+def test_regression_a_non_contiguous_head_major_layer_after_the_first_crashed_registration_untyped():
+    """Only the first per-layer tensor was checked for the head-major layout's memory order; a
+    later one of the same shape in another order raised torch's RuntimeError out of
+    register_kv_caches. It is refused as an unsupported layout (a ConfigError)."""
+    good = torch.zeros(NB, H, BS, 2 * D)
+    odd = torch.zeros(NB, BS, H, 2 * D).transpose(1, 2)  # same shape, tokens before heads in memory
+    with pytest.raises(ConfigError, match="per-layer KV tensors"):
+        make_layout(NS, [good, odd, good])

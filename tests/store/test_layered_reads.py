@@ -183,3 +183,20 @@ def test_a_sealed_block_read_layer_wise_is_judged_as_a_whole_decode_judges_it(na
             assert reasons == [whole], f"byte {pos}, key {sealing is not None}"
     _, reasons, _, _, _ = layered([blob], layout, sealing=None)
     assert reasons == ["no_key"]
+
+
+def test_regression_a_block_framed_coarser_than_its_neighbours_was_named_ready_before_it_was_read():
+    """An older block stored in one frame (or two) read beside blocks of eight frames was named
+    ready at every pass of theirs, its bytes not read yet: a layer-wise load copied the
+    engine stale slot bytes for its first layers and reported it loaded. A block is named only
+    at its own frames' ends."""
+    layout = BlockLayout("bfloat16", SHAPE)
+    raws = [kv_bytes("bfloat16", seed=s) for s in range(3)]
+    framings = [plan(name, len(raws[0]), 2) for name in ("eight", "none", "two")]
+    blobs = [BlockCodec("raw").encode(r, dtype="bfloat16", shape=SHAPE, namespace=NS, key=KEY, segments=lengths)
+             for r, lengths in zip(raws, framings)]
+    outs, reasons, passes, _, _ = layered(blobs, layout)
+    assert reasons == [None] * 3 and [bytes(o) for o in outs] == raws
+    ends = [np.cumsum(lengths or [len(raws[0])]).tolist() for lengths in framings]
+    for i, own in enumerate(ends):
+        assert [end for ready, end in passes if i in ready] == own, f"block {i}"

@@ -56,6 +56,7 @@ def _kernels():
 
 def _launch(kv: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor, to_blocks: bool) -> None:
     triton, kernel = _kernels()
+    ids = ids.contiguous()  # the kernel reads id i at ids_ptr + i (a column of a group's rows is strided)
     _, num_layers, num_blocks = kv.shape[:3]
     chunk = kv[0, 0, 0].numel()
     grid = (ids.numel() * num_layers * 2, triton.cdiv(chunk, TILE))

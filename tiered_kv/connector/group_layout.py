@@ -21,7 +21,7 @@ from math import prod
 
 import torch
 
-from tiered_kv.connector.layout import KVLayout, make_layout
+from tiered_kv.connector.layout import BYTE_CONTAINERS, KVLayout, as_engine_dtype, make_layout
 from tiered_kv.dtypes import torch_dtype
 from tiered_kv.errors import ConfigError
 from tiered_kv.keys import Namespace
@@ -38,6 +38,11 @@ def _layers(kv, group: KVGroup, what: str) -> list[torch.Tensor]:
     if any(not isinstance(t, torch.Tensor) for t in layers):
         raise ConfigError(f"{what}: expected tensors")
     return layers
+
+
+def as_row_dtype(engine: torch.dtype, group: torch.dtype) -> torch.dtype:
+    """The dtype a part's rows are copied in: the group's, or the engine's bytes for fp8 kept in bytes."""
+    return engine if engine in BYTE_CONTAINERS and str(group).startswith("torch.float8") else group
 
 
 class _RowsPart:
@@ -58,8 +63,10 @@ class _RowsPart:
                 # would read and write its neighbours' values
                 raise ConfigError(f"{what}: tensor {tuple(t.shape)} has rows {t.stride(0)} values apart, "
                                   f"less than a row of {per_row}: its rows overlap")
-        # rows may be strided (vLLM's Mamba rows view the start of each padded page)
-        self.rows = [t.as_strided((t.shape[0], per_row), (t.stride(0), 1)).view(dtype) for t in layers]
+        # rows may be strided (vLLM's Mamba rows view the start of each padded page); fp8 kept in
+        # bytes stays bytes (CPU torch has no index_copy_ for fp8: every load of it failed)
+        self.rows = [t.as_strided((t.shape[0], per_row), (t.stride(0), 1)).view(as_row_dtype(t.dtype, dtype))
+                     for t in layers]
         self.device = layers[0].device
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
@@ -67,7 +74,7 @@ class _RowsPart:
 
     def scatter(self, ids: torch.Tensor, src: torch.Tensor) -> None:
         for layer, r in enumerate(self.rows):
-            r.index_copy_(0, ids, src[:, layer].reshape(len(ids), -1))
+            r.index_copy_(0, ids, as_engine_dtype(src[:, layer].reshape(len(ids), -1), r.dtype))
 
 
 class _KVPart:

@@ -79,10 +79,11 @@ class EngineLayout(KVLayout):
         return self._gather(self.kv, block_ids)
 
     def scatter(self, block_ids: torch.Tensor, src: torch.Tensor) -> None:
-        self._scatter(self.kv, block_ids, src)
+        self._scatter(self.kv, block_ids, as_engine_dtype(src, self.kv.dtype))
 
     def scatter_layers(self, block_ids: torch.Tensor, src: torch.Tensor, first: int) -> None:
-        block_copy.scatter_torch(self.kv[:, first : first + src.shape[1]], block_ids, src)
+        block_copy.scatter_torch(self.kv[:, first : first + src.shape[1]], block_ids,
+                                 as_engine_dtype(src, self.kv.dtype))
 
     def scatter_span(self, first_id: int, src: torch.Tensor, first: int = 0) -> None:
         n, k = src.shape[:2]
@@ -272,7 +273,7 @@ def make_layout(ns: Namespace, kv: torch.Tensor | Sequence[torch.Tensor] | Mappi
     _refuse_other_block_size(ns, shape, per_layer=True)
     check_dtype(ns, layers[0].dtype)
     if (len(shape) == 4 and shape[1:] == (H, bs, 2 * D) and declared in (None, "layers_head_major")
-            and layers[0].is_contiguous()):
+            and all(t.is_contiguous() for t in layers)):  # (its view reads memory order)
         return HeadMajorLayout(ns, layers)
     if len(shape) == 5 and shape[2:] == (bs, H, D):
         if shape[1] == 2 and declared in (None, "layers_nb2"):

@@ -73,7 +73,8 @@ class LayeredBlocks:
                     self.fail(i, exc)
                     del opened[i]
                     continue
-                ready.append(i)
+                if due[i]:  # its frames up to ``cut`` are in; a block framed otherwise (a frame
+                    ready.append(i)  # across ``cut``) is named at its own frames' ends only
             self.on_ready(ready, cut)
 
     def _open_all(self) -> dict[int, BlockSegments]:
