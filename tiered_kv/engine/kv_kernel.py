@@ -41,7 +41,7 @@ def _triton_kernel():
     @triton.jit
     def store_rows(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                    key_stride, value_stride, row_size, ROW_BLOCK: tl.constexpr):
-        token = tl.program_id(0)
+        token = tl.program_id(0).to(tl.int64)  # token * stride passes 2**31 in a long step
         part = tl.program_id(1)
         slot = tl.load(slot_ptr + token)
         if slot >= 0:
