@@ -26,6 +26,7 @@ listing, so it counts every process's files.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import logging
 import os
@@ -53,6 +54,7 @@ from tiered_kv.units import as_bool, parse_size
 log = logging.getLogger(__name__)
 
 CONCURRENCY = 16  # files read or written at once per call
+CLOSE_WAIT_S = 30.0  # how long a close waits for running calls before it cancels them
 OPTIONS = ("capacity", "sync", "touch", "create", "tenant_quota", "tenant_quotas")
 IGNORED = ("timeout", "retries")  # remote-tier settings with no meaning for a local path
 
@@ -83,6 +85,8 @@ class FileBackend(Backend):
         self._made: set[str] = set()
         self._names = itertools.count()
         self._closed = False
+        self._calls = threading.Condition()  # the calls running on the event loop (a close waits)
+        self._running: set[concurrent.futures.Future] = set()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="tiered-kv-file", daemon=True)
         self._thread.start()
@@ -112,14 +116,23 @@ class FileBackend(Backend):
         return file_of(self.path, key)
 
     def _run(self, coro):
-        if self._closed:
-            coro.close()
-            raise BackendClosed(f"file backend at {self.path} is closed")
+        with self._calls:
+            if self._closed:
+                coro.close()
+                raise BackendClosed(f"file backend at {self.path} is closed")
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._running.add(future)
         try:
-            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+            return future.result()
+        except concurrent.futures.CancelledError:  # (a close that could wait no longer)
+            raise BackendClosed(f"file backend at {self.path} closed during the call") from None
         except OSError as exc:
             self._count(errors=1)
             raise BackendUnavailable(f"file store at {self.path}: {exc}") from exc
+        finally:
+            with self._calls:
+                self._running.discard(future)
+                self._calls.notify_all()
 
     @staticmethod
     async def _each(items, fn) -> list:
@@ -183,26 +196,31 @@ class FileBackend(Backend):
         sizes = [memoryview(v).nbytes for _, v in items]
         if self._room is None:
             ok = [True] * len(items)
-        else:
+            self._put_admitted(items, ok, tenant)
+        else:  # (the keys admitted are in flight until written: no other put may evict them)
             admission = self._room.admit([k for k, _ in items], sizes, tenant)
-            gone = admission.victims + admission.dropped
-            if gone:
-                self._run(self._each([self._file(k) for k in gone], _remove))
-                self._count(evictions=len(admission.victims), quota_evictions=admission.quota_victims)
-                self._tell("removed", gone)
             ok = admission.accepted
-        if tenant and self._format < FORMAT and any(ok):
-            self._upgrade()
-        try:
-            self._run(self._each([(k, v, tenant) for (k, v), f in zip(items, ok) if f], self._write))
-        except BaseException:
-            if self._room is not None:
+            try:
+                gone = admission.victims + admission.dropped
+                if gone:
+                    self._run(self._each([self._file(k) for k in gone], _remove))
+                    self._count(evictions=len(admission.victims), quota_evictions=admission.quota_victims)
+                    self._tell("removed", gone)
+                self._put_admitted(items, ok, tenant)
+            except BaseException:
                 self._room.forget()
-            raise
+                raise
+            finally:
+                self._room.written([k for (k, _), f in zip(items, ok) if f])
         self._count(puts=sum(ok), put_rejected=len(ok) - sum(ok),
                     bytes_in=sum(n for n, s in zip(sizes, ok) if s))
         self._tell("stored", [k for (k, _), s in zip(items, ok) if s])
         return ok
+
+    def _put_admitted(self, items: list[tuple[bytes, bytes]], ok: list[bool], tenant: bytes) -> None:
+        if tenant and self._format < FORMAT and any(ok):
+            self._upgrade()
+        self._run(self._each([(k, v, tenant) for (k, v), f in zip(items, ok) if f], self._write))
 
     def _upgrade(self) -> None:
         """The marker says FORMAT before the first tenant file is written."""
@@ -293,12 +311,30 @@ class FileBackend(Backend):
             raise BackendUnavailable(f"file store at {self.path}: {exc}") from exc
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Refuse new calls, wait for running ones (at most CLOSE_WAIT_S: then they are
+        cancelled, BackendClosed to their callers), stop the event loop. A call left waiting on
+        a stopped loop used to wait for good."""
+        with self._calls:
+            if self._closed:
+                return
+            self._closed = True
+            cancelled = list(self._running) if not self._calls.wait_for(lambda: not self._running,
+                                                                         CLOSE_WAIT_S) else []
+            for future in cancelled:
+                future.cancel()
+        if cancelled:  # their coroutines clean up (temporary files) before the loop stops
+            log.warning("file store at %s: closed while %d calls still ran", self.path, len(cancelled))
+            asyncio.run_coroutine_threadsafe(_others_ended(CLOSE_WAIT_S), self._loop).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
+
+
+async def _others_ended(timeout: float) -> None:
+    """Wait (at most ``timeout``) for the event loop's other tasks to end."""
+    others = asyncio.all_tasks() - {asyncio.current_task()}
+    if others:
+        await asyncio.wait(others, timeout=timeout)
 
 
 _touch = aiofiles.os.wrap(file_entries.set_atime)

@@ -3,13 +3,17 @@
 The medium's view of its directory is a :class:`~storage_backends.recency.RecencyIndex` built by
 one listing (access times give the order), kept up to date with this process's puts, reads and
 deletes, and rebuilt every RESCAN_S to adopt other processes' files: approximate when several
-processes share the directory. :mod:`storage_backends.eviction` decides on it.
+processes share the directory. :mod:`storage_backends.eviction` decides on it. A key admitted
+stays pinned until its put wrote it (:meth:`FileRoom.written`): a put evicting a value still
+being written (by another thread's put, or earlier in its own batch) removed nothing, and the
+value then landed beyond the capacity, unseen by the view.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -38,6 +42,7 @@ class FileRoom:
         self._lock = threading.Lock()
         self._index: RecencyIndex | None = None
         self._scanned = 0.0
+        self._writing: Counter = Counter()  # keys admitted, not written yet (pinned meanwhile)
 
     def admit(self, keys: Sequence[bytes], sizes: Sequence[int], tenant: bytes) -> Admission:
         """Plan a put of ``keys`` (in order) for ``tenant``: each is stored unless the eviction
@@ -60,8 +65,17 @@ class FileRoom:
                 out.victims += [victim for victim, _ in plan.victims]
                 out.quota_victims += len(plan.quota)
                 index.add(key, size, tenant)
+                self._writing[key] += 1
                 out.accepted.append(True)
         return out
+
+    def written(self, keys: Sequence[bytes]) -> None:
+        """The put that admitted ``keys`` is over (written or failed): they may be evicted."""
+        with self._lock:
+            for key in keys:
+                self._writing[key] -= 1
+                if self._writing[key] <= 0:
+                    del self._writing[key]
 
     def touched(self, key: bytes) -> None:
         with self._lock:
@@ -78,9 +92,13 @@ class FileRoom:
         with self._lock:
             self._index = None
 
+    def _held(self, key: bytes) -> bool:
+        """(under the lock, as eviction plans) pinned by the medium, or being written."""
+        return key in self._writing or self._pinned(key)
+
     def _current(self) -> RecencyIndex:
         if self._index is None or time.monotonic() - self._scanned > RESCAN_S:
-            index = RecencyIndex(self._pinned)
+            index = RecencyIndex(self._held)
             for stored in sorted(self._listing(), key=lambda s: s.stat.st_atime_ns):
                 index.add(stored.key, stored.stat.st_size, stored.tenant)
             with self._lock:

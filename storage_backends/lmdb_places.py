@@ -81,7 +81,7 @@ def recover_segments(tables: Tables, w: Write, files: SegmentFiles) -> tuple[int
     (segments sealed, orphan files)."""
     records = {int.from_bytes(bytes(k), "big"): unpack_segment(v) for k, v in w.txn.cursor(db=tables.segments)}
     dead = {s: max(r.end, files.file_size(s) or 0) for s, r in records.items()
-            if not r.sealed and not owner_alive(r)}
+            if not r.sealed and not owner_alive(r, files.path_of(s))}
     seal_segments(tables, w, dead)
     orphans = [s for s in files.files() if s not in records]
     w.drained.extend(orphans)

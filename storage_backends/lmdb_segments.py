@@ -28,7 +28,7 @@ from typing import NamedTuple
 from storage_backends.log_throttle import LogThrottle
 from storage_backends.segment_fds import Descriptors
 from storage_backends.segment_io import SegmentWriter, read_fully
-from storage_backends.segment_owners import pid_namespace, process_start
+from storage_backends.segment_owners import LOCKING, Claims, pid_namespace, process_start
 from tiered_kv.errors import BackendUnavailable
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,7 @@ class SegmentFiles:
         self._syncing = threading.Lock()  # a sync returns only once every earlier write is durable
         self._closed = False
         self.fds = Descriptors(self.path_of)
+        self.claims = Claims()  # the locks on the segments this process appends to (segment_owners)
         self.writer = SegmentWriter(self.dir, self.fds, direct_io, writeback)
         self._failures = LogThrottle(log)
         self._dirty: set[int] = set()
@@ -144,7 +145,7 @@ class SegmentFiles:
     # -- appending -----------------------------------------------------------------------------
     def new_record(self) -> SegmentRecord:
         """The record a segment this process opens starts with."""
-        return SegmentRecord(0, 0, 0, self.pid, self.start, False, pid_namespace())
+        return SegmentRecord(0, 0, 0, self.pid, self.start, False, pid_namespace() | LOCKING)
 
     @contextmanager
     def appending(self):
@@ -189,6 +190,7 @@ class SegmentFiles:
             register(segment)
             self.dir.mkdir(exist_ok=True)
             self.fds.create(segment)
+            self.claims.take(segment, self.path_of(segment))  # (locked before its first write)
             with self._lock:
                 if self._closed:
                     raise OSError(errno.EBADF, "segment files closed")
@@ -328,6 +330,7 @@ class SegmentFiles:
                 lane.segment = None
         self.writer.close()  # (its writeback thread uses the descriptors)
         self.fds.close()
+        self.claims.close()
 
 
 def _sync_dir(path: Path) -> None:

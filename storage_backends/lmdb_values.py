@@ -122,7 +122,9 @@ class SegmentValues:
             self.seal(done)
 
     def seal(self, ends: dict[int, int]) -> None:
-        """Seal segments (id -> end); the environment deletes the drained ones' files."""
+        """Seal segments (id -> end); the environment deletes the drained ones' files. Their
+        locks go first: should the seal fail, another writer's recovery seals them."""
+        self.files.claims.drop(ends)
         self.db.write(lambda w: seal_segments(self.db.tables, w, ends))
 
     # -- reads ---------------------------------------------------------------------------------

@@ -48,8 +48,9 @@ class LmdbWrites:
     def _put_placed(self, batch: list[tuple[bytes, object, int]], large: list[int], tenant: bytes) -> list[bool]:
         """Large values written to segment files first, then every entry recorded in one
         transaction; a value that could not be written is refused. A close waits for it (from
-        the first write to the settling), then seals what it left."""
-        with self.values.writing():
+        the first write to the settling), then seals what it left. The transactions registering
+        and sealing segments fail as the put's own do (BackendUnavailable, counted)."""
+        with self.values.writing(), self.db.guard("put"):
             self.db.check_open()
             places = self.values.write([batch[i][1] for i in large])
             for i, place in zip(large, places):

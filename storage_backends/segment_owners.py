@@ -1,9 +1,19 @@
 """Which process appends to a segment file, and whether it still runs: a segment's record names
-its owner by pid, the pid's start time (pids are reused) and its pid namespace."""
+its owner by pid, the pid's start time (pids are reused) and its pid namespace. An owner also
+holds a shared ``flock`` on each segment file it appends to (:class:`Claims`; its record says so
+with ``LOCKING`` in its namespace field): a process that dies drops its locks with its
+descriptors, so a process of another pid namespace (the engine's next container, after a
+crash), which cannot look the owner's pid up, can still tell that it is gone."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import threading
+from pathlib import Path
+
+LOCKING = 1 << 63  # in a record's owner_ns: its owner locks the segment's file while it appends
 
 
 def process_start(pid: int) -> int | None:
@@ -29,12 +39,72 @@ def pid_namespace() -> int:
         return 0
 
 
-def owner_alive(record) -> bool:
-    """Whether the process appending to a segment (its ``SegmentRecord``) may still run: a
-    process of another pid namespace (another container on this host) cannot be looked up, so
-    it is taken to run."""
+def owner_alive(record, path: Path | None = None) -> bool:
+    """Whether the process appending to a segment (its ``SegmentRecord``; its file at ``path``)
+    may still run. An owner that locks its files is alive while the lock is held (an empty file
+    tells nothing: its owner may be about to lock it); else a process of another pid namespace
+    (another container on this host) cannot be looked up, so it is taken to run."""
     if record.owner_pid <= 0:
         return False
-    if record.owner_ns != pid_namespace():
+    if record.owner_ns & LOCKING and path is not None:
+        free = _lock_free(path)
+        if free is not None:
+            return not free
+    if record.owner_ns & ~LOCKING != pid_namespace():
         return True
     return process_start(record.owner_pid) == record.owner_start
+
+
+def _lock_free(path: Path) -> bool | None:
+    """Whether nobody locks the file ``path``; None when that cannot be told (no such file, an
+    empty one, a file system without locks)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if os.fstat(fd).st_size == 0:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (released as the descriptor closes)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+class Claims:
+    """The shared locks this process holds on the segment files it appends to, by segment: taken
+    when it creates one (before its first write), dropped when it seals it (or closes)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._fds: dict[int, int] = {}
+        self._closed = False
+
+    def take(self, segment: int, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # (another process's check holds it for an instant)
+            with self._lock:
+                if self._closed:
+                    raise OSError(errno.EBADF, "segment files closed")
+                self._fds[segment] = fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def drop(self, segments) -> None:
+        with self._lock:
+            fds = [self._fds.pop(s) for s in segments if s in self._fds]
+        for fd in fds:
+            os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)

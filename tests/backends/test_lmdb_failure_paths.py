@@ -1,10 +1,10 @@
 """The LMDB tier on its failure paths: a segment read retried after a short read and a transient
 error, an overwrite refused for want of room, a compaction the full disk refused, a tool's
-read-only open of a store of the previous format, ``check(fix=True)`` of a value kept twice, and
-compaction of direct values shorter than a page. Real LMDB environments and segment files under
-tmp_path; faults are injected at the system call (or segment write) they stand for. Nothing
-depends on how fast this machine is (compaction is forced, its automatic runs held off by
-``dead_limit``)."""
+read-only open of a store of the previous format, ``check(fix=True)`` of a value kept twice,
+compaction of direct values shorter than a page, and the registration of a segment failing.
+Real LMDB environments and segment files under tmp_path; faults are injected at the system call
+(or segment write, or transaction) they stand for. Nothing depends on how fast this machine is
+(compaction is forced, its automatic runs held off by ``dead_limit``)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,10 @@ import lmdb
 import numpy as np
 import pytest
 
-from storage_backends import segment_io
+from storage_backends import lmdb_values, segment_io
 from storage_backends.lmdb_disk import LmdbBackend
 from storage_backends.segment_io import read_fully
+from tiered_kv.errors import BackendUnavailable
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -244,4 +245,25 @@ def test_direct_compaction_still_frees_the_segments_of_deleted_sub_page_values(d
     kept = [b"k%06d" % j for j in range(0, 4096, 8)]
     assert b.get_many(kept) == [blob(j, KiB) for j in range(0, 4096, 8)]
     assert b.check() == []
+    b.close()
+
+
+# -- a segment's own transactions failing ---------------------------------------------------------
+def test_regression_an_io_error_registering_a_new_segment_reached_the_caller_as_a_raw_lmdb_error(tmp_path,
+                                                                                                 monkeypatch):
+    """The write transaction that registers a new segment (and the one sealing it) ran outside
+    the put's guard: an I/O error there left put_many as ``lmdb.Error``, uncounted, which the
+    store's save path does not take for a failed tier."""
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
+
+    def commit_fails(tables, w, segment, record):  # the commit's I/O error, as LMDB raises it
+        raise lmdb.Error("mdb_txn_commit: Input/output error")
+
+    with monkeypatch.context() as m:
+        m.setattr(lmdb_values, "register_segment", commit_fails)
+        with pytest.raises(BackendUnavailable, match="Input/output error"):
+            b.put_many([(key(0), blob(0, 100 * KiB))])
+    assert b.stats().errors == 1 and b.get_many([key(0)]) == [None]
+    assert b.put_many([(key(0), blob(0, 100 * KiB))]) == [True]  # the medium goes on
+    assert b.get_many([key(0)]) == [blob(0, 100 * KiB)] and b.check() == []
     b.close()

@@ -1,0 +1,144 @@
+"""The file medium while puts are in flight. Its capacity: a value admitted by one put is being
+written until its put ends, and no other put (another thread's, or a later key of the same
+batch) may evict it meanwhile: that eviction removed a file not there yet, the value landed
+after it, and the directory held more than its capacity, unseen by the medium's view. Its
+close: it waits for the calls running (they used to wait for good on the stopped event loop).
+Real files under tmp_path; a put is held between its write and its rename (monkeypatched) until
+the other side has acted, every run."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import threading
+
+import pytest
+
+from storage_backends import file_dir
+from storage_backends.file_dir import FileBackend
+from tiered_kv.errors import BackendClosed, BackendUnavailable
+
+SIZE = 1000
+
+
+def key(tag: bytes, i: int) -> bytes:
+    return tag + bytes([i]) * 15
+
+
+def on_disk(backend: FileBackend) -> int:
+    return backend.stats().used_bytes  # (a listing of the directory)
+
+
+def test_regression_a_put_evicted_another_threads_values_still_being_written_and_the_files_outgrew_capacity(
+        tmp_path, monkeypatch):
+    backend = FileBackend(tmp_path / "files", capacity=4 * SIZE)
+    first, second = [key(b"a", i) for i in range(4)], [key(b"b", i) for i in range(4)]
+    holding, go_on = threading.Event(), threading.Event()
+    publish = file_dir._publish
+
+    async def held_publish(tmp, path, tenant):  # the first put: written, not renamed yet
+        if path.name.startswith("61"):
+            holding.set()
+            await asyncio.get_running_loop().run_in_executor(None, go_on.wait, 30)
+        return await publish(tmp, path, tenant)
+
+    monkeypatch.setattr(file_dir, "_publish", held_publish)
+    answers = {}
+    writer = threading.Thread(target=lambda: answers.update(first=backend.put_many([(k, b"a" * SIZE) for k in first])))
+    writer.start()
+    try:
+        assert holding.wait(30)
+        answers["second"] = backend.put_many([(k, b"b" * SIZE) for k in second])
+    finally:
+        go_on.set()
+        writer.join(30)
+    assert answers == {"first": [True] * 4, "second": [False] * 4}, "values still being written were evicted"
+    assert on_disk(backend) <= backend.capacity
+    assert backend.get_many(first) == [b"a" * SIZE] * 4
+    assert backend.stats().evictions == 0
+    assert backend.put_many([(k, b"b" * SIZE) for k in second]) == [True] * 4  # written now: they may go
+    assert on_disk(backend) <= backend.capacity and backend.contains_many(first) == [False] * 4
+    backend.close()
+
+
+def test_regression_one_put_of_more_than_the_capacity_evicted_its_own_first_values_and_wrote_them_anyway(tmp_path):
+    backend = FileBackend(tmp_path / "files", capacity=4 * SIZE)
+    keys = [key(b"c", i) for i in range(8)]
+    assert backend.put_many([(k, b"c" * SIZE) for k in keys]) == [True] * 4 + [False] * 4
+    assert on_disk(backend) <= backend.capacity and backend.stats().evictions == 0
+    assert backend.contains_many(keys) == [True] * 4 + [False] * 4
+    backend.close()
+
+
+def test_a_put_that_failed_lets_its_keys_be_evicted_again(tmp_path, monkeypatch):
+    backend = FileBackend(tmp_path / "files", capacity=4 * SIZE)
+    assert backend.put_many([(key(b"d", i), b"d" * SIZE) for i in range(4)]) == [True] * 4
+
+    async def refused(tmp, path, tenant):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(file_dir, "_publish", refused)
+    with pytest.raises(BackendUnavailable, match="No space"):
+        backend.put_many([(key(b"d", 0), b"D" * SIZE)])  # an overwrite the disk refuses
+    monkeypatch.undo()
+    assert backend.put_many([(key(b"f", i), b"f" * SIZE) for i in range(4)]) == [True] * 4
+    assert backend.contains_many([key(b"d", i) for i in range(4)]) == [False] * 4
+    assert on_disk(backend) == 4 * SIZE
+    backend.close()
+
+
+# -- a close while calls run ----------------------------------------------------------------------
+def held_put(backend: FileBackend, monkeypatch, answers: dict) -> tuple[threading.Thread, threading.Event]:
+    """A thread whose put is held between its write and its rename until the event is set."""
+    holding, go_on = threading.Event(), threading.Event()
+    publish = file_dir._publish
+
+    async def held_publish(tmp, path, tenant):
+        holding.set()
+        await asyncio.get_running_loop().run_in_executor(None, go_on.wait, 30)
+        return await publish(tmp, path, tenant)
+
+    monkeypatch.setattr(file_dir, "_publish", held_publish)
+
+    def put():
+        try:
+            answers["put"] = backend.put_many([(key(b"g", 0), b"g" * SIZE)])
+        except BackendClosed as exc:
+            answers["put"] = exc
+
+    writer = threading.Thread(target=put, daemon=True)
+    writer.start()
+    assert holding.wait(30)
+    return writer, go_on
+
+
+def test_regression_a_put_running_when_the_file_medium_closed_waited_for_good(tmp_path, monkeypatch):
+    backend = FileBackend(tmp_path / "files")
+    answers: dict = {}
+    writer, go_on = held_put(backend, monkeypatch, answers)
+    closer = threading.Thread(target=backend.close, daemon=True)
+    closer.start()
+    while not backend._closed:  # (the close has begun: it refuses new calls)
+        threading.Event().wait(0.01)
+    go_on.set()
+    writer.join(30)
+    closer.join(30)
+    assert not writer.is_alive(), "the put never came back"
+    assert answers["put"] == [True] and not closer.is_alive()
+    with pytest.raises(BackendClosed):
+        backend.get_many([key(b"g", 0)])
+    with FileBackend(tmp_path / "files") as again:
+        assert again.get_many([key(b"g", 0)]) == [b"g" * SIZE]
+
+
+def test_a_close_that_cannot_wait_longer_gives_running_calls_backend_closed(tmp_path, monkeypatch):
+    backend = FileBackend(tmp_path / "files")
+    answers: dict = {}
+    writer, go_on = held_put(backend, monkeypatch, answers)
+    monkeypatch.setattr(file_dir, "CLOSE_WAIT_S", 0.0)
+    try:
+        backend.close()
+        writer.join(30)
+    finally:
+        go_on.set()
+    assert not writer.is_alive() and isinstance(answers["put"], BackendClosed)
