@@ -19,7 +19,8 @@ What it copies from TensorRT-LLM (``pyexecutor/kv_cache_connector.py``, ``resour
   beside ``new_block_ids`` in the scheduler output.
 
 The "model" writes a KV value per (position, layer, K/V, head, dim) that depends on every token up
-to that position, and samples a token from the KV of the whole sequence read back from the pool:
+to that position, head-major within a block as TensorRT-LLM's attention does (``[K/V, heads, tokens,
+dim]``: its ``KVBlockArray``, ``kv_layout`` HND), and samples a token from the KV of the whole sequence read back from the pool:
 a wrong or missing loaded block changes the output.
 """
 
@@ -251,8 +252,8 @@ class Executor:
             for req, chunk in batch:
                 start = req.context_current_position if req.state == "context" else len(req.tokens) - 1
                 for pos in range(start, start + chunk):
-                    block = self.pool[req.block_ids[pos // BS], layer].view(2, BS, HEADS, DIM)
-                    block[:, pos % BS] = kv_of(req.tokens, pos)[layer]
+                    block = self.pool[req.block_ids[pos // BS], layer].view(2, HEADS, BS, DIM)  # head-major
+                    block[:, :, pos % BS] = kv_of(req.tokens, pos)[layer]
             self.worker.save_kv_layer(layer, None)
         self.computed_tokens += sum(chunk for _, chunk in batch)
 
@@ -274,7 +275,7 @@ class Executor:
         """A token from the KV of every position, read back from the pool."""
         acc = 0
         for pos in range(len(req.tokens)):
-            kv = self.pool[req.block_ids[pos // BS]].view(LAYERS, 2, BS, HEADS, DIM)[:, :, pos % BS]
+            kv = self.pool[req.block_ids[pos // BS]].view(LAYERS, 2, HEADS, BS, DIM)[:, :, :, pos % BS]
             acc = (acc * 131 + int(kv.sum().item() * 100)) % 1_000_000_007
         return 1 + acc % (VOCAB - 1)
 

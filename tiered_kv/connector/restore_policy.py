@@ -46,7 +46,7 @@ from tiered_kv.config import layerwise_on
 from tiered_kv.dtypes import itemsize
 from tiered_kv.keys import Namespace
 from tiered_kv.store.layer_frames import frame_count
-from tiered_kv.store.restore_costs import attention_work
+from tiered_kv.store.restore_costs import PrefillEstimate, RestoreEstimate, attention_work
 
 log = logging.getLogger(__name__)
 
@@ -152,20 +152,24 @@ class RestorePolicy:
                  load_all: bool = False) -> Decision:
         """The cost policy's decision (see :meth:`decide`); ``load_all``: with the predictions,
         but claiming every block (what ``always`` does, explained); ``probe``: due probes load."""
-        bs = self.block_size
-        if self.costs.prefill_seconds(1, 1) is None:
-            seen = self.costs.steps_observed()
-            return Decision(stored, stored, "below_floor", bs,
-                            detail=f"engine steps: {seen} of {self.costs.min_samples} observed")
+        bs, floor = self.block_size, self.costs.min_samples
+        # each estimate read once: the scheduler index's record keeper replaces them on its thread
+        prefill = self.costs.prefill_estimate()
+        if prefill is None or prefill.observed < floor:
+            seen = 0 if prefill is None else prefill.observed
+            return Decision(stored, stored, "below_floor", bs, detail=f"engine steps: {seen} of {floor} observed")
         tiers = list(tiers_of())[:stored]
+        restore_of = {}
         for tier in dict.fromkeys(tiers + [None] * (stored - len(tiers))):
-            if tier is None or self.costs.restore_seconds({tier: 1}) is None:
-                seen = self.costs.restores_observed().get(tier, 0)
+            est = None if tier is None else self.costs.restore_estimate(tier)
+            if est is None or est.observed < floor:
+                seen = 0 if est is None else est.observed
                 return Decision(stored, stored, "below_floor", bs,
-                                detail=f"{tier or 'an unlocated block'} restores: {seen} of "
-                                f"{self.costs.min_samples} observed")
+                                detail=f"{tier or 'an unlocated block'} restores: {seen} of {floor} observed")
+            restore_of[tier] = est
         allowed = range(stored) if cuts is None else [k for k in cuts if 0 <= k <= stored]
-        predicted = self._predict(tiers, sorted({0, stored, *allowed}), first_token, prompt_tokens)
+        predicted = self._predict(tiers, sorted({0, stored, *allowed}), first_token, prompt_tokens,
+                                  restore_of, prefill)
         best = min(t for _, _, t in predicted.values())
         k = max(k for k, (_, _, t) in predicted.items() if t <= best * (1 + self.margin))
         reason = "load_is_faster" if k == stored else SLOWER
@@ -177,13 +181,12 @@ class RestorePolicy:
         return Decision(stored, k, reason, bs, restore, compute, ttft, predicted[stored][2], predicted[0][2],
                         tuple(Counter(tiers[k:]).items()))
 
-    def _predict(self, tiers: Sequence[str], claims: Sequence[int], first_token: int,
-                 prompt_tokens: int) -> dict[int, tuple[float, float, float]]:
+    def _predict(self, tiers: Sequence[str], claims: Sequence[int], first_token: int, prompt_tokens: int,
+                 restore_of: Mapping[str, RestoreEstimate], prefill: PrefillEstimate) -> dict[int, tuple[float, float, float]]:
         """Per claim ``K`` in ascending ``claims``: (restore, prefill, predicted TTFT) of loading
-        the first ``K`` blocks (each from its tier in ``tiers``) and computing the rest of the
-        prompt. One pass over the blocks (a 32k-token prompt has 2,048 claims to weigh)."""
-        restore_of = {t: self.costs.restore_estimate(t) for t in set(tiers)}
-        prefill = self.costs.prefill_estimate()
+        the first ``K`` blocks (each from its tier in ``tiers``, estimated by ``restore_of``) and
+        computing the rest of the prompt (``prefill``). One pass over the blocks (a 32k-token
+        prompt has 2,048 claims to weigh)."""
         counts: Counter[str] = Counter()
         out, done = {}, 0
         for k in claims:

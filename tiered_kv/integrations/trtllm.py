@@ -17,7 +17,9 @@ TensorRT-LLM has no way to report a failed load back to the engine. So the sched
 ``get_num_new_matched_tokens`` reads the matched blocks into leased host slots (a disk or Redis
 block that is corrupt, foreign or gone is a counted miss that shortens the match) and the worker
 then copies host slots into the pool, which cannot fail. For the same reason only one rank
-(no tensor or pipeline parallelism) is supported.
+(no tensor or pipeline parallelism) is supported. That read is the lower tier's restore the
+restore policy weighs (it adds up with the prefill); what of a request changes its keys is read
+by :mod:`tiered_kv.integrations.trtllm_requests` (salt, LoRA, multimodal hashes).
 
 The executor's order per step: schedule -> ``get_num_new_matched_tokens`` / allocation /
 ``update_state_after_alloc`` -> ``build_connector_meta`` -> ``start_load_kv`` -> forward
@@ -38,6 +40,7 @@ which would otherwise index the pool's last page).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
@@ -46,16 +49,15 @@ from typing import Any
 from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.connector.scheduler import ConnectorScheduler
 from tiered_kv.errors import ConfigError
-from tiered_kv.fingerprint import LORA_FINGERPRINTS
 from tiered_kv.integrations.common import (
     RequestStep,
-    RequestView,
     StepOutput,
     acquire_store,
     parse_settings,
     release_store,
 )
 from tiered_kv.integrations.trtllm_model import SOURCE, WINDOWED, trtllm_namespace
+from tiered_kv.integrations.trtllm_requests import request_view as _view
 from tiered_kv.keys import tenant_label
 from tiered_kv.store.futures import gather
 
@@ -99,40 +101,6 @@ except ImportError:
                 self._metadata = None
 
 
-_lora_files: dict[Any, str] = {}  # lora_task_id -> fingerprint of the files it was loaded from
-
-
-def _view(request: Any) -> RequestView:
-    n = int(request.prompt_len)
-    tokens = list(request.get_tokens(0))[:n]
-    parts = []
-    for name in ("cache_salt_id", "lora_task_id"):
-        value = getattr(request, name, None)
-        if value is not None:
-            parts.append(f"{name}={value}")
-    files = _lora_fingerprint(request)
-    if files:
-        parts.append(f"lora_files={files}")
-    salt = getattr(request, "cache_salt_id", None)
-    return RequestView(request.request_id, tokens, n, ";".join(parts) or None,
-                       None if salt is None else f"cache_salt_id={salt}")
-
-
-def _lora_fingerprint(request: Any) -> str | None:
-    """Fingerprint of a LoRA adapter's files. TensorRT-LLM's PyTorch backend sets
-    ``py_lora_path`` only on the requests that load an adapter (the first ones for a task id in
-    a process); later requests of that task id reuse what was remembered then. An adapter given
-    as tensors (no path) is named by its task id alone."""
-    task = getattr(request, "lora_task_id", None)
-    if task is None:
-        return None
-    path = getattr(request, "py_lora_path", None)
-    files = LORA_FINGERPRINTS.get(path) if path else None
-    if files:
-        _lora_files[task] = files
-    return _lora_files.get(task)
-
-
 class TieredKVScheduler(_SchedulerBase):
     """Scheduler half (rank 0): what to load and what to save."""
 
@@ -143,6 +111,9 @@ class TieredKVScheduler(_SchedulerBase):
         self.store = acquire_store(self.settings.config, self.namespace)
         self.core = ConnectorScheduler(self.store, self.namespace, load_async=self.settings.load_async,
                                        save=self.settings.save, device="cuda")  # (TensorRT-LLM runs on GPUs)
+        # a lower tier's blocks are read here, before the step: only host slots reach the forward
+        # layer by layer (the restore policy adds a lower tier's restore to the prefill)
+        self.core.restore.streamed = {"host"}
         self._verified: dict[Any, tuple[int, int, Any]] = {}  # request -> (device, external, plan)
         self._device_prefix: dict[Any, int] = {}  # request -> device prefix at allocation
         log.info("tiered-kv TensorRT-LLM scheduler: %s, block %d tokens, %s loads",
@@ -160,11 +131,13 @@ class TieredKVScheduler(_SchedulerBase):
         first = num_computed_tokens // bs
         keys = self.core.keys_of(view.request_id)[first : first + n // bs]
         tenant = tenant_label(view.tenant) if view.tenant else None  # checked here, counted at the lease
+        start = time.perf_counter()
         plan = self.store.load(self.store.prepare_load(keys, tenant, count=False))
         finished = True
         try:
             futures_wait(plan.futures, self.store.config.remote.timeout)  # one deadline for all
             plan.wait(0)
+            self._observe(plan, time.perf_counter() - start)
         except FutureTimeout:  # a hung tier: promise only what needed no read (host-resident)
             finished = False
             log.warning("tiered-kv: reading matched blocks of %s took over %.1fs; promising the "
@@ -218,6 +191,14 @@ class TieredKVScheduler(_SchedulerBase):
         ids = _one_group(cache_block_ids_by_layer_group, request.request_id, "request_finished_by_layer_group")
         return self.request_finished(request, ids)
 
+    def _observe(self, plan: Any, seconds: float) -> None:
+        """A read of the matched blocks from one lower tier is that tier's restore (the worker's
+        loads are host slots): the restore policy's estimate of the tier learns from it."""
+        tiers = set(plan.served)
+        costs = getattr(self.store, "costs", None)
+        if costs is not None and plan.futures and len(tiers) == 1 and not tiers & {None, "host"}:
+            costs.observe_restore(tiers.pop(), len(plan.keys) * self.store.block_nbytes, seconds)
+
     def _drop_verified(self, request_id: Any) -> None:
         entry = self._verified.pop(request_id, None)
         if entry is not None and entry[2] is not None:
@@ -248,6 +229,7 @@ class TieredKVWorker(_WorkerBase):
         self.namespace = trtllm_namespace(llm_args, self.settings.config)
         self.store = acquire_store(self.settings.config, self.namespace)
         self.core = ConnectorWorker(self.store, layout=self.settings.kv_layout)
+        self._saving: set = set()  # requests whose saves ran in wait_for_save, not reported yet
 
     def register_kv_caches(self, kv_cache_tensor) -> None:
         """One pool tensor, block id on dim 0: ``[blocks, layers, 2, block elements]``."""
@@ -285,11 +267,22 @@ class TieredKVWorker(_WorkerBase):
         """Blocks are gathered for all layers in wait_for_save."""
 
     def wait_for_save(self, stream=None) -> None:
+        self._saving.update(s.request_id for s in self.core.meta.saves if s.keys or s.state_key)
         with _on(stream):
             self.core.wait_for_save()
 
     def get_finished(self, finished_gen_req_ids: list, started_loading_req_ids: list) -> tuple[list, list]:
+        """(saved ids, loaded ids). An id held for saves that never ran has nothing to wait for
+        and is reported at once: TensorRT-LLM skips ``wait_for_save`` when the step's forward
+        raises and then ends every request (held ones too); unreported, it would hold their
+        blocks for ever."""
+        unsaved = [r for r in finished_gen_req_ids or () if r not in self._saving]
         saved, loaded = self.core.get_finished(finished_gen_req_ids, started_loading_req_ids)
+        if unsaved:
+            log.warning("tiered-kv: requests %s ended before their planned saves ran (a failed "
+                        "step?): nothing of them is stored; their blocks are released", unsaved)
+        saved = [*saved, *unsaved]
+        self._saving.difference_update(saved)
         errors = self.core.get_block_ids_with_load_errors()
         if errors:  # promised blocks were validated host slots: this is a bug, and it is loud
             log.error("tiered-kv: %d promised blocks failed to load: %s", len(errors), sorted(errors))

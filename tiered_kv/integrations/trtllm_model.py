@@ -10,6 +10,7 @@ the pages behind it and reports those blocks as ``-1``. The adapter stores full-
 one layer group, so a model with a window is refused when the connector is built: one
 ConfigError line naming where the window was found.
 
+The payload is TensorRT-LLM's own head-major pages (:func:`pages_layout`), named in the namespace.
 The KV dtype follows what TensorRT-LLM's PyTorch backend (the one with connectors) applies:
 ``kv_cache_config.dtype`` when set, else the checkpoint's KV cache quantization (its
 ``hf_quant_config.json`` or config.json ``quantization_config``): FP8 pages are
@@ -95,7 +96,19 @@ def trtllm_namespace(llm_args: Any, config: TieredKVConfig) -> Namespace:
     revision += quantization_suffix(llm_args, dtype)
     return Namespace(model_id=model_name(llm_args.model), dtype=dtype, num_layers=layers,
                      num_kv_heads=kv_heads, head_dim=head_dim, block_size=int(block_size),
-                     revision=revision, cache_salt=config.cache_salt, hash_algo=config.hash_algo)
+                     revision=revision, layout=pages_layout(llm_args), cache_salt=config.cache_salt,
+                     hash_algo=config.hash_algo)
+
+
+def pages_layout(llm_args: Any) -> str:
+    """The layout of the blocks' payload: TensorRT-LLM's pages as its attention backend keeps
+    them, copied as they are. Its attention writes a block head-major, ``[layers, K/V, heads,
+    tokens, dim]`` (its ``KVBlockArray``; ``kv_layout`` HND), not the canonical ``[layers, K/V,
+    tokens, heads, dim]`` of vLLM's and our engine's blocks: named apart, the two never share a
+    block (sharing the canonical name handed each engine the other's KV with heads and tokens
+    transposed)."""
+    backend = str(getattr(llm_args, "attn_backend", None) or "TRTLLM").upper()
+    return f"trtllm:LKHTD:{backend}"
 
 
 def kv_cache_quant_algo(llm_args: Any, hf: dict) -> str | None:

@@ -14,7 +14,10 @@ the two per request; this module keeps the figures it weighs, learnt from what t
 Each is a least-squares fit with non-negative coefficients (exact: every face of the orthant is
 tried, :func:`_nnls`) over recent observations. Recent, by size: the newest ``KEEP_PER_CLASS``
 observations of each power-of-two size class are kept, so a stream of small decode steps cannot
-push the few long prefills out of the fit. From ``TRIM`` observations on, those that miss the
+push the few long prefills out of the fit. A tier's restores age, though: a size class that none of
+its last ``STALE_RESTORES`` restores refreshed is dropped (a tier that turned fast while the
+prompts turned short was otherwise judged by its slow era for ever, and loaded from only by
+probes, whose sizes refresh no old class). From ``TRIM`` observations on, those that miss the
 fit by more than three times the median miss (a step stalled by a collection, a first call
 compiling kernels; at most ``1 / TRIM`` of them, the worst) are dropped and the fit repeated. Below ``min_samples`` observations of a
 tier (or of steps) its estimate is not given out (None): the policy then loads, as it would
@@ -32,6 +35,7 @@ from dataclasses import dataclass
 
 KEEP_PER_CLASS = 8  # newest observations kept per power-of-two size class
 TRIM = 8  # from TRIM observations, outliers (at most 1/TRIM of them) are dropped before the final fit
+STALE_RESTORES = 32 * KEEP_PER_CLASS  # a tier's size class no restore refreshed in this many is dropped
 
 # the faces tried, preferred first where fits tie (an exact fit of too few points): the full
 # model, then the models that grow with the size (they extrapolate; a constant does not)
@@ -79,9 +83,11 @@ class PrefillEstimate:
 class _Series:
     """Observations ``(x..., seconds)`` of one quantity, bounded per size class, and their fit."""
 
-    def __init__(self, width: int) -> None:
+    def __init__(self, width: int, stale_after: int | None = None) -> None:
         self.width = width  # features besides the constant
+        self.stale_after = stale_after  # observations after which a class none refreshed is dropped
         self.classes: dict[int, deque] = {}
+        self._refreshed: dict[int, int] = {}  # size class -> ``observed`` at its newest observation
         self.observed = 0
         self.pinned: tuple[float, ...] | None = None
         self._fit: tuple[float, ...] | None = None
@@ -90,6 +96,10 @@ class _Series:
         size = max(int(xs[0]), 0).bit_length()
         self.classes.setdefault(size, deque(maxlen=KEEP_PER_CLASS)).append((*xs, seconds))
         self.observed += 1
+        self._refreshed[size] = self.observed
+        if self.stale_after is not None:
+            for old in [c for c, n in self._refreshed.items() if self.observed - n > self.stale_after]:
+                del self.classes[old], self._refreshed[old]
         self._fit = None
 
     def samples(self) -> list[tuple]:
@@ -113,12 +123,14 @@ class _Series:
         return out
 
     @classmethod
-    def load(cls, data: Mapping, width: int) -> _Series:
+    def load(cls, data: Mapping, width: int, stale_after: int | None = None) -> _Series:
         series = cls(width)
         for s in data.get("samples", ()):
             if _valid(s, width + 1):
                 series.add(tuple(int(v) for v in s[:-1]), float(s[-1]))
         series.observed = max(int(data.get("observed", 0)), series.observed)
+        series.stale_after = stale_after  # (what a record holds ages from now on)
+        series._refreshed = dict.fromkeys(series.classes, series.observed)
         pinned = data.get("pinned")
         if pinned is not None and _valid(pinned, width + 1):
             series.pinned = tuple(float(v) for v in pinned)
@@ -142,7 +154,7 @@ class RestoreCosts:
         memory ``seconds`` after the load started."""
         if nbytes > 0 and _finite(seconds):
             with self._lock:
-                self._restore.setdefault(tier, _Series(1)).add((int(nbytes),), float(seconds))
+                self._restore.setdefault(tier, _Series(1, STALE_RESTORES)).add((int(nbytes),), float(seconds))
                 self.changes += 1
 
     def observe_step(self, new_tokens: int, attention_work: int, seconds: float) -> None:
@@ -159,7 +171,7 @@ class RestoreCosts:
         """Pin ``tier``'s estimate (``bytes_per_s`` None: unbounded); observations no longer move
         it. ``observed`` (default: the floor) is what the floor compares."""
         with self._lock:
-            series = self._restore.setdefault(tier, _Series(1))
+            series = self._restore.setdefault(tier, _Series(1, STALE_RESTORES))
             series.pinned = (float(latency_s), 1.0 / bytes_per_s if bytes_per_s else 0.0)
             series.observed = self.min_samples if observed is None else observed
             self.changes += 1
@@ -227,7 +239,7 @@ class RestoreCosts:
         """Replace every estimate by those of ``data`` (:meth:`snapshot`'s form; what does not
         read as such is left out)."""
         tiers = data.get("restore")
-        restore = {str(t): _read(s, 1) for t, s in (tiers.items() if isinstance(tiers, Mapping) else ())}
+        restore = {str(t): _read(s, 1, STALE_RESTORES) for t, s in (tiers.items() if isinstance(tiers, Mapping) else ())}
         restore = {t: s for t, s in restore.items() if s is not None}
         steps = _read(data.get("prefill"), 2) or _Series(2)
         with self._lock:
@@ -239,11 +251,11 @@ class RestoreCosts:
             return not self._steps.observed and not any(s.observed for s in self._restore.values())
 
 
-def _read(data, width: int) -> _Series | None:
+def _read(data, width: int, stale_after: int | None = None) -> _Series | None:
     """A series from its :meth:`_Series.dump` (None: not one)."""
     try:
-        return _Series.load(data, width) if isinstance(data, Mapping) else None
-    except (TypeError, ValueError):
+        return _Series.load(data, width, stale_after) if isinstance(data, Mapping) else None
+    except (TypeError, ValueError, OverflowError):  # (an infinite count: JSON reads Infinity)
         return None
 
 
