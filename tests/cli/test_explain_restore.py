@@ -71,3 +71,15 @@ def test_explain_settles_auto_layerwise_loads_by_the_engine_device_it_is_told(sl
     assert restore["layerwise"] is True  # asked for: layer-wise on a CPU engine too
     text = cli("explain", url, "--token-ids", PROMPT, "--engine-device", "cpu", "--restore-policy", "always").out
     assert "whole blocks, before the prefill on cpu" in text
+
+
+def test_regression_explain_weighed_small_blocks_as_streamed_in_layer_groups_the_engine_never_splits(
+        slow_disk, tmp_path):
+    from tiered_kv.connector.restore_policy import RestorePolicy
+
+    url = f"lmdb://{slow_disk}/lmdb"
+    with make_store(tmp_path / "engine") as store:  # the same namespace and config as the engine's
+        live = RestorePolicy.for_index(store, store.namespace, device="cuda")
+    restore = cli("explain", url, "--token-ids", PROMPT, "--json").json()["restore"]
+    assert live.groups == 1  # blocks this small are stored (and arrive) whole
+    assert restore["layer_groups"] == live.groups

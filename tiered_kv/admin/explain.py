@@ -21,6 +21,7 @@ from tiered_kv.connector.restore_policy import Decision, RestorePolicy
 from tiered_kv.dtypes import itemsize
 from tiered_kv.errors import BackendUnavailable, ConfigError, CorruptBlock, TokenError
 from tiered_kv.keys import Namespace, block_keys
+from tiered_kv.store.layer_frames import frame_count
 from tiered_kv.store.records import read_costs
 from tiered_kv.store.restore_costs import RestoreCosts
 
@@ -155,10 +156,13 @@ def _restore(tiers: list[Tier], ns: Namespace, digest: bytes, where: list[str], 
             names[tier.name] = str(doc.get("tier") or tier.name)
     if record is not None:
         costs.restore_snapshot(record)
-    policy = RestorePolicy(costs, itemsize(ns.dtype) * prod(ns.block_shape), ns.block_size,
+    raw_len = itemsize(ns.dtype) * prod(ns.block_shape)
+    policy = RestorePolicy(costs, raw_len, ns.block_size,  # (set up as RestorePolicy.for_index sets the engine's)
                            layerwise=layerwise_on(options.layerwise, options.device) and not ns.groups,
-                           layer_groups=min(options.layer_groups, ns.num_layers),
-                           load_async=options.load_async, probe_every=0)
+                           layer_groups=frame_count(ns, raw_len, options.layer_groups),
+                           load_async=options.load_async, probe_every=0,
+                           streamed=("host", *(names.get(t.name, t.name) for t in tiers
+                                               if str(t.backend.url).startswith("lmdb:"))))
     if not where:
         decision = Decision(0, 0, "nothing_stored", ns.block_size)
     else:
