@@ -34,7 +34,13 @@ AGE_BUCKETS = (("<1m", 60), ("<1h", 3600), ("<1d", 86400), ("<7d", 7 * 86400), (
 
 
 def iso(ts: float | None) -> str | None:
-    return None if ts is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+    """``ts`` (epoch seconds) in ISO 8601, UTC; None when unknown or no time at all (a header's
+    created time is not checked by the codec: a NaN, infinite or out-of-range one made ``show``
+    fail with a traceback)."""
+    try:
+        return None if ts is None else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+    except (ValueError, OverflowError, OSError):
+        return None
 
 
 def age_bucket(age: float) -> str:

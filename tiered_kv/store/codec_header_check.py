@@ -35,10 +35,11 @@ from tiered_kv.store.codec_header import (
     HEADER_BYTES,
     MAGIC,
     MAX_NDIM,
+    SEALED,
     VERSION,
     BlockHeader,
 )
-from tiered_kv.store.codec_sealed import MIN_SEALED
+from tiered_kv.store.codec_sealed import MIN_SEALED, most_stored
 from tiered_kv.store.codec_segments import check_body
 
 FIXED_BYTES = 52  # magic .. namespace: the header's leading fixed fields (the key follows)
@@ -104,6 +105,9 @@ def _check_all(head: memoryview, namespace, key, expect, max_raw, length: int) -
         raise CorruptBlock(f"raw length {raw_len} does not match shape {shape} x {dtype_name}")
     _check_length(length, stored_len)
     codec_name, size = CODEC_NAMES[codec], ITEMSIZE[dtype_name]
+    if stored_len > most_stored(raw_len, size, bool(flags & SEALED)):
+        raise CorruptBlock(f"block declares {stored_len} stored bytes, more than a block of {raw_len} "
+                           "raw bytes is ever stored in")
     header = BlockHeader(codec_name, dtype_name, level, shape, ns, k, raw_len,
                          stored_len, checksum, body_check, created, version, flags)
     if header.sealed:  # the plain block's body is checked once decrypted

@@ -46,6 +46,7 @@ from tiered_kv.store.codec_segments import (
     check_body,
     open_segments,
     read_table,
+    table_len,
 )
 
 NONCE = 12
@@ -71,6 +72,16 @@ class Sealing:
 def env_len(n: int) -> int:
     """Bytes of the frame table of ``n`` frames."""
     return ENV_HEAD.size + n * ENV_ENTRY.size
+
+
+def most_stored(raw_len: int, size: int, sealed: bool) -> int:
+    """The most body bytes a block of ``raw_len`` payload bytes (items of ``size``) is ever
+    stored in: its payload (a body never outgrows it), the table of as many segments as it can
+    have and, sealed, every frame's overhead and the frame table. A longer body is a lie (a
+    zstd skippable frame after the payload's decodes fine), refused before it is read on."""
+    n = min(MAX_SEGMENTS, raw_len // size)
+    most = raw_len + (table_len(n) if n > 1 else 0)
+    return most + env_len(n + 1) + (n + 1) * OVERHEAD + INNER.size if sealed else most
 
 
 def frame_aad(header: Any, tenant: bytes, j: int, n: int) -> bytes:

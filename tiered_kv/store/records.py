@@ -65,6 +65,7 @@ COSTS_FORMAT = 1
 COSTS_SAVE_S = 60.0  # a store writes its estimates at most this often (and at flush / close)
 COSTS_REFRESH_S = 60.0  # the scheduler's lookup index reads them back this often
 RECORD_CHECK_S = 60.0  # how often the write path re-checks a tier's namespace record
+MAX_RECORD_DEPTH = 32  # nesting a record may have (the estimates' samples are 6 deep)
 
 
 def namespace_key(digest: bytes) -> bytes:
@@ -92,6 +93,23 @@ def _dump(doc: Mapping) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 
+def _parsed(value):
+    """A stored record's JSON document; ValueError when it is none, also when it nests deeper
+    than MAX_RECORD_DEPTH: one past the parser's recursion limit raised RecursionError, and one
+    just under it made the seal's ``json.dumps`` raise it, out of every reader of the record (a
+    salted namespace's saves failed on it)."""
+    try:
+        doc = json.loads(bytes(value).decode())
+    except RecursionError:
+        raise ValueError("record nested too deeply") from None
+    level = [doc]
+    for _ in range(MAX_RECORD_DEPTH):
+        level = [v for d in level if isinstance(d, (dict, list)) for v in (d.values() if isinstance(d, dict) else d)]
+        if not level:
+            return doc
+    raise ValueError(f"record nested more than {MAX_RECORD_DEPTH} deep")
+
+
 def encode_namespace(namespace: Namespace) -> bytes:
     """The record value: :func:`record_doc` as compact, sorted JSON."""
     return _dump(record_doc(namespace))
@@ -102,7 +120,7 @@ def decode_namespace(key: bytes, value: bytes) -> Namespace:
     when it is not valid, or does not match the digest in its key (its seal, for a salted one)."""
     digest = bytes(key[len(NAMESPACE_PREFIX):])
     try:
-        data = json.loads(bytes(value).decode())
+        data = _parsed(value)
         tenant = data.get(TENANT_MEMBER)
         if tenant is None:  # unsalted (or an older version's record, salt and all)
             namespace = Namespace.from_dict(data, strict=False)
@@ -126,7 +144,7 @@ def scrubbed(key: bytes, value) -> bytes | None:
     such as the estimates, kept); None when it holds none. A record that does not decode loses
     the salt all the same (it stays broken: tools report it)."""
     try:
-        doc = json.loads(bytes(value).decode())
+        doc = _parsed(value)
     except (ValueError, TypeError):
         return None
     if not isinstance(doc, dict) or not doc.get(SALT_FIELD):
@@ -202,7 +220,7 @@ def encode_costs(namespace: Namespace, snapshot: Mapping, tier: str) -> bytes:
 def decode_costs(value: bytes) -> dict | None:
     """The estimates a namespace record carries (None: none); CorruptBlock when unreadable."""
     try:
-        doc = json.loads(bytes(value).decode())
+        doc = _parsed(value)
     except (ValueError, TypeError) as exc:
         raise CorruptBlock(f"unreadable namespace record: {exc}") from None
     costs = doc.get(COSTS_MEMBER) if isinstance(doc, dict) else None
