@@ -6,10 +6,12 @@ running the other side at the exact step where another thread could."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-from tests.store.helpers import keys_for, make_store, payloads
+from tests.store.helpers import keys_for, load, make_store, payloads
+from tiered_kv.errors import BackendUnavailable
 
 WAIT_S = 1.0  # a bound: how long a forced order waits for a step that must not come first
 
@@ -174,3 +176,36 @@ def test_regression_a_failed_layer_wise_load_of_a_block_dropped_its_evicted_copy
         store.flush(10)
         assert reasons and reasons[0] is not None, "the layer-wise load did not miss"
         assert store.tier("disk").contains(k[:1]) == [True], "the good block is lost from every tier"
+
+
+def test_regression_a_withdrawal_whose_delete_redis_refused_left_the_wrong_block_loadable(redis_url):
+    # Redis refused the delete (its circuit breaker open after a blip): the withdrawal ended,
+    # the keys were no longer suppressed, and the wrong copy loaded as good from Redis, here and
+    # in every replica sharing it. Now the key stays withdrawn until a retry deleted it.
+    keys = keys_for(1)
+    with make_store(None, remote_url=redis_url) as store:
+        wrong = payloads(store, 1, seed=3)
+        store.save(keys, wrong).result(10)
+        assert store.tier("remote").contains(keys) == [True]
+        remote = store.tier("remote").backend
+        delete, refused = remote.delete_many, []
+
+        def refused_once(names):
+            if not refused:
+                refused.append(names)
+                raise BackendUnavailable(f"redis at {redis_url} is down (next probe in 0.5s)")
+            return delete(names)
+
+        remote.delete_many = refused_once
+        store.invalidate(keys).result(10)
+        assert refused and store.metrics.events.get("remote_invalidate_failed") == 1
+        assert store.lookup(keys) == 0, "the wrong block is promised"
+        ok, outs = load(store, keys)
+        assert ok == [False], "the wrong block was loaded as good"
+        deadline = time.monotonic() + 30  # a bound, not a figure: the retry's first wait is 0.5 s
+        while store.tier("remote").contains(keys) != [False]:
+            assert time.monotonic() < deadline, "the refused delete was never tried again"
+            time.sleep(0.05)
+        assert len(refused) == 1
+    with make_store(None, remote_url=redis_url) as replica:
+        assert replica.lookup(keys) == 0

@@ -16,7 +16,10 @@ then names the keys computed over the failed block, and every rank withdraws its
   while a withdrawal of its key is in flight, nor one of evicted bytes whose key was withdrawn
   after the eviction took them (the host tier remembers that until its hook has run: the
   withdrawal may have ended before the hook queued the copy);
-- when the delete is done the keys are no longer suppressed.
+- when the delete is done the keys are no longer suppressed; but a key a tier failed to delete
+  (Redis down, its circuit breaker open) stays suppressed, and its delete is tried again (after
+  0.5 s, doubling to 30 s; one retry for all such keys) until that tier has deleted it: the
+  wrong copy would otherwise load as good once the tier answers again.
 
 Deletes are rare (only after a failed load) and never dropped for the save budget.
 """
@@ -38,6 +41,8 @@ from tiered_kv.store.transfer import TransferPool
 
 log = logging.getLogger(__name__)
 
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 30.0  # waits before failed deletes are tried again (doubling)
+
 
 class Invalidations:
     """Suppressed keys, deletes in flight and writes in flight, per key."""
@@ -49,6 +54,13 @@ class Invalidations:
         self._suppressed: Counter[bytes] = Counter()  # key -> invalidations not finished
         self._writes: dict[bytes, list[Future]] = {}  # key -> its writes in flight (write-behind, copies up)
         self._deletes: dict[bytes, Future] = {}  # key -> its delete in flight
+        # key -> {tier name: failure number} of deletes a tier failed (the key stays suppressed
+        # once, until each of those tiers deleted it), retried by one timer at a time
+        self._undeleted: dict[bytes, dict[str, int]] = {}
+        self._failures = 0
+        self._retry: threading.Timer | None = None
+        self._retry_wait = RETRY_FIRST_S
+        self._closed = False
 
     # -- what others ask -----------------------------------------------------------------------
     def suppressed(self, keys: Sequence[bytes]) -> list[bool]:
@@ -103,7 +115,8 @@ class Invalidations:
     # -- withdrawing ---------------------------------------------------------------------------
     def invalidate(self, keys: Sequence[bytes]) -> Future:
         """Withdraw every copy of ``keys`` (see the module docstring); done when the lower tiers
-        no longer hold them."""
+        no longer hold them, or those that failed to delete them keep them withdrawn here until
+        a retry has."""
         keys = list(dict.fromkeys(keys))
         out: Future = WriteFuture()  # (cancelled, the writes after it would run before the delete)
         if not keys:
@@ -129,7 +142,8 @@ class Invalidations:
 
         def start() -> None:
             try:
-                self.pool.submit_save(0, lambda: self._delete(keys)).add_done_callback(finish)
+                self.pool.submit_save(0, lambda: self._delete({tier.name: keys for tier in self.tiers})
+                                      ).add_done_callback(finish)
             except RuntimeError:  # the pool is closed: nothing more will be written either
                 log.warning("%d possibly wrong blocks not deleted: the store is closing", len(keys))
                 finish()
@@ -137,10 +151,94 @@ class Invalidations:
         after(earlier, start)
         return out
 
-    def _delete(self, keys: list[bytes]) -> None:
+    def _delete(self, todo: dict[str, list[bytes]], failed: dict[bytes, dict[str, int]] | None = None) -> None:
+        """Delete ``todo`` (tier name -> keys) from the lower tiers. A tier that fails keeps
+        its keys suppressed and their delete is retried; ``failed``: the failures a retry
+        deletes again (those that happened again meanwhile stay)."""
         for tier in self.tiers:
+            keys = todo.get(tier.name)
+            if not keys:
+                continue
             try:
                 tier.backend.delete_many([tier.ns + k for k in keys])
             except BackendError as exc:
                 self.metrics.event(f"{tier.name}_invalidate_failed", len(keys))
-                log.warning("%s tier: %d possibly wrong blocks not deleted: %s", tier.name, len(keys), exc)
+                log.warning("%s tier: %d possibly wrong blocks not deleted (tried again later): %s",
+                            tier.name, len(keys), exc)
+                self._undeletable(tier.name, keys)
+                continue
+            if failed is not None:
+                self._deleted(tier.name, keys, failed)
+
+    def _undeletable(self, tier: str, keys: list[bytes]) -> None:
+        with self._lock:
+            self._failures += 1
+            for k in keys:
+                if k not in self._undeleted:
+                    self._suppressed[k] += 1  # (held until every failed tier deleted it)
+                self._undeleted.setdefault(k, {})[tier] = self._failures
+            if self._retry is None and not self._closed:
+                self._arm()
+
+    def _deleted(self, tier: str, keys: list[bytes], failed: dict[bytes, dict[str, int]]) -> None:
+        with self._lock:
+            for k in keys:
+                tiers = self._undeleted.get(k)
+                if tiers is not None and tiers.get(tier) == failed[k][tier]:  # (not failed again since)
+                    del tiers[tier]
+                    if not tiers:
+                        del self._undeleted[k]
+                        self._suppressed[k] -= 1
+                        if self._suppressed[k] <= 0:
+                            del self._suppressed[k]
+
+    def _arm(self) -> None:  # (under the lock)
+        self._retry = threading.Timer(self._retry_wait, self._submit_retry)
+        self._retry.daemon = True
+        self._retry.start()
+
+    def _failed(self) -> tuple[dict[str, list[bytes]], dict[bytes, dict[str, int]]]:
+        """(tier name -> keys it failed to delete, the failures as they are now); under the lock."""
+        failed = {k: dict(tiers) for k, tiers in self._undeleted.items()}
+        todo: dict[str, list[bytes]] = {}
+        for k, tiers in failed.items():
+            for name in tiers:
+                todo.setdefault(name, []).append(k)
+        return todo, failed
+
+    def _submit_retry(self) -> None:
+        """Delete again what tiers failed to delete (on the pool: deletes are writes)."""
+        with self._lock:
+            if self._closed:
+                return
+            todo, failed = self._failed()
+            self._retry_wait = min(self._retry_wait * 2, RETRY_MAX_S)
+
+        def retried(_f: Future) -> None:
+            with self._lock:
+                self._retry = None
+                if not self._undeleted:
+                    self._retry_wait = RETRY_FIRST_S
+                elif not self._closed:
+                    self._arm()
+
+        try:
+            self.pool.submit_save(0, lambda: self._delete(todo, failed)).add_done_callback(retried)
+        except RuntimeError:  # the pool is closed (and so is the store: :meth:`close` said what is left)
+            with self._lock:
+                self._retry = None
+
+    def close(self) -> None:
+        """Try failed deletes a last time, on this thread, and stop retrying (the store is
+        closing: what is left is logged)."""
+        with self._lock:
+            self._closed = True
+            retry, self._retry = self._retry, None
+            todo, failed = self._failed()
+        if retry is not None:
+            retry.cancel()
+        if failed:
+            self._delete(todo, failed)
+        if self._undeleted:
+            log.warning("%d possibly wrong blocks left undeleted in a lower tier: the store closed "
+                        "before the tier took their deletes", len(self._undeleted))

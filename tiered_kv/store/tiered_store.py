@@ -250,7 +250,8 @@ class TieredStore:
 
     def invalidate(self, keys: Sequence[bytes]):
         """Withdraw every copy of ``keys`` from every tier (their KV may be wrong); see
-        :mod:`tiered_kv.store.invalidation`. Returns a future done when the lower tiers are clean."""
+        :mod:`tiered_kv.store.invalidation`. Returns a future done when the lower tiers are clean
+        (or a tier that failed to delete them is retried, the keys withdrawn meanwhile)."""
         return self.invalidations.invalidate(keys)
 
     # -- lifecycle ---------------------------------------------------------------------------------
@@ -292,6 +293,7 @@ class TieredStore:
 
                 unexport(self)
             self.presence.close()
+            self.invalidations.close()  # (after flush: a failed delete's last retry may have run)
             self.close_parts()
 
     def close_parts(self) -> None:
