@@ -101,6 +101,15 @@ def test_sliding_and_full_groups_load_every_kept_block_and_skip_blocks_behind_th
 def test_mla_latents_round_trip_per_token_block(tmp_path):
     ns = namespace(MLA)
     a = [tensors(MLA, 3)]
+    conn, b = _latents_loaded(tmp_path, ns, a)
+    for layer in range(3):
+        assert torch.equal(b[0][layer][9:15], a[0][layer][1:7])
+    conn.close()
+
+
+def _latents_loaded(tmp_path, ns, a):
+    """Blocks 1..6 of ``a`` stored, then matched and loaded into blocks 9..14 of a fresh engine's
+    zeroed tensors: (its connector, its tensors)."""
     fill_store(tmp_path, ns, a, [list(range(1, 8))], [len(PROMPT)])
     b = [[torch.zeros_like(t) for t in a[0]]]
     conn = connector(tmp_path, ns)
@@ -109,9 +118,7 @@ def test_mla_latents_round_trip_per_token_block(tmp_path):
     assert n == 6 * BS
     conn.update_state_after_alloc(request("b"), [list(range(9, 16))], n)
     run_step(conn, "b", [list(range(9, 16))], 0, 1)
-    for layer in range(3):
-        assert torch.equal(b[0][layer][9:15], a[0][layer][1:7])
-    conn.close()
+    return conn, b
 
 
 def hybrid_store(tmp_path, steps):
@@ -269,14 +276,7 @@ def test_regression_every_load_of_fp8_latents_kept_in_bytes_failed_on_cpu(tmp_pa
     ns = namespace(mla8)
     gen = torch.Generator().manual_seed(3)
     a = [[torch.randint(0, 120, (NB, BS, 12), generator=gen, dtype=torch.uint8) for _ in range(3)]]
-    fill_store(tmp_path, ns, a, [list(range(1, 8))], [len(PROMPT)])
-    b = [[torch.zeros_like(t) for t in a[0]]]
-    conn = connector(tmp_path, ns)
-    conn.worker.register_kv_caches(b)
-    n, _ = conn.get_num_new_matched_tokens(request("b"), 0)
-    assert n == 6 * BS
-    conn.update_state_after_alloc(request("b"), [list(range(9, 16))], n)
-    run_step(conn, "b", [list(range(9, 16))], 0, 1)
+    conn, b = _latents_loaded(tmp_path, ns, a)
     assert conn.get_block_ids_with_load_errors() == set()
     for layer in range(3):
         assert torch.equal(b[0][layer][9:15], a[0][layer][1:7])

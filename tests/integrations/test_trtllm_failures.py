@@ -69,12 +69,7 @@ class _FailingForward(Executor):
         except RuntimeError:
             for req in [r for r in self.requests.values() if r.state not in ("done", "saving")]:
                 req.state = "done"
-                if self.scheduler.request_finished(req, list(req.block_ids)):
-                    req.state = "saving"
-                    self.held[req.request_id] = req.block_ids
-                    self.new_saving.add(req.request_id)
-                else:
-                    self._free(req)
+                self._end(req, self.scheduler.request_finished(req, list(req.block_ids)))
             self._get_finished()
 
 

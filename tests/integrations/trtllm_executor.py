@@ -238,13 +238,17 @@ class Executor:
             else:
                 hold = self.scheduler.request_finished(req, list(req.block_ids))
             self.log.append((self.step_no, "finished", req.request_id, hold))
-            if hold:
-                req.state = "saving"
-                self.held[req.request_id] = req.block_ids
-                self.new_saving.add(req.request_id)
-            else:
-                self._free(req)
+            self._end(req, hold)
         self._get_finished()
+
+    def _end(self, req, hold: bool) -> None:
+        """A finished request: held while the connector saves it, else its blocks freed."""
+        if hold:
+            req.state = "saving"
+            self.held[req.request_id] = req.block_ids
+            self.new_saving.add(req.request_id)
+        else:
+            self._free(req)
 
     def _forward(self, batch) -> None:
         for layer in range(LAYERS):
