@@ -179,3 +179,37 @@ def test_blocks_a_load_copies_to_the_device_are_made_on_the_load_stream_and_hand
         assert worker.get_block_ids_with_load_errors() == set()
     finally:
         store.close()
+
+
+def test_regression_a_failed_gather_freed_host_slots_its_queued_copies_still_wrote(fake_cuda, monkeypatch):
+    """A gather that failed after ``fill`` queued its non-blocking copies (a device error) freed
+    the batch's host slots at once: the next block given those slots would be overwritten by the
+    copies still running. The side stream is synchronized before the slots go."""
+    store = make_store(None)
+    try:
+        worker = ConnectorWorker(store)
+        worker.layout, worker._stream = CheckingLayout(torch.randn(8, *store.shape).to(store.dtype)), torch.cuda.Stream()
+        pending = []  # copies "queued" on the side stream and not finished
+        worker._stream.synchronize = pending.clear
+
+        def fill(slots, data, non_blocking=False):
+            pending.extend(slots)
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        freed_with_copies_pending = []
+        commit = store.commit_save
+
+        def commit_save(batch, ok=True):
+            if not ok:
+                freed_with_copies_pending.append(list(pending))
+            return commit(batch, ok)
+
+        monkeypatch.setattr(store.slots, "fill", fill)
+        monkeypatch.setattr(store, "commit_save", commit_save)
+        keys = keys_for(3, NS)
+        worker.bind_connector_meta(ConnectorMeta(saves=[SaveSpec("r", tuple(keys), (5, 2, 7), 0)]))
+        worker.wait_for_save()
+        assert freed_with_copies_pending == [[]]  # aborted once, after its copies were done
+        assert store.metrics.snapshot()["events"]["saves_failed"] == 3
+    finally:
+        store.close()

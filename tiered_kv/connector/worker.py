@@ -252,6 +252,7 @@ class ConnectorWorker:
                     self._gather([index[k] for k in batch.keys], batch.slots, batch, owners, state)
                 except Exception:  # (caches unregistered, a device error): a lost save, never a crash
                     log.exception("saving %d blocks failed; they are not stored", len(batch.keys))
+                    self._settle_side_stream()  # (copies it queued write the slots until then)
                     self.store.commit_save(batch, ok=False)
                     self.store.metrics.event("saves_failed", len(batch.keys))
         self._saves.commit_ready()
@@ -299,6 +300,15 @@ class ConnectorWorker:
         if self._reused_next_step:  # sliding-window blocks and running state change next step
             torch.cuda.current_stream(self.layout.device).wait_event(event)
         self._saves.add(batch, owners, event)
+
+    def _settle_side_stream(self) -> None:
+        """Wait for what a failed gather queued on the side stream: a copy into host slots that
+        are freed, then another block's, would overwrite it (a broken context runs nothing more)."""
+        try:
+            if self._stream is not None:
+                self._stream.synchronize()
+        except Exception:
+            log.exception("the save stream could not be synchronized")
 
     # -- completion ------------------------------------------------------------------------------
     def get_finished(self, finished_req_ids, started_loading_req_ids=()) -> tuple[list[str], list[str]]:

@@ -55,7 +55,7 @@ class TransferPool:
             if self.inflight[SAVE] > 0 and self.inflight[SAVE] + nbytes > self.max_bytes[SAVE]:
                 return None
             self.inflight[SAVE] += nbytes
-        return self._put(SAVE, nbytes, fn)
+            return self._put(SAVE, nbytes, fn)
 
     def submit_save(self, nbytes: int, fn: Callable[[], Any]) -> Future:
         """Queue a save that must not be dropped (rare: a replacement of a wrong stored copy);
@@ -64,7 +64,7 @@ class TransferPool:
             if self._closed:
                 raise StoreClosed("transfer pool is closed")
             self.inflight[SAVE] += nbytes
-        return self._put(SAVE, nbytes, fn)
+            return self._put(SAVE, nbytes, fn)
 
     def submit_load(self, nbytes: int, fn: Callable[[], Any]) -> Future:
         """Queue a load and return at once (never drops, never waits): over the load budget it
@@ -74,13 +74,12 @@ class TransferPool:
             if self._closed:
                 raise StoreClosed("transfer pool is closed")
             self.jobs += 1
+            fut.add_done_callback(lambda f: self._cancelled(LOAD, nbytes, f))  # (not done: not run now)
             if self._waiting_loads or not self._load_fits(nbytes):
                 self._waiting_loads.append((nbytes, fn, fut))
-                fut.add_done_callback(lambda f: self._cancelled(LOAD, nbytes, f))
-                return fut
-            self.inflight[LOAD] += nbytes
-        fut.add_done_callback(lambda f: self._cancelled(LOAD, nbytes, f))
-        self._queue.put((LOAD, next(self._seq), fn, fut, nbytes))
+            else:
+                self.inflight[LOAD] += nbytes
+                self._queue.put((LOAD, next(self._seq), fn, fut, nbytes))
         return fut
 
     def _load_fits(self, nbytes: int) -> bool:
@@ -95,10 +94,14 @@ class TransferPool:
             self._queue.put((LOAD, next(self._seq), fn, fut, nbytes))
 
     def _put(self, kind: int, nbytes: int, fn: Callable[[], Any]) -> Future:
+        """Queue a job accepted while holding ``_cond``, in the same section as the check that
+        the pool is open: :meth:`close` then either refused it or finds it queued ahead of the
+        workers' stop signals. (Accepted in one section and queued after it, a job could land
+        behind the stop signals of workers that had left: it never ran, its future never
+        completed, and a save reported stored was neither written nor counted.)"""
         fut: Future = Future()
-        with self._cond:
-            self.jobs += 1
-        fut.add_done_callback(lambda f: self._cancelled(kind, nbytes, f))
+        self.jobs += 1
+        fut.add_done_callback(lambda f: self._cancelled(kind, nbytes, f))  # (not done: not run now)
         self._queue.put((kind, next(self._seq), fn, fut, nbytes))
         return fut
 
