@@ -278,6 +278,19 @@ def test_specs_one_stored_block_cannot_follow_are_refused_naming_the_reason(spec
         TieredKVConnector(vllm_config(extra(tmp_path)), KVConnectorRole.WORKER, kv_cache_config(spec))
 
 
+@pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER])
+def test_regression_a_prefix_lm_model_was_served_blocks_computed_over_another_prompts_later_tokens(
+        tmp_path, role):
+    # vLLM's PrefillPrefixLMAttention: FullAttentionSpec(non_causal=True). A prefill attends both
+    # ways, so block 0's KV depends on the whole prompt; the connector used to store it under
+    # block 0's tokens and serve it to any prompt starting with them (vLLM's own prefix cache is
+    # turned off for such models)
+    spec = FullAttentionSpec()
+    spec.non_causal = True
+    with pytest.raises(ConfigError, match="non-causal"):
+        TieredKVConnector(vllm_config(extra(tmp_path)), role, kv_cache_config(spec))
+
+
 def test_an_unknown_kv_layout_is_refused_when_caches_are_registered(tmp_path):
     worker = TieredKVConnector(vllm_config(extra(tmp_path)), KVConnectorRole.WORKER, kv_cache_config())
     try:

@@ -1,8 +1,8 @@
 """The namespace of a vLLM engine's KV blocks, from the KV cache specs vLLM allocates by (no
 torch here): one full-attention group keeps the plain namespace; MLA, sliding-window, chunked and
 hybrid models name their KV groups (:mod:`tiered_kv.integrations.vllm_groups`). What one stored
-block cannot follow (pipeline or context parallelism, runtime fp8 scales, int8 KV) is refused
-with one ConfigError line."""
+block cannot follow (pipeline or context parallelism, runtime fp8 scales, int8 KV, non-causal
+attention) is refused with one ConfigError line."""
 
 from __future__ import annotations
 
@@ -46,6 +46,11 @@ def vllm_namespace(vllm_config: Any, kv_cache_config: Any, settings_config: Any,
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
     if not groups:
         raise ConfigError(f"{SOURCE}: vLLM passed no KV cache groups (a model without KV cache?)")
+    if any(getattr(g.kv_cache_spec, "non_causal", False) is True for g in groups):
+        # Prefix LM: a prefill attends both ways, so a block's KV depends on the tokens after it
+        # (vLLM turns its own prefix caching off for the same reason)
+        raise ConfigError(f"{SOURCE}: non-causal (Prefix LM) attention is not supported: a block's KV "
+                          "depends on the tokens after it, and tiered-kv keys a block by those before it")
     if not _plain(groups):
         return _grouped_namespace(vllm_config, groups, settings_config, tp_rank)
     spec = _full_attention_spec(groups)
