@@ -41,18 +41,19 @@ def pid_namespace() -> int:
 
 def owner_alive(record, path: Path | None = None) -> bool:
     """Whether the process appending to a segment (its ``SegmentRecord``; its file at ``path``)
-    may still run. An owner that locks its files is alive while the lock is held (an empty file
-    tells nothing: its owner may be about to lock it); else a process of another pid namespace
-    (another container on this host) cannot be looked up, so it is taken to run."""
+    may still run. An owner of this pid namespace is looked up by its pid; one of another pid
+    namespace (another container on this host), which cannot be, is alive while it holds the
+    lock on the file (an empty file tells nothing: its owner may be about to lock it), and taken
+    to run where it takes no lock."""
     if record.owner_pid <= 0:
         return False
+    if record.owner_ns & ~LOCKING == pid_namespace():  # its pid tells (the lock may not: a
+        return process_start(record.owner_pid) == record.owner_start  # lock emulated per process)
     if record.owner_ns & LOCKING and path is not None:
         free = _lock_free(path)
         if free is not None:
             return not free
-    if record.owner_ns & ~LOCKING != pid_namespace():
-        return True
-    return process_start(record.owner_pid) == record.owner_start
+    return True
 
 
 def _lock_free(path: Path) -> bool | None:
