@@ -271,3 +271,62 @@ def test_fp8_kv_held_in_uint8_tensors_round_trips_bit_exact():
     layout.scatter(ids, blocks.view(torch.float8_e4m3fn))  # what a load hands over: namespace dtype
     assert torch.equal(caches["l1"][5], blocks[0, 1])  # the same bytes, not converted values
     assert torch.equal(layout.gather(ids).view(torch.uint8), blocks)
+
+
+def phi3_ns(max_model_len: int, **rope) -> Namespace:
+    """A Phi-3 (LongRoPE) engine whose ``max_model_len`` is ``max_model_len``."""
+    cfg = vllm_config({}, model="microsoft/Phi-3-mini-128k-instruct")
+    params = {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [4.0],
+              "original_max_position_embeddings": 4096, **rope}
+    cfg.model_config = SimpleNamespace(model="microsoft/Phi-3-mini-128k-instruct", revision=None,
+                                       max_model_len=max_model_len,
+                                       hf_text_config=SimpleNamespace(rope_parameters=params))
+    return vllm_namespace(cfg, kv_cache_config(), parse_settings({}, source="x").config)
+
+
+def test_regression_longrope_engines_with_short_and_long_max_model_len_shared_a_namespace():
+    # vLLM rotates K with LongRoPE's long factors iff max_model_len > original_max_position_embeddings:
+    # an engine at --max-model-len 4096 and one at 131072 got one namespace and each other's K
+    assert phi3_ns(4096).digest() != phi3_ns(131072).digest()
+    assert phi3_ns(8192) == phi3_ns(131072)  # both on the long factors: one namespace
+    assert phi3_ns(2048) == phi3_ns(4096)
+    assert "+numerics-" not in vllm_ns_with("tiny", max_model_len=4096, hf_text_config=SimpleNamespace(
+        rope_parameters={"rope_type": "default"})).revision  # other RoPE: the namespace is as before
+
+
+def mm_request(pixels: str):
+    """A request with one image that vLLM named by its counter, as it does with its caches off."""
+    image = SimpleNamespace(identifier="renderer0-mm-1-image-0", mm_hash="renderer0-mm-1-image-0",
+                            mm_position=SimpleNamespace(offset=2, length=8), data=pixels)
+    return SimpleNamespace(request_id="r1", prompt_token_ids=[1, 2] + [9] * 8 + [3, 4], num_prompt_tokens=12,
+                           prompt_embeds=None, lora_request=None, cache_salt=None, mm_features=[image])
+
+
+@pytest.mark.parametrize("prefix_caching,processor_cache_gb,keyed", [(False, 0, False), (True, 0, True),
+                                                                    (False, 4, True)])
+def test_regression_images_named_by_vllms_per_process_counter_got_each_others_kv(prefix_caching,
+                                                                                  processor_cache_gb, keyed):
+    # with vLLM's prefix caching and processor cache off, an image is named renderer0-mm-1-image-0
+    # in every run and replica: the next run's first image (another one) was served this one's KV
+    cfg = vllm_config({})
+    cfg.model_config.multimodal_config = SimpleNamespace(mm_processor_cache_gb=processor_cache_gb)
+    cfg.cache_config = SimpleNamespace(block_size=BS, enable_prefix_caching=prefix_caching)
+    sched = TieredKVConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config())
+    try:
+        view = sched._sched._view(mm_request("a cat"))
+        assert (view is not None) is keyed
+        assert sched._sched.get_num_new_matched_tokens(mm_request("a dog"), 0) == (0, False)
+    finally:
+        sched.shutdown()
+
+
+def test_regression_two_hub_lora_adapters_under_one_name_and_id_shared_keys():
+    # a lora_path that is not local (a hub id the worker downloads) has no fingerprint: the key
+    # named the adapter by name and id only, so run A's org/bot-v1 and run B's org/bot-v2 (both
+    # loaded as "bot", id 1) read each other's KV
+    def hub(path):
+        return SimpleNamespace(lora_request=SimpleNamespace(lora_name="bot", lora_int_id=1, lora_path=path),
+                               cache_salt=None, mm_features=None)
+
+    assert _key_extra(hub("org/bot-v1")) != _key_extra(hub("org/bot-v2"))
+    assert _key_extra(hub("org/bot-v1")) == _key_extra(hub("org/bot-v1"))

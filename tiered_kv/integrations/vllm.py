@@ -39,7 +39,7 @@ from tiered_kv.integrations.common import (
 )
 from tiered_kv.integrations.vllm_groups import group_ids, is_replicated, request_level_failures
 from tiered_kv.integrations.vllm_namespace import SOURCE, vllm_namespace
-from tiered_kv.integrations.vllm_scheduler import SchedulerSide, group0
+from tiered_kv.integrations.vllm_scheduler import SchedulerSide, group0, mm_content_hashed
 from tiered_kv.keys import Namespace
 
 log = logging.getLogger(__name__)
@@ -148,7 +148,8 @@ class TieredKVConnector(KVConnectorBase_V1, SupportsHMA):
                 int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
             tracker = vllm_events.VllmEventTracker(self.namespace.block_size, ranks) if events else None
             self._sched = SchedulerSide(self.settings, self.namespace, tracker,
-                                        getattr(getattr(vllm_config, "device_config", None), "device_type", None))
+                                        getattr(getattr(vllm_config, "device_config", None), "device_type", None),
+                                        mm_keyed=mm_content_hashed(vllm_config))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -156,4 +156,25 @@ def _numerics(vllm_config: Any) -> str:
     fields = {name: getattr(mc, name, None) for name in NUMERICS}
     if quantized_kv(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)):
         fields["dtype"] = getattr(mc, "dtype", None)
+    fields["longrope"] = _long_rope(mc)
     return numerics_suffix(fields)
+
+
+def _long_rope(mc: Any) -> str | None:
+    """Which LongRoPE factors rotate K (Phi-3): vLLM takes the long ones at every position when
+    ``max_model_len`` exceeds ``original_max_position_embeddings``, else the short ones, so one
+    checkpoint's K differ between the two. None without LongRoPE."""
+    config = getattr(mc, "hf_text_config", None) or getattr(mc, "hf_config", None)
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(params, dict):
+        return None
+    nested = "rope_type" not in params and "type" not in params  # one per layer type
+    for p in params.values() if nested else (params,):
+        if isinstance(p, dict) and p.get("rope_type", p.get("type")) == "longrope":
+            original = p.get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings", None)
+            max_len = getattr(mc, "max_model_len", None)
+            if original and max_len:
+                return "long" if int(max_len) > int(original) else "short"
+            return f"max_model_len={max_len}"
+    return None

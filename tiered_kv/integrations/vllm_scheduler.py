@@ -28,14 +28,15 @@ def _key_extra(request: Any) -> str | None:
     A LoRA adapter is named by its name, id and a fingerprint of its files (names, sizes,
     mtimes; cached per path, re-checked at most once a second): an adapter replaced under the
     same name and id gets other keys. A ``lora_path`` that is not local here (a hub id the
-    worker resolves) has no fingerprint: name and id alone then."""
+    worker resolves) has no fingerprint: it is named by that path then (another hub adapter
+    under the same name and id got the same keys)."""
     parts = []
     lora = getattr(request, "lora_request", None)
     if lora is not None:
         path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
         files = LORA_FINGERPRINTS.get(path) if path else None
         parts.append(f"lora={getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}"
-                     + (f":{files}" if files else ""))
+                     + (f":{files}" if files else f":path={path}" if path else ""))
     if getattr(request, "cache_salt", None):
         parts.append(f"salt={request.cache_salt}")
     for feature in getattr(request, "mm_features", None) or ():
@@ -43,6 +44,16 @@ def _key_extra(request: Any) -> str | None:
         pos = getattr(getattr(feature, "mm_position", None), "offset", "")
         parts.append(f"mm={ident}@{pos}")
     return ";".join(parts) or None
+
+
+def mm_content_hashed(vllm_config: Any) -> bool:
+    """Whether vLLM names multimodal items by a hash of their content. With its processor cache
+    (``mm_processor_cache_gb=0``) and its prefix caching both off it names them by a per-process
+    counter (``renderer0-mm-1-image-0``): the next run or another replica gives that name to
+    another image, so such requests get no keys."""
+    mm = getattr(getattr(vllm_config, "model_config", None), "multimodal_config", None)
+    prefix_caching = getattr(getattr(vllm_config, "cache_config", None), "enable_prefix_caching", True)
+    return not (mm is not None and getattr(mm, "mm_processor_cache_gb", None) == 0 and not prefix_caching)
 
 
 def group0(block_ids: Any) -> list[int]:
@@ -56,8 +67,9 @@ class SchedulerSide:
     """vLLM's scheduler outputs translated into the core's new/cached request data."""
 
     def __init__(self, settings, namespace: Namespace, events: VllmEventTracker | None = None,
-                 device: str | None = None) -> None:
+                 device: str | None = None, mm_keyed: bool = True) -> None:
         self.settings, self.namespace = settings, namespace
+        self.mm_keyed = mm_keyed  # vLLM names multimodal items by content (mm_content_hashed)
         self.device = device  # vLLM's device type ("cuda", "cpu"): settles layerwise_loads = "auto"
         self.events = events  # vLLM's KV events are on: planned blocks' vLLM names are kept
         self.index = None  # opened at the first request, when the worker of this process exists
@@ -80,12 +92,13 @@ class SchedulerSide:
                                            save=self.settings.save, device=self.device)
         return self.core
 
-    @staticmethod
-    def _view(request: Any) -> RequestView | None:
+    def _view(self, request: Any) -> RequestView | None:
         if getattr(request, "prompt_token_ids", None) is None or getattr(request, "prompt_embeds", None) is not None:
             # prompt embeddings (all of the prompt, or mixed with token ids whose places then hold
             # placeholders): the ids do not say what the model read there, so nothing is keyed
             return None
+        if not self.mm_keyed and getattr(request, "mm_features", None):
+            return None  # its images are named by a counter, not by their content
         return RequestView(request.request_id, list(request.prompt_token_ids), int(request.num_prompt_tokens),
                      _key_extra(request), getattr(request, "cache_salt", None) or None)
 
