@@ -3,7 +3,7 @@ retried a few times with a short backoff, the topology read again before each ne
 
 The cluster client itself retries nothing (``Retry(NoBackoff(), 0)``: it would retry a timeout
 whatever its retry object says, and a hung node must cost the data path one timeout); GETs,
-EXISTS, SETs and UNLINKs retry per node (:mod:`storage_backends.redis_node_pipelines`). Without
+TYPEs, SETs and UNLINKs retry per node (:mod:`storage_backends.redis_node_pipelines`). Without
 this, a SCAN or INFO that met a master gone since the topology was read (failed over, restarted)
 failed on its first refused connection. A try runs the whole call again (SCAN's cursors are per
 node and die with it; what a call collects is collected afresh), and a timeout is not retried

@@ -17,11 +17,11 @@ the call raises :class:`BackendUnavailable` and the circuit breaker opens
 (:mod:`storage_backends.redis_breaker`). While it is open every call fails at once, and one
 background probe (a PING, every cool-down that doubles from 0.5 s to 4 s; in a cluster to every
 master) watches for Redis to come back and closes it: no caller ever waits on a probe, and the
-same object works again on its own once Redis is healthy. In a cluster GETs, EXISTS, SETs and
+same object works again on its own once Redis is healthy. In a cluster GETs, TYPEs, SETs and
 UNLINKs go one pipeline per node (at once with ``node_threads``; :mod:`storage_backends.redis_node_pipelines`),
 so a hung node costs a call one timeout there too; SCAN and INFO are retried as whole calls
 (:mod:`storage_backends.redis_admin`). ``maxmemory`` refusals (OOM) make that put ``False``
-(``put_rejected``).
+(``put_rejected``), as do ``READONLY`` and ``MISCONF``, which other calls raise as :class:`BackendError`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from storage_backends.base import Backend, BackendStats, Visitor
+from storage_backends.log_throttle import LogThrottle
 from storage_backends.quotas import as_tenant
 from storage_backends.redaction import redact_text, redact_url
 from storage_backends.redis_admin import AdminRetry
@@ -50,9 +51,10 @@ from storage_backends.redis_names import RedisNames
 from storage_backends.redis_node_pipelines import NodeFanout, node_pipelines, ping_every_node
 from storage_backends.redis_options import check_cluster_options, redis_arguments, redis_target
 from storage_backends.redis_packer import PACKER, PackedConnection
-from tiered_kv.errors import BackendUnavailable, ConfigError
+from tiered_kv.errors import BackendError, BackendUnavailable, ConfigError
 
 log = logging.getLogger(__name__)
+_refusals = LogThrottle(log)  # a read-only replica or a failing RDB save refuses every value
 
 T = TypeVar("T")
 # (BusyLoadingError, i.e. LOADING, and AuthenticationError are ConnectionErrors)
@@ -60,7 +62,7 @@ DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAga
                RedisClusterException, OSError)
 PIPELINE_BYTES = 4 << 20  # default: bytes of values per pipeline of SETs or GETs
 VALUE_SIZE_GUESS = 2 << 20  # value size assumed until some are seen (sizes the first GETs)
-KEYS_PER_CALL = 1000  # keys per EXISTS pipeline, UNLINK and SCAN page
+KEYS_PER_CALL = 1000  # keys per TYPE pipeline, UNLINK and SCAN page
 
 
 def _glob_escape(data: bytes) -> bytes:
@@ -118,12 +120,12 @@ class RedisBackend(Backend):
             elif not target.startswith("rediss://"):  # the TLS cluster client sets its own class
                 common["connection_class"] = PackedConnection
             if read_from_replicas:
-                # GETs and EXISTS go round robin over each slot's master and replicas: a block is
+                # GETs and TYPEs go round robin over each slot's master and replicas: a block is
                 # immutable under its key and checked when read, so a replica can only be behind
                 # (absent: a counted miss), never wrong
                 common["load_balancing_strategy"] = LoadBalancingStrategy.ROUND_ROBIN
             # redis-py's cluster client retries a timeout whatever a retry object says: no
-            # cluster-level retries (GETs, EXISTS and SETs go one pipeline per node, retried as
+            # cluster-level retries (GETs, TYPEs and SETs go one pipeline per node, retried as
             # above by storage_backends.redis_node_pipelines)
             common["retry"] = Retry(NoBackoff(), 0)
             if self.cluster:
@@ -183,6 +185,9 @@ class RedisBackend(Backend):
             self._count(errors=1)
             self._breaker.trip(exc)
             raise BackendUnavailable(f"redis at {self.url} unavailable: {exc}") from None
+        except ResponseError as exc:  # it answered (READONLY, MISCONF, NOPERM): refused, not down
+            self._count(errors=1)
+            raise BackendError(f"redis at {self.url} refused the call: {exc}") from None
 
     def _ping(self) -> None:
         """What the breaker's probe asks: a PING; in a cluster every master (and replica, when
@@ -219,17 +224,20 @@ class RedisBackend(Backend):
         return found
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """EXISTS per key, pipelined ``KEYS_PER_CALL`` at a time."""
+        """TYPE per key, ``KEYS_PER_CALL`` a pipeline: one holding no string (someone else's) is absent."""
         out: list[bool] = []
         for start in range(0, len(keys), KEYS_PER_CALL):
             names = self.names.names(keys[start : start + KEYS_PER_CALL])
-            replies = self._call(lambda c, n=names: self._pipelined(c, n, lambda p, name: p.exists(name)))
-            out += [isinstance(r, int) and r > 0 for r in replies]
+            replies = self._call(lambda c, n=names: self._pipelined(c, n, lambda p, name: p.type(name)))
+            if refused := next((r for r in replies if isinstance(r, ResponseError)), None):  # (NOPERM)
+                raise BackendUnavailable(f"redis at {self.url} refused TYPE: {refused}")  # not "all absent"
+            out += [r in (b"string", "string") for r in replies]
         return out
 
-    def _pipelined(self, client: Any, items: Sequence, add: Callable[[Any, Any], Any], *, read: bool = True) -> list:
+    def _pipelined(self, client: Any, items: Sequence, add: Callable[[Any, Any], Any], *, read: bool = True,
+                   refusals: bool = False) -> list:
         """One pipeline of ``add(pipe, item)`` per item (a key name, or a (name, value) pair); in
-        a cluster one per node (:mod:`storage_backends.redis_node_pipelines`)."""
+        a cluster one per node (:mod:`storage_backends.redis_node_pipelines`); ``refusals`` raised too."""
         if self.cluster:
             replies = node_pipelines(client, items, _name_of, add, read=read, retries=self.retries,
                                      backoff=self._backoff.compute, fanout=self._fanout)
@@ -238,8 +246,8 @@ class RedisBackend(Backend):
             for item in items:
                 add(pipe, item)
             replies = pipe.execute(raise_on_error=False)
-        down = next((r for r in replies if isinstance(r, DOWN_ERRORS)), None)
-        if down is not None:  # e.g. CLUSTERDOWN answered per command
+        down = next((r for r in replies if isinstance(r, DOWN_ERRORS + (ResponseError,) * refusals)), None)
+        if down is not None:  # e.g. CLUSTERDOWN answered per command; with ``refusals`` READONLY too
             raise down
         return replies
 
@@ -267,10 +275,9 @@ class RedisBackend(Backend):
         pairs = list(zip(names, values))  # a lone value is a lone SET on the wire
         replies = self._call(lambda c: self._pipelined(c, pairs, lambda p, kv: p.set(*kv, px=self.ttl_ms), read=False))
         ok = [r is True or r == b"OK" for r in replies]
-        for reply in replies:
-            if isinstance(reply, ResponseError):
-                log.log(logging.DEBUG if str(reply).startswith("OOM") else logging.WARNING,
-                        "redis refused a value: %s", reply)
+        for reply in (r for r in replies if isinstance(r, ResponseError)):  # OOM: no room; others said rarely
+            say = log.debug if isinstance(reply, redis.exceptions.OutOfMemoryError) else _refusals.warning
+            say("redis at %s refused a value: %s", self.url, reply)
         self._count(puts=sum(ok), put_rejected=len(ok) - sum(ok),
                     bytes_in=sum(_nbytes(v) for v, s in zip(values, ok) if s))
         self._value_size = (self._value_size + max(map(_nbytes, values))) / 2
@@ -278,10 +285,9 @@ class RedisBackend(Backend):
         return ok
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
-        """UNLINK (the server frees large values in the background), ``KEYS_PER_CALL`` keys a
-        call, each call's keys told removed once it ran (UNLINK counts, it does not name: every
-        key asked for). A call that fails part-way raises: the calls before it were told, and so
-        was the failed one when it was sent (a timeout or a dropped connection: it may have run)."""
+        """UNLINK, ``KEYS_PER_CALL`` keys a call, each call's keys told removed once it ran (UNLINK
+        counts, it does not name: every key asked for). A call that fails part-way raises: the calls
+        before were told, and the failed one when it was sent (a timeout, a dropped connection)."""
         n = 0
         try:
             for start in range(0, len(keys), KEYS_PER_CALL):
@@ -289,7 +295,7 @@ class RedisBackend(Backend):
                 sent = self.available  # an open breaker refuses a call before sending it
                 try:
                     n += self._unlink(self.names.names(chunk))
-                except BackendUnavailable:
+                except BackendUnavailable:  # (a refusal, READONLY or NOPERM, ran nowhere: not told)
                     if sent:
                         self._tell("removed", chunk)
                     raise
@@ -299,15 +305,14 @@ class RedisBackend(Backend):
         return n
 
     def _unlink(self, names: list[bytes]) -> int:
-        if self.cluster:  # one pipeline per node, retried as GETs and SETs are
-            replies = self._call(lambda c: self._pipelined(c, names, lambda p, name: p.unlink(name), read=False))
+        if self.cluster:  # one pipeline per node, retried as GETs and SETs are; a node's refusal raises
+            replies = self._call(lambda c: self._pipelined(c, names, lambda p, n: p.unlink(n), read=False, refusals=True))
             return sum(r for r in replies if isinstance(r, int))
         return int(self._call(lambda c: c.unlink(*names)))
 
     # -- listing and figures -----------------------------------------------------------------
     def scan(self, prefix: bytes = b"") -> Iterator[bytes]:
-        """SCAN MATCH of our prefix + ``prefix`` (glob characters escaped); SCAN may return a
-        key twice, so keys are collected into a set first."""
+        """SCAN MATCH of our prefix + ``prefix`` (glob escaped); a key SCAN returns twice is one."""
         names: set[bytes] = set()
         for pattern in self.names.patterns(prefix, _glob_escape):
             names |= self._call(lambda c, p=pattern: set(c.scan_iter(match=p, count=KEYS_PER_CALL)), admin=True)
@@ -317,11 +322,11 @@ class RedisBackend(Backend):
         """``entries``: keys under our prefix, exact when the database holds at most
         ``ENTRY_SAMPLE`` keys, else our share of a SCAN sample of that many keys times the key
         count (``extra['entries_exact']``; :mod:`storage_backends.redis_figures`). ``used_bytes``:
-        the server's ``used_memory`` (every key plus Redis' overhead, ~1.25x payload). ``capacity_bytes``: ``maxmemory`` or None.
-        While Redis is unavailable: the counters, with ``extra['unavailable']``."""
+        the server's ``used_memory`` (every key plus Redis' overhead, ~1.25x payload); ``capacity_bytes``:
+        ``maxmemory`` or None. Redis away (or refusing INFO): the counters, ``extra['unavailable']``."""
         try:
             facts = self._call(lambda c: server_facts(c, self.prefix), admin=True)
-        except BackendUnavailable as exc:  # the counters are most wanted when Redis is away
+        except BackendError as exc:  # the counters are most wanted when Redis is away
             return self._snapshot(extra={"unavailable": str(exc), "breaker_failures": self._failures})
         return self._snapshot(
             entries=facts.pop("entries"), used_bytes=facts.pop("used_memory"),
