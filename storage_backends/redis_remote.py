@@ -181,13 +181,12 @@ class RedisBackend(Backend):
             raise BackendUnavailable(f"redis at {self.url} is down (next probe in {self._breaker.next_probe_s():.1f}s)")
         try:
             return self._admin.call(self.client, fn) if admin and self.cluster else fn(self.client)
-        except DOWN_ERRORS as exc:
+        except (*DOWN_ERRORS, redis.RedisError) as exc:  # (a protocol error too: nothing to talk to)
             self._count(errors=1)
+            if isinstance(exc, ResponseError) and not isinstance(exc, DOWN_ERRORS):  # READONLY, MISCONF,
+                raise BackendError(f"redis at {self.url} refused the call: {exc}") from None  # NOPERM
             self._breaker.trip(exc)
             raise BackendUnavailable(f"redis at {self.url} unavailable: {exc}") from None
-        except ResponseError as exc:  # it answered (READONLY, MISCONF, NOPERM): refused, not down
-            self._count(errors=1)
-            raise BackendError(f"redis at {self.url} refused the call: {exc}") from None
 
     def _ping(self) -> None:
         """What the breaker's probe asks: a PING; in a cluster every master (and replica, when

@@ -141,3 +141,36 @@ def test_a_user_denied_type_gets_counted_unavailable_lookups_not_every_block_abs
         b.contains_many([b"k"])
     assert b.get_many([b"k"]) == [b"v"]
     b.close()
+
+
+def test_regression_a_server_answering_no_redis_protocol_raised_an_untyped_error(tmp_path):
+    # A URL naming something that is not Redis (an HTTP port, a proxy): redis-py's protocol
+    # error came out of delete_many raw, which ended a withdrawal unretried. Now the tier is
+    # counted unavailable (its breaker opens: nothing there speaks Redis).
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def answer_http() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(4096)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    thread = threading.Thread(target=answer_http, daemon=True)
+    thread.start()
+    b = open_backend(f"redis://127.0.0.1:{listener.getsockname()[1]}/0?retries=0&timeout=2s")
+    try:
+        with pytest.raises(BackendUnavailable):
+            b.delete_many([b"k" * 16])
+        assert not b.available
+    finally:
+        b.close()
+        stop.set()
+        listener.close()

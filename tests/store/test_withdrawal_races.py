@@ -209,3 +209,31 @@ def test_regression_a_withdrawal_whose_delete_redis_refused_left_the_wrong_block
         assert len(refused) == 1
     with make_store(None, remote_url=redis_url) as replica:
         assert replica.lookup(keys) == 0
+
+
+def test_regression_an_untyped_delete_failure_ended_the_withdrawal_and_a_failing_last_retry_left_the_store_open(tmp_path):
+    # A medium's delete failing with an error of no BackendError type (redis-py's protocol
+    # errors were such) ended the withdrawal unretried, and the wrong block loaded as good; and
+    # the last retry at close raising it skipped closing the tiers and the pool.
+    keys = keys_for(1)
+    store = make_store(tmp_path)
+    disk = store.tier("disk").backend
+    closed = []
+    try:
+        store.save(keys, payloads(store, 1, seed=3)).result(10)
+        store.flush()
+        assert store.tier("disk").contains(keys) == [True]
+
+        def broken(names):
+            raise RuntimeError("protocol error: unexpected reply")
+
+        disk.delete_many = broken
+        store.invalidate(keys).result(10)
+        assert store.metrics.events.get("disk_invalidate_failed") == 1
+        assert store.lookup(keys) == 0, "the wrong block is promised"
+        assert load(store, keys)[0] == [False], "the wrong block was loaded as good"
+        close = disk.close
+        disk.close = lambda: (closed.append(True), close())
+    finally:
+        store.close()  # its last retry fails again: logged, and every part is closed all the same
+    assert closed == [True]

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 from storage_backends.host import HostBackend
-from tiered_kv.errors import BackendError
+from storage_backends.log_throttle import LogThrottle
 from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.futures import WriteFuture, after
 from tiered_kv.store.metrics import StoreMetrics
@@ -61,6 +61,7 @@ class Invalidations:
         self._retry: threading.Timer | None = None
         self._retry_wait = RETRY_FIRST_S
         self._closed = False
+        self._retries_said = LogThrottle(log)  # a tier refusing for good: a warning a minute
 
     # -- what others ask -----------------------------------------------------------------------
     def suppressed(self, keys: Sequence[bytes]) -> list[bool]:
@@ -161,10 +162,11 @@ class Invalidations:
                 continue
             try:
                 tier.backend.delete_many([tier.ns + k for k in keys])
-            except BackendError as exc:
-                self.metrics.event(f"{tier.name}_invalidate_failed", len(keys))
-                log.warning("%s tier: %d possibly wrong blocks not deleted (tried again later): %s",
-                            tier.name, len(keys), exc)
+            except Exception as exc:  # (any failure: a medium's untyped one must not end the withdrawal)
+                if failed is None:  # counted once per withdrawal, not per retry
+                    self.metrics.event(f"{tier.name}_invalidate_failed", len(keys))
+                self._retries_said.warning("%s tier: %d possibly wrong blocks not deleted (tried again "
+                                           "later): %s", tier.name, len(keys), exc)
                 self._undeletable(tier.name, keys)
                 continue
             if failed is not None:

@@ -293,8 +293,10 @@ class TieredStore:
 
                 unexport(self)
             self.presence.close()
-            self.invalidations.close()  # (after flush: a failed delete's last retry may have run)
-            self.close_parts()
+            try:
+                self.invalidations.close()  # (after flush: a failed delete's last retry may have run)
+            finally:
+                self.close_parts()
 
     def close_parts(self) -> None:
         """Stop the pool and close every medium (also when opening a later one failed)."""
