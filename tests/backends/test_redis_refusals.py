@@ -119,11 +119,18 @@ def test_regression_every_value_refused_was_logged_as_a_warning(own_redis, caplo
     b.close()
 
 
-def test_stats_of_a_user_denied_info_are_the_counters_not_a_raw_redis_error(own_redis):
-    r = redis.Redis(port=own_redis.port)
-    r.acl_setuser("app", enabled=True, passwords=["+p@ss/w?rd"], keys=["*"], commands=["+@all", "-info"])
-    b = open_backend(f"redis://app:p%40ss%2Fw%3Frd@127.0.0.1:{own_redis.port}/0")
+def denied(server: RedisServer, command: str, password: str = "+pw", in_url: str = "pw"):
+    """A tier logged in as a user allowed every command but ``command`` (``-info``), holding one
+    value ``k``."""
+    redis.Redis(port=server.port).acl_setuser("app", enabled=True, passwords=[password], keys=["*"],
+                                              commands=["+@all", command])
+    b = open_backend(f"redis://app:{in_url}@127.0.0.1:{server.port}/0")
     assert b.put_many([(b"k", b"v")]) == [True]
+    return b
+
+
+def test_stats_of_a_user_denied_info_are_the_counters_not_a_raw_redis_error(own_redis):
+    b = denied(own_redis, "-info", "+p@ss/w?rd", "p%40ss%2Fw%3Frd")
     stats = b.stats()
     assert stats.puts == 1 and "no permissions" in stats.extra["unavailable"] and b.available
     assert "p@ss" not in str(stats) and "p%40ss" not in str(stats)
@@ -133,10 +140,7 @@ def test_stats_of_a_user_denied_info_are_the_counters_not_a_raw_redis_error(own_
 def test_a_user_denied_type_gets_counted_unavailable_lookups_not_every_block_absent(own_redis):
     # presence is asked with TYPE (a key someone made a list is not ours): an ACL that allows
     # EXISTS but not TYPE must not turn into "nothing is stored" with nothing counted
-    r = redis.Redis(port=own_redis.port)
-    r.acl_setuser("app", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@all", "-type"])
-    b = open_backend(f"redis://app:pw@127.0.0.1:{own_redis.port}/0")
-    assert b.put_many([(b"k", b"v")]) == [True]
+    b = denied(own_redis, "-type")
     with pytest.raises(BackendUnavailable, match="refused TYPE"):
         b.contains_many([b"k"])
     assert b.get_many([b"k"]) == [b"v"]
