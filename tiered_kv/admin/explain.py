@@ -10,18 +10,14 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, replace
-from math import prod
 from pathlib import Path
 
 from tiered_kv.admin.block_checks import check_block
 from tiered_kv.admin.catalog import Namespaces, block_digests, namespaces, resolve_namespace
 from tiered_kv.admin.opening import Tier
-from tiered_kv.config import layerwise_on
 from tiered_kv.connector.restore_policy import Decision, RestorePolicy
-from tiered_kv.dtypes import itemsize
 from tiered_kv.errors import BackendUnavailable, ConfigError, CorruptBlock, TokenError
 from tiered_kv.keys import Namespace, block_keys
-from tiered_kv.store.layer_frames import frame_count
 from tiered_kv.store.records import read_costs
 from tiered_kv.store.restore_costs import RestoreCosts
 
@@ -156,13 +152,11 @@ def _restore(tiers: list[Tier], ns: Namespace, digest: bytes, where: list[str], 
             names[tier.name] = str(doc.get("tier") or tier.name)
     if record is not None:
         costs.restore_snapshot(record)
-    raw_len = itemsize(ns.dtype) * prod(ns.block_shape)
-    policy = RestorePolicy(costs, raw_len, ns.block_size,  # (set up as RestorePolicy.for_index sets the engine's)
-                           layerwise=layerwise_on(options.layerwise, options.device) and not ns.groups,
-                           layer_groups=frame_count(ns, raw_len, options.layer_groups),
-                           load_async=options.load_async, probe_every=0,
-                           streamed=("host", *(names.get(t.name, t.name) for t in tiers
-                                               if str(t.backend.url).startswith("lmdb:"))))
+    policy = RestorePolicy.for_namespace(costs, ns, layerwise=options.layerwise, device=options.device,
+                                         layer_groups=options.layer_groups,
+                                         lmdb_tiers=[names.get(t.name, t.name) for t in tiers
+                                                     if str(t.backend.url).startswith("lmdb:")],
+                                         load_async=options.load_async, probe_every=0)
     if not where:
         decision = Decision(0, 0, "nothing_stored", ns.block_size)
     else:

@@ -122,19 +122,29 @@ class RestorePolicy:
     def for_index(cls, index, namespace: Namespace, *, load_async: bool = False,
                   device: str | None = None) -> RestorePolicy:
         """The policy ``index`` is configured for: its ``costs`` and its ``config``'s
-        ``restore_policy``, ``layerwise_loads`` (settled for an engine on ``device``, a device
-        type; None: not known yet) and the frames its blocks are stored in (from
-        ``layer_groups``; without costs: always). The worker streams layer groups only for plain
-        KV blocks (no KV groups)."""
+        ``restore_policy``, ``layerwise_loads`` and ``layer_groups`` (:meth:`for_namespace`;
+        without costs: always)."""
         config = getattr(index, "config", None)
-        return cls(getattr(index, "costs", None), itemsize(namespace.dtype) * prod(namespace.block_shape),
-                   namespace.block_size, policy=getattr(config, "restore_policy", "cost"),
-                   layerwise=layerwise_on(getattr(config, "layerwise_loads", True), device) and not namespace.groups,
-                   layer_groups=frame_count(namespace, itemsize(namespace.dtype) * prod(namespace.block_shape),
-                                            getattr(config, "layer_groups", 8)),
-                   load_async=load_async, count=getattr(index, "count_restore_skips", None),
-                   streamed=("host", *(t.name for t in getattr(config, "lower_tiers", ())
-                                       if str(t.url).startswith("lmdb:"))))
+        return cls.for_namespace(getattr(index, "costs", None), namespace,
+                                 layerwise=getattr(config, "layerwise_loads", True), device=device,
+                                 layer_groups=getattr(config, "layer_groups", 8),
+                                 lmdb_tiers=[t.name for t in getattr(config, "lower_tiers", ())
+                                             if str(t.url).startswith("lmdb:")],
+                                 policy=getattr(config, "restore_policy", "cost"), load_async=load_async,
+                                 count=getattr(index, "count_restore_skips", None))
+
+    @classmethod
+    def for_namespace(cls, costs, namespace: Namespace, *, layerwise, device: str | None, layer_groups: int,
+                      lmdb_tiers: Sequence[str], **options) -> RestorePolicy:
+        """The policy for ``namespace``'s blocks: loaded layer-wise as the ``layerwise_loads``
+        setting ``layerwise`` settles on ``device`` (a device type; None: not known yet), and only
+        for plain KV blocks (no KV groups); in the frames they are stored in (from
+        ``layer_groups``); host and ``lmdb_tiers`` read frame by frame."""
+        raw = itemsize(namespace.dtype) * prod(namespace.block_shape)
+        return cls(costs, raw, namespace.block_size,
+                   layerwise=layerwise_on(layerwise, device) and not namespace.groups,
+                   layer_groups=frame_count(namespace, raw, layer_groups),
+                   streamed=("host", *lmdb_tiers), **options)
 
     def decide(self, stored: int, tiers_of: Callable[[], Sequence[str | None]], first_token: int,
                prompt_tokens: int, cuts: Sequence[int] | None = None) -> Decision:
