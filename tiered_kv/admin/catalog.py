@@ -88,6 +88,13 @@ def namespaces(backend: Backend) -> Namespaces:
     return out
 
 
+def metas_of(backend: Backend, keys: Sequence[bytes]) -> list[dict | str | None]:
+    """:func:`meta_or_damage` of each of ``keys`` where the medium keeps meta data (LMDB, file;
+    no batched form: a small read per key), else None each (Redis)."""
+    meta_of = getattr(backend, "entry_meta", None)
+    return [meta_or_damage(meta_of, k) for k in keys] if meta_of is not None else [None] * len(keys)
+
+
 def meta_or_damage(meta_of, key: bytes) -> dict | str | None:
     """The medium's meta data of ``key`` (None: gone), or :data:`DAMAGED_META` when its record
     cannot be read (the entry is still listed, and copied, for what its value holds)."""
@@ -101,11 +108,11 @@ def entries(backend: Backend, *, headers: bool = False, keys: Sequence[bytes] | 
     """Every entry (or those of ``keys``), with size and times from the medium's meta data where
     it keeps some (LMDB, file) and from block headers otherwise (Redis) or with ``headers``."""
     keys = sorted(backend.scan()) if keys is None else list(keys)
-    meta_of = getattr(backend, "entry_meta", None)
+    kept = hasattr(backend, "entry_meta")
     for start in range(0, len(keys), READ_BATCH):
         batch = keys[start : start + READ_BATCH]
-        metas = [meta_or_damage(meta_of, k) for k in batch] if meta_of is not None else [None] * len(batch)
-        read = headers or meta_of is None or DAMAGED_META in metas  # (then its value says what is there)
+        metas = metas_of(backend, batch)
+        read = headers or not kept or DAMAGED_META in metas  # (then its value says what is there)
         values = backend.get_many(batch) if read else [None] * len(batch)
         lost = set(unreadable(backend, [k for k, v in zip(batch, values) if read and v is None]))
         for key, meta, value in zip(batch, metas, values):

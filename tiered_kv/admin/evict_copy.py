@@ -16,7 +16,7 @@ from tiered_kv.admin.catalog import (
     Entry,
     entries,
     kind_of,
-    meta_or_damage,
+    metas_of,
     unreadable,
 )
 from tiered_kv.admin.opening import Tier
@@ -137,9 +137,7 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
 def tenants_of(backend, keys: list[bytes]) -> list[bytes]:
     """The tenant label each of ``keys`` is stored for, from the medium's meta data where it
     keeps one (LMDB, file); ``b""`` where it keeps none (Redis) or the key is gone."""
-    meta_of = getattr(backend, "entry_meta", None)  # (no batched form: a small read per key)
-    metas = [meta_or_damage(meta_of, k) for k in keys] if meta_of is not None else [None] * len(keys)
-    return [bytes(m.get("tenant") or b"") if isinstance(m, dict) else b"" for m in metas]
+    return [bytes(m.get("tenant") or b"") if isinstance(m, dict) else b"" for m in metas_of(backend, keys)]
 
 
 def _put_as_theirs(src: Tier, dst: Tier, items: list[tuple[bytes, bytes]]) -> list[bool]:

@@ -39,6 +39,7 @@ SUSPECT_STEPS = 4  # plans a withdrawn key stays absent for lookups (async sched
 # plans a request's life is kept for a late report of failed blocks: a finished one's to the next
 # plan (same engine update), a preempted one's to the one after (async scheduling runs ahead)
 FINISHED_PLANS, PREEMPTED_PLANS = 1, 2
+NOT_YET = 1 << 62  # a block index no request reaches: none saved / planned yet
 
 
 class BlockIndex(Protocol):
@@ -58,9 +59,9 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)  # with groups: one id per block (GroupRows.ref)
     groups: GroupRows | None = None  # namespaces with groups: every group's block ids
     external: int = 0  # tokens matched externally at allocation
-    saved: int = 1 << 62  # leading blocks already stored (or being stored)
+    saved: int = NOT_YET  # leading blocks already stored (or being stored)
     planned: int = 0  # blocks planned for saving so far (withdrawn when a block before failed)
-    first_planned: int = 1 << 62  # the first block planned for saving (those before were loaded or cached)
+    first_planned: int = NOT_YET  # the first block planned for saving (those before were loaded or cached)
     had_saves: bool = False  # whether any save was planned (request_finished holds blocks)
     promised: bool = False  # an async load was promised and has not been seen to complete
     no_loads: bool = False  # a promised load failed: claim nothing more for this request
@@ -77,11 +78,8 @@ class ConnectorScheduler:
         self.index = index
         self.restore = restore or RestorePolicy.for_index(index, namespace, load_async=load_async, device=device)
         self._decisions: dict[str, Decision] = {}  # request -> its last claim's decision
-        self.namespace = namespace
-        self.block_size = namespace.block_size
-        self.load_async = load_async
-        self.save_enabled = save
-        self.grouped = bool(namespace.groups)
+        self.namespace, self.block_size, self.grouped = namespace, namespace.block_size, bool(namespace.groups)
+        self.load_async, self.save_enabled = load_async, save
         self._requests: dict[str, _Request] = {}
         self._matched_from: dict[str, int] = {}  # request -> first block of the last match
         self._loads: list[LoadSpec] = []
@@ -166,8 +164,7 @@ class ConnectorScheduler:
     def update_state_after_alloc(self, request, block_ids: Sequence[int], num_external_tokens: int) -> None:
         state = self._state(request.request_id, request.prompt_token_ids, _extra(request), _tenant(request))
         if state.planned:  # a new life of a request resumed without a preemption seen here (vLLM's reset)
-            self._gone[request.request_id] = (replace(state), PREEMPTED_PLANS)
-            state.planned, state.first_planned = 0, 1 << 62
+            self._new_life(request.request_id, state)
         self._set_blocks(state, block_ids)
         decision = self._decisions.pop(request.request_id, None)
         if decision is not None:  # once per allocation (the engine may have asked several times)
@@ -286,14 +283,17 @@ class ConnectorScheduler:
         is dropped with its lease."""
         state = self._requests.get(request_id)
         if state is not None:
-            self._gone[request_id] = (replace(state), PREEMPTED_PLANS)  # its saves so far, for a late failure
-            state.block_ids = []
-            state.external = 0
+            self._new_life(request_id, state)
+            state.block_ids, state.external = [], 0
             state.promised = state.no_loads = False
-            state.planned, state.first_planned = 0, 1 << 62  # a resume may load what it saved
         self._matched_from.pop(request_id, None)
         self._decisions.pop(request_id, None)
         self._drop_loads(request_id)
+
+    def _new_life(self, request_id: str, state: _Request) -> None:
+        """Keep ``state``'s saves so far for a late failure report; plan saves afresh."""
+        self._gone[request_id] = (replace(state), PREEMPTED_PLANS)
+        state.planned, state.first_planned = 0, NOT_YET
 
     def _drop_loads(self, request_id: str) -> None:
         if any(spec.request_id == request_id for spec in self._loads):
