@@ -6,6 +6,7 @@ empty) directory."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,10 +51,11 @@ def open_tier(url: str, *, name: str = "store", timeout: float = 5.0, capacity: 
     return _reachable(name, open_read_only(url, timeout=timeout), url, capacity)
 
 
-def open_destination(url: str, *, name: str = "destination", timeout: float = 5.0, room: int = 0) -> Tier:
+def open_destination(url: str, *, name: str = "destination", timeout: float = 5.0,
+                     room: Callable[[], int] = lambda: 0) -> Tier:
     """The store at ``url`` to copy into: an existing one opened as :func:`open_tier` does, or a
     new one when ``url`` names a directory that does not exist yet (or is empty), made to take
-    ``room`` bytes with no capacity but the URL's (the medium's ``create_for_tool``)."""
+    ``room()`` bytes (asked only then) with no capacity but the URL's (``create_for_tool``)."""
     if not is_url(url):
         if not Path(url).expanduser().exists():
             raise ConfigError(f"no store at {url}: name a new one as lmdb://{url} or file://{url}")
@@ -63,7 +65,7 @@ def open_destination(url: str, *, name: str = "destination", timeout: float = 5.
     except ConfigError:
         if not _new_directory(url):
             raise
-        backend = backend_class(url).create_for_tool(url, room=room)
+        backend = backend_class(url).create_for_tool(url, room=room())
     return _reachable(name, backend, url, None)
 
 

@@ -95,7 +95,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
     from tiered_kv.admin.evict_copy import copy
 
     with opened_url(args.src, args, name="source") as src, \
-            opened_url(args.dst, args, create=True, name="destination", room=src.backend.stats().used_bytes) as dst:
+            opened_url(args.dst, args, create=True, name="destination", room=lambda: src.backend.stats().used_bytes) as dst:
         digest = namespace_filter(src, args.namespace)
         with render.progress("copy", not args.json) as advance:
             report = copy(src, dst, namespace=digest, overwrite=args.overwrite,

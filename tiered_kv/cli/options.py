@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from contextlib import contextmanager
 
 from tiered_kv.admin.opening import Tier, open_config, open_destination, open_tier
@@ -42,9 +43,10 @@ def opened(args: argparse.Namespace):
 
 
 @contextmanager
-def opened_url(url: str, args: argparse.Namespace, *, create: bool = False, name: str = "store", room: int = 0):
+def opened_url(url: str, args: argparse.Namespace, *, create: bool = False, name: str = "store",
+               room: Callable[[], int] = lambda: 0):
     """The store at ``url`` (with ``create``: the copy destination, created when new, with room
-    for ``room`` bytes); closed afterwards."""
+    for ``room()`` bytes); closed afterwards."""
     tier: Tier = (open_destination(url, name=name, timeout=args.timeout, room=room) if create
                   else open_tier(url, name=name, timeout=args.timeout))
     try:
