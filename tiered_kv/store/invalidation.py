@@ -17,9 +17,9 @@ then names the keys computed over the failed block, and every rank withdraws its
   after the eviction took them (the host tier remembers that until its hook has run: the
   withdrawal may have ended before the hook queued the copy);
 - when the delete is done the keys are no longer suppressed; but a key a tier failed to delete
-  (Redis down, its circuit breaker open) stays suppressed, and its delete is tried again (after
-  0.5 s, doubling to 30 s; one retry for all such keys) until that tier has deleted it: the
-  wrong copy would otherwise load as good once the tier answers again.
+  (Redis down, its circuit breaker open) stays suppressed until a retry has deleted it
+  (:mod:`tiered_kv.store.tier_deletes`): the wrong copy would otherwise load as good once the
+  tier answers again.
 
 Deletes are rare (only after a failed load) and never dropped for the save budget.
 """
@@ -33,15 +33,13 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 
 from storage_backends.host import HostBackend
-from storage_backends.log_throttle import LogThrottle
 from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.futures import WriteFuture, after
 from tiered_kv.store.metrics import StoreMetrics
+from tiered_kv.store.tier_deletes import TierDeletes
 from tiered_kv.store.transfer import TransferPool
 
 log = logging.getLogger(__name__)
-
-RETRY_FIRST_S, RETRY_MAX_S = 0.5, 30.0  # waits before failed deletes are tried again (doubling)
 
 
 class Invalidations:
@@ -54,14 +52,8 @@ class Invalidations:
         self._suppressed: Counter[bytes] = Counter()  # key -> invalidations not finished
         self._writes: dict[bytes, list[Future]] = {}  # key -> its writes in flight (write-behind, copies up)
         self._deletes: dict[bytes, Future] = {}  # key -> its delete in flight
-        # key -> {tier name: failure number} of deletes a tier failed (the key stays suppressed
-        # once, until each of those tiers deleted it), retried by one timer at a time
-        self._undeleted: dict[bytes, dict[str, int]] = {}
-        self._failures = 0
-        self._retry: threading.Timer | None = None
-        self._retry_wait = RETRY_FIRST_S
-        self._closed = False
-        self._retries_said = LogThrottle(log)  # a tier refusing for good: a warning a minute
+        # the lower tiers' deletes; a key one failed to delete stays suppressed until a retry has
+        self.deletes = TierDeletes(tiers, pool, metrics, hold=self._hold, release=self._release)
 
     # -- what others ask -----------------------------------------------------------------------
     def suppressed(self, keys: Sequence[bytes]) -> list[bool]:
@@ -113,6 +105,15 @@ class Invalidations:
 
         fut.add_done_callback(done)
 
+    def _hold(self, keys: list[bytes]) -> None:
+        with self._lock:
+            self._suppressed.update(keys)
+
+    def _release(self, keys: list[bytes]) -> None:
+        with self._lock:
+            self._suppressed.subtract(keys)
+            self._suppressed += Counter()  # drop keys whose count reached zero
+
     # -- withdrawing ---------------------------------------------------------------------------
     def invalidate(self, keys: Sequence[bytes]) -> Future:
         """Withdraw every copy of ``keys`` (see the module docstring); done when the lower tiers
@@ -132,9 +133,8 @@ class Invalidations:
         self.metrics.event("blocks_invalidated", len(keys))
 
         def finish(_f: Future | None = None) -> None:
+            self._release(keys)
             with self._lock:
-                self._suppressed.subtract(keys)
-                self._suppressed += Counter()  # drop keys whose count reached zero
                 for k in keys:
                     if self._deletes.get(k) is out:
                         del self._deletes[k]
@@ -143,7 +143,7 @@ class Invalidations:
 
         def start() -> None:
             try:
-                self.pool.submit_save(0, lambda: self._delete({tier.name: keys for tier in self.tiers})
+                self.pool.submit_save(0, lambda: self.deletes.delete({tier.name: keys for tier in self.tiers})
                                       ).add_done_callback(finish)
             except RuntimeError:  # the pool is closed: nothing more will be written either
                 log.warning("%d possibly wrong blocks not deleted: the store is closing", len(keys))
@@ -152,95 +152,6 @@ class Invalidations:
         after(earlier, start)
         return out
 
-    def _delete(self, todo: dict[str, list[bytes]], failed: dict[bytes, dict[str, int]] | None = None) -> None:
-        """Delete ``todo`` (tier name -> keys) from the lower tiers. A tier that fails keeps
-        its keys suppressed and their delete is retried; ``failed``: the failures a retry
-        deletes again (those that happened again meanwhile stay)."""
-        for tier in self.tiers:
-            keys = todo.get(tier.name)
-            if not keys:
-                continue
-            try:
-                tier.backend.delete_many([tier.ns + k for k in keys])
-            except Exception as exc:  # (any failure: a medium's untyped one must not end the withdrawal)
-                if failed is None:  # counted once per withdrawal, not per retry
-                    self.metrics.event(f"{tier.name}_invalidate_failed", len(keys))
-                self._retries_said.warning("%s tier: %d possibly wrong blocks not deleted (tried again "
-                                           "later): %s", tier.name, len(keys), exc)
-                self._undeletable(tier.name, keys)
-                continue
-            if failed is not None:
-                self._deleted(tier.name, keys, failed)
-
-    def _undeletable(self, tier: str, keys: list[bytes]) -> None:
-        with self._lock:
-            self._failures += 1
-            for k in keys:
-                if k not in self._undeleted:
-                    self._suppressed[k] += 1  # (held until every failed tier deleted it)
-                self._undeleted.setdefault(k, {})[tier] = self._failures
-            if self._retry is None and not self._closed:
-                self._arm()
-
-    def _deleted(self, tier: str, keys: list[bytes], failed: dict[bytes, dict[str, int]]) -> None:
-        with self._lock:
-            for k in keys:
-                tiers = self._undeleted.get(k)
-                if tiers is not None and tiers.get(tier) == failed[k][tier]:  # (not failed again since)
-                    del tiers[tier]
-                    if not tiers:
-                        del self._undeleted[k]
-                        self._suppressed[k] -= 1
-                        if self._suppressed[k] <= 0:
-                            del self._suppressed[k]
-
-    def _arm(self) -> None:  # (under the lock)
-        self._retry = threading.Timer(self._retry_wait, self._submit_retry)
-        self._retry.daemon = True
-        self._retry.start()
-
-    def _failed(self) -> tuple[dict[str, list[bytes]], dict[bytes, dict[str, int]]]:
-        """(tier name -> keys it failed to delete, the failures as they are now); under the lock."""
-        failed = {k: dict(tiers) for k, tiers in self._undeleted.items()}
-        todo: dict[str, list[bytes]] = {}
-        for k, tiers in failed.items():
-            for name in tiers:
-                todo.setdefault(name, []).append(k)
-        return todo, failed
-
-    def _submit_retry(self) -> None:
-        """Delete again what tiers failed to delete (on the pool: deletes are writes)."""
-        with self._lock:
-            if self._closed:
-                return
-            todo, failed = self._failed()
-            self._retry_wait = min(self._retry_wait * 2, RETRY_MAX_S)
-
-        def retried(_f: Future) -> None:
-            with self._lock:
-                self._retry = None
-                if not self._undeleted:
-                    self._retry_wait = RETRY_FIRST_S
-                elif not self._closed:
-                    self._arm()
-
-        try:
-            self.pool.submit_save(0, lambda: self._delete(todo, failed)).add_done_callback(retried)
-        except RuntimeError:  # the pool is closed (and so is the store: :meth:`close` said what is left)
-            with self._lock:
-                self._retry = None
-
     def close(self) -> None:
-        """Try failed deletes a last time, on this thread, and stop retrying (the store is
-        closing: what is left is logged)."""
-        with self._lock:
-            self._closed = True
-            retry, self._retry = self._retry, None
-            todo, failed = self._failed()
-        if retry is not None:
-            retry.cancel()
-        if failed:
-            self._delete(todo, failed)
-        if self._undeleted:
-            log.warning("%d possibly wrong blocks left undeleted in a lower tier: the store closed "
-                        "before the tier took their deletes", len(self._undeleted))
+        """Try failed deletes a last time and stop retrying (the store is closing)."""
+        self.deletes.close()
