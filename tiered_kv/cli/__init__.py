@@ -15,8 +15,8 @@ import os
 import sys
 
 from tiered_kv.cli import demo_command, maintenance_commands, store_commands
-from tiered_kv.cli.render import EXIT_PROBLEM, EXIT_UNAVAILABLE, EXIT_USAGE
-from tiered_kv.errors import BackendUnavailable, TieredKVError
+from tiered_kv.cli.render import EXIT_PROBLEM, error_exit
+from tiered_kv.errors import TieredKVError
 
 __all__ = ["main"]
 
@@ -44,18 +44,13 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.handler(args)
-    except BackendUnavailable as exc:
-        return _fail(str(exc), EXIT_UNAVAILABLE)
-    except TieredKVError as exc:
-        return _fail(str(exc), EXIT_USAGE)
     except BrokenPipeError:  # stdout closed early (| head): no message, like a SIGPIPE death
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except LookupError as exc:  # e.g. show: no such key
         return _fail(str(exc.args[0] if exc.args else exc), EXIT_PROBLEM)
-    except OSError as exc:
-        where = f" ({exc.filename})" if exc.filename else ""
-        return _fail(f"{exc.strerror or exc}{where}", EXIT_USAGE)
+    except (TieredKVError, OSError) as exc:
+        return _fail(*error_exit(exc))
     except KeyboardInterrupt:
         return 130
 

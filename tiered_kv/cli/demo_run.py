@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from storage_backends.redaction import redact_text, redact_url
-from tiered_kv.cli.render import EXIT_UNAVAILABLE, EXIT_USAGE
+from tiered_kv.cli.render import EXIT_UNAVAILABLE, EXIT_USAGE, error_exit
 from tiered_kv.errors import BackendUnavailable, ConfigError, TieredKVError
 
 log = logging.getLogger(__name__)
@@ -275,15 +275,10 @@ def _phase_main(argv: list[str], extra: str) -> int:
     one line on stderr and the CLI's exit code, which :func:`_failure` reads back."""
     try:
         _phase(*argv[:3], extra)
-    except BackendUnavailable as exc:
-        print(exc, file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    except TieredKVError as exc:
-        print(exc, file=sys.stderr)
-        return EXIT_USAGE
-    except OSError as exc:  # e.g. a work directory it cannot write
-        print(f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""), file=sys.stderr)
-        return EXIT_USAGE
+    except (TieredKVError, OSError) as exc:  # (OSError: e.g. a work directory it cannot write)
+        message, code = error_exit(exc)
+        print(message, file=sys.stderr)
+        return code
     return 0
 
 

@@ -11,12 +11,24 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from tiered_kv.errors import BackendUnavailable, TieredKVError
 from tiered_kv.units import format_size
 
 EXIT_OK = 0  # done; nothing wrong found
 EXIT_PROBLEM = 1  # the command ran and found a problem (corrupt blocks, a key not found, ...)
 EXIT_USAGE = 2  # bad usage or configuration: a missing path, a non-store, a bad URL
 EXIT_UNAVAILABLE = 3  # the store (or metrics endpoint) cannot be reached now: try again later
+
+
+def error_exit(exc: TieredKVError | OSError) -> tuple[str, int]:
+    """The one line and the exit code of an error reported without a traceback: the store or
+    endpoint unreachable now (3); any other typed error or an OS error (a path it cannot read or
+    write) is bad usage or configuration (2)."""
+    if isinstance(exc, BackendUnavailable):
+        return str(exc), EXIT_UNAVAILABLE
+    if isinstance(exc, TieredKVError):
+        return str(exc), EXIT_USAGE
+    return f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""), EXIT_USAGE
 
 
 def emit_json(document) -> None:
