@@ -120,16 +120,17 @@ class RestorePolicy:
 
     @classmethod
     def for_index(cls, index, namespace: Namespace, *, load_async: bool = False,
-                  device: str | None = None) -> RestorePolicy:
+                  device: str | None = None, lower_streams: bool = True) -> RestorePolicy:
         """The policy ``index`` is configured for: its ``costs`` and its ``config``'s
         ``restore_policy``, ``layerwise_loads`` and ``layer_groups`` (:meth:`for_namespace`;
-        without costs: always)."""
+        without costs: always). ``lower_streams``: whether LMDB tiers' reads reach the forward
+        frame by frame (not where the engine reads lower tiers before the step)."""
         config = getattr(index, "config", None)
         return cls.for_namespace(getattr(index, "costs", None), namespace,
                                  layerwise=getattr(config, "layerwise_loads", True), device=device,
                                  layer_groups=getattr(config, "layer_groups", 8),
                                  lmdb_tiers=[t.name for t in getattr(config, "lower_tiers", ())
-                                             if str(t.url).startswith("lmdb:")],
+                                             if lower_streams and str(t.url).startswith("lmdb:")],
                                  policy=getattr(config, "restore_policy", "cost"), load_async=load_async,
                                  count=getattr(index, "count_restore_skips", None))
 

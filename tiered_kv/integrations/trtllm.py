@@ -47,6 +47,7 @@ from concurrent.futures import wait as futures_wait
 from typing import Any
 
 from tiered_kv.connector.meta import ConnectorMeta
+from tiered_kv.connector.restore_policy import RestorePolicy
 from tiered_kv.connector.scheduler import ConnectorScheduler
 from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.common import (
@@ -109,11 +110,12 @@ class TieredKVScheduler(_SchedulerBase):
         self.settings = parse_settings(None, source=SOURCE)
         self.namespace = trtllm_namespace(llm_args, self.settings.config)
         self.store = acquire_store(self.settings.config, self.namespace)
-        self.core = ConnectorScheduler(self.store, self.namespace, load_async=self.settings.load_async,
-                                       save=self.settings.save, device="cuda")  # (TensorRT-LLM runs on GPUs)
         # a lower tier's blocks are read here, before the step: only host slots reach the forward
         # layer by layer (the restore policy adds a lower tier's restore to the prefill)
-        self.core.restore.streamed = {"host"}
+        restore = RestorePolicy.for_index(self.store, self.namespace, load_async=self.settings.load_async,
+                                          device="cuda", lower_streams=False)  # (TensorRT-LLM runs on GPUs)
+        self.core = ConnectorScheduler(self.store, self.namespace, load_async=self.settings.load_async,
+                                       save=self.settings.save, restore=restore)
         self._verified: dict[Any, tuple[int, int, Any]] = {}  # request -> (device, external, plan)
         self._device_prefix: dict[Any, int] = {}  # request -> device prefix at allocation
         log.info("tiered-kv TensorRT-LLM scheduler: %s, block %d tokens, %s loads",
