@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
-from tiered_kv.errors import BackendClosed, ConfigError
+from tiered_kv.errors import ConfigError
 from tiered_kv.keys import leading_present
 from tiered_kv.units import parse_duration
 
@@ -49,21 +49,9 @@ def write_timeout_of(value: Any, config: Any) -> float:
     return timeout
 
 
-def own_copies(store, keys: Sequence[bytes], *, host: bool = True) -> list[str | None]:
-    """Where this rank's copy of each key is (``host``: the staging tier counts), asking each
-    lower tier within the store's lookup deadline (unanswered: a miss)."""
-    if not keys:
-        return []
-    try:
-        on_host = store.host.contains_many(keys) if host else None
-    except BackendClosed:  # released under a call in flight (SGLang detaching): nothing stored
-        return [None] * len(keys)
-    return store.presence.locate(keys, on_host, own_only=True)[0]
-
-
 def stored_run(store, keys: Sequence[bytes]) -> int:
     """The leading run of ``keys`` some tier holds this rank's copy of."""
-    return leading_present([w is not None for w in own_copies(store, keys)])
+    return leading_present([w is not None for w in store.locate(keys)])
 
 
 def read_pages(store, keys: Sequence[bytes], pages: Sequence[Any], staging: Staging) -> list[bool]:
@@ -111,7 +99,7 @@ def backup(store, keys: Sequence[bytes], pages: Sequence[Any], timeout: float) -
             log.warning("tiered-kv SGLang storage: %d pages not written within %.1f s; reported "
                         "to SGLang as not stored", len(keys), timeout)
     lower = any(t.policy == "write_through" for t in store.tiers)
-    where = own_copies(store, keys, host=not lower)
+    where = store.locate(keys, host=not lower)
     return [w is not None for w in where]
 
 

@@ -202,11 +202,14 @@ class TieredStore:
         self.saver.on_host_evict(key, value, tenant)
 
     # -- lookup ----------------------------------------------------------------------------------
-    def locate(self, keys: Sequence[bytes]) -> list[str | None]:
-        """The first tier holding this rank's copy of each key (None: nowhere). No side effects;
-        each lower tier answers within ``lookup_timeout`` or counts as a miss."""
+    def locate(self, keys: Sequence[bytes], *, host: bool = True) -> list[str | None]:
+        """The first tier holding this rank's copy of each key (None: nowhere; ``host``: whether
+        the host tier counts). No side effects; each lower tier answers within
+        ``lookup_timeout`` or counts as a miss; a closed store holds nothing."""
         on_host = self._on_host(keys)
-        return [None] * len(keys) if on_host is None else self.presence.locate(keys, on_host)[0]
+        if on_host is None:
+            return [None] * len(keys)
+        return self.presence.locate(keys, on_host if host else None, own_only=True)[0]
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether every tensor-parallel rank can load each of ``keys`` (not a leading run: the
