@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.engin
                    "config.json", "adapter_config.json", "hf_quant_config.json", "quantize_config.json")
 CONTENT_HASHED_BYTES = 1 << 20  # JSON files up to this size are fingerprinted by content
 LORA_RECHECK_S = 1.0  # a LoRA path's files are stat'ed again at most this often
+HEX40 = re.compile(r"[0-9a-f]{40}")  # a full git commit hash (what the hub cache's refs hold)
 
 
 def weight_files(directory: str | os.PathLike) -> list[Path]:
@@ -85,15 +87,56 @@ def model_name(model: object) -> str:
     return directory.resolve().name or str(model)
 
 
-def fold_weights(revision: str, model: object) -> str:
-    """``revision`` with the fingerprint of ``model``'s weight files when it is a local directory
-    (unchanged for a hub id: its revision names the weights)."""
+def fold_weights(revision: str, model: object, *, cache_dir: object = None) -> str:
+    """``revision`` with the fingerprint of ``model``'s weight files when it is a local directory;
+    for a hub id, the commit the Hugging Face cache (``cache_dir``, else the environment's)
+    resolves ``revision`` (none: ``main``) to, in its place: a branch names other weights once
+    it moves, so replicas that downloaded ``main`` before and after an update must not share KV
+    (and ``main``, none and that commit itself name the same weights). Unresolved: ``revision``."""
     directory = local_directory(model)
-    fingerprint = files_fingerprint(directory) if directory is not None else None
+    if directory is None:
+        commit = hub_commit(model, revision, cache_dir)
+        if commit is None:
+            if model and not revision:
+                log.info("tiered-kv: %s is not in the Hugging Face cache; its KV is named by the model id "
+                         "alone (set model_revision to name the weights)", model)
+            return revision
+        return commit
+    fingerprint = files_fingerprint(directory)
     if fingerprint is None:
         return revision
     log.info("tiered-kv: weights of %s fingerprinted as %s", directory, fingerprint)
     return f"{revision}+{fingerprint}" if revision else fingerprint
+
+
+def hub_cache(cache_dir: object = None) -> Path:
+    """The Hugging Face hub cache: ``cache_dir`` (an engine's ``download_dir``), else
+    ``HF_HUB_CACHE``, else ``$HF_HOME/hub`` (``HF_HOME``: ``$XDG_CACHE_HOME/huggingface``, else
+    ``~/.cache/huggingface``), as ``huggingface_hub`` finds it."""
+    if cache_dir:
+        return Path(str(cache_dir)).expanduser()
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def hub_commit(model: object, revision: str, cache_dir: object = None) -> str | None:
+    """The commit the hub cache holds for ``model`` (a hub id) at ``revision`` (a branch or tag;
+    none: ``main``; a full commit hash is returned as it is), or None when it holds none."""
+    name = str(model or "")
+    if not name or name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name:
+        return None  # (a missing local path, not a hub id)
+    if HEX40.fullmatch(revision or ""):
+        return revision
+    repo = hub_cache(cache_dir) / ("models--" + name.replace("/", "--"))
+    try:
+        commit = (repo / "refs" / (revision or "main")).read_text().strip()
+    except (OSError, ValueError, UnicodeError):
+        return None
+    return commit if HEX40.fullmatch(commit) and (repo / "snapshots" / commit).is_dir() else None
 
 
 class PathFingerprints:

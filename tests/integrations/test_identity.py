@@ -110,6 +110,57 @@ def test_replicas_with_copies_of_one_model_at_other_paths_share_a_namespace(tmp_
     assert vllm_ns(copy).digest() != vllm_ns(model).digest()
 
 
+def hub_download(cache, repo: str, commit: str, *, ref: str = "main") -> None:
+    """What a download of ``repo`` at ``ref`` leaves in a Hugging Face cache: the ref names the
+    commit, whose snapshot holds the files."""
+    root = cache / ("models--" + repo.replace("/", "--"))
+    (root / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / ref).write_text(commit)
+
+
+def hub_vllm_ns(repo: str, *, revision: str | None = None, download_dir=None) -> Namespace:
+    cfg = vllm_config({}, model=repo)
+    cfg.model_config = SimpleNamespace(model=repo, revision=revision)
+    cfg.load_config = SimpleNamespace(load_format="safetensors", download_dir=download_dir)
+    return vllm_namespace(cfg, kv_cache_config(), parse_settings({}, source="x").config)
+
+
+def test_regression_replicas_that_downloaded_main_before_and_after_an_update_shared_kv(tmp_path, monkeypatch):
+    # a hub model served without --revision was named by its id alone: a replica that downloaded
+    # main after the weights were updated was served the KV of the old weights by the others
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "old"))
+    hub_download(tmp_path / "old", "org/model", "a" * 40)
+    hub_download(tmp_path / "new", "org/model", "b" * 40)
+    before = hub_vllm_ns("org/model")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "new"))
+    after = hub_vllm_ns("org/model")
+    assert before.revision == "a" * 40 and after.digest() != before.digest()
+
+
+def test_main_no_revision_and_the_commit_itself_name_the_same_hub_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub_download(tmp_path / "hub", "org/model", "c" * 40)
+    hub_download(tmp_path / "hub", "org/model", "c" * 40, ref="v1.0")
+    names = {hub_vllm_ns("org/model", revision=r) for r in (None, "main", "v1.0", "c" * 40)}
+    assert len(names) == 1
+
+
+def test_a_hub_model_is_resolved_in_the_engines_download_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    hub_download(tmp_path / "hub", "org/model", "a" * 40)
+    hub_download(tmp_path / "weights", "org/model", "d" * 40)
+    assert hub_vllm_ns("org/model", download_dir=str(tmp_path / "weights")).revision == "d" * 40
+
+
+def test_a_hub_model_not_in_the_cache_keeps_its_revision_as_given(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    with caplog.at_level(logging.INFO, logger="tiered_kv.fingerprint"):
+        assert hub_vllm_ns("org/model").revision == ""
+    assert "model_revision" in caplog.text  # says how to name the weights
+    assert hub_vllm_ns("org/model", revision="v2").revision == "v2"
+
+
 def vllm_ns_with(model, *, cache_dtype: str = "", **model_config) -> Namespace:
     """The namespace of a vLLM engine on ``model`` whose model_config also sets ``model_config``."""
     cfg = vllm_config({}, model=str(model))

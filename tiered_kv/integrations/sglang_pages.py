@@ -186,7 +186,8 @@ def page_revision(revision: str, server_args: Any, model: Any = None) -> str:
     are set (none set, or no server args: nothing more)."""
     if not revision:
         local = getattr(server_args, "model_path", None) or model
-        revision = fold_weights(str(getattr(server_args, "revision", None) or ""), local)
+        revision = fold_weights(str(getattr(server_args, "revision", None) or ""), local,
+                                cache_dir=getattr(server_args, "download_dir", None))
     if server_args is None:
         return revision
     fields = {name: getattr(server_args, name, None) for name in NUMERICS}

@@ -140,12 +140,14 @@ def _revision(vllm_config: Any, settings_config: Any) -> str:
     """What names the weights: ``model_revision`` when set (the operator names them: needed to
     share a store between machines whose copies of a local model differ in mtimes), else the
     model's revision plus a fingerprint of its weight files when the model is a local directory
-    (files replaced in place change the namespace)."""
-    mc = vllm_config.model_config
+    (files replaced in place change the namespace), or the commit a hub id's revision resolves
+    to in the Hugging Face cache vLLM downloaded it to (:func:`fold_weights`)."""
+    mc, load = vllm_config.model_config, getattr(vllm_config, "load_config", None)
     revision = settings_config.model_revision
     if not revision:
-        revision = fold_weights(str(getattr(mc, "revision", None) or ""), mc.model)
-    revision += dummy_weights(getattr(getattr(vllm_config, "load_config", None), "load_format", ""))
+        revision = fold_weights(str(getattr(mc, "revision", None) or ""), mc.model,
+                                cache_dir=getattr(load, "download_dir", None))
+    revision += dummy_weights(getattr(load, "load_format", ""))
     return revision + _numerics(vllm_config)
 
 
