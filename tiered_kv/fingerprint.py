@@ -4,7 +4,8 @@ A fingerprint hashes the names, sizes and modification times (ns) of a directory
 (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``, ``*.engine``) and the *contents*
 of its small JSON files (index files, ``config.json``, ``adapter_config.json``, and the
 quantization settings ``hf_quant_config.json`` and ``quantize_config.json``, which say how the
-weights and the KV cache are quantized: an FP8 KV cache is switched there): replacing a
+weights and the KV cache are quantized: an FP8 KV cache is switched there) and of its Python
+files (a model's own modeling code, run with ``trust_remote_code``): replacing a
 model's or a LoRA adapter's weights in place (a new download, a fine-tune written over the old
 one) changes it without reading a byte of the weights, so computing one is cheap even for a
 large checkpoint, while a tool that rewrites an unchanged ``config.json`` does not. Replicas
@@ -26,8 +27,10 @@ import xxhash
 log = logging.getLogger(__name__)
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.engine", "*.index.json",
-                   "config.json", "adapter_config.json", "hf_quant_config.json", "quantize_config.json")
-CONTENT_HASHED_BYTES = 1 << 20  # JSON files up to this size are fingerprinted by content
+                   "config.json", "adapter_config.json", "hf_quant_config.json", "quantize_config.json",
+                   "*.py")  # (a model's own code, run with trust_remote_code: it computes the K/V)
+CONTENT_HASHED = (".json", ".py")  # small files of these kinds are fingerprinted by content
+CONTENT_HASHED_BYTES = 1 << 20  # files of those kinds up to this size are fingerprinted by content
 LORA_RECHECK_S = 1.0  # a LoRA path's files are stat'ed again at most this often
 HEX40 = re.compile(r"[0-9a-f]{40}")  # a full git commit hash (what the hub cache's refs hold)
 
@@ -54,7 +57,7 @@ def files_fingerprint(path: str | os.PathLike) -> str | None:
             st = file.stat()
         except OSError:  # removed while we looked: the next look sees the new set
             continue
-        if file.suffix == ".json" and st.st_size <= CONTENT_HASHED_BYTES:
+        if file.suffix in CONTENT_HASHED and st.st_size <= CONTENT_HASHED_BYTES:
             try:
                 digest.update(f"{file.name}\0".encode() + file.read_bytes() + b"\n")
             except OSError:

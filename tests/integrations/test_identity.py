@@ -77,6 +77,17 @@ def test_replacing_a_local_models_weights_in_place_changes_the_vllm_namespace(tm
     assert vllm_ns(model).digest() != before.digest()
 
 
+def test_regression_a_models_own_code_edited_in_place_kept_its_namespace(tmp_path):
+    # trust_remote_code runs the model directory's modeling_*.py: a fix to its RoPE changes every
+    # K, but only weight and JSON files were fingerprinted, so the old KV was served
+    model = local_model(tmp_path)
+    code = model / "modeling_custom.py"
+    code.write_text("def rope(x):\n    return x * 1.0\n")
+    before = vllm_ns(model)
+    code.write_text("def rope(x):\n    return x * 2.0\n")
+    assert vllm_ns(model).digest() != before.digest()
+
+
 def test_rewriting_an_unchanged_config_json_keeps_the_namespace(tmp_path):
     # examples/vllm_offline.py (and many launchers) write config.json again on every start: a
     # new mtime over the same bytes must not turn every restart into a cold store
