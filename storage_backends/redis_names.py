@@ -35,9 +35,14 @@ class RedisNames:
             return rest[len(EMPTY_TAG) :]
         return rest
 
-    def patterns(self, prefix: bytes, escape) -> list[bytes]:
-        """SCAN MATCH patterns for the keys starting with ``prefix`` (``escape``: glob escaping)."""
-        out = [escape(self.prefix + prefix) + b"*"]
+    def patterns(self, prefix: bytes) -> list[bytes]:
+        """SCAN MATCH patterns for the keys starting with ``prefix``."""
+        out = [glob_escape(self.prefix + prefix) + b"*"]
         if self.guard:
-            out.append(escape(self.prefix + EMPTY_TAG + prefix) + b"*")
+            out.append(glob_escape(self.prefix + EMPTY_TAG + prefix) + b"*")
         return out
+
+
+def glob_escape(data: bytes) -> bytes:
+    """``data`` matched literally by a SCAN MATCH pattern."""
+    return b"".join(b"\\" + bytes([c]) if c in b"*?[]\\" else bytes([c]) for c in data)

@@ -22,6 +22,7 @@ UNLINKs go one pipeline per node (at once with ``node_threads``; :mod:`storage_b
 so a hung node costs a call one timeout there too; SCAN and INFO are retried as whole calls
 (:mod:`storage_backends.redis_admin`). ``maxmemory`` refusals (OOM) make that put ``False``
 (``put_rejected``), as do ``READONLY`` and ``MISCONF``, which other calls raise as :class:`BackendError`.
+A call finding all ``max_connections`` busy waits for one (:mod:`storage_backends.redis_pool`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from storage_backends.redis_names import RedisNames
 from storage_backends.redis_node_pipelines import NodeFanout, node_pipelines, ping_every_node
 from storage_backends.redis_options import check_cluster_options, redis_arguments, redis_target
 from storage_backends.redis_packer import PACKER, PackedConnection
+from storage_backends.redis_pool import WaitingPool, single_client
 from tiered_kv.errors import BackendError, BackendUnavailable, ConfigError
 
 log = logging.getLogger(__name__)
@@ -63,10 +65,6 @@ DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAga
 PIPELINE_BYTES = 4 << 20  # default: bytes of values per pipeline of SETs or GETs
 VALUE_SIZE_GUESS = 2 << 20  # value size assumed until some are seen (sizes the first GETs)
 KEYS_PER_CALL = 1000  # keys per TYPE pipeline, UNLINK and SCAN page
-
-
-def _glob_escape(data: bytes) -> bytes:
-    return b"".join(b"\\" + bytes([c]) if c in b"*?[]\\" else bytes([c]) for c in data)
 
 
 def _name_of(item: Any) -> bytes:
@@ -113,8 +111,7 @@ class RedisBackend(Backend):
         self.takes_gathered = not (self.cluster and target.startswith("rediss://"))
         try:
             if not self.cluster:  # makes no connection yet; a connection's settings are checked as one is made
-                self._client = redis.Redis.from_url(target, command_packer=PACKER, **common)
-                self._client.connection_pool.connection_class(**self._client.connection_pool.connection_kwargs)
+                self._client = single_client(target, command_packer=PACKER, **common)
             elif parse_url(target).get("path"):
                 raise ConfigError("Redis Cluster cannot be reached over a unix socket")
             elif not target.startswith("rediss://"):  # the TLS cluster client sets its own class
@@ -130,7 +127,8 @@ class RedisBackend(Backend):
             common["retry"] = Retry(NoBackoff(), 0)
             if self.cluster:
                 check_cluster_options(target, common)
-            self._make_cluster = lambda: redis.RedisCluster.from_url(target, **common)  # connects
+            self._make_cluster = lambda: redis.RedisCluster.from_url(  # connects; each node's pool waits too
+                target, connection_pool_class=WaitingPool, **common)
         except (ValueError, TypeError, redis.RedisError) as exc:
             raise ConfigError(f"bad Redis URL {self.url!r}: {redact_text(str(exc), url)}") from None
         if not redis.utils.HIREDIS_AVAILABLE:
@@ -185,6 +183,8 @@ class RedisBackend(Backend):
             self._count(errors=1)
             if isinstance(exc, ResponseError) and not isinstance(exc, DOWN_ERRORS):  # READONLY, MISCONF,
                 raise BackendError(f"redis at {self.url} refused the call: {exc}") from None  # NOPERM
+            if isinstance(exc, redis.exceptions.MaxConnectionsError):  # every connection busy: ours, not the server's
+                raise BackendUnavailable(f"redis at {self.url}: {exc}") from None
             self._breaker.trip(exc)
             raise BackendUnavailable(f"redis at {self.url} unavailable: {exc}") from None
 
@@ -313,7 +313,7 @@ class RedisBackend(Backend):
     def scan(self, prefix: bytes = b"") -> Iterator[bytes]:
         """SCAN MATCH of our prefix + ``prefix`` (glob escaped); a key SCAN returns twice is one."""
         names: set[bytes] = set()
-        for pattern in self.names.patterns(prefix, _glob_escape):
+        for pattern in self.names.patterns(prefix):
             names |= self._call(lambda c, p=pattern: set(c.scan_iter(match=p, count=KEYS_PER_CALL)), admin=True)
         return iter(sorted({self.names.key(n) for n in names}))
 

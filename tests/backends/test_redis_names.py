@@ -6,7 +6,6 @@ from __future__ import annotations
 from redis.crc import key_slot
 
 from storage_backends.redis_names import RedisNames
-from storage_backends.redis_remote import _glob_escape
 
 
 def test_keys_with_a_brace_get_an_empty_tag_in_a_cluster_and_come_back_as_themselves():
@@ -29,6 +28,6 @@ def test_a_single_server_or_a_prefix_with_its_own_tag_keeps_names_as_they_are():
 
 def test_listing_by_prefix_matches_guarded_and_plain_names():
     names = RedisNames(b"tkv:", cluster=True)
-    patterns = names.patterns(b"ns{", _glob_escape)
+    patterns = names.patterns(b"ns{")
     assert len(patterns) == 2 and all(p.endswith(b"*") for p in patterns)
-    assert RedisNames(b"tkv:", cluster=False).patterns(b"ns", _glob_escape) == [b"tkv:ns*"]
+    assert RedisNames(b"tkv:", cluster=False).patterns(b"ns") == [b"tkv:ns*"]

@@ -1,0 +1,46 @@
+"""The connections of a Redis tier to one server: at most ``max_connections``; a call finding
+every one busy waits for one, up to the call's timeout, then fails with ``MaxConnectionsError``.
+That is this process's own limit, not the server away: the call is a counted miss and the
+circuit breaker stays closed (redis-py's plain pool raised at once, and the breaker then failed
+every call for a probe interval whenever more threads than connections called at once)."""
+
+from __future__ import annotations
+
+from queue import Empty, LifoQueue
+from typing import Any
+
+import redis
+from redis.connection import BlockingConnectionPool
+from redis.exceptions import MaxConnectionsError
+
+
+class _Slots(LifoQueue):
+    """The pool's idle connections; an empty wait is ``MaxConnectionsError`` (not Empty, which
+    redis-py turns into a ConnectionError: the same error as a server that is away)."""
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        try:
+            return super().get(block, timeout)
+        except Empty:
+            raise MaxConnectionsError(f"all {self.maxsize} connections busy for {timeout} s "
+                                      "(the tier's max_connections)") from None
+
+
+class WaitingPool(BlockingConnectionPool):
+    """A blocking pool whose wait is the connections' ``socket_timeout`` unless given."""
+
+    def __init__(self, max_connections: int = 64, timeout: float | None = None, **connection_kwargs: Any) -> None:
+        if timeout is None:
+            timeout = connection_kwargs.get("socket_timeout") or 2.0
+        super().__init__(max_connections=max_connections, timeout=timeout, queue_class=_Slots,
+                         **connection_kwargs)
+
+
+def single_client(target: str, **options: Any) -> redis.Redis:
+    """A client of the server at ``target`` over a :class:`WaitingPool`; a connection's settings
+    are checked now (raises ValueError / TypeError), no connection is made."""
+    pool = WaitingPool.from_url(target, **options)
+    pool.connection_class(**pool.connection_kwargs)
+    client = redis.Redis(connection_pool=pool)
+    client.auto_close_connection_pool = True
+    return client
