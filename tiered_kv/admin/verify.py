@@ -15,9 +15,11 @@ Findings:
   upgraded first) it is checked too.
 
 ``fix`` deletes corrupt, mismatched and orphaned entries (the engine recomputes those blocks)
-and lets the backend repair its bookkeeping; the report says what was done. Namespace records an
-older version wrote with the ``cache_salt`` in them are a note (the salt is never shown), and
-``fix`` rewrites them without it.
+and lets the backend repair its bookkeeping; the report says what was done. Each entry is read
+and judged again just before its delete: a serving process may have replaced it meanwhile (an
+engine that read the corrupt block removed it and stored the block it recomputed), and that
+good block is left alone. Namespace records an older version wrote with the ``cache_salt`` in
+them are a note (the salt is never shown), and ``fix`` rewrites them without it.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from tiered_kv.admin.catalog import READ_BATCH, kind_of, namespaces
 from tiered_kv.admin.opening import Tier
 from tiered_kv.errors import CorruptBlock
 from tiered_kv.store.codec import BlockCodec
-from tiered_kv.store.records import NAMESPACE_PREFIX, namespace_key, scrubbed, split_key
+from tiered_kv.store.records import NAMESPACE_PREFIX, decode_namespace, namespace_key, scrubbed, split_key
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ def verify_tier(tier: Tier, *, fix: bool = False, progress: Callable[[int, int],
     if fix and any(isinstance(p, Unchecked) for p in said):
         said = check(True)  # a write: the older format is upgraded, then every table checked
     findings += [Finding(tier.name, "meta_drift", None, p) for p in said if not isinstance(p, Unchecked)]
-    actions = _fix(tier, findings) if fix and findings else []
+    actions = _fix(tier, findings, found.known) if fix and findings else []
     salted = _salted_records(backend)
     if fix and salted:
         done = sum(backend.put_many(salted))
@@ -130,17 +132,23 @@ def _salted_records(backend) -> list[tuple[bytes, bytes]]:
     return [(k, v) for k, v in pairs if v is not None]
 
 
-def _fix(tier: Tier, findings: list[Finding]) -> list[str]:
+def _fix(tier: Tier, findings: list[Finding], known: dict) -> list[str]:
     actions = []
     doomed = [f for f in findings if f.kind in REMOVABLE]
     if doomed:
-        keys = [bytes.fromhex(f.key) for f in doomed if f.key]
-        removed = tier.backend.delete_many(keys)
-        still = set(k for k, there in zip(keys, tier.backend.contains_many(keys)) if there)
+        keys = list(dict.fromkeys(bytes.fromhex(f.key) for f in doomed if f.key))
+        # judged again now: the scan may have ended long ago (it used to delete blocks a serving
+        # process had rewritten since with good ones, acknowledged to its engine)
+        wrong = [k for k, bad in zip(keys, _still_wrong(tier.backend, keys, known)) if bad]
+        removed = tier.backend.delete_many(wrong) if wrong else 0
+        still = {k for k, bad in zip(wrong, _still_wrong(tier.backend, wrong, known)) if bad}
         for f in doomed:
             f.fixed = bytes.fromhex(f.key) not in still
         actions.append(f"removed {removed} of {len(keys)} entries "
                        f"({', '.join(f'{n} {k}' for k, n in Counter(f.kind for f in doomed).items())})")
+        if len(wrong) < len(keys):
+            actions.append(f"left {len(keys) - len(wrong)} entries alone: rewritten with a valid value "
+                           "or removed since they were checked (by a serving process)")
         log.info("%s tier: removed %d entries", tier.name, removed)
     drift = [f for f in findings if f.kind == "meta_drift"]
     check = getattr(tier.backend, "check", None)
@@ -151,3 +159,28 @@ def _fix(tier: Tier, findings: list[Finding]) -> list[str]:
             f.fixed = f.detail not in left
         actions.append(f"repaired {sum(f.fixed for f in drift)} of {len(drift)} bookkeeping problems")
     return actions
+
+
+def _still_wrong(backend, keys: list[bytes], known: dict) -> list[bool]:
+    """Whether each of ``keys`` (found wrong by this run) holds a wrong value now; one gone, or
+    rewritten with a valid value since, does not."""
+    codec = BlockCodec()
+    out: list[bool] = []
+    for start in range(0, len(keys), READ_BATCH):
+        batch = keys[start : start + READ_BATCH]
+        out += [value is not None and _wrong(codec, key, value, known)
+                for key, value in zip(batch, backend.get_many(batch))]
+    return out
+
+
+def _wrong(codec: BlockCodec, key: bytes, value, known: dict) -> bool:
+    kind = kind_of(key)
+    if kind == "block":
+        return _check_block(codec, key, value, known.get(split_key(key)[0])) is not None
+    if kind == "namespace":
+        try:
+            decode_namespace(key, value)
+        except CorruptBlock:
+            return True
+        return False
+    return True  # orphaned: whatever it holds, nothing reads it

@@ -13,10 +13,9 @@ import logging
 from tiered_kv.connector.meta import LoadSpec
 from tiered_kv.errors import StoreClosed
 from tiered_kv.store import LoadPlan, TieredStore
+from tiered_kv.store.loading import CLOSED  # (the miss reason of blocks a closed store did not read)
 
 log = logging.getLogger(__name__)
-
-CLOSED = "store_closed"  # the miss reason of a load the closed store could not start
 
 
 def start_load(store: TieredStore, spec: LoadSpec, layered: bool) -> LoadPlan:

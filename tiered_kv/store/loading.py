@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tiered_kv.errors import StoreClosed
 from tiered_kv.store.direct_loads import LOAD_ERROR, DirectLoads
 from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.host_slots import HostSlots
@@ -29,6 +30,7 @@ from tiered_kv.store.saving import Saver
 from tiered_kv.store.transfer import TransferPool
 
 PROMOTION_WAIT_S = 5.0  # how long a load waits for another load promoting the same block
+CLOSED = "store_closed"  # miss reason of blocks whose load the closing store no longer started
 
 log = logging.getLogger(__name__)
 
@@ -150,35 +152,56 @@ class Loader:
     def load(self, plan: LoadPlan, layered: bool = False) -> LoadPlan:
         """Start fetching the non-host blocks of ``plan`` into host slots (async). ``layered``:
         read layer group by layer group and report it in ``plan.progress`` (the caller copies
-        each group out as it arrives); a failed block's slot stays reserved until release."""
+        each group out as it arrives); a failed block's slot stays reserved until release.
+        StoreClosed when the store closed before any of its jobs was queued (nothing counted:
+        the caller reports the whole load); once one was, the blocks left are ``store_closed``
+        misses of the plan (raised then, the blocks the queued jobs read were counted twice:
+        their hits, and the caller's misses of the whole load)."""
         plan.started = time.perf_counter()
         if layered:
             plan.progress = LoadProgress(len(plan.keys), self.block_nbytes)
             for i, slot in enumerate(plan.slots):
                 if slot is not None:
                     plan.progress.hold(i, slot, self.block_nbytes)
+        todo = [i for i, s in enumerate(plan.sources) if s != "host"]
+        withdrawn = self.invalidations.suppressed([plan.keys[i] for i in todo]) if todo else []
+        gone = [i for i, w in zip(todo, withdrawn) if w]  # lower-tier copies maybe wrong, being deleted
+        self._start_jobs(plan, [i for i, w in zip(todo, withdrawn) if not w])  # (counts nothing before)
         host_hits = sum(1 for s in plan.sources if s == "host")
         if host_hits:
             self.metrics.hit("host", host_hits, host_hits * self.block_nbytes)
-        todo = [i for i, s in enumerate(plan.sources) if s != "host"]
-        withdrawn = self.invalidations.suppressed([plan.keys[i] for i in todo]) if todo else []
-        if any(withdrawn):  # their lower-tier copies may be wrong and are being deleted
-            for i in [i for i, w in zip(todo, withdrawn) if w]:
+        if gone:
+            for i in gone:
                 plan.reasons[i] = "invalidated"
-                self.metrics.miss("host", "invalidated")
-                if plan.progress is not None:
-                    plan.progress.end([i])
-            todo = [i for i, w in zip(todo, withdrawn) if not w]
+            self.metrics.miss("host", "invalidated", len(gone))
+            if plan.progress is not None:
+                plan.progress.end(gone)
+        return plan
+
+    def _start_jobs(self, plan: LoadPlan, todo: list[int]) -> None:
+        """Queue the load jobs of the blocks ``todo`` of ``plan`` (see :meth:`load`)."""
         if not todo:
-            return plan
+            return
         per_job = -(-len(todo) // self.workers)
         for start in range(0, len(todo), per_job):
             idx = todo[start : start + per_job]
-            future = self.pool.submit_load(len(idx) * self.block_nbytes, lambda idx=idx: self._load_job(plan, idx))
+            try:
+                future = self.pool.submit_load(len(idx) * self.block_nbytes, lambda idx=idx: self._load_job(plan, idx))
+            except StoreClosed:
+                if not plan.futures:
+                    raise
+                rest = todo[start:]
+                for i in rest:
+                    plan.reasons[i] = CLOSED
+                self.metrics.miss("host", CLOSED, len(rest))
+                log.warning("%d blocks of a load not read: the store closed as it started (%s misses)",
+                            len(rest), CLOSED)
+                if plan.progress is not None:
+                    plan.progress.end(rest)
+                return
             if plan.progress is not None:  # however the job ends (or never runs), its blocks are over
                 future.add_done_callback(lambda _f, idx=idx, p=plan.progress: p.end(idx))
             plan.futures.append(future)
-        return plan
 
     def _load_job(self, plan: LoadPlan, idx: list[int]) -> None:
         keys = [plan.keys[i] for i in idx]
@@ -246,20 +269,25 @@ class Loader:
         not for one that failed and keeps its reservation until its release (layer-wise: frames
         may still be copied out of it), which would hold this load, and the forward pass waiting
         on it, until the step ends. ``deadline`` (monotonic) bounds the wait of the whole job.
-        Another tenant's block is not leased (``wrong_key``, as a lower tier's would be)."""
+        Another tenant's block is not leased (``wrong_key``, as a lower tier's would be), nor a
+        withdrawn copy (``invalidated``). Each turn decides on one read of the key's state: read
+        twice, a commit in between made a promoted block a ``no_room`` miss."""
         delay, waited = 0.0002, False
         while True:
             (pinned,) = self.host.pin_many([key], bytes(tenant))
             if pinned is not None:
                 return pinned, ""
-            if self.host.states_many([key])[0] == "ready":  # committed since, or another tenant's
+            (state,) = self.host.states_many([key])
+            if state == "ready":  # committed since, or another tenant's
                 (pinned,) = self.host.pin_many([key], bytes(tenant))
                 return (pinned, "") if pinned is not None else (None, "wrong_key")
-            if not self.host.reserved(key):  # aborted (the other load failed), or there was no room
+            if state is None:  # aborted (the other load failed), or there was no room
                 return None, "promotion_failed" if waited else "no_room"
-            if self.host.states_many([key])[0] in ("failed", "retired"):  # never to be published
+            if state == "retired":  # withdrawn: its copy is left to the loads that leased it
+                return None, "invalidated"
+            if state == "failed":  # a failed load's reservation: never to be published
                 return None, "promotion_failed"
-            if time.monotonic() > deadline:
+            if time.monotonic() > deadline:  # ("reserved": being promoted, or saved, now)
                 return None, "promotion_timeout"
             waited = True
             time.sleep(delay)
