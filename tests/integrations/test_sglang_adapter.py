@@ -127,6 +127,29 @@ def test_an_mla_rank_that_is_not_the_writer_stores_nothing_and_reports_success(t
     rank1.close()
 
 
+def test_regression_every_mla_rank_that_never_writes_held_a_writers_staging_area(tmp_path):
+    # DeepSeek-V3 at page size 64: 4.3 MiB pages, 2.1 GiB of staging zeroed on each of 7 readers of TP8
+    keys = sglang_keys(128)  # one SGLang storage batch
+    source = MLAPool("page_first", pages=130, seed=1)
+    writer = backend(tmp_path, source, config=StorageConfig(tp_rank=0, tp_size=2, is_mla_model=True))
+    page_bytes = writer.geometry.page_bytes
+    assert writer.store.host.capacity == 4 * 128 * page_bytes
+    assert writer.batch_set_v1(keys, source.page_indices(0, 128)) == [True] * 128
+    writer.close()
+
+    target = MLAPool("page_first", pages=130, seed=2)
+    reader = backend(tmp_path, target, config=StorageConfig(tp_rank=1, tp_size=2, is_mla_model=True))
+    assert reader.store.host.capacity == 2 * 128 * page_bytes
+    assert reader.batch_get_v1(keys, target.page_indices(1, 128)) == [True] * 128
+    assert all(torch.equal(a, b) for a, b in zip(pages_of(target, 1, 128), pages_of(source, 0, 128)))
+    assert not list(reader.store.host.scan())  # reads into SGLang's host pool take no staging
+    reader.close()
+    sized = backend(tmp_path, target, config=StorageConfig(tp_rank=1, tp_size=2, is_mla_model=True),
+                    host={"capacity": 600 * page_bytes})
+    assert sized.store.host.capacity == 600 * page_bytes  # the operator's size stands
+    sized.close()
+
+
 def test_a_corrupt_page_is_a_counted_miss_where_sglang_cuts_the_prefix(tmp_path):
     keys = sglang_keys(4)
     source = MHAPool("page_first", seed=1)

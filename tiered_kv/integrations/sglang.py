@@ -16,7 +16,9 @@ level or in a ``tiered_kv`` table, ``config_file`` (a TOML file of them), ``mode
 deadline per lower tier at most 8 s, inside the 10 s SGLang joins its storage threads for:
 :mod:`tiered_kv.integrations.sglang_io`). ``TIERED_KV_*`` variables apply as everywhere. The
 host tier here is only a staging area for write-behind (SGLang's host pool is the L2): by
-default it holds 4 batches of 128 pages.
+default it holds 4 batches of 128 pages; 2 on an MLA rank that is not the storage writer (it
+stores nothing, and reads into SGLang's host pool take no staging: the 2 only let a read load a
+whole batch at once).
 
 What SGLang gets (its contract, see ``../shared/connectors.md``): every page is a self-checking
 block of the namespace :mod:`tiered_kv.integrations.sglang_pages` derives from the checkpoint
@@ -61,6 +63,7 @@ OUR_KEYS = frozenset(f.name for f in TieredKVConfig.__dataclass_fields__.values(
 ADAPTER_KEYS = frozenset({"model_id", "revision", "write_timeout", "tiered_kv"})
 NOT_REGISTERED = "SGLang has not registered its host pool with the storage backend yet"
 DEFAULT_STAGED_PAGES = 4 * 128  # host staging tier: 4 of SGLang's storage batches
+READER_STAGED_PAGES = 2 * 128  # a rank that never writes: a read loads half the host tier at once
 
 
 def _answers(default: Callable[..., Any]):
@@ -131,7 +134,8 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         geometry = geometry_of(mem_pool_host, mla=bool(getattr(self.storage_config, "is_mla_model", False)))
         data = dict(self._ours)
         host = dict(data.get("host") or {})
-        host.setdefault("capacity", DEFAULT_STAGED_PAGES * geometry.page_bytes)
+        staged = DEFAULT_STAGED_PAGES if self.writer else READER_STAGED_PAGES
+        host.setdefault("capacity", staged * geometry.page_bytes)
         host.setdefault("pinned", "no")  # a staging area for write-behind: never copied to a GPU
         data["host"] = host
         config = parse_settings(data, source="SGLang storage extra config").config

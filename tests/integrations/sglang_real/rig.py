@@ -40,29 +40,49 @@ class Fetch:
     kv: list[torch.Tensor]
 
 
-def _device_pool(attention: str, dtype: torch.dtype):
+def device_pool(attention: str, dtype: torch.dtype, *, page_size: int = PAGE_SIZE,
+                tokens: int = DEVICE_TOKENS):
+    """SGLang's own device KV pool on CPU: MHA (2 heads of 8) or MLA (latent 16 + RoPE 8)."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
     if attention == "mha":
-        return MHATokenToKVPool(size=DEVICE_TOKENS, page_size=PAGE_SIZE, dtype=dtype, head_num=2,
+        return MHATokenToKVPool(size=tokens, page_size=page_size, dtype=dtype, head_num=2,
                                 head_dim=8, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
-    return MLATokenToKVPool(size=DEVICE_TOKENS, page_size=PAGE_SIZE, dtype=dtype, kv_lora_rank=16,
+    return MLATokenToKVPool(size=tokens, page_size=page_size, dtype=dtype, kv_lora_rank=16,
                             qk_rope_head_dim=8, layer_num=LAYERS, device="cpu", enable_memory_saver=False)
 
 
-def _host_pool(device_pool, layout: str):
+def host_pool(device_pool, layout: str, *, dcp_size: int = 1, dcp_rank: int = 0):
+    """SGLang's own host pool mirroring ``device_pool`` in ``layout`` (MLA pools may hold one
+    decode-context-parallel shard: ``dcp_size`` / ``dcp_rank``)."""
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
     info = device_pool.get_device_pool_infos()[0].buffer_info
-    common = dict(host_to_device_ratio=2.0, host_size=0, page_size=PAGE_SIZE, layout=layout,
+    common = dict(host_to_device_ratio=2.0, host_size=0, page_size=device_pool.page_size, layout=layout,
                   pin_memory=False, device="cpu", device_capacity_tokens=device_pool.size,
                   start_layer=device_pool.start_layer, end_layer=device_pool.end_layer)
     if isinstance(device_pool, MLATokenToKVPool):
         return MLATokenToKVPoolHost(info, override_kv_cache_dim=device_pool.kv_cache_dim,
-                                    target_layer_num=device_pool.layer_num, **common)
+                                    target_layer_num=device_pool.layer_num, dcp_size=dcp_size,
+                                    dcp_rank=dcp_rank, **common)
     return get_mha_host_pool_cls(info)(info, **common)
+
+
+def page_hashes(tokens: list[int], page_size: int) -> list[str]:
+    """SGLang's storage keys of the pages of ``tokens`` (its chained page hashes)."""
+    from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+    return get_storage_hash_str(tokens, None, page_size=page_size)
+
+
+def random_kv(shape, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Random KV of ``dtype``: normal values, or every byte value for byte-typed pools (fp8 KV
+    is held as uint8)."""
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen).to(dtype)
+    return torch.randint(0, 256, shape, generator=gen, dtype=torch.int32).to(dtype)
 
 
 def device_kv_layers(device_pool) -> list[torch.Tensor]:
@@ -75,20 +95,25 @@ def device_kv_layers(device_pool) -> list[torch.Tensor]:
 class Rig:
     def __init__(self, *, controller: str, attention: str, layout: str, dtype: torch.dtype,
                  backend: BackendSpec, storage_dir: Path, interface_v1: bool = False,
-                 write_policy: str = "write_through"):
+                 write_policy: str = "write_through", page_size: int = PAGE_SIZE,
+                 device_tokens: int = DEVICE_TOKENS, tp_rank: int = 0, tp_size: int = 1):
         from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
         from sglang.srt.runtime_context import get_parallel
         from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
 
         cpu_copies.install()
         self._exit = contextlib.ExitStack()
-        set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=PAGE_SIZE))
-        # No torch.distributed here: SGLang's single-rank topology, as its own unit fixtures force.
-        self._exit.enter_context(get_parallel().override(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1))
-        self.device_pool = _device_pool(attention, dtype)
-        self.allocator = TokenToKVPoolAllocator(size=DEVICE_TOKENS, dtype=dtype, device="cpu",
+        self.page_size = page_size
+        set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", page_size=page_size))
+        # No torch.distributed here (no TP group: SGLang then skips its cross-rank reductions):
+        # one rank of ``tp_size`` as SGLang's own unit fixtures force it.
+        self._exit.enter_context(get_parallel().override(
+            tp_rank=tp_rank, tp_size=tp_size, attn_tp_rank=tp_rank, attn_tp_size=tp_size,
+            moe_tp_size=tp_size, pp_rank=0, pp_size=1))
+        self.device_pool = device_pool(attention, dtype, page_size=page_size, tokens=device_tokens)
+        self.allocator = TokenToKVPoolAllocator(size=device_tokens, dtype=dtype, device="cpu",
                                                 kvcache=self.device_pool, need_sort=False)
-        self.host_pool = _host_pool(self.device_pool, layout)
+        self.host_pool = host_pool(self.device_pool, layout)
         self.hybrid = controller == "hybrid"
         extra = backend.extra_config(storage_dir, interface_v1=interface_v1)
         common = dict(write_policy=write_policy, io_backend="kernel", storage_backend="dynamic",
@@ -102,29 +127,27 @@ class Rig:
             group = HostPoolGroup([build_pool_entry(
                 name=PoolName.KV, host_pool=self.host_pool, device_pool=self.device_pool,
                 layer_mapping={i: i for i in range(LAYERS)}, transfer_layer_id_max=LAYERS, is_anchor=True)])
-            self.controller = HybridCacheController(self.allocator, group, PAGE_SIZE, None,
+            self.controller = HybridCacheController(self.allocator, group, page_size, None,
                                                     load_cache_event=threading.Event(),
                                                     transfer_layer_id_max=LAYERS, **common)
         else:
             from sglang.srt.managers.cache_controller import HiCacheController
 
-            self.controller = HiCacheController(self.allocator, self.host_pool, PAGE_SIZE, None,
+            self.controller = HiCacheController(self.allocator, self.host_pool, page_size, None,
                                                 threading.Event(), **common)
         self._exit.callback(self.controller.detach_storage_backend)
         self._requests = 0
 
     # -- the scheduler's side -------------------------------------------------------------------
     def page_hashes(self, tokens: list[int]) -> list[str]:
-        from sglang.srt.mem_cache.utils import get_storage_hash_str
-
-        return get_storage_hash_str(tokens, None, page_size=PAGE_SIZE)
+        return page_hashes(tokens, self.page_size)
 
     def fill_device(self, n_tokens: int, seed: int) -> torch.Tensor:
         """Fresh device slots holding random KV; returns the slot indices."""
         slots = self.allocator.alloc(n_tokens)
         gen = torch.Generator().manual_seed(seed)
         for buf in device_kv_layers(self.device_pool):
-            buf[slots] = torch.randn(buf[slots].shape, generator=gen).to(buf.dtype)
+            buf[slots] = random_kv(buf[slots].shape, buf.dtype, gen)
         return slots
 
     def device_kv(self, slots: torch.Tensor) -> list[torch.Tensor]:
@@ -144,7 +167,7 @@ class Rig:
         ``pages`` writes only those pages of the sequence (a hole elsewhere stays unwritten)."""
         hashes = self.page_hashes(tokens)
         pages = pages if pages is not None else range(len(hashes))
-        lo, hi = pages.start * PAGE_SIZE, pages.stop * PAGE_SIZE
+        lo, hi = pages.start * self.page_size, pages.stop * self.page_size
         op_id = self.controller.write_storage(host_slots[lo:hi], tokens[lo:hi], hash_value=hashes[pages.start:pages.stop])
         done = self.controller.ack_backup_queue.get(timeout=HANG_GUARD_S)
         assert done.id == op_id

@@ -6,7 +6,8 @@ Matrix: ``HiCacheController`` (the base class; still used by PD-disaggregation d
 ``HybridCacheController`` (what SGLang 0.5.23's radix cache builds for every model, plain MHA
 included) x MHA host layouts (layer_first, page_first, page_first_direct, page_head) and MLA ones
 (layer_first, page_first, page_first_direct: the MLA host pool has no page_head) x storage
-interface v0 (flat data pages) / v1 (zero-copy, ``"interface_v1": 1``) x bf16 / fp16.
+interface v0 (flat data pages) / v1 (zero-copy, ``"interface_v1": 1``) x bf16 / fp16 / fp8 (e4m3,
+held as bytes by SGLang's pools).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.sglang
 POOLS = [pytest.param("mha", lay, id=f"mha-{lay}") for lay in MHA_LAYOUTS] + [
     pytest.param("mla", lay, id=f"mla-{lay}") for lay in MLA_LAYOUTS]
 CONTROLLERS = ["plain", "hybrid"]
-DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")]
+DTYPES = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16"),
+          pytest.param(torch.float8_e4m3fn, id="fp8")]
 INTERFACES = [pytest.param(False, id="v0"), pytest.param(True, id="v1")]
 PAGES = 5
 
