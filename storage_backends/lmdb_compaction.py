@@ -23,8 +23,8 @@ import threading
 import time
 
 from storage_backends.lmdb_environment import LmdbEnvironment
-from storage_backends.lmdb_places import place_value, unplace
-from storage_backends.lmdb_segments import Place, SegmentRecord, segment_key, unpack_place, unpack_segment
+from storage_backends.lmdb_places import keys_in, place_value, unplace
+from storage_backends.lmdb_segments import Place, SegmentRecord, unpack_place, unpack_segment
 from storage_backends.lmdb_values import SegmentValues
 
 log = logging.getLogger(__name__)
@@ -122,13 +122,7 @@ class Compactor:
 
     def _live_keys(self, txn, segment: int):
         """The keys of the values ``segment`` holds (its ``segment_keys`` entries)."""
-        prefix = segment_key(segment)
-        cursor = txn.cursor(db=self.db.tables.segment_keys)
-        if cursor.set_range(prefix):
-            for entry in cursor.iternext(keys=True, values=False):
-                if bytes(entry[:8]) != prefix:
-                    break
-                yield bytes(entry[8:])
+        return keys_in(self.db.tables, txn, segment)
 
     def _move(self, segment: int) -> tuple[int, int]:
         """(values moved out of ``segment``, values read but not written: the disk refused them)."""

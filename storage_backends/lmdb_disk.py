@@ -98,7 +98,8 @@ class LmdbBackend(Backend):
         self.quotas = Quotas.from_options("lmdb", tenant_quota, tenant_quotas)
         self.tenant_quota = self.quotas.default
         self._eviction = Eviction(LRU, self.capacity, self.quotas if self.capacity else NO_QUOTAS)
-        self._counters.extra.update(quota_evictions=0, damaged_meta=0)  # (damaged_meta: lmdb_damage)
+        # (damaged_meta: lmdb_damage; sync_failed_entries: entries withdrawn, their fsync failed)
+        self._counters.extra.update(quota_evictions=0, damaged_meta=0, sync_failed_entries=0)
         self.sync = as_bool(sync, "lmdb sync")
         self.record_access = as_bool(record_access, "lmdb record_access")  # False: tools' reads
         # 1-2 MiB per write transaction amortises the commit; 4+ MiB faults fresh pages
@@ -267,7 +268,8 @@ class LmdbBackend(Backend):
         return 0 if self.capacity is None else evict_beyond(self._db.tables, w, nbytes, self._eviction, self._pinned)
 
     def flush(self) -> None:
-        """Apply buffered accesses and make every committed put durable (fsync)."""
+        """Apply buffered accesses and make every committed put durable (fsync); the entries of a
+        segment whose fsync failed are withdrawn (the flush that found the failure raises)."""
         with self._db.guard("flush"):
             try:
                 self.values.flush()

@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 
 from storage_backends.eviction import Eviction, Victim
 from storage_backends.lmdb_damage import damaged_victim, drop_damaged, read_meta
-from storage_backends.lmdb_places import place_value, unplace
-from storage_backends.lmdb_segments import Place
+from storage_backends.lmdb_places import keys_in, place_value, unplace
+from storage_backends.lmdb_segments import Place, segment_key
 from storage_backends.lmdb_tables import (
     Meta,
     Tables,
@@ -147,6 +147,22 @@ def delete_entry(tables: Tables, w: Write, key: bytes) -> bool:
         return False
     w.changes.append(("removed", key))
     return True
+
+
+def withdraw_segments(tables: Tables, w: Write, segments) -> dict[int, int]:
+    """Delete every entry whose value lies in one of ``segments`` (an fsync of them failed:
+    their bytes may never reach the disk), counted as ``sync_failed_entries``; entries
+    withdrawn per segment (those that held any)."""
+    withdrawn = {}
+    for segment in segments:
+        keys = list(keys_in(tables, w.txn, segment))
+        n = sum(delete_entry(tables, w, key) for key in keys)
+        for key in keys:  # (an entry left by damage, whose place is elsewhere, goes too)
+            w.txn.delete(segment_key(segment) + key, db=tables.segment_keys)
+        if n:
+            withdrawn[segment] = n
+            w.counts["sync_failed_entries"] += n
+    return withdrawn
 
 
 def evict_beyond(tables: Tables, w: Write, nbytes: int, eviction: Eviction, pinned: Pinned) -> int:

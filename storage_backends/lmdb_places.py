@@ -39,6 +39,17 @@ def unplace(tables: Tables, w: Write, key: bytes) -> bool:
     return True
 
 
+def keys_in(tables: Tables, txn, segment: int):
+    """The keys of the values ``segment`` holds (its ``segment_keys`` entries)."""
+    prefix = segment_key(segment)
+    cursor = txn.cursor(db=tables.segment_keys)
+    if cursor.set_range(prefix):
+        for entry in cursor.iternext(keys=True, values=False):
+            if bytes(entry[:8]) != prefix:
+                break
+            yield bytes(entry[8:])
+
+
 def _count(tables: Tables, w: Write, segment: int, nbytes: int, entries: int, end: int) -> None:
     sid = segment_key(segment)
     stored = w.txn.get(sid, db=tables.segments)

@@ -10,8 +10,9 @@ exists (a file without a record is an orphan); the table counts each segment's l
 entries, and a sealed segment with none left is deleted after the transaction that emptied it
 commits. A value is written before the transaction that records its place: a crash leaves
 unreferenced bytes, never a place over bytes never written (with ``sync``, the data is fsync'd
-before that commit). Stored blocks check themselves (their
-header and body checksums); this module checks that a place lies inside its file.
+before that commit; a segment whose fsync failed is never trusted again:
+:mod:`storage_backends.segment_sync`). Stored blocks check themselves (their header and body
+checksums); this module checks that a place lies inside its file.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from storage_backends.log_throttle import LogThrottle
 from storage_backends.segment_fds import Descriptors
 from storage_backends.segment_io import SegmentWriter, read_fully
 from storage_backends.segment_owners import LOCKING, Claims, pid_namespace, process_start
+from storage_backends.segment_sync import SegmentSync
 from tiered_kv.errors import BackendUnavailable
 
 log = logging.getLogger(__name__)
@@ -103,15 +105,14 @@ class SegmentFiles:
         self.segment_bytes = segment_bytes
         self.pid = os.getpid()
         self.start = process_start(self.pid) or 0
-        self._lock = threading.Lock()  # the lanes, reservations, what awaits an fsync
+        self._lock = threading.Lock()  # the lanes, reservations
         self._rolling = threading.Lock()  # taken (before _lock) to open a new segment
-        self._syncing = threading.Lock()  # a sync returns only once every earlier write is durable
         self._closed = False
         self.fds = Descriptors(self.path_of)
         self.claims = Claims()  # the locks on the segments this process appends to (segment_owners)
         self.writer = SegmentWriter(self.dir, self.fds, direct_io, writeback)
         self._failures = LogThrottle(log)
-        self._dirty: set[int] = set()
+        self.syncs = SegmentSync(self.dir, self.fds, self._retire)  # what awaits an fsync, what failed one
         self._lanes: list[Lane] = []  # every lane of this process (a writer's open segment)
         self._idle: list[Lane] = []  # the lanes no writer holds now
         self._pending: dict[int, int] = {}  # segment -> values reserved, not yet settled
@@ -160,9 +161,7 @@ class SegmentFiles:
                 lane = Lane()
                 self._lanes.append(lane)
         if lane.segment is not None and self.fds.deleted(lane.segment):  # (behind our back)
-            with self._lock:  # start another: the next reserve opens one
-                self._retired[lane.segment] = lane.next
-                lane.segment, lane.next = None, 0
+            self._retire({lane.segment})  # start another: the next reserve opens one
         try:
             yield lane
         finally:
@@ -224,6 +223,14 @@ class SegmentFiles:
                 del self._retired[segment]
             return done
 
+    def _retire(self, segments: set[int]) -> None:
+        """No lane appends to ``segments`` any more (sealed once their reservations settled)."""
+        with self._lock:
+            for lane in self._lanes:
+                if lane.segment in segments:
+                    self._retired[lane.segment] = lane.next
+                    lane.segment, lane.next = None, 0
+
     def retire_open(self) -> dict[int, int]:
         """Stop appending (closing): the segments that may be sealed now, with their ends."""
         with self._lock:
@@ -240,27 +247,14 @@ class SegmentFiles:
         """Write values reserved one after the other in ``segment`` (``(offset, value)``) with
         one gathered write (:meth:`SegmentWriter.write_many`)."""
         self.writer.write_many(segment, items)
-        with self._lock:
-            self._dirty.add(segment)
+        self.syncs.wrote(segment)
 
-    def sync(self) -> None:
+    def sync(self, segments=None) -> None:
         """fsync every segment this process wrote to since the last sync; returns once every
-        write before the call is durable (a sync running in another thread included)."""
-        with self._syncing:
-            with self._lock:
-                dirty, self._dirty = self._dirty, set()
-            for segment in dirty:
-                try:
-                    with self.fds.use(segment) as fd:
-                        os.fdatasync(fd)
-                except FileNotFoundError:
-                    continue  # deleted meanwhile
-                except OSError as exc:
-                    with self._lock:
-                        self._dirty |= dirty
-                    raise OSError(exc.errno, f"fsync of segment {segment:016x}: {exc.strerror}") from None
-            if dirty:
-                _sync_dir(self.dir)
+        write before the call is durable (a sync running in another thread included). OSError
+        when one of ``segments`` (None: any this call fsyncs) cannot be trusted to be durable
+        (:meth:`SegmentSync.sync`)."""
+        self.syncs.sync(segments)
 
     # -- reading -------------------------------------------------------------------------------
     def read_into(self, place: Place, buffer) -> bool:
@@ -312,8 +306,7 @@ class SegmentFiles:
     def delete(self, segments) -> None:
         """Delete drained segments' files (after the transaction dropping their records)."""
         for segment in segments:
-            with self._lock:
-                self._dirty.discard(segment)
+            self.syncs.forget(segment)
             self.fds.forget(segment)
             self.writer.forget(segment)
             try:
@@ -332,16 +325,3 @@ class SegmentFiles:
         self.fds.close()
         self.claims.close()
 
-
-def _sync_dir(path: Path) -> None:
-    """fsync a directory (new segment files' names)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -1,7 +1,9 @@
 """Large values of the LMDB tier in segment files (:mod:`storage_backends.lmdb_segments`): the
 write of each value before the transaction that records its place, the sealing of segments
 this process stopped appending to, reads into reused per-thread buffers, and the recovery of
-segments left by processes that died. Handed the environment and the segment files."""
+segments left by processes that died, and the withdrawal of the entries recorded in segments
+whose fsync failed (:mod:`storage_backends.segment_sync`: their bytes may never reach the disk).
+Handed the environment and the segment files."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from collections.abc import Sequence
 from contextlib import contextmanager
 
 from storage_backends.gathered import nbytes_of
+from storage_backends.lmdb_entries import withdraw_segments
 from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
-from storage_backends.lmdb_places import recover_segments, register_segment, seal_segments
+from storage_backends.lmdb_places import keys_in, recover_segments, register_segment, seal_segments
 from storage_backends.lmdb_segments import Lane, Place, SegmentFiles, unpack_place
 from storage_backends.log_throttle import LogThrottle
 from storage_backends.segment_io import VALUE_END_ALIGN
@@ -75,11 +78,13 @@ class SegmentValues:
             self.settle(places)  # (BackendClosed, a bug): nothing of this call is recorded
             raise
         if self.sync and any(p is not None for p in places):
-            try:
-                self.files.sync()  # the data is durable before the commit that names it
+            try:  # the data is durable before the commit that names it (its own segments' data:
+                # a failed fsync of another writer's segment does not fail this put)
+                self.files.sync({p.segment for p in places if p is not None})
             except OSError as exc:
                 self._failures.warning("lmdb tier at %s: segment fsync failed: %s", self.db.path, exc)
                 self.settle(places)
+                self._after_failure()
                 return [None] * len(places)
         return places
 
@@ -194,7 +199,42 @@ class SegmentValues:
                      "segment files", self.db.path, sealed, orphans)
 
     def flush(self) -> None:
-        self.files.sync()
+        """fsync what this process wrote, and withdraw the entries recorded in segments whose
+        fsync failed: OSError when an fsync of this flush failed, BackendUnavailable when those
+        entries could not be withdrawn (either way, not every committed put is durable)."""
+        try:
+            self.files.sync()
+        except OSError:
+            self._after_failure()
+            raise
+        try:
+            self.withdraw()
+        except NoSpace as exc:
+            raise BackendUnavailable(f"lmdb store at {self.db.path}: entries not withdrawn: {exc}") from exc
+
+    def withdraw(self) -> None:
+        """Delete the entries recorded in segments whose fsync failed (counted as
+        ``sync_failed_entries``, logged): a later fsync of them proves nothing."""
+        poisoned = self.files.syncs.poisoned()
+        if not poisoned:
+            return
+        with self.db.txn() as txn:  # (a write transaction only when there is something to withdraw)
+            if all(next(keys_in(self.db.tables, txn, s), None) is None for s in poisoned):
+                return
+        withdrawn = self.db.write(lambda w: withdraw_segments(self.db.tables, w, poisoned))
+        for segment, n in withdrawn.items():
+            log.warning("lmdb tier at %s: fsync of segment %016x failed: its %d entries are withdrawn "
+                        "(their bytes may never reach the disk)", self.db.path, segment, n)
+
+    def _after_failure(self) -> None:
+        """An fsync failed: seal the segments it retired that have no value in flight, and
+        withdraw what they hold (when that fails too, logged: the next flush tries again)."""
+        try:
+            self.settle([])
+            self.withdraw()
+        except Exception as exc:
+            self._failures.warning("lmdb tier at %s: entries of a segment whose fsync failed not withdrawn "
+                                   "yet: %s", self.db.path, exc)
 
     def seal_own(self) -> None:
         """Closing: refuse new puts, wait for those running, seal this process's segments."""
