@@ -7,6 +7,7 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 
 from storage_backends.redaction import redact_url
 from tiered_kv.errors import ConfigError
+from tiered_kv.units import as_int as _as_int
 
 
 def split_options(url: str) -> tuple[str, dict[str, str]]:
@@ -17,14 +18,8 @@ def split_options(url: str) -> tuple[str, dict[str, str]]:
 
 
 def as_int(value, name: str, minimum: int = 1) -> int:
-    """``value`` as an integer of at least ``minimum``."""
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
-    if number < minimum:
-        raise ConfigError(f"{name} must be at least {minimum}, got {number}")
-    return number
+    """``value`` as an integer of at least ``minimum`` (:func:`tiered_kv.units.as_int`)."""
+    return _as_int(value, name, minimum=minimum)
 
 
 def directory_of(url: str, scheme: str) -> Path:

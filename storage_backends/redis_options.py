@@ -11,14 +11,7 @@ from redis.connection import ConnectionPool, parse_url
 from storage_backends.options import split_options
 from storage_backends.redaction import password_misread, redact_url
 from tiered_kv.errors import ConfigError
-from tiered_kv.units import as_bool, parse_duration, parse_size
-
-
-def _int(value: Any, name: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ConfigError(f"{name} must be an integer, got {value!r}") from None
+from tiered_kv.units import as_bool, as_int, parse_duration, parse_size
 
 
 def _no_quota(value: Any, name: str) -> None:
@@ -27,8 +20,9 @@ def _no_quota(value: Any, name: str) -> None:
 
 
 PARSERS: dict[str, Callable[[Any, str], Any]] = {
-    "prefix": lambda v, name: v, "retries": _int, "max_connections": _int, "cluster": as_bool,
-    "read_from_replicas": as_bool, "node_threads": _int,
+    "prefix": lambda v, name: v, "retries": lambda v, name: as_int(v, name, minimum=0),
+    "max_connections": lambda v, name: as_int(v, name, minimum=1), "cluster": as_bool,
+    "read_from_replicas": as_bool, "node_threads": lambda v, name: as_int(v, name, minimum=0),
     "ttl": lambda v, name: None if str(v).lower() in ("none", "", "0") else parse_duration(v, name=name),
     "timeout": lambda v, name: parse_duration(v, name=name),
     "pipeline_bytes": lambda v, name: parse_size(v, name=name),

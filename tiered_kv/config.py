@@ -36,11 +36,12 @@ import hashlib
 import hmac
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
+from storage_backends.redaction import redact_url
 from tiered_kv.errors import ConfigError
-from tiered_kv.settings.loading import build, read_toml
+from tiered_kv.settings.loading import build_config, check_types, read_toml
 from tiered_kv.settings.loading import env_dict as _env_dict
 from tiered_kv.settings.tiers import (  # noqa: F401 (the tiers' settings are part of this module's API)
     POLICIES,
@@ -92,18 +93,20 @@ class Secret:
         return (Secret, (self._value,))
 
 
-def _secret(key: str, value: Any) -> Secret:
-    """``value`` as a Secret: the secret itself, ``env:NAME`` (that variable) or ``file:PATH``
-    (that file, a trailing newline dropped); never quoted in an error."""
+def _secret(key: str, value: Any, environ: Mapping[str, str] | None = None) -> Secret:
+    """``value`` as a Secret: the secret itself, ``env:NAME`` (that variable of ``environ``, the
+    process's by default) or ``file:PATH`` (that file, ``~`` expanded, a trailing newline
+    dropped); never quoted in an error."""
+    environ = os.environ if environ is None else environ
     if isinstance(value, Secret):
         return value
     if isinstance(value, str) and value.startswith("env:"):
-        if not os.environ.get(value[4:]):
+        if not environ.get(value[4:]):
             raise ConfigError(f"{key}: the environment variable {value[4:]} is not set")
-        value = os.environ[value[4:]]
+        value = environ[value[4:]]
     elif isinstance(value, str) and value.startswith("file:"):
         try:
-            with open(value[5:], "rb") as f:
+            with open(os.path.expanduser(value[5:]), "rb") as f:
                 value = f.read().rstrip(b"\r\n")
         except OSError as exc:
             raise ConfigError(f"{key}: cannot read {value[5:]} ({type(exc).__name__})") from None
@@ -143,6 +146,7 @@ class HostConfig:
     tenant_quota: int | None = size_field(None)  # bytes of slots each tenant (cache_salt) may hold; None = no quota
 
     def __post_init__(self) -> None:
+        check_types(self, "host.")
         check_choice("host.pinned", self.pinned, ("auto", "yes", "no"))
         if self.tenant_quota is not None and self.tenant_quota <= 0:
             raise ConfigError(f"host.tenant_quota must be positive, got {self.tenant_quota}")
@@ -170,6 +174,12 @@ class TieredKVConfig:
     encryption_secret: Secret | None = field(default=None, metadata={"blank": "refused"})  # encrypt lower-tier blocks (AES-GCM, a key per tenant) with this; env:NAME / file:PATH read it; None (left out) = plain; "" is refused
 
     def __post_init__(self) -> None:
+        check_types(self, "")
+        for name, kind in (("host", HostConfig), ("disk", DiskConfig), ("remote", RemoteConfig)):
+            if not isinstance(getattr(self, name), kind):
+                raise ConfigError(f"{name} must be a {kind.__name__}, got {type(getattr(self, name)).__name__}")
+        if not isinstance(self.tiers, tuple) or not all(isinstance(t, TierConfig) for t in self.tiers):
+            raise ConfigError("tiers must be a tuple of TierConfig")
         if self.encryption_secret is not None:
             object.__setattr__(self, "encryption_secret", _secret("encryption_secret", self.encryption_secret))
         if self.workers < 1:
@@ -202,9 +212,18 @@ class TieredKVConfig:
         return tuple(t for t in (self.disk, self.remote, *self.tiers) if t.url)
 
     # -- constructors ------------------------------------------------------------------------
+    def settings(self) -> dict[str, Any]:
+        """The settings as written (sections and ``tiers`` as tables): ``from_dict`` of them,
+        some changed, is this config with those changed. (``dataclasses.asdict`` gives the medium
+        settings the URLs decided as if written: a changed URL saying otherwise was refused.)"""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out.update(host=_table("host", self.host), disk=self.disk.settings(), remote=self.remote.settings(),
+                   tiers=[t.settings() for t in self.tiers])
+        return out
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> TieredKVConfig:
-        return build(cls, dict(data or {}), "")
+        return build_config(cls, dict(data or {}))
 
     @classmethod
     def from_toml(cls, path: str | os.PathLike) -> TieredKVConfig:
@@ -212,7 +231,7 @@ class TieredKVConfig:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> TieredKVConfig:
-        return cls.from_dict(env_dict(os.environ if environ is None else environ))
+        return cls.load(None, environ)
 
     @classmethod
     def load(cls, source: str | os.PathLike | Mapping[str, Any] | None = None,
@@ -224,26 +243,32 @@ class TieredKVConfig:
             base = dict(source)
         else:
             base = read_toml(source)
-        overlay = env_dict(os.environ if environ is None else environ)
-        for key, value in overlay.items():
+        environ = os.environ if environ is None else environ
+        for key, value in env_dict(environ).items():
             if isinstance(value, dict):
                 base[key] = {**_table(key, base.get(key)), **value}
             else:
                 base[key] = value
+        secret = base.get("encryption_secret")
+        if isinstance(secret, str) and secret.startswith("env:"):  # a variable of ``environ``
+            base["encryption_secret"] = _secret("encryption_secret", secret, environ)
         return cls.from_dict(base)
 
     def with_overrides(self, **changes: Any) -> TieredKVConfig:
-        return replace(self, **changes)
+        """This config with ``changes`` (checked and parsed as :meth:`from_dict` does)."""
+        return type(self).from_dict({**self.settings(), **changes})
 
 
 def _table(key: str, section: Any) -> dict:
     """A section of a config being overlaid with variables, as a dict of its settings."""
     if section is None:
         return {}
+    if isinstance(section, TierConfig):
+        return section.settings()  # (not the medium settings its URL decided: a new URL decides them)
     if is_dataclass(section) and not isinstance(section, type):
         return {f.name: getattr(section, f.name) for f in fields(section)}
     if not isinstance(section, Mapping):
-        raise ConfigError(f"{key} must be a table of settings, got {section!r}")
+        raise ConfigError(f"{key} must be a table of settings, got {redact_url(repr(section))}")
     return dict(section)
 
 

@@ -1,4 +1,5 @@
-"""Byte sizes and durations as people write them: "8GiB", "512MB", "1.5 GiB", "30s", "2h"."""
+"""Byte sizes and durations as people write them: "8GiB", "512MB", "1.5 GiB", "30s", "2h"; whole
+numbers and true/false settings as configs, URLs and variables spell them."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ for _i, _p in enumerate("kmgtp", start=1):
     _FACTORS[_p] = _FACTORS[_p + "b"] = 1000**_i
     _FACTORS[_p + "i"] = _FACTORS[_p + "ib"] = 1024**_i
 
+_INT = re.compile(r"\s*[+-]?\d+(?:_\d+)*\s*", re.ASCII)  # as TOML and int() spell them; no 0x, 1e3 or 2.0
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
 _SECONDS = {"ms": 0.001, "s": 1, "": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -77,3 +79,27 @@ def as_bool(value: bool | int | str, name: str) -> bool:
     if text in _FALSE:
         return False
     raise ConfigError(f"{name} must be true or false (1/0, yes/no, on/off), got {value!r}")
+
+
+def as_int(value: int | float | str, name: str, *, minimum: int | None = None) -> int:
+    """A setting as a whole number: an int, a float with no fraction (TOML's ``2.0``) or ASCII
+    digits with an optional sign, ``_`` between digits and surrounding blanks (``" 64 "``,
+    ``"1_000"``); never a bool, ``"1e3"``, ``"0x10"``, ``"2.0"``, other scripts' digits or a
+    fraction cut off. ConfigError naming ``name`` (and ``minimum`` when it is below that)."""
+    number = None
+    if isinstance(value, bool):
+        pass
+    elif isinstance(value, int):
+        number = value
+    elif isinstance(value, float) and value.is_integer():
+        number = int(value)
+    elif isinstance(value, str) and _INT.fullmatch(value):
+        try:
+            number = int(value)
+        except ValueError:  # more digits than int() converts
+            pass
+    if number is None:
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if minimum is not None and number < minimum:
+        raise ConfigError(f"{name} must be at least {minimum}, got {number}")
+    return number

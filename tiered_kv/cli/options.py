@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 from tiered_kv.admin.opening import Tier, open_config, open_destination, open_tier
 from tiered_kv.errors import ConfigError
+from tiered_kv.settings.tiers import MAX_TIMEOUT
 from tiered_kv.units import parse_duration, parse_size
 
 
@@ -21,8 +22,9 @@ def add_store_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--timeout", type=float, default=5.0, metavar="S",
-                   help="seconds to wait for a remote store (default: %(default)s)")
+    p.add_argument("--timeout", type=timeout_arg, default=5.0, metavar="S",
+                   help="seconds to wait for a remote store, or a duration like 250ms "
+                   "(default: %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
 
@@ -67,3 +69,12 @@ def duration_arg(text: str) -> float:
         return parse_duration(text)
     except ConfigError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def timeout_arg(text: str) -> float:
+    """``--timeout``: a positive duration of at most a day (``inf`` failed every socket call with
+    a traceback, ``nan``, ``0`` and ``-1`` were reported as the store being unreachable)."""
+    seconds = duration_arg(text)
+    if not 0 < seconds <= MAX_TIMEOUT:
+        raise argparse.ArgumentTypeError(f"must be positive and at most 1d, got {text!r}")
+    return seconds

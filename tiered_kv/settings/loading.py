@@ -5,6 +5,7 @@ naming the key."""
 
 from __future__ import annotations
 
+import functools
 import os
 import typing
 from collections.abc import Mapping
@@ -16,16 +17,18 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
+from storage_backends.redaction import redact_text
 from tiered_kv.errors import ConfigError
-from tiered_kv.units import as_bool
+from tiered_kv.units import as_bool, as_int
 
 ENV_PREFIX = "TIERED_KV_"
 
 
 def read_toml(path: str | os.PathLike) -> dict:
-    """The table a TOML file holds; ConfigError when it is missing or not TOML."""
+    """The table a TOML file holds (``~`` expanded, as in store URLs: a path in an engine's JSON
+    settings meets no shell); ConfigError when it is missing or not TOML."""
     try:
-        with open(path, "rb") as fh:
+        with open(os.path.expanduser(path), "rb") as fh:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
@@ -37,10 +40,16 @@ def env_dict(environ: Mapping[str, str], sections: set[str]) -> dict:
     """The ``TIERED_KV_*`` variables as a nested dict (values stay strings): those of a known
     section (``TIERED_KV_DISK_URL``) under it, the others at the top."""
     out: dict[str, Any] = {}
-    for name, value in environ.items():
+    names: dict[str, str] = {}  # setting -> the variable that set it
+    for name, value in sorted(environ.items()):
         if not name.startswith(ENV_PREFIX):
             continue
         rest = name[len(ENV_PREFIX):].lower()
+        if rest in sections:  # (its value is not quoted: a URL there may hold a password)
+            raise ConfigError(f"{name} names the section {rest}: set its fields ({name}_<FIELD>)")
+        if rest in names and _setting(out, rest, sections) != value:  # (the case of a name is no setting)
+            raise ConfigError(f"{names[rest]} and {name} set one setting to different values")
+        names[rest] = name
         head, _, tail = rest.partition("_")
         if head in sections and tail:
             out.setdefault(head, {})[tail] = value
@@ -49,10 +58,38 @@ def env_dict(environ: Mapping[str, str], sections: set[str]) -> dict:
     return out
 
 
+def _setting(out: dict, rest: str, sections: set[str]) -> Any:
+    head, _, tail = rest.partition("_")
+    return out[head][tail] if head in sections and tail else out[rest]
+
+
+def build_config(cls: type, data: dict):
+    """:func:`build` of a whole config: an error quotes no credential of a URL in ``data`` (a URL
+    written where a table or a number belongs is quoted in the error that says so)."""
+    try:
+        return build(cls, data, "")
+    except ConfigError as exc:
+        message = _without_secrets(str(exc), data)
+        if message == str(exc):
+            raise
+        raise type(exc)(message) from None
+
+
+def _without_secrets(text: str, value: Any) -> str:
+    if isinstance(value, str):
+        return redact_text(text, value) if "://" in value else text
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            text = _without_secrets(text, item)
+    return text
+
+
 def build(cls: type, data: dict, prefix: str):
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(data) - set(known))
+    unknown = sorted(set(data) - set(known), key=str)
     if unknown:
         raise ConfigError(f"unknown config key {prefix}{unknown[0]!s}; known: {sorted(known)}")
     kwargs = {}
@@ -111,12 +148,7 @@ def _coerce(key: str, value: Any, target: Any, parse) -> Any:
     if base is bool:
         return as_bool(value, key)
     if base is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
-        try:
-            return int(value) if isinstance(value, str) else _exact_int(key, value)
-        except ValueError:
-            raise ConfigError(f"{key} must be an integer, got {value!r}") from None
+        return as_int(value, key)
     if base is float:
         try:
             return float(value)
@@ -134,11 +166,27 @@ def _blank(text: str) -> bool:
     return text.strip().lower() in ("", "none", "null")
 
 
-def _exact_int(key: str, value: Any) -> int:
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    raise ConfigError(f"{key} must be an integer, got {value!r}")
+_NOUNS = {int: "an integer", float: "a number", str: "a string", bool: "true or false"}
 
 
+@functools.cache
+def _plain_fields(cls: type) -> tuple[tuple[str, type, bool], ...]:
+    """(name, type, None allowed) of the fields of ``cls`` that hold an int, float, str or bool."""
+    out = []
+    for name, hint in typing.get_type_hints(cls).items():
+        args = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
+        if name in {f.name for f in fields(cls)} and len(args) == 1 and args[0] in _NOUNS:
+            out.append((name, args[0], type(None) in typing.get_args(hint)))
+    return tuple(out)
+
+
+def check_types(obj: Any, prefix: str) -> None:
+    """ConfigError naming the first plain field of ``obj`` (a config made in code, not loaded)
+    whose value is not of its type: a bool is no number, an int is a float."""
+    for name, kind, optional in _plain_fields(type(obj)):
+        value = getattr(obj, name)
+        if value is None and optional:
+            continue
+        kinds = (int, float) if kind is float else kind
+        if not isinstance(value, kinds) or (kind is not bool and isinstance(value, bool)):
+            raise ConfigError(f"{prefix}{name} must be {_NOUNS[kind]}, got {_without_secrets(repr(value), value)}")

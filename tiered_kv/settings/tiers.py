@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from storage_backends.redaction import redact_url
 from storage_backends.redis_options import PARSERS as REDIS_PARSERS
 from tiered_kv.errors import ConfigError
+from tiered_kv.settings.loading import check_types
 from tiered_kv.units import as_bool, parse_duration, parse_size
 
 POLICIES = ("write_through", "on_evict", "off")
+MAX_TIMEOUT = 86400.0  # seconds a call to a medium may wait at most (one not answered in a day is hung)
 
 
 def size_field(default: int) -> Any:
@@ -56,12 +59,6 @@ def _size(value: Any, name: str) -> int:
     return parse_size(value, name=name)
 
 
-def _count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).strip().isdigit():
-        raise ConfigError(f"{name} must be a whole number, got {value!r}")
-    return int(value)
-
-
 class _Settings(dict):
     """A table of medium settings that can be part of a hashable config (never mutated)."""
 
@@ -92,7 +89,8 @@ class TierConfig:
     SECTION: ClassVar[str] = "tiers"  # where the settings are written (errors about the name say so)
 
     def __post_init__(self) -> None:
-        key = self.name or "tier"
+        key = self.name if isinstance(self.name, str) and self.name else "tier"
+        check_types(self, f"{key}." if key == self.name else f"{self.SECTION}.")
         if not self.name or self.name == "host" or not self.name.replace("_", "").isalnum():
             raise ConfigError(f"{self.SECTION}.name must be a word other than 'host', got {self.name!r}")
         check_url(key, self.url)
@@ -116,6 +114,7 @@ class TierConfig:
         from storage_backends.options import split_options
 
         given = {**split_options(self.url)[1], **self.options} if self.url else {}
+        object.__setattr__(self, "_written", frozenset(n for n in self.MEDIUM_FIELDS if getattr(self, n) is not None))
         for name, parse in self.MEDIUM_FIELDS.items():
             mine = getattr(self, name)
             if name in given:
@@ -125,6 +124,19 @@ class TierConfig:
                                       "set it in one place")
                 mine = value
             object.__setattr__(self, name, self.MEDIUM_DEFAULTS.get(name) if mine is None else mine)
+
+    def settings(self) -> dict[str, Any]:
+        """The settings as written, to build this tier again with some of them changed: a medium
+        setting the URL, ``options`` or its default decided is left out (a changed URL decides it
+        again; kept, it would be one written twice, or the old URL's)."""
+        written = getattr(self, "_written", self.MEDIUM_FIELDS.keys())
+        return {f.name: dict(getattr(self, f.name)) if f.name == "options" else getattr(self, f.name)
+                for f in fields(self) if f.name not in self.MEDIUM_FIELDS or f.name in written}
+
+    def __repr__(self) -> str:  # the URL's password never shown (configs are logged and printed)
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        shown["url"] = None if self.url is None else redact_url(self.url)
+        return f"{type(self).__qualname__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def medium_options(self) -> dict[str, Any]:
         """What the medium is opened with: its own settings, the capacity and the quota."""
@@ -136,7 +148,7 @@ class TierConfig:
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class DiskConfig(TierConfig):
     """The local disk tier (``[disk]``), first of the lower tiers."""
 
@@ -152,7 +164,7 @@ class DiskConfig(TierConfig):
         return {**super().medium_options(), "sync": self.sync}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class RemoteConfig(TierConfig):
     """The shared remote tier (``[remote]``, Redis), after the disk tier."""
 
@@ -164,13 +176,16 @@ class RemoteConfig(TierConfig):
 
     MEDIUM_FIELDS: ClassVar[dict[str, Callable[[Any, str], Any]]] = {
         **TierConfig.MEDIUM_FIELDS, "ttl": REDIS_PARSERS["ttl"], "timeout": REDIS_PARSERS["timeout"],
-        "retries": _count}  # (ttl and timeout as the Redis medium reads them)
+        "retries": REDIS_PARSERS["retries"]}  # (as the Redis medium reads them)
     MEDIUM_DEFAULTS: ClassVar[dict[str, Any]] = {"timeout": 2.0, "retries": 2}
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.retries < 0:
             raise ConfigError(f"remote.retries must not be negative, got {self.retries}")
+        if not 0 < self.timeout <= MAX_TIMEOUT:  # 0: TensorRT-LLM's matched reads, waited for this
+            # long, never finish; past ~292 years every socket call raises OverflowError
+            raise ConfigError(f"remote.timeout must be positive and at most 1d, got {self.timeout}")
 
     def medium_options(self) -> dict[str, Any]:
         return {**super().medium_options(), "ttl": self.ttl, "timeout": self.timeout,
