@@ -254,6 +254,29 @@ def test_config_file_plus_overrides(tmp_path):
     assert settings.config.disk.capacity == 32 << 20 and settings.load_async
 
 
+def test_regression_a_url_given_beside_a_config_file_was_refused_for_a_setting_nobody_wrote(tmp_path):
+    # the file's section came back with every medium setting its URL decided as if written:
+    # a new URL saying ?sync=true stopped the engine ("disk.sync ... set it in one place"), and
+    # one that did not say it kept the old URL's ?sync=true
+    from tiered_kv.integrations.common import parse_settings
+
+    (tmp_path / "tkv.toml").write_text(f'[disk]\nurl = "lmdb://{tmp_path}/a?sync=true"\n')
+    moved = parse_settings({"config_file": str(tmp_path / "tkv.toml"),
+                            "disk": {"url": f"lmdb://{tmp_path}/b?capacity=64MiB"}}, source="x")
+    assert moved.config.disk.sync is False and moved.config.disk.capacity == 64 << 20
+    synced = parse_settings({"config_file": str(tmp_path / "tkv.toml")}, source="x",
+                            environ={"TIERED_KV_DISK_URL": f"lmdb://{tmp_path}/c?sync=true"})
+    assert synced.config.disk.sync is True and synced.config.disk.url.endswith("/c?sync=true")
+
+
+def test_extra_config_that_is_no_table_is_refused_without_quoting_it():
+    from tiered_kv.integrations.common import parse_settings
+
+    with pytest.raises(ConfigError) as err:
+        parse_settings("redis://user:hunter2@cache:6379", source="x")  # type: ignore[arg-type]
+    assert "hunter2" not in str(err.value)
+
+
 @pytest.mark.parametrize("spec, kind", [
     (FullAttentionSpec(sliding_window=128), "sliding"),
     (type("MLAAttentionSpec", (FullAttentionSpec,), {})(num_kv_heads=1, head_size=576), "mla"),

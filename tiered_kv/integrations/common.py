@@ -83,7 +83,7 @@ def parse_settings(extra: Mapping[str, Any] | None, *, source: str,
     """Settings from an engine's extra-config dict (``source`` names it in errors)."""
     environ = dict(os.environ if environ is None else environ)
     if extra is not None and not isinstance(extra, Mapping):
-        raise ConfigError(f"{source} must be a table of settings, got {extra!r}")
+        raise ConfigError(f"{source} must be a table of settings, got a {type(extra).__name__}")
     data = dict(extra or {})
     options = {k: data.pop(k) for k in ADAPTER_KEYS if k in data}
     for key in ADAPTER_KEYS:  # adapter keys from the environment win, like TIERED_KV_* fields
@@ -94,7 +94,7 @@ def parse_settings(extra: Mapping[str, Any] | None, *, source: str,
         config_file = options.get("config_file")
         if config_file not in (None, ""):
             base = TieredKVConfig.from_toml(str(config_file))
-            data = _merge(_as_dict(base), data)
+            data = _merge(base.settings(), data)  # (as written: the new URL decides its settings)
         config = TieredKVConfig.load(data, environ=environ)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
@@ -107,12 +107,6 @@ def parse_settings(extra: Mapping[str, Any] | None, *, source: str,
 
 def _flag(source: str, key: str, options: Mapping[str, Any], default: bool) -> bool:
     return as_bool(options.get(key, default), f"{source}: {key}")
-
-
-def _as_dict(config: TieredKVConfig) -> dict:
-    from dataclasses import asdict
-
-    return {k: v for k, v in asdict(config).items()}
 
 
 def _merge(base: dict, over: Mapping[str, Any]) -> dict:
