@@ -20,6 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${TIERED_KV_SGLANG_VENV:-.venv-sglang}
+unset TIERED_KV_SGLANG_VENV  # (not a store setting: the tests' configs read TIERED_KV_* variables)
 PY=${PYTHON:-python3}
 STAMP="$VENV/.installed"
 STUBS="$VENV/sglang-stubs"

@@ -13,6 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${TIERED_KV_VLLM_VENV:-.venv-vllm}
+unset TIERED_KV_VLLM_VENV  # (not a store setting: the tests' configs read TIERED_KV_* variables)
 PY=${PYTHON:-python3}
 STAMP="$VENV/.installed"
 

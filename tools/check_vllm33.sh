@@ -19,6 +19,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${TIERED_KV_VLLM33_VENV:-.venv-vllm33}
+unset TIERED_KV_VLLM33_VENV  # (not a store setting: the tests' configs read TIERED_KV_* variables)
 PY=${PYTHON:-python3}
 STAMP="$VENV/.installed"
 
