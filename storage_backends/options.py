@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from storage_backends.redaction import redact_url
 from tiered_kv.errors import ConfigError
@@ -15,6 +15,17 @@ def split_options(url: str) -> tuple[str, dict[str, str]]:
     parts = urlsplit(url)
     base = parts._replace(query="").geturl()
     return base, dict(parse_qsl(parts.query, keep_blank_values=True))
+
+
+def with_options(url: str, options) -> str:
+    """``url`` with the settings of an ``options`` table added to its query (those the query
+    names already are left as it says them), as a medium reads them from a URL."""
+    parts = urlsplit(url)
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    added = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in options.items() if k not in query}
+    if not added:
+        return url
+    return parts._replace(query=urlencode({**query, **added})).geturl()
 
 
 def as_int(value, name: str, minimum: int = 1) -> int:

@@ -49,6 +49,17 @@ def test_a_config_file_names_both_tiers(demo_store, redis_url, tmp_path):
     assert [t["tier"] for t in only_remote] == ["remote"]
 
 
+def test_regression_a_redis_prefix_in_a_tiers_options_table_was_ignored_by_the_tools(demo_store, redis_url,
+                                                                                    tmp_path):
+    # the tools opened each configured tier by its URL alone: a store whose engines keep their
+    # blocks under [remote.options] prefix = "app1:" looked empty to inspect, verify and evict
+    assert cli("copy", demo_store.url, redis_url + "?prefix=app1:").code == 0
+    config = tmp_path / "tkv.toml"
+    config.write_text(f'[remote]\nurl = "{redis_url}"\n[remote.options]\nprefix = "app1:"\n')
+    (tier,) = cli("inspect", "--config", config, "--json").json()["tiers"]
+    assert tier["blocks"] == cli("inspect", demo_store.url, "--json").json()["tiers"][0]["blocks"] > 0
+
+
 def test_an_unreachable_redis_is_one_error_line_and_exit_3(own_redis):
     url = own_redis.url
     assert cli("inspect", url).code == 0  # empty but reachable

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from storage_backends.base import Backend
-from storage_backends.options import directory_of
+from storage_backends.options import directory_of, with_options
 from storage_backends.redaction import redact_url
 from storage_backends.registry import (
     backend_class,
@@ -104,7 +104,9 @@ def open_config(path: str, *, timeout: float = 5.0, only: str | None = None) -> 
     tiers: list[Tier] = []
     try:
         for section in wanted:
-            tier = open_tier(section.url, name=section.name, timeout=timeout, capacity=section.capacity)
+            # (its options table too: a Redis prefix written there was read as the default one)
+            url = with_options(section.url, section.options)
+            tier = open_tier(url, name=section.name, timeout=timeout, capacity=section.capacity)
             tier.tenant_quota = section.tenant_quota
             tiers.append(tier)
     except BaseException:
