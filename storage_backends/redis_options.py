@@ -13,6 +13,14 @@ from storage_backends.redaction import password_misread, redact_url
 from tiered_kv.errors import ConfigError
 from tiered_kv.units import as_bool, as_int, parse_duration, parse_size
 
+MAX_TIMEOUT_S = 86400.0  # a call not answered in a day is hung (past ~292 years every socket call raises)
+
+
+def _timeout(seconds: float, name: str) -> float:
+    if not 0 < seconds <= MAX_TIMEOUT_S:
+        raise ConfigError(f"{name} must be positive and at most 1d, got {seconds}")
+    return seconds
+
 
 def _no_quota(value: Any, name: str) -> None:
     raise ConfigError(f"{name}: Redis keeps no per-tenant quotas; it evicts by its own "
@@ -24,7 +32,7 @@ PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "max_connections": lambda v, name: as_int(v, name, minimum=1), "cluster": as_bool,
     "read_from_replicas": as_bool, "node_threads": lambda v, name: as_int(v, name, minimum=0),
     "ttl": lambda v, name: None if str(v).lower() in ("none", "", "0") else parse_duration(v, name=name),
-    "timeout": lambda v, name: parse_duration(v, name=name),
+    "timeout": lambda v, name: _timeout(parse_duration(v, name=name), name),
     "pipeline_bytes": lambda v, name: parse_size(v, name=name),
     "tenant_quota": _no_quota, "tenant_quotas": _no_quota,
 }

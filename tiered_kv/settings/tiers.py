@@ -17,13 +17,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from storage_backends.redaction import redact_url
+from storage_backends.redis_options import MAX_TIMEOUT_S as MAX_TIMEOUT  # noqa: F401 (the CLI's bound too)
 from storage_backends.redis_options import PARSERS as REDIS_PARSERS
 from tiered_kv.errors import ConfigError
 from tiered_kv.settings.loading import check_types
 from tiered_kv.units import as_bool, parse_duration, parse_size
 
 POLICIES = ("write_through", "on_evict", "off")
-MAX_TIMEOUT = 86400.0  # seconds a call to a medium may wait at most (one not answered in a day is hung)
 
 
 def size_field(default: int) -> Any:
