@@ -77,3 +77,9 @@ def test_regression_lmdb_max_readers_cut_a_fraction_and_took_true_for_one(tmp_pa
     config = TieredKVConfig.from_dict({"disk": {"url": f"lmdb://{tmp_path}/d", "options": {"max_readers": value}}})
     with pytest.raises(ConfigError, match="lmdb max_readers must be an integer"):
         open_backend(config.disk.url, **config.disk.medium_options()).close()
+
+
+def test_regression_a_redis_timeout_of_centuries_in_a_url_failed_every_call():
+    # (a tool's URL, or a medium opened in code: a config's remote sections check it themselves)
+    with pytest.raises(ConfigError, match="timeout must be positive and at most 1d"):
+        open_backend("redis://127.0.0.1:1/0?timeout=300000d")
