@@ -1,8 +1,14 @@
 """The connections of a Redis tier to one server: at most ``max_connections``; a call finding
-every one busy waits for one, up to the call's timeout, then fails with ``MaxConnectionsError``.
+every one busy waits for one, up to the call's timeout, then fails with :class:`ConnectionsBusy`.
 That is this process's own limit, not the server away: the call is a counted miss and the
 circuit breaker stays closed (redis-py's plain pool raised at once, and the breaker then failed
-every call for a probe interval whenever more threads than connections called at once)."""
+every call for a probe interval whenever more threads than connections called at once).
+
+:class:`ConnectionsBusy` is no ``ConnectionError`` (redis-py's ``MaxConnectionsError`` is one):
+what retries a connection error takes a node for gone (a cluster's node pipelines and admin
+calls, redis-py's cluster pipeline, its cluster client before 6.4), reads the topology again and
+tries again, so a call waited for a busy node's connections three times over, with two topology
+reads between (redis-py before 6.4 also dropped the node's pool)."""
 
 from __future__ import annotations
 
@@ -11,19 +17,23 @@ from typing import Any
 
 import redis
 from redis.connection import BlockingConnectionPool
-from redis.exceptions import MaxConnectionsError
+from redis.exceptions import RedisError
+
+
+class ConnectionsBusy(RedisError):
+    """Every connection of a pool stayed busy for the wait (see the module docstring)."""
 
 
 class _Slots(LifoQueue):
-    """The pool's idle connections; an empty wait is ``MaxConnectionsError`` (not Empty, which
+    """The pool's idle connections; an empty wait is :class:`ConnectionsBusy` (not Empty, which
     redis-py turns into a ConnectionError: the same error as a server that is away)."""
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         try:
             return super().get(block, timeout)
         except Empty:
-            raise MaxConnectionsError(f"all {self.maxsize} connections busy for {timeout} s "
-                                      "(the tier's max_connections)") from None
+            raise ConnectionsBusy(f"all {self.maxsize} connections busy for {timeout} s "
+                                  "(the tier's max_connections)") from None
 
 
 class WaitingPool(BlockingConnectionPool):

@@ -52,7 +52,7 @@ from storage_backends.redis_names import RedisNames
 from storage_backends.redis_node_pipelines import NodeFanout, node_pipelines, ping_every_node
 from storage_backends.redis_options import check_cluster_options, redis_arguments, redis_target
 from storage_backends.redis_packer import PACKER, PackedConnection
-from storage_backends.redis_pool import WaitingPool, single_client
+from storage_backends.redis_pool import ConnectionsBusy, WaitingPool, single_client
 from tiered_kv.errors import BackendError, BackendUnavailable, ConfigError
 
 log = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class RedisBackend(Backend):
             self._count(errors=1)
             if isinstance(exc, ResponseError) and not isinstance(exc, DOWN_ERRORS):  # READONLY, MISCONF,
                 raise BackendError(f"redis at {self.url} refused the call: {exc}") from None  # NOPERM
-            if isinstance(exc, redis.exceptions.MaxConnectionsError):  # every connection busy: ours, not the server's
+            if isinstance(exc, (ConnectionsBusy, redis.exceptions.MaxConnectionsError)):  # ours, not the server's
                 raise BackendUnavailable(f"redis at {self.url}: {exc}") from None
             self._breaker.trip(exc)
             raise BackendUnavailable(f"redis at {self.url} unavailable: {exc}") from None

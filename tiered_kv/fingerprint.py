@@ -114,16 +114,19 @@ def fold_weights(revision: str, model: object, *, cache_dir: object = None) -> s
 
 def hub_cache(cache_dir: object = None) -> Path:
     """The Hugging Face hub cache: ``cache_dir`` (an engine's ``download_dir``), else
-    ``HF_HUB_CACHE``, else ``$HF_HOME/hub`` (``HF_HOME``: ``$XDG_CACHE_HOME/huggingface``, else
-    ``~/.cache/huggingface``), as ``huggingface_hub`` finds it."""
+    ``HF_HUB_CACHE``, else ``HUGGINGFACE_HUB_CACHE``, else ``$HF_HOME/hub`` (``HF_HOME``:
+    ``$XDG_CACHE_HOME/huggingface``, else ``~/.cache/huggingface``), with ``~`` and ``$VAR``
+    expanded, as ``huggingface_hub`` finds it."""
     if cache_dir:
         return Path(str(cache_dir)).expanduser()
-    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
-    if explicit:
-        return Path(explicit).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface")
-    return Path(home).expanduser() / "hub"
+    env = os.environ
+    home = _expanded(env.get("HF_HOME", os.path.join(env.get("XDG_CACHE_HOME", os.path.join("~", ".cache")),
+                                                     "huggingface")))
+    return Path(_expanded(env.get("HF_HUB_CACHE", env.get("HUGGINGFACE_HUB_CACHE", os.path.join(home, "hub")))))
+
+
+def _expanded(path: str) -> str:
+    return os.path.expandvars(os.path.expanduser(path))
 
 
 def hub_commit(model: object, revision: str, cache_dir: object = None) -> str | None:

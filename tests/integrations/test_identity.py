@@ -164,6 +164,20 @@ def test_a_hub_model_is_resolved_in_the_engines_download_dir(tmp_path, monkeypat
     assert hub_vllm_ns("org/model", download_dir=str(tmp_path / "weights")).revision == "d" * 40
 
 
+def test_regression_a_cache_path_naming_a_variable_was_not_where_huggingface_hub_downloads(tmp_path, monkeypatch):
+    # huggingface_hub expands $VARS in HF_HOME and HF_HUB_CACHE (a service manager passes them
+    # unexpanded); the literal path held nothing, so the hub model was named by its id alone again
+    monkeypatch.setenv("TKV_HF_ROOT", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", "$TKV_HF_ROOT/hf")
+    hub_download(tmp_path / "hf" / "hub", "org/model", "e" * 40)
+    assert hub_vllm_ns("org/model").revision == "e" * 40
+    monkeypatch.setenv("HF_HUB_CACHE", "${TKV_HF_ROOT}/hub")
+    hub_download(tmp_path / "hub", "org/model", "f" * 40)
+    assert hub_vllm_ns("org/model").revision == "f" * 40
+
+
 def test_a_hub_model_not_in_the_cache_keeps_its_revision_as_given(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
     with caplog.at_level(logging.INFO, logger="tiered_kv.fingerprint"):
