@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence as Seq
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -31,7 +31,7 @@ from tiered_kv.engine.scheduler import Scheduler
 from tiered_kv.engine.sequence import RequestStatus, Sequence
 from tiered_kv.engine.weights import load_pretrained, read_config, seeded_model
 from tiered_kv.errors import ConfigError
-from tiered_kv.keys import KeyChain
+from tiered_kv.keys import KeyChain, Namespace
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,16 @@ def _split_connector(connector: object) -> tuple[ConnectorScheduler | None, Conn
         scheduler_half, worker_half = connector
         return scheduler_half, worker_half
     return connector, connector  # type: ignore[return-value]
+
+
+def _namespaces_of(connector: object) -> list:
+    """The namespaces a connector (or each half of a pair) keys its blocks in, where it says."""
+    found = []
+    for part in connector if isinstance(connector, tuple) else (connector,):
+        ns = getattr(part, "namespace", None) or getattr(getattr(part, "store", None), "namespace", None)
+        if ns is not None:
+            found.append(ns)
+    return found
 
 
 class LLMEngine:
@@ -93,12 +103,17 @@ class LLMEngine:
             raise ConfigError(f"engine.max_num_batched_tokens ({self.engine_config.max_num_batched_tokens}) must "
                               f"hold a block ({self.engine_config.block_size}) to store recurrent state: prefill "
                               f"chunks end on block boundaries")
-        ns = getattr(connector, "namespace", None) or getattr(getattr(connector, "store", None), "namespace", None)
-        if ns is not None and getattr(ns, "groups", ()) != self.namespace.groups:
-            have = [g.kind for g in ns.groups] or "none"
-            raise ConfigError(f"the connector's namespace has KV groups {have}, this {self.model_config.kind} "
-                              f"model needs {[g.kind for g in self.namespace.groups] or 'none'} "
-                              f"(build it with engine_namespace())")
+        mine = self.namespace
+        for ns in _namespaces_of(connector):
+            if getattr(ns, "groups", ()) != mine.groups:
+                have = [g.kind for g in ns.groups] or "none"
+                raise ConfigError(f"the connector's namespace has KV groups {have}, this {self.model_config.kind} "
+                                  f"model needs {[g.kind for g in mine.groups] or 'none'} "
+                                  f"(build it with engine_namespace())")
+            if isinstance(ns, Namespace) and ns != mine:  # its blocks hold another model's (or layout's) KV
+                differ = [f.name for f in fields(Namespace) if getattr(ns, f.name) != getattr(mine, f.name)]
+                raise ConfigError(f"the connector's namespace differs from this engine's in {', '.join(differ)}: "
+                                  f"its stored blocks are not this engine's KV (build it with engine_namespace())")
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Seq[int], sampling_params: SamplingParams | None = None,
