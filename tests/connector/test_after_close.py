@@ -63,3 +63,26 @@ def test_regression_a_scheduler_lookup_after_the_store_closed_raised_backend_clo
     assert conn.store.locate(keys) == [None, None]
     assert conn.store.stats()["events"]["lookups_after_close"] >= 3
     conn.close()
+
+
+def test_regression_a_connector_closed_during_an_async_load_left_its_request_waiting_for_good(tmp_path):
+    # close() released the loads in flight and forgot them: get_finished never named the
+    # request, which the engine kept waiting for its remote KV, step after step
+    from tests.connector.engine_helpers import GREEDY, connector, engine, prompt, reference
+
+    prompts = [prompt(300, seed=5)]
+    saver = connector(tmp_path / "db")
+    engine(saver).generate(prompts, GREEDY)
+    saver.close()
+    conn = connector(tmp_path / "db", load_async=True)
+    eng = engine(conn)
+    eng.add_request(prompts[0], GREEDY)
+    eng.step()  # the load is in flight
+    conn.close()
+    outputs = []
+    for _ in range(100):
+        outputs += eng.step()
+        if not eng.has_unfinished_requests():
+            break
+    assert not eng.has_unfinished_requests(), "the request still waits for its remote KV"
+    assert [o.output_token_ids for o in outputs] == reference(prompts)  # recomputed

@@ -34,5 +34,11 @@ def start_load(store: TieredStore, spec: LoadSpec, layered: bool) -> LoadPlan:
         log.warning("request %s: a load after the store was closed; its %d blocks (and those of "
                     "later loads, counted as %s misses) are recomputed", spec.request_id, n, CLOSED)
     store.metrics.miss("host", CLOSED, n)
+    return failed_plan(keys)
+
+
+def failed_plan(keys: list[bytes]) -> LoadPlan:
+    """A released plan of ``keys`` whose every block failed (``store_closed``)."""
+    n = len(keys)
     return LoadPlan(keys, [None] * n, slots=[None] * n, reasons=[CLOSED] * n, served=[None] * n,
                     released=True)

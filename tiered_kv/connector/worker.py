@@ -32,7 +32,7 @@ from tiered_kv.connector.group_layout import GroupLayout
 from tiered_kv.connector.host_spans import scatter_spans
 from tiered_kv.connector.layer_loads import LayerLoads
 from tiered_kv.connector.layout import KVLayout, device_ids, make_layout
-from tiered_kv.connector.load_starts import start_load
+from tiered_kv.connector.load_starts import failed_plan, start_load
 from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec, save_groups
 from tiered_kv.connector.save_copies import SaveCopies
 from tiered_kv.store import LoadPlan, SaveBatch, TieredStore
@@ -341,8 +341,10 @@ class ConnectorWorker:
         self._saves.commit_ready()
 
     def close(self) -> None:
+        """Release what is held; an async load in flight is reported by the next ``get_finished``
+        with every block failed (dropped, its request waited for good: the engine recomputes)."""
         self._finish_layer_loads()
-        for pending in self._async_loads.values():
+        for rid, pending in self._async_loads.items():
             self.store.release(pending.plan)
-        self._async_loads.clear()
+            self._async_loads[rid] = _PendingLoad(pending.spec, failed_plan(pending.plan.keys))
         self.flush_copies()
