@@ -26,6 +26,9 @@ def test_reads_from_the_disk_in_the_scheduler_teach_the_disk_restore_estimate(tm
     the cost policy never weighed a disk load against recomputing (it loaded everything)."""
     llm_args = store_llm_args(tmp_path, monkeypatch)
     prompts = {1: PROMPTS[1], 2: PROMPTS[3]}
+    # (loading whatever it costs meanwhile: on a busy machine the estimates learned from the
+    # second engine's reads could skip the third's, which then observed none)
+    monkeypatch.setenv("TIERED_KV_RESTORE_POLICY", "always")
     for _ in range(3):  # the first engine stores; each later one reads both prompts from the disk
         sched, worker, ex = _engine(llm_args)
         try:
@@ -35,6 +38,7 @@ def test_reads_from_the_disk_in_the_scheduler_teach_the_disk_restore_estimate(tm
         finally:
             sched.close()
             worker.close()
+    monkeypatch.delenv("TIERED_KV_RESTORE_POLICY")
     sched, worker, ex = _engine(llm_args)
     try:
         assert sched.store.costs.restores_observed().get("disk") == 4  # kept in the namespace record
