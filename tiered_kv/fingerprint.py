@@ -68,35 +68,37 @@ def files_fingerprint(path: str | os.PathLike) -> str | None:
     return f"files-{digest.hexdigest()[:24]}" if seen else None
 
 
-def local_directory(name: object) -> Path | None:
-    """``name`` as an existing local directory, or None (a hub id, a URL, nothing)."""
+def local_model(name: object) -> Path | None:
+    """``name`` as an existing local directory or file (a GGUF checkpoint), or None (a hub id, a
+    URL, nothing)."""
     if not name:
         return None
     try:
         path = Path(str(name)).expanduser()
-        return path if path.is_dir() else None
+        return path if path.is_dir() or path.is_file() else None
     except (OSError, ValueError):
         return None
 
 
 def model_name(model: object) -> str:
-    """What a namespace calls ``model``: a local directory by its own name (replicas keep their
+    """What a namespace calls ``model``: a local directory (or GGUF file) by its own name (replicas keep their
     copies at other paths, ``/mnt/a/llama-3-8b`` and ``/models/llama-3-8b``, and share one store;
     the weights are named by the revision: :func:`fold_weights` or ``model_revision``), anything
     else (a hub id) as given."""
-    directory = local_directory(model)
+    directory = local_model(model)
     if directory is None:
         return str(model)
     return directory.resolve().name or str(model)
 
 
 def fold_weights(revision: str, model: object, *, cache_dir: object = None) -> str:
-    """``revision`` with the fingerprint of ``model``'s weight files when it is a local directory;
+    """``revision`` with the fingerprint of ``model``'s weight files when it is a local directory
+    (or one file: a GGUF checkpoint);
     for a hub id, the commit the Hugging Face cache (``cache_dir``, else the environment's)
     resolves ``revision`` (none: ``main``) to, in its place: a branch names other weights once
     it moves, so replicas that downloaded ``main`` before and after an update must not share KV
     (and ``main``, none and that commit itself name the same weights). Unresolved: ``revision``."""
-    directory = local_directory(model)
+    directory = local_model(model)
     if directory is None:
         commit = hub_commit(model, revision, cache_dir)
         if commit is None:

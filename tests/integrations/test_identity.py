@@ -88,6 +88,22 @@ def test_regression_a_models_own_code_edited_in_place_kept_its_namespace(tmp_pat
     assert vllm_ns(model).digest() != before.digest()
 
 
+def test_regression_a_gguf_checkpoint_replaced_in_place_kept_its_namespace(tmp_path):
+    # only directories were fingerprinted: a model given as one GGUF file was named by its path
+    # alone, so a new file written over it was served the old weights' KV (and the same file at
+    # another path on a replica shared nothing)
+    gguf = tmp_path / "a" / "llama-3-8b.Q4_K_M.gguf"
+    write_weights(gguf.parent, {gguf.name: b"G" * 64})
+    before = vllm_ns(gguf)
+    assert before.model_id == gguf.name and before.revision.startswith("files-")
+    rewrite_same_size(gguf)
+    assert vllm_ns(gguf).digest() != before.digest()
+    copy = tmp_path / "b" / gguf.name
+    write_weights(copy.parent, {gguf.name: gguf.read_bytes()})
+    os.utime(copy, ns=(gguf.stat().st_atime_ns, gguf.stat().st_mtime_ns))
+    assert vllm_ns(copy) == vllm_ns(gguf)
+
+
 def test_rewriting_an_unchanged_config_json_keeps_the_namespace(tmp_path):
     # examples/vllm_offline.py (and many launchers) write config.json again on every start: a
     # new mtime over the same bytes must not turn every restart into a cold store
