@@ -35,7 +35,7 @@ from tiered_kv.admin.catalog import READ_BATCH, kind_of, namespaces
 from tiered_kv.admin.opening import Tier
 from tiered_kv.errors import CorruptBlock
 from tiered_kv.store.codec import BlockCodec
-from tiered_kv.store.records import NAMESPACE_PREFIX, decode_namespace, namespace_key, scrubbed, split_key
+from tiered_kv.store.records import decode_namespace, namespace_key, scrubbed, split_key
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,7 @@ def verify_tier(tier: Tier, *, fix: bool = False, progress: Callable[[int, int],
     keys = sorted(backend.scan())
     blocks: Counter = Counter()
     checked = 0
+    salted: list[tuple[bytes, bytes]] = []  # (key, the record without its salt): records holding one
     for start in range(0, len(keys), READ_BATCH):
         batch = keys[start : start + READ_BATCH]
         for key, value in zip(batch, backend.get_many(batch)):
@@ -77,6 +78,8 @@ def verify_tier(tier: Tier, *, fix: bool = False, progress: Callable[[int, int],
                     blocks[split_key(key)[0]] += 1
                 else:
                     findings.append(Finding(tier.name, problem[0], key.hex(), problem[1]))
+            elif (clean := scrubbed(key, value)) is not None:  # (kind "namespace": a record)
+                salted.append((key, clean))
         if progress is not None:
             progress(len(batch), len(keys))
     check = getattr(backend, "check", None)
@@ -85,7 +88,9 @@ def verify_tier(tier: Tier, *, fix: bool = False, progress: Callable[[int, int],
         said = check(True)  # a write: the older format is upgraded, then every table checked
     findings += [Finding(tier.name, "meta_drift", None, p) for p in said if not isinstance(p, Unchecked)]
     actions = _fix(tier, findings, found.known) if fix and findings else []
-    salted = _salted_records(backend)
+    if fix:  # (not one the fix removed)
+        removed = {f.key for f in findings if f.fixed and f.key}
+        salted = [(k, v) for k, v in salted if k.hex() not in removed]
     if fix and salted:
         done = sum(backend.put_many(salted))
         actions.append(f"rewrote {done} of {len(salted)} namespace records without their cache_salt")
@@ -123,13 +128,6 @@ def _check_block(codec: BlockCodec, key: bytes, value, ns) -> tuple[str, str] | 
     except CorruptBlock as exc:
         return "corrupt", exc.detail
     return None
-
-
-def _salted_records(backend) -> list[tuple[bytes, bytes]]:
-    """(key, the record without its salt) for each namespace record that holds one."""
-    keys = list(backend.scan(NAMESPACE_PREFIX))
-    pairs = [(k, scrubbed(k, v)) for k, v in zip(keys, backend.get_many(keys)) if v is not None]
-    return [(k, v) for k, v in pairs if v is not None]
 
 
 def _fix(tier: Tier, findings: list[Finding], known: dict) -> list[str]:
