@@ -64,3 +64,26 @@ class RedisServer:
         with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
             s.sendall(b"FLUSHALL\r\n")
             s.recv(16)
+
+
+def calls_at_once(call, *, threads: int = 8, rounds: int = 10) -> list[Exception]:
+    """Run ``call()`` ``rounds`` times on each of ``threads`` threads started together; the
+    exceptions they raised (an AssertionError too)."""
+    import threading
+
+    barrier, failures = threading.Barrier(threads), []
+
+    def caller() -> None:
+        barrier.wait()
+        for _ in range(rounds):
+            try:
+                call()
+            except Exception as exc:  # (kept: the test says which it expected)
+                failures.append(exc)
+
+    started = [threading.Thread(target=caller) for _ in range(threads)]
+    for t in started:
+        t.start()
+    for t in started:
+        t.join()
+    return failures

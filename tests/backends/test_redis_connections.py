@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from storage_backends.registry import open_backend
+from tests.redis_server import calls_at_once
 from tiered_kv.errors import BackendUnavailable
 
 
@@ -15,22 +14,13 @@ def test_regression_more_callers_than_connections_opened_the_breaker(redis_url):
     # connection in use; the tier took it for Redis down and failed every call for a probe
     # interval (8 threads over 2 connections: 160 of 160 calls failed)
     b = open_backend(redis_url, max_connections=2, timeout="10s")
-    b.put_many([(b"k%d" % i, b"v" * 1000) for i in range(16)])
-    barrier, failures = threading.Barrier(8), []
+    keys = [b"k%d" % i for i in range(16)]
+    b.put_many([(k, b"v" * 1000) for k in keys])
 
-    def caller() -> None:
-        barrier.wait()
-        for _ in range(20):
-            try:
-                assert b.get_many([b"k%d" % i for i in range(16)]) == [b"v" * 1000] * 16
-            except BackendUnavailable as exc:
-                failures.append(exc)
+    def read_all() -> None:
+        assert b.get_many(keys) == [b"v" * 1000] * len(keys)
 
-    threads = [threading.Thread(target=caller) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    failures = calls_at_once(read_all, rounds=20)
     assert failures == [] and b.available  # they waited their turn for a connection
 
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 from storage_backends.registry import open_backend
+from tests.redis_server import calls_at_once
 from tiered_kv.errors import BackendUnavailable
 
 
@@ -16,21 +15,11 @@ def test_regression_more_callers_than_a_nodes_connections_opened_the_breaker(red
     b = open_backend(redis_cluster.url, max_connections=1, timeout="10s")
     keys = [b"k%d" % i for i in range(32)]
     b.put_many([(k, b"v" * 1000) for k in keys])
-    barrier, failures = threading.Barrier(8), []
 
-    def caller() -> None:
-        barrier.wait()
-        for _ in range(10):
-            try:
-                assert b.get_many(keys) == [b"v" * 1000] * len(keys)
-            except BackendUnavailable as exc:
-                failures.append(exc)
+    def read_all() -> None:
+        assert b.get_many(keys) == [b"v" * 1000] * len(keys)
 
-    threads = [threading.Thread(target=caller) for _ in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    failures = calls_at_once(read_all)
     assert failures == [] and b.available
     b.close()
 

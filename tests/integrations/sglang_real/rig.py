@@ -180,6 +180,22 @@ class Rig:
         buffer = self.host_pool.kv_buffer
         buffer.zero_()
 
+    def check_cut_at_a_hole(self, tokens: list[int], hole: int, seed: int) -> None:
+        """Back ``tokens`` up to L3 but for page ``hole``, empty the host pool and prefetch them:
+        only the pages before the hole are reported and read, with the bytes written."""
+        from tests.integrations.sglang_real.kv_bits import first_tokens, same_bits
+
+        pages = len(tokens) // self.page_size
+        slots = self.fill_device(len(tokens), seed=seed)
+        want = self.device_kv(slots)
+        host = self.to_host(slots)
+        assert self.to_storage(host, tokens, pages=range(0, hole)) == hole * self.page_size
+        assert self.to_storage(host, tokens, pages=range(hole + 1, pages)) == (pages - hole - 1) * self.page_size
+        self.evict_host(host)
+        got = self.fetch(tokens)
+        assert (got.queried_tokens, got.read_tokens) == (hole * self.page_size, hole * self.page_size)
+        assert same_bits(got.kv, first_tokens(want, hole * self.page_size))
+
     def fetch(self, tokens: list[int]) -> Fetch:
         """Prefetch ``tokens`` from L3 into the host pool, then load what arrived to the device."""
         self._requests += 1

@@ -77,19 +77,7 @@ def test_pages_backed_up_evicted_and_prefetched_come_back_bit_exact(make_rig, co
 def test_a_page_never_written_cuts_the_prefetch_at_the_hole(make_rig, controller, attention, layout,
                                                             dtype, interface_v1):
     rig = make_rig(controller, attention, layout, dtype, interface_v1)
-    tokens = _tokens()
-    slots = rig.fill_device(len(tokens), seed=2)
-    want = rig.device_kv(slots)
-    host = rig.to_host(slots)
-    hole = 2
-    assert rig.to_storage(host, tokens, pages=range(0, hole)) == hole * PAGE_SIZE
-    assert rig.to_storage(host, tokens, pages=range(hole + 1, PAGES)) == (PAGES - hole - 1) * PAGE_SIZE
-    rig.evict_host(host)
-
-    got = rig.fetch(tokens)
-
-    assert (got.queried_tokens, got.read_tokens) == (hole * PAGE_SIZE, hole * PAGE_SIZE)
-    assert same_bits(got.kv, first_tokens(want, hole * PAGE_SIZE))
+    rig.check_cut_at_a_hole(_tokens(), hole=2, seed=2)
 
 
 @pytest.mark.parametrize("interface_v1", INTERFACES)

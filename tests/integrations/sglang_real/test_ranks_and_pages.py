@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.integrations.sglang_real.kv_bits import first_tokens, same_bits
+from tests.integrations.sglang_real.kv_bits import same_bits
 from tests.integrations.sglang_real.rig import (
     MHA_LAYOUTS,
     MLA_LAYOUTS,
@@ -188,17 +188,7 @@ def test_a_page_never_written_cuts_the_prefetch_at_the_hole_at_any_page_size(ran
     tokens = _tokens(pages * page_size)
     rig = rank(0, 1, attention=attention, layout=layout, interface_v1=interface_v1, page_size=page_size,
                device_tokens=max(128, 4 * pages * page_size))
-    slots = rig.fill_device(len(tokens), seed=3)
-    want = rig.device_kv(slots)
-    host = rig.to_host(slots)
-    assert rig.to_storage(host, tokens, pages=range(0, hole)) == hole * page_size
-    assert rig.to_storage(host, tokens, pages=range(hole + 1, pages)) == (pages - hole - 1) * page_size
-    rig.evict_host(host)
-
-    got = rig.fetch(tokens)
-
-    assert (got.queried_tokens, got.read_tokens) == (hole * page_size, hole * page_size)
-    assert same_bits(got.kv, first_tokens(want, hole * page_size))
+    rig.check_cut_at_a_hole(tokens, hole, seed=3)
 
 
 @pytest.mark.parametrize("interface_v1", INTERFACES)
@@ -208,14 +198,4 @@ def test_a_hole_past_sglangs_128_page_storage_batch_cuts_the_prefetch_there(rank
     tokens = _tokens(pages * page_size)
     rig = rank(0, 1, attention="mla", layout="page_first", interface_v1=interface_v1, page_size=page_size,
                device_tokens=4 * pages * page_size)
-    slots = rig.fill_device(len(tokens), seed=4)
-    want = rig.device_kv(slots)
-    host = rig.to_host(slots)
-    assert rig.to_storage(host, tokens, pages=range(0, hole)) == hole * page_size
-    assert rig.to_storage(host, tokens, pages=range(hole + 1, pages)) == (pages - hole - 1) * page_size
-    rig.evict_host(host)
-
-    got = rig.fetch(tokens)
-
-    assert (got.queried_tokens, got.read_tokens) == (hole * page_size, hole * page_size)
-    assert same_bits(got.kv, first_tokens(want, hole * page_size))
+    rig.check_cut_at_a_hole(tokens, hole, seed=4)
