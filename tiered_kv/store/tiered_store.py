@@ -21,9 +21,10 @@ subscribers which tier stored or removed which blocks (``store.events.subscribe(
 **Restore costs**: ``costs`` (:class:`~tiered_kv.store.restore_costs.RestoreCosts`) learns what
 restores from each tier and the engine's prefill steps take (the connector's worker observes,
 its scheduler's restore policy reads); it starts from the estimates in the namespace record of
-the first lower tier holding some, and is written back at most every ``COSTS_SAVE_S`` seconds
-and at flush / close (:class:`~tiered_kv.store.records.CostsKeeper`). Blocks the policy left
-unloaded are counted by :meth:`TieredStore.count_restore_skips`.
+the first lower tier holding some (never an ``off`` one: this process does not write those),
+and is written back at most every ``COSTS_SAVE_S`` seconds and at flush / close
+(:class:`~tiered_kv.store.records.CostsKeeper`). Blocks the policy left unloaded are counted
+by :meth:`TieredStore.count_restore_skips`.
 
 The store is assembled from parts handed what they use: :class:`~tiered_kv.store.host_slots.HostSlots`
 (the host tier's slots as blocks), the lower tiers (:class:`~tiered_kv.store.encoded_tier.EncodedTier`,
@@ -81,20 +82,24 @@ class TieredStore:
                               f"{format_size(block_nbytes)}")
         self.metrics = StoreMetrics()
         self.pool = TransferPool(config.workers, config.max_inflight_save, config.max_inflight_load)
-        self.copier = HostCopier(config.workers)  # large host<->caller batches on several threads
-        evicting = any(t.policy == "on_evict" for t in config.lower_tiers)
-        quota = {"tenant_quota": config.host.tenant_quota} if config.host.tenant_quota else {}
-        self.host = HostBackend(capacity=config.host.capacity, slot_bytes=block_nbytes,
-                                pinned=config.host.pinned,
-                                on_evict=self._on_host_evict if evicting else None, **quota)
-        self.slots = HostSlots(self.host, namespace, self.copier)
+        # a part that fails to start stops those started before it (a host slab refused left the
+        # pool's threads running; a tier refused, e.g. for its secret, left every medium open)
+        media: list = []
         try:
+            self.copier = HostCopier(config.workers)  # large host<->caller batches on several threads
+            evicting = any(t.policy == "on_evict" for t in config.lower_tiers)
+            quota = {"tenant_quota": config.host.tenant_quota} if config.host.tenant_quota else {}
+            self.host = HostBackend(capacity=config.host.capacity, slot_bytes=block_nbytes,
+                                    pinned=config.host.pinned,
+                                    on_evict=self._on_host_evict if evicting else None, **quota)
+            self.slots = HostSlots(self.host, namespace, self.copier)
+            media = open_media(config)
             self.tiers = [EncodedTier(tier, backend, namespace, self.metrics,
                                       codec_choice.choose(tier.codec, config.workers), config.layer_groups,
                                       config.encryption_secret)
-                          for tier, backend in open_media(config)]
+                          for tier, backend in media]
         except BaseException:
-            self.close_parts()
+            self.close_parts([backend for _, backend in media])
             raise
         try:
             # which tier holds which blocks, for subscribers (tiered_kv.store.block_events)
@@ -112,8 +117,8 @@ class TieredStore:
             self.loader = Loader(self.slots, self.tiers, self.pool, self.metrics, self.invalidations,
                                  self.saver, reader, config.workers)
             self.costs = RestoreCosts(config.restore_min_samples)
-            self.cost_record = CostsKeeper(self.costs, namespace, [(t.name, t.backend) for t in self.tiers],
-                                           writes=True, every=COSTS_SAVE_S)
+            written = [(t.name, t.backend) for t in self.tiers if t.policy != "off"]  # (never ``off`` ones)
+            self.cost_record = CostsKeeper(self.costs, namespace, written, writes=True, every=COSTS_SAVE_S)
             self._closed = False
             self._close_lock = threading.Lock()
             self._metrics_ports: list[int] = []  # Prometheus exporter ports serving this store
@@ -263,8 +268,16 @@ class TieredStore:
         lower tiers durable (those that can be)."""
         done = self.pool.drain(timeout)
         self.cost_record.save()
-        for tier in self.tiers:
-            tier.backend.flush()
+        failed: Exception | None = None  # the first tier's failure, raised once every tier flushed
+        for tier in self.tiers:  # (it stopped at the first: the tiers after it were never made durable)
+            try:
+                tier.backend.flush()
+            except Exception as exc:
+                if failed is not None:
+                    log.warning("%s tier: flush failed: %s", tier.name, exc)
+                failed = failed or exc
+        if failed is not None:
+            raise failed
         return done
 
     def stats(self) -> dict:
@@ -301,15 +314,18 @@ class TieredStore:
             finally:
                 self.close_parts()
 
-    def close_parts(self) -> None:
-        """Stop the pool and close every medium (also when opening a later one failed)."""
+    def close_parts(self, media: Sequence = ()) -> None:
+        """Stop the pool and close every medium (also when starting a later part failed;
+        ``media``: those opened before their tiers were made)."""
         self.pool.close()
-        self.copier.close()
-        for tier in getattr(self, "tiers", []):
-            tier.backend.close()
+        if hasattr(self, "copier"):
+            self.copier.close()
+        for backend in [t.backend for t in self.tiers] if hasattr(self, "tiers") else media:
+            backend.close()
         if hasattr(self, "slots"):
             self.slots.close()
-        self.host.close()
+        if hasattr(self, "host"):
+            self.host.close()
 
     def __enter__(self) -> TieredStore:
         return self
