@@ -237,3 +237,24 @@ def test_regression_an_untyped_delete_failure_ended_the_withdrawal_and_a_failing
     finally:
         store.close()  # its last retry fails again: logged, and every part is closed all the same
     assert closed == [True]
+
+
+def test_regression_locate_named_a_tier_for_a_block_being_withdrawn(tmp_path):
+    # lookup and present said absent while a tier's delete was failing, but locate (SGLang's
+    # existence checks and its reads) still named the disk: the withdrawn block was promised
+    keys = keys_for(1)
+    store = make_store(tmp_path)
+    try:
+        store.save(keys, payloads(store, 1, seed=4)).result(10)
+        store.flush()
+        assert store.locate(keys) in (["host"], ["disk"])
+
+        def refused(names):
+            raise BackendUnavailable("disk refused the delete")
+
+        store.tier("disk").backend.delete_many = refused
+        store.invalidate(keys).result(10)
+        assert store.lookup(keys) == 0
+        assert store.locate(keys) == [None] and store.locate(keys, host=False) == [None]
+    finally:
+        store.close()

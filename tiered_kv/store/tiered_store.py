@@ -210,11 +210,13 @@ class TieredStore:
     def locate(self, keys: Sequence[bytes], *, host: bool = True) -> list[str | None]:
         """The first tier holding this rank's copy of each key (None: nowhere; ``host``: whether
         the host tier counts). No side effects; each lower tier answers within
-        ``lookup_timeout`` or counts as a miss; a closed store holds nothing."""
+        ``lookup_timeout`` or counts as a miss; a closed store holds nothing, nor does a key being
+        withdrawn (:meth:`invalidate`), as for :meth:`lookup`."""
         on_host = self._on_host(keys)
         if on_host is None:
             return [None] * len(keys)
-        return self.presence.locate(keys, on_host if host else None, own_only=True)[0]
+        where = self.presence.locate(keys, on_host if host else None, own_only=True)[0]
+        return [None if w else at for at, w in zip(where, self.invalidations.suppressed(keys))]
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether every tensor-parallel rank can load each of ``keys`` (not a leading run: the
