@@ -9,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from tiered_kv.units import as_bool
+from tiered_kv.errors import ConfigError
+from tiered_kv.units import as_bool, format_size
 
 
 def want_pinned(pinned: str | bool) -> bool:
@@ -24,8 +25,13 @@ TOUCH_PIECE_BYTES = 64 << 20  # the slab is touched in pieces of about this size
 
 
 def new_slab(num_slots: int, slot_bytes: int, pinned: bool) -> torch.Tensor:
-    """``[num_slots, slot_bytes]`` uint8, every page touched now."""
-    slab = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pinned)
+    """``[num_slots, slot_bytes]`` uint8, every page touched now; ConfigError when this machine
+    will not give that much (it was a raw allocator RuntimeError out of the store's start)."""
+    try:
+        slab = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pinned)
+    except RuntimeError as exc:
+        raise ConfigError(f"host.capacity: cannot allocate {format_size(num_slots * slot_bytes)} of "
+                          f"{'page-locked ' if pinned else ''}host memory ({str(exc).splitlines()[0][:160]})") from None
     touch(slab.numpy().reshape(-1))
     return slab
 

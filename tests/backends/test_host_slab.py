@@ -5,6 +5,7 @@ need), and zeroed whatever memory it was made from."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from torch.autograd.profiler import profile
 
 from storage_backends import host_slab
@@ -28,3 +29,19 @@ def test_a_slab_touched_in_pieces_over_several_threads_is_zero_to_the_last_byte(
     used[-1] = 9
     host_slab.touch(used)
     assert not used.any()
+
+
+def test_regression_a_host_capacity_this_machine_cannot_give_was_a_raw_allocator_error(tmp_path):
+    # torch's allocator refusal (a RuntimeError) came out of the store's start untyped; it is a
+    # configuration error naming the setting, and the store that asked started nothing
+    from tests.store.helpers import NS
+    from tiered_kv.config import TieredKVConfig
+    from tiered_kv.errors import ConfigError
+    from tiered_kv.store import TieredStore
+
+    with pytest.raises(ConfigError, match="host.capacity: cannot allocate"):
+        HostBackend(capacity=1 << 60, slot_bytes=64 * KiB, pinned=False)
+    config = TieredKVConfig.from_dict({"host": {"capacity": 1 << 60}, "disk": {"url": f"lmdb://{tmp_path}/d"}})
+    with pytest.raises(ConfigError, match="host.capacity"):
+        TieredStore(config, NS)
+    TieredStore(config.with_overrides(host={"capacity": 4 << 20}), NS).close()  # (its disk was closed)
