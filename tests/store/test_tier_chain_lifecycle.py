@@ -111,3 +111,19 @@ def test_regression_a_store_reading_an_off_tier_rewrote_that_tiers_namespace_rec
         tier = filler.tier("golden")
         assert tier.backend.get_many([namespace_key(tier.ns)])[0] == record, "written by a reader"
         assert filler.costs.empty()
+
+
+def test_regression_a_medium_that_failed_to_close_left_the_others_open(tmp_path):
+    from tests.store.helpers import make_store
+
+    store = make_store(tmp_path)
+    disk, closed = store.tier("disk").backend, []
+    close_host = store.host.close
+
+    def broken() -> None:
+        raise OSError("EIO closing the environment")
+
+    disk.close = broken
+    store.host.close = lambda: (closed.append("host"), close_host())
+    store.close()
+    assert closed == ["host"]

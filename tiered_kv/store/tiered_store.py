@@ -323,7 +323,10 @@ class TieredStore:
         if hasattr(self, "copier"):
             self.copier.close()
         for backend in [t.backend for t in self.tiers] if hasattr(self, "tiers") else media:
-            backend.close()
+            try:  # (one medium failing to close left the others, the slots and the host open)
+                backend.close()
+            except Exception as exc:
+                log.warning("%s: closing failed: %s", backend.url, exc)
         if hasattr(self, "slots"):
             self.slots.close()
         if hasattr(self, "host"):
