@@ -306,6 +306,7 @@ class _WorkerSide:
         self.layer_names = layer_names  # per KV group (namespaces with groups)
         self.layer_index: dict[str, int] = {}  # layer name -> its layer in the store's blocks
         self.async_loads: tuple[str, ...] = ()
+        self.loading: set[str] = set()  # requests whose async load is not reported received yet
         self.feed = None  # block events of the store, when vLLM publishes KV events
         self.rank = 0
         self.closed = False
@@ -326,9 +327,13 @@ class _WorkerSide:
         self.async_loads = tuple(getattr(metadata, "async_loads", ()) or ())
 
     def get_finished(self, finished_req_ids) -> tuple[set[str] | None, set[str] | None]:
+        """A request aborted while its async load is in flight is reported once, as received:
+        vLLM holds its blocks until then and frees them at the first report (a finished_sending
+        too freed them under the load, and the second report crashed vLLM's scheduler)."""
         saved, loaded = self.core.get_finished(finished_req_ids or (), self.async_loads)
+        self.loading = (self.loading | set(self.async_loads)) - set(loaded)
         self.async_loads = ()
-        return set(saved) or None, set(loaded) or None
+        return set(saved) - self.loading - set(loaded) or None, set(loaded) or None
 
     def close(self) -> None:
         if self.closed:

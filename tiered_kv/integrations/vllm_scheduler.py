@@ -107,6 +107,9 @@ class SchedulerSide:
         if view is None:
             return 0, False
         self.requests[view.request_id] = request
+        if getattr(request, "skip_reading_prefix_cache", False):
+            # (prompt logprobs): vLLM drops any claim, so none is weighed, counted or probed with
+            return 0, False
         n, is_async = self._core().get_num_new_matched_tokens(view, num_computed_tokens)
         return n, bool(is_async and n)
 
