@@ -18,14 +18,28 @@ def split_options(url: str) -> tuple[str, dict[str, str]]:
 
 
 def with_options(url: str, options) -> str:
-    """``url`` with the settings of an ``options`` table added to its query (those the query
-    names already are left as it says them), as a medium reads them from a URL."""
+    """``url`` with the settings of an ``options`` table in its query, over those the query
+    names (a medium given both takes the table's: the engine's tier is opened so), each spelled
+    as the medium reads it from a query (a float with no fraction as a whole number: "600.0" is
+    no integer); None is no setting. The URL's own form is kept (``lmdb:///dir`` stays that)."""
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
-    added = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in options.items() if k not in query}
-    if not added:
+    given = {k: _query_text(v) for k, v in options.items() if v is not None}
+    if all(query.get(k) == v for k, v in given.items()):
         return url
-    return parts._replace(query=urlencode({**query, **added})).geturl()
+    out = parts._replace(query=urlencode({**query, **given})).geturl()
+    head = url[: len(parts.scheme) + 3]  # (geturl drops the "//" of an empty host: lmdb:/dir)
+    if head.lower() == f"{parts.scheme}://" and not out.startswith(f"{parts.scheme}://"):
+        out = head + out[len(parts.scheme) + 1 :]
+    return out
+
+
+def _query_text(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
 
 
 def as_int(value, name: str, minimum: int = 1) -> int:

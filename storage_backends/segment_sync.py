@@ -49,30 +49,37 @@ class SegmentSync:
     def sync(self, segments: Iterable[int] | None = None) -> None:
         """fsync every segment written to since the last sync (a poisoned one never again);
         returns once every write before the call is durable (a sync running in another thread
-        included). OSError when one of ``segments`` is poisoned, by this call or an earlier one
-        (None: when an fsync of this call failed)."""
+        included). OSError when one of ``segments`` is poisoned, by this call or an earlier one,
+        or could not be opened to fsync it (left dirty, not poisoned); None: when an fsync of this
+        call failed or a segment could not be opened."""
         with self._syncing:
             with self._lock:
                 dirty, self._dirty = self._dirty - self._poisoned, set()
-            failed: dict[int, OSError] = {}
+            failed: dict[int, OSError] = {}  # the fsync failed: poisoned
+            unsynced: dict[int, OSError] = {}  # no descriptor to fsync it with (EMFILE): still dirty
             for segment in sorted(dirty):
                 try:
                     with self.fds.use(segment) as fd:
-                        os.fdatasync(fd)
+                        try:
+                            os.fdatasync(fd)
+                        except OSError as exc:
+                            failed[segment] = exc
                 except FileNotFoundError:
                     continue  # deleted meanwhile
-                except OSError as exc:
-                    failed[segment] = exc
+                except OSError as exc:  # (no fsync ran: nothing says a byte of it was lost)
+                    unsynced[segment] = exc
             if failed:
                 self._retire(set(failed))  # (first: nothing more is appended to them)
-                with self._lock:
-                    self._poisoned |= failed.keys()
+            with self._lock:
+                self._poisoned |= failed.keys()
+                self._dirty |= unsynced.keys()  # (the next sync tries again)
             if dirty:
                 _sync_dir(self.dir)
             with self._lock:
-                bad = sorted(failed) if segments is None else sorted(set(segments) & self._poisoned)
+                errors = {**failed, **unsynced}
+                bad = sorted(errors) if segments is None else sorted(set(segments) & (self._poisoned | unsynced.keys()))
         if bad:
-            exc = failed.get(bad[0])
+            exc = errors.get(bad[0])
             reason = exc.strerror if exc is not None else "an earlier fsync of it failed"
             raise OSError(exc.errno if exc is not None else errno.EIO,
                           f"fsync of segment {bad[0]:016x}: {reason}")

@@ -238,3 +238,40 @@ def test_a_put_in_a_healthy_segment_is_stored_when_one_fsync_fails_for_another_w
     assert answers == {"first": [True], "other": [False]}
     assert b.get_many([key(1), key(2)]) == [blob(1), None]
     b.close()
+
+
+def test_regression_a_flush_short_of_file_descriptors_withdrew_the_entries_of_a_healthy_segment(
+        tmp_path, monkeypatch):
+    """The flush could not open a segment to fsync it (the process out of descriptors, EMFILE,
+    its idle ones closed already): no fsync ran, so nothing said a byte of it was lost, yet it was
+    taken for a segment whose fsync failed: never appended to again, every entry in it withdrawn.
+    That flush fails (not everything is durable); the next one fsyncs the segment, whose entries
+    stay, and which the writer goes on appending to."""
+    b = lmdb_tier(tmp_path, sync=False)
+    assert b.put_many([(key(i), blob(i)) for i in range(3)]) == [True] * 3
+    segment = place_of(b, key(0)).segment
+    fds, refused, synced = b.values.files.fds, [], []
+    real_hold, real_fdatasync = fds.hold, os.fdatasync
+
+    def hold(seg, write=False):  # the first descriptor asked for is refused
+        if not refused:
+            refused.append(seg)
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_hold(seg, write)
+
+    def fdatasync(fd):
+        synced.append(segment_of(fd))
+        return real_fdatasync(fd)
+
+    monkeypatch.setattr(fds, "hold", hold)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    with pytest.raises(BackendUnavailable, match="fsync of segment"):
+        b.flush()
+    assert (refused, synced) == ([segment], [])
+    b.flush()
+    assert synced == [segment], "the next flush fsyncs it"
+    assert b.get_many([key(i) for i in range(3)]) == [blob(i) for i in range(3)]
+    assert b.stats().extra["sync_failed_entries"] == 0
+    assert b.put_many([(key(3), blob(3))]) == [True] and place_of(b, key(3)).segment == segment
+    assert b.check() == []
+    b.close()

@@ -130,3 +130,43 @@ def test_blocks_a_second_process_evicts_after_the_engine_looked_them_up_and_leas
         store.host.delete_many(keys)
         ok, outs = load_staged(store, keys)
         assert ok == [True] * 4 and all(torch.equal(o, d) for o, d in zip(outs, data))
+
+
+ENGINE_OF_THE_SALTED_NAMESPACE = textwrap.dedent("""
+    # a serving engine of the salted namespace: its first write rewrites the older version's
+    # record without the salt, its close writes the restore estimates it learned into it
+    import dataclasses, sys
+    from pathlib import Path
+    from tests.store.helpers import NS, keys_for, make_store, payloads
+    from tests.store.test_restore_costs import observe
+    salted = dataclasses.replace(NS, cache_salt=sys.argv[2])
+    with make_store(Path(sys.argv[1]), ns=salted) as store:
+        store.save(keys_for(6, salted)[4:], payloads(store, 2))
+        observe(store)
+""")
+
+
+def test_regression_verify_fix_put_back_the_salted_record_it_had_scanned_over_the_one_an_engine_wrote_since(
+        tmp_path):
+    # verify read an older version's record (the salt in it) in its scan; an engine then rewrote
+    # the record without the salt and with its restore estimates; the fix wrote the record as the
+    # scan had read it, less the salt: the engine's estimates were gone
+    from tests.cli.test_salted_records import SALT, SALTED, legacy_record, salted_store
+    from tiered_kv.store.records import COSTS_MEMBER, namespace_key
+
+    salted_store(tmp_path)
+    legacy_record(tmp_path / "lmdb")
+    tier = open_tier(f"lmdb://{tmp_path}/lmdb")
+    engines = []
+
+    def an_engine_serves_once_every_entry_was_checked(done, total):
+        engines.append(other_process(ENGINE_OF_THE_SALTED_NAMESPACE, str(tmp_path), SALT))
+
+    try:
+        report = verify_tier(tier, fix=True, progress=an_engine_serves_once_every_entry_was_checked)
+        (record,) = tier.backend.get_many([namespace_key(SALTED.digest())])
+    finally:
+        tier.close()
+    assert len(engines) == 1 and report["ok"], report
+    assert SALT.encode() not in bytes(record)
+    assert COSTS_MEMBER in json.loads(bytes(record)), "the engine's estimates were written over"

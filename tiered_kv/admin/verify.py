@@ -88,9 +88,8 @@ def verify_tier(tier: Tier, *, fix: bool = False, progress: Callable[[int, int],
         said = check(True)  # a write: the older format is upgraded, then every table checked
     findings += [Finding(tier.name, "meta_drift", None, p) for p in said if not isinstance(p, Unchecked)]
     actions = _fix(tier, findings, found.known) if fix and findings else []
-    if fix:  # (not one the fix removed)
-        removed = {f.key for f in findings if f.fixed and f.key}
-        salted = [(k, v) for k, v in salted if k.hex() not in removed]
+    if fix and salted:  # read again: one the fix removed, or a serving process rewrote since the scan
+        salted = _still_salted(backend, [k for k, _ in salted])  # (its estimates in it) is left alone
     if fix and salted:
         done = sum(backend.put_many(salted))
         actions.append(f"rewrote {done} of {len(salted)} namespace records without their cache_salt")
@@ -128,6 +127,12 @@ def _check_block(codec: BlockCodec, key: bytes, value, ns) -> tuple[str, str] | 
     except CorruptBlock as exc:
         return "corrupt", exc.detail
     return None
+
+
+def _still_salted(backend, keys: list[bytes]) -> list[tuple[bytes, bytes]]:
+    """(key, the record without its salt) for each of ``keys`` whose record holds one now."""
+    now = zip(keys, backend.get_many(keys))
+    return [(k, clean) for k, v in now if v is not None and (clean := scrubbed(k, v)) is not None]
 
 
 def _fix(tier: Tier, findings: list[Finding], known: dict) -> list[str]:
