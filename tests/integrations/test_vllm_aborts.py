@@ -84,6 +84,19 @@ def step_until(engine: Engine, done, limit: int = 2000) -> None:
     raise AssertionError("no progress")
 
 
+def abort_while_its_load_waits(eng, req, rid: str) -> None:
+    """Abort ``rid``, whose load waits at the gate: vLLM holds its blocks until the load is
+    reported received, then they are released once."""
+    assert req.status == "WAITING_FOR_REMOTE_KVS"
+    eng.abort(rid)
+    for _ in range(3):
+        eng.step()
+    assert eng.held == {rid} and req.block_ids  # never freed under the load
+    GATE.set()
+    eng.run(max_steps=400)
+    assert eng.released == [rid] and len(eng.free) == 64
+
+
 def test_a_request_aborted_while_its_load_is_in_flight_is_held_until_received_and_released_once(gated):
     halves = Halves(gated)
     try:
@@ -91,14 +104,7 @@ def test_a_request_aborted_while_its_load_is_in_flight_is_held_until_received_an
         GATE.clear()
         req = eng.add("a", PROMPTS["a"], max_tokens=3)
         eng.step()
-        assert req.status == "WAITING_FOR_REMOTE_KVS"
-        eng.abort("a")
-        for _ in range(3):
-            eng.step()
-        assert eng.held == {"a"} and req.block_ids  # never freed under the load
-        GATE.set()
-        eng.run(max_steps=400)
-        assert eng.released == ["a"] and len(eng.free) == 64
+        abort_while_its_load_waits(eng, req, "a")
     finally:
         GATE.set()
         halves.close()
@@ -122,14 +128,7 @@ def test_regression_a_resumed_request_aborted_while_its_load_was_in_flight_was_r
         store.host.delete_many(list(store.host.scan()))  # the host tier let every block go
         GATE.clear()
         eng.step()
-        assert req.status == "WAITING_FOR_REMOTE_KVS"
-        eng.abort("a")
-        for _ in range(3):
-            eng.step()
-        assert eng.held == {"a"} and req.block_ids  # never freed under the load
-        GATE.set()
-        eng.run(max_steps=400)
-        assert eng.released == ["a"] and len(eng.free) == 64
+        abort_while_its_load_waits(eng, req, "a")
     finally:
         GATE.set()
         halves.close()

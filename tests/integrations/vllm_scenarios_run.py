@@ -168,18 +168,7 @@ def aborted(run: Run, params, load_async: bool) -> dict:
     seen: dict = {}
     if load_async:
         GATE.clear()  # its disk reads wait: the load stays in flight
-    try:
-        rid = run.add("aborted", params)
-        run.engine.step()
-        seen["status"] = run.status(rid)
-        run.engine.abort_request([rid], internal=True)
-        for _ in range(3):  # vLLM must keep the blocks of an aborted request whose load is in flight
-            run.engine.step()
-        seen["held"] = rid in run.sched.requests
-    finally:
-        GATE.set()
-    run.drain()
-    return seen
+    return abort_after_a_step(run, run.add("aborted", params), seen)
 
 
 def resumed(run: Run, params, load_async: bool) -> dict:
@@ -198,6 +187,13 @@ def resumed(run: Run, params, load_async: bool) -> dict:
     store.host.delete_many(list(store.host.scan()))  # the host tier let every block go
     if load_async:
         GATE.clear()
+    return abort_after_a_step(run, rid, seen)
+
+
+def abort_after_a_step(run: Run, rid: str, seen: dict) -> dict:
+    """One step of ``rid`` (its load starts, held at the gate when async), then its abort: its
+    status then, and whether vLLM still holds it three steps later (it must while its load is in
+    flight); the gate is opened and the engine drained after."""
     try:
         run.engine.step()
         seen["status"] = run.status(rid)
