@@ -30,8 +30,10 @@ def new_slab(num_slots: int, slot_bytes: int, pinned: bool) -> torch.Tensor:
     try:
         slab = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pinned)
     except RuntimeError as exc:
+        hint = '; or host.pinned = "no": page-locked memory is often capped lower' if pinned else ""
         raise ConfigError(f"host.capacity: cannot allocate {format_size(num_slots * slot_bytes)} of "
-                          f"{'page-locked ' if pinned else ''}host memory ({str(exc).splitlines()[0][:160]})") from None
+                          f"{'page-locked ' if pinned else ''}host memory ({str(exc).splitlines()[0][:160]}){hint}"
+                          ) from None
     touch(slab.numpy().reshape(-1))
     return slab
 
