@@ -111,7 +111,7 @@ class Compactor:
         if reads[0] > 0:  # (one segment per check at least, however many values it holds)
             reads[0] -= record.live_entries
             pads = 0
-            for key in self._live_keys(txn, segment):
+            for key in keys_in(self.db.tables, txn, segment):
                 place = txn.get(key, db=self.db.tables.places)
                 if place is not None:
                     length = unpack_place(place).length
@@ -120,14 +120,10 @@ class Compactor:
             return pads
         return bound
 
-    def _live_keys(self, txn, segment: int):
-        """The keys of the values ``segment`` holds (its ``segment_keys`` entries)."""
-        return keys_in(self.db.tables, txn, segment)
-
     def _move(self, segment: int) -> tuple[int, int]:
         """(values moved out of ``segment``, values read but not written: the disk refused them)."""
         with self.db.txn() as txn:
-            keys = list(self._live_keys(txn, segment))
+            keys = list(keys_in(self.db.tables, txn, segment))
         moved = unwritten = 0
         for start in range(0, len(keys), MOVE_BATCH):
             batch_moved, batch_unwritten = self._move_batch(keys[start : start + MOVE_BATCH])
