@@ -171,12 +171,17 @@ class Loader:
         if host_hits:
             self.metrics.hit("host", host_hits, host_hits * self.block_nbytes)
         if gone:
-            for i in gone:
-                plan.reasons[i] = "invalidated"
-            self.metrics.miss("host", "invalidated", len(gone))
-            if plan.progress is not None:
-                plan.progress.end(gone)
+            self._missed(plan, gone, "invalidated")
         return plan
+
+    def _missed(self, plan: LoadPlan, idx: list[int], reason: str) -> None:
+        """Blocks ``idx`` of ``plan`` are not read: counted misses for ``reason``, their layer
+        groups over (no forward waits for them)."""
+        for i in idx:
+            plan.reasons[i] = reason
+        self.metrics.miss("host", reason, len(idx))
+        if plan.progress is not None:
+            plan.progress.end(idx)
 
     def _start_jobs(self, plan: LoadPlan, todo: list[int]) -> None:
         """Queue the load jobs of the blocks ``todo`` of ``plan`` (see :meth:`load`)."""
@@ -190,14 +195,9 @@ class Loader:
             except StoreClosed:
                 if not plan.futures:
                     raise
-                rest = todo[start:]
-                for i in rest:
-                    plan.reasons[i] = CLOSED
-                self.metrics.miss("host", CLOSED, len(rest))
+                self._missed(plan, todo[start:], CLOSED)
                 log.warning("%d blocks of a load not read: the store closed as it started (%s misses)",
-                            len(rest), CLOSED)
-                if plan.progress is not None:
-                    plan.progress.end(rest)
+                            len(todo) - start, CLOSED)
                 return
             if plan.progress is not None:  # however the job ends (or never runs), its blocks are over
                 future.add_done_callback(lambda _f, idx=idx, p=plan.progress: p.end(idx))
