@@ -124,7 +124,9 @@ def test_a_salt_per_user_does_not_make_a_metrics_series_per_user(tmp_path):
         for i, tenant in enumerate(tenants):  # user i saves i + 1 blocks: the larger users rank first
             keys = keys_for(i + 1, first_token=1000 * (i + 1))
             store.save(keys, payloads(store, i + 1, seed=i), tenant=tenant)
-        store.flush()
+            store.flush()  # one user at a time: a 1 MiB host tier full of unwritten blocks refuses saves
+        events = store.metrics.snapshot()["events"]
+        assert events.get("saves_no_room", 0) == 0 and events.get("saves_dropped", 0) == 0
         usage = store.tier("disk").backend.tenant_usage()
         port = export(store, 0, "127.0.0.1")
         try:
