@@ -56,6 +56,7 @@ from tiered_kv.units import as_bool
 
 RESTORE_POLICIES = ("cost", "always")
 MIN_SECRET_BYTES = 16
+MAX_WORKERS = 256  # transfer threads a store may start (each holds a stack; more would not help)
 
 
 class Secret:
@@ -158,7 +159,7 @@ class TieredKVConfig:
     disk: DiskConfig = field(default_factory=DiskConfig)  # disk (LMDB) tier
     remote: RemoteConfig = field(default_factory=RemoteConfig)  # remote (Redis) tier
     tiers: tuple[TierConfig, ...] = ()  # more lower tiers, in order after disk and remote
-    workers: int = 2  # transfer threads (zstd, LMDB and redis-py release the GIL)
+    workers: int = 2  # transfer threads (zstd, LMDB and redis-py release the GIL), at most MAX_WORKERS
     max_inflight_save: int = size_field(512 << 20)  # write-behind bytes queued before saves drop
     max_inflight_load: int = size_field(512 << 20)  # load bytes in flight; later loads queue behind them
     lookup_timeout: float = duration_field(0.05)  # scheduler-side lookup deadline per tier; unanswered = miss
@@ -182,8 +183,8 @@ class TieredKVConfig:
             raise ConfigError("tiers must be a tuple of TierConfig")
         if self.encryption_secret is not None:
             object.__setattr__(self, "encryption_secret", _secret("encryption_secret", self.encryption_secret))
-        if self.workers < 1:
-            raise ConfigError(f"workers must be at least 1, got {self.workers}")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ConfigError(f"workers must be between 1 and {MAX_WORKERS}, got {self.workers}")
         if isinstance(self.layer_groups, bool) or not isinstance(self.layer_groups, int) or self.layer_groups < 1:
             raise ConfigError(f"layer_groups must be a positive integer, got {self.layer_groups!r}")
         check_choice("restore_policy", self.restore_policy, RESTORE_POLICIES)

@@ -158,6 +158,7 @@ def test_load_accepts_a_dict_or_nothing():
     ({"workers": True}, "workers"),
     ({"workers": 2.5}, "workers"),
     ({"workers": "two"}, "workers"),
+    ({"workers": 100_000}, "workers"),  # regression: accepted, and a store started 100,000 threads
     ({"remote": {"retries": True}}, "remote.retries"),
     ({"remote": {"retries": -1}}, "remote.retries"),
     ({"host": {"capacity": True}}, "host.capacity"),
