@@ -35,6 +35,7 @@ def test_a_file_medium_added_as_a_third_tier_by_config_carries_a_block_there_and
 
         assert all(ok) and all(torch.equal(a, b) for a, b in zip(data, outs))
         assert store.metrics.snapshot()["tiers"]["archive"]["hits"] == 4
+        store.flush()  # the copies up are write-behind
         assert store.tier("disk").contains(keys) == [True] * 4
         assert store.locate(keys) == ["disk"] * 4
         assert "archive" in store.stats()["backends"]
@@ -120,3 +121,42 @@ def test_a_block_withdrawn_while_it_is_being_loaded_is_not_copied_back_up(tmp_pa
         assert store.tier("disk").contains(keys) == [False, False]
         assert store.tier("shared").contains(keys) == [False, False]
         assert store.lookup(keys) == 0
+
+
+@pytest.mark.parametrize("staged", [True, False], ids=["through_host_slots", "into_callers_memory"])
+def test_a_load_served_by_a_lower_tier_does_not_wait_for_its_copy_up(tmp_path, staged):
+    """A Redis or shared-tier hit warms the local disk, but the engine's restore ended only once
+    that disk write had: every cross-replica restore paid a disk write on top of its read."""
+    tiers = [{"name": "shared", "url": f"file://{tmp_path}/shared"}]
+    keys = keys_for(3)
+    with make_store(tmp_path, disk=None, tiers=tiers) as other_replica:
+        data = payloads(other_replica, 3)
+        other_replica.save(keys, data)
+    with make_store(tmp_path, tiers=tiers, workers=4) as store:
+        disk, disk_writes = store.tier("disk").backend, threading.Event()
+        put_many = disk.put_many
+        disk.put_many = lambda *args, **kwargs: disk_writes.wait(30) and put_many(*args, **kwargs)
+        served = {}
+
+        def restore() -> None:
+            if staged:
+                plan = store.load(store.prepare_load(keys)).wait(30)
+                served["ok"] = plan.ok
+                store.release(plan)
+            else:
+                served["ok"] = load(store, keys)[0]
+
+        engine = threading.Thread(target=restore)
+        engine.start()
+        engine.join(10)  # a restore waiting for its copy up waits until the 30 s gate gives way
+        assert not engine.is_alive(), "the restore waited for the disk tier's copy"
+        assert served["ok"] == [True] * 3
+        assert store.tier("disk").contains(keys) == [False] * 3
+        disk_writes.set()
+        store.flush()
+        assert store.tier("disk").contains(keys) == [True] * 3  # the copy up landed after
+        disk.put_many = put_many
+        store.host.delete_many(keys)
+        store.tier("shared").backend.delete_many([store.tier("shared").ns + k for k in keys])
+        ok, outs = load(store, keys)
+        assert ok == [True] * 3 and all(torch.equal(o, d) for o, d in zip(outs, data))

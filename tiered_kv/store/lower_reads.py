@@ -1,21 +1,19 @@
 """Reading blocks from the lower tiers into caller-given buffers: each tier in order is asked
 for the blocks still missing, every block is validated while it is decoded, and a block read
-from a lower tier is copied (its validated stored bytes, not re-encoded: a sealed block stays
-sealed, under its tenant's key) into the tiers above it that admit it. Used both for loads
-staged through host slots and for direct loads into the caller's own host memory. The blocks
-are read as the tenant's (their key, when blocks are encrypted)."""
+from a lower tier is queued for the tiers above it that admit it (its validated stored bytes,
+not re-encoded: a sealed block stays sealed, under its tenant's key; write-behind, so the load
+ends without waiting for those writes). Used both for loads staged through host slots and for
+direct loads into the caller's own host memory. The blocks are read as the tenant's (their key,
+when blocks are encrypted)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 
 from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.invalidation import Invalidations
 from tiered_kv.store.metrics import StoreMetrics
 from tiered_kv.store.saving import Saver
-
-log = logging.getLogger(__name__)
 
 
 class LowerReader:
@@ -78,19 +76,14 @@ class LowerReader:
 
     def _copy_up(self, keys: Sequence[bytes], counts: Sequence[int], tenant: bytes,
                  blobs: dict[int, bytes], above: list[EncodedTier]) -> None:
-        """Store blocks read from a lower tier (index -> validated stored bytes) in the tiers
-        above it that admit them: a remote hit warms the disk tier. A key withdrawn before the
-        copy is not copied."""
+        """Queue blocks read from a lower tier (index -> validated stored bytes) for the tiers
+        above it that admit them: a remote hit warms the disk tier, as write-behind the load does
+        not wait for. A key withdrawn before the copy is queued is not copied; one withdrawn
+        after is deleted once the copy is written (the copy is a tracked write)."""
         picked = list(blobs)
         live = [(keys[i], counts[i]) for i, gone in
                 zip(picked, self.invalidations.suppressed([keys[i] for i in picked])) if not gone]
         by_key = {keys[i]: blobs[i] for i in picked}
         groups = self.saver.admitted([k for k, _ in live], above, [n for _, n in live])
         for tiers, group in groups.items():
-            for tier in tiers:
-                try:
-                    self.saver.records.keep(tier)
-                    tier.put_blobs([(k, by_key[k]) for k in group], len(group) * self.block_nbytes,
-                                   tenant=tenant)
-                except Exception:  # the blocks were loaded; only their copy up there is lost
-                    log.exception("copy of %d blocks into the %s tier failed", len(group), tier.name)
+            self.saver.queue_stored([(k, by_key[k]) for k in group], list(tiers), tenant)

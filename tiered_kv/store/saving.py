@@ -305,6 +305,25 @@ class Saver:
         for tiers, _ in self.admitted([key], targets).items():
             self._queue_copies([(key, bytes(value))], tiers, tenant)
 
+    def queue_stored(self, items: list[tuple[bytes, bytes]], tiers: Sequence[EncodedTier], tenant: bytes) -> None:
+        """Queue the write of ``items`` (validated stored bytes another tier served: a copy up) to
+        ``tiers`` as they are, so the load that read them does not wait for these writes."""
+        stored = dict(items)
+
+        def job(kept: list[bytes]) -> int:
+            done = 0
+            for tier in tiers:
+                try:
+                    self.records.keep(tier)
+                    done += sum(tier.put_blobs([(k, stored[k]) for k in kept], len(kept) * self.block_nbytes,
+                                               tenant=tenant))
+                except Exception:  # the blocks were loaded; only their copy up there is lost
+                    log.exception("copy of %d blocks into the %s tier failed", len(kept), tier.name)
+            return done
+
+        self._submit(list(stored), job, lambda kept: self.metrics.event("saves_dropped", len(kept)),
+                     replacement=False)
+
     def _queue_copies(self, items: list[tuple[bytes, bytes]], tiers: Sequence[EncodedTier], tenant: bytes) -> None:
         """Queue the write of ``items`` (private copies of their payloads) to ``tiers``."""
         payloads = dict(items)
