@@ -195,7 +195,7 @@ class Saver:
             per_job = max(1, min(SAVE_CHUNK_BYTES // self.block_nbytes, -(-len(group) // self.workers)))
             for start in range(0, len(group), per_job):
                 chunk = group[start : start + per_job]
-                slots = [leased[k] for k in chunk] if leased is not None else self.host.pin_many(chunk)
+                slots = [leased[k] for k in chunk] if leased is not None else self.host.pin_many(chunk, bytes(tenant))
                 pinned = [(k, s) for k, s in zip(chunk, slots) if s is not None]
                 if pinned:
                     fut = self._submit_write(pinned, list(tiers), tenant)
