@@ -282,6 +282,11 @@ class Backend(ABC):
                 else:
                     self._counters.extra[name] = self._counters.extra.get(name, 0) + delta
 
+    def counters(self) -> BackendStats:
+        """What this backend has counted so far (puts, evictions, quota evictions, ...), from
+        memory: no call to the medium (unlike :meth:`stats`, which may ask a server or walk files)."""
+        return self._snapshot()
+
     def _snapshot(self, **current) -> BackendStats:
         with self._stats_lock:
             counted = self._counters.as_dict()

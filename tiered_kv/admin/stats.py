@@ -1,11 +1,12 @@
 """``stats``: what a running store's Prometheus exporter (``metrics_port``) says, summarised —
 the metrics text fetched from its URL (credentials in the URL become a basic-auth header, never
-output) or read from a saved scrape, and per tier the hits, misses by reason, traffic and
-evictions; store-wide the events and queued bytes."""
+output, and never sent on to another host a redirect names) or read from a saved scrape, and per
+tier the hits, misses by reason, traffic and evictions; store-wide the events and queued bytes."""
 
 from __future__ import annotations
 
 import base64
+import http.client
 import urllib.error
 import urllib.request
 from collections import defaultdict
@@ -33,12 +34,39 @@ def fetch(target: str, timeout: float = 5.0) -> str:
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"metrics URL must be http(s)://HOST:PORT[/metrics] or a file, got {redact_url(target)!r}")
     try:
-        with urllib.request.urlopen(_request(url), timeout=timeout) as response:
+        with _OPENER.open(_request(url), timeout=timeout) as response:
             body = response.read()
-    except (urllib.error.URLError, OSError, ValueError) as exc:
+    except (urllib.error.URLError, OSError) as exc:  # (a connection closed unanswered is one)
         reason = redact_text(str(getattr(exc, "reason", exc)), url)
         raise BackendUnavailable(f"cannot fetch metrics from {redact_url(url)}: {reason}") from None
+    except (http.client.InvalidURL, ValueError) as exc:  # a port that is no number, a bad IPv6 host
+        raise ConfigError(f"bad metrics URL {redact_url(url)}: {redact_text(str(exc), url)}") from None
+    except http.client.BadStatusLine as exc:  # it answered, but not in HTTP (an SSH or SMTP port)
+        raise ConfigError(f"{redact_url(url)} does not answer HTTP (is it a tiered-kv exporter?): "
+                          f"{redact_text(str(exc), url)[:80]!r}") from None
+    except http.client.HTTPException as exc:  # an answer cut short, a header too long
+        raise BackendUnavailable(f"cannot fetch metrics from {redact_url(url)}: {type(exc).__name__}: "
+                                 f"{redact_text(str(exc), url)[:200]}") from None
     return _text(body, redact_url(url))
+
+
+class _SameHostAuth(urllib.request.HTTPRedirectHandler):
+    """Follows redirects, but a basic-auth header goes only to the scheme, host and port it was
+    given for (urllib sent it on to any host a redirect named)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(new.full_url) != _origin(req.full_url):
+            new.remove_header("Authorization")
+        return new
+
+
+def _origin(url: str) -> tuple:
+    parts = urlsplit(url)
+    return parts.scheme.lower(), (parts.hostname or "").lower(), parts.port
+
+
+_OPENER = urllib.request.build_opener(_SameHostAuth)
 
 
 def _has_port(target: str) -> bool:

@@ -142,7 +142,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
                                   "MB/s out", "evictions", "entries", "used")))
     events = ", ".join(f"{k}: {v}" for k, v in report["events"].items()) or "none"
     queued = ", ".join(f"{k}: {render.size(v)}" for k, v in report["queued_bytes"].items()) or "none"
-    out.print(f"events: {events}; queued: {queued}")
+    out.print(f"events: {events}; queued: {queued}", markup=False)  # (labels as scraped: "[/x]" is no markup)
     if report["skipped_samples"]:
         out.print(f"skipped {report['skipped_samples']} samples (a label missing or a value not a number)")
     return EXIT_OK

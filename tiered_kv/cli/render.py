@@ -10,6 +10,7 @@ from contextlib import contextmanager
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
+from rich.text import Text
 
 from tiered_kv.errors import BackendUnavailable, TieredKVError
 from tiered_kv.units import format_size
@@ -41,11 +42,13 @@ def console() -> Console:
 
 def table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence], *,
           right: Sequence[str] = ()) -> Table:
-    t = Table(title=title, title_justify="left")
+    """Title and cells are shown as they are, never read as rich markup: they carry what the
+    command found (a scrape's labels, a path), and ``[/x]`` in one was a MarkupError traceback."""
+    t = Table(title=None if title is None else Text(title), title_justify="left")
     for col in columns:
         t.add_column(col, justify="right" if col in right else "left", overflow="fold")
     for row in rows:
-        t.add_row(*("-" if v is None else str(v) for v in row))
+        t.add_row(*(Text("-" if v is None else str(v)) for v in row))
     return t
 
 

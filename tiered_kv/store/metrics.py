@@ -1,7 +1,9 @@
 """Counters of the store and connector: hits, misses by reason, bytes, latency, drops.
 
 Thread-safe and cheap (one lock, plain ints). ``snapshot()`` gives a plain dict; the Prometheus
-exporter and the CLI read that.
+exporter and the CLI read that. Evictions are not counted here: a medium evicts on its own and
+counts them itself (``BackendStats.evictions``, in ``TieredStore.stats()["backends"]``); a
+counter here was never moved and showed 0 beside the medium's real figure.
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ class TierCounters:
     stored_bytes_in: int = 0  # bytes as stored (compressed) written
     seconds_in: float = 0.0  # time spent writing
     seconds_out: float = 0.0  # time spent reading
-    evictions: int = 0  # blocks evicted by us from this tier
 
 
 class StoreMetrics:
@@ -87,6 +88,6 @@ class StoreMetrics:
                     "hits": t.hits, "misses": dict(t.misses), "blocks_in": t.blocks_in,
                     "blocks_out": t.blocks_out, "bytes_in": t.bytes_in, "bytes_out": t.bytes_out,
                     "stored_bytes_in": t.stored_bytes_in, "seconds_in": round(t.seconds_in, 6),
-                    "seconds_out": round(t.seconds_out, 6), "evictions": t.evictions,
+                    "seconds_out": round(t.seconds_out, 6),
                 }
             return {"tiers": tiers, "events": dict(self.events), "gauges": dict(self.gauges)}

@@ -13,7 +13,9 @@ Metric families (labels ``namespace``, ``model`` on all of them):
   bytes), ``tiered_kv_stored_bytes_total{tier}`` (as stored, written),
   ``tiered_kv_transfer_seconds_total{tier,direction}`` — direction ``in`` (written to the tier)
   or ``out`` (read from it);
-- ``tiered_kv_evictions_total{tier}``, ``tiered_kv_dropped_saves_total``,
+- ``tiered_kv_evictions_total{tier}`` (what the tier's medium counted: the entries this process
+  evicted to make room, for every medium; Redis' own ``maxmemory`` evictions are not seen),
+  ``tiered_kv_dropped_saves_total``,
   ``tiered_kv_events_total{event}`` (saves_dropped, loads_failed, disk_save_failed, ...);
 - ``tiered_kv_queued_bytes{direction}`` (save / load), ``tiered_kv_tier_entries{tier}``,
   ``tiered_kv_tier_used_bytes{tier}``, ``tiered_kv_tier_capacity_bytes{tier}``;
@@ -36,14 +38,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import defaultdict
 from typing import Protocol
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from storage_backends.base import Backend
+from storage_backends.base import Backend, BackendStats
 from tiered_kv.errors import BackendUnavailable
 from tiered_kv.keys import Namespace
 from tiered_kv.store.metrics import StoreMetrics
@@ -100,7 +101,9 @@ class StoreCollector(Collector):
                                           labels=base + ["tier"]),
             "seconds": CounterMetricFamily("tiered_kv_transfer_seconds", "Time spent moving blocks",
                                            labels=base + ["tier", "direction"]),
-            "evictions": CounterMetricFamily("tiered_kv_evictions", "Blocks evicted", labels=base + ["tier"]),
+            "evictions": CounterMetricFamily("tiered_kv_evictions", "Entries this process evicted from a tier to "
+                                             "make room (not those Redis drops by its own policy)",
+                                             labels=base + ["tier"]),
             "dropped": CounterMetricFamily("tiered_kv_dropped_saves", "Saves dropped (write-behind full)",
                                            labels=base),
             "events": CounterMetricFamily("tiered_kv_events", "Store events", labels=base + ["event"]),
@@ -144,7 +147,6 @@ class StoreCollector(Collector):
 def _collect_store(store: MetricSource, fam: dict) -> None:
     ids = [store.namespace.digest().hex()[:16], store.namespace.model_id]
     snap = store.metrics.snapshot()
-    evictions: dict[str, int] = defaultdict(int)
     for tier, t in snap["tiers"].items():
         fam["hits"].add_metric(ids + [tier], t["hits"])
         for reason, n in t["misses"].items():
@@ -154,7 +156,6 @@ def _collect_store(store: MetricSource, fam: dict) -> None:
             fam["bytes"].add_metric(ids + [tier, direction], t[f"bytes_{direction}"])
             fam["seconds"].add_metric(ids + [tier, direction], t[f"seconds_{direction}"])
         fam["stored"].add_metric(ids + [tier], t["stored_bytes_in"])
-        evictions[tier] += t["evictions"]
     for name, n in snap["events"].items():
         fam["events"].add_metric(ids + [name], n)
     fam["dropped"].add_metric(ids, snap["events"].get("saves_dropped", 0))
@@ -165,22 +166,32 @@ def _collect_store(store: MetricSource, fam: dict) -> None:
     media = [("host", store.host)] + [(t.name, t.backend) for t in store.tiers]
     for tier, backend in media:
         fam["up"].add_metric(ids + [tier], 1 if getattr(backend, "available", True) else 0)
+        counted = _counters(backend)
+        if counted is not None:  # (every medium: the figures it counts itself, in memory)
+            fam["evictions"].add_metric(ids + [tier], counted.evictions)
+            if "quota_evictions" in counted.extra:
+                fam["quota_evictions"].add_metric(ids + [tier], counted.extra["quota_evictions"])
         if backend.name not in CHEAP_MEDIA:
             continue
         try:
             stats = backend.stats()
         except BackendUnavailable:
             continue
-        evictions[tier] += stats.evictions
         fam["entries"].add_metric(ids + [tier], stats.entries)
         fam["used"].add_metric(ids + [tier], stats.used_bytes)
         if stats.capacity_bytes is not None:
             fam["capacity"].add_metric(ids + [tier], stats.capacity_bytes)
-        fam["quota_evictions"].add_metric(ids + [tier], stats.extra.get("quota_evictions", 0))
         for tenant, used in tenant_series(backend.tenant_usage() or {}):
             fam["tenant_used"].add_metric(ids + [tier, tenant], used)
-    for tier, n in evictions.items():
-        fam["evictions"].add_metric(ids + [tier], n)
+
+
+def _counters(backend: Backend) -> BackendStats | None:
+    """What ``backend`` has counted so far (evictions, quota evictions, ...), read from memory
+    without asking the medium anything: its ``stats()`` may be a network call (Redis) or walk a
+    directory (file). The medium is the one place evictions are counted (it evicts on its own);
+    None for a medium that is no :class:`Backend` (it keeps no such counters)."""
+    counted = getattr(backend, "counters", None)
+    return counted() if callable(counted) else None
 
 
 def tenant_series(usage: dict[bytes, int]) -> list[tuple[str, int]]:

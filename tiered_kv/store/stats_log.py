@@ -3,6 +3,11 @@
 For operators without a Prometheus scraper: what each tier served and missed (by reason) and the
 bytes it took in and gave out since the previous line, the bytes queued, and store events
 (dropped saves, failed writes, ...). Logged at INFO through ``tiered_kv.store.stats_log``.
+
+A line is made of the store's own counters and queues only (:func:`traffic`): never of
+``store.stats()``, which asks every medium for its figures (Redis ``INFO`` and a key sample, a
+file tier's walk of its directory) that the line does not show; a hung Redis held every line
+for its timeout.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ def _delta(now: dict[str, int], before: dict[str, int]) -> dict[str, int]:
 
 
 def summary_line(snap: dict[str, Any], previous: dict[str, Any] | None = None) -> str:
-    """What changed between ``previous`` (or the start) and ``snap``, both ``store.stats()``."""
+    """What changed between ``previous`` (or the start) and ``snap``, both :func:`traffic` (or
+    ``store.stats()``, which holds the same and more)."""
     before_tiers = (previous or {}).get("tiers", {})
     parts = []
     for tier, now in snap["tiers"].items():
@@ -41,6 +47,13 @@ def summary_line(snap: dict[str, Any], previous: dict[str, Any] | None = None) -
     return "; ".join(parts)
 
 
+def traffic(store: Any) -> dict[str, Any]:
+    """What :func:`summary_line` reads of ``store``, from memory: its counters and queued bytes."""
+    snap = store.metrics.snapshot()
+    snap["queued_bytes"] = store.pool.queued_bytes()
+    return snap
+
+
 class StatsLogger:
     """A daemon thread logging :func:`summary_line` of ``store`` every ``interval`` seconds."""
 
@@ -54,7 +67,7 @@ class StatsLogger:
         previous = None
         while not self._stop.wait(self.interval):
             try:
-                snap = self.store.stats()
+                snap = traffic(self.store)
             except Exception as exc:  # a closing store or a failing backend: skip this line
                 log.debug("tiered-kv stats unavailable: %s", exc)
                 continue
