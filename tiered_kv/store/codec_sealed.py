@@ -18,7 +18,8 @@ reader without the key can still check every header field, the frame table and e
 check over the ciphertext (``tiered-kv verify``).
 
 Each frame has its own random 96-bit nonce (the NIST bound for random nonces, 2^32 frames per
-key, is billions of blocks per tenant and secret). Its associated data binds it to where it was
+key, is about 477 million blocks of 8 layer groups, 9 frames each, per tenant and secret: a
+fleet writing more under one should rotate its secret). Its associated data binds it to where it was
 stored: a domain tag, the namespace digest, the block key, codec, dtype, shape, raw length, the
 frame's index and count, and the tenant label; a blob copied under another key, namespace or
 tenant (or a frame moved within a block) fails authentication. Failures: a check or the framing

@@ -27,6 +27,7 @@ from tiered_kv.errors import BackendUnavailable, CorruptBlock
 from tiered_kv.keys import Namespace
 from tiered_kv.store import codec_choice
 from tiered_kv.store.codec import BlockCodec, BlockLayout, Sealing, max_stored_len
+from tiered_kv.store.codec_body import clear
 from tiered_kv.store.codec_header import HEADER_BYTES
 from tiered_kv.store.codec_segments import table_len
 from tiered_kv.store.codec_split import check_split
@@ -85,15 +86,15 @@ class EncodedTier:
 
     # -- presence ----------------------------------------------------------------------------
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        """Presence of each key, for a save (one held is not written again); all False (counted)
-        when the medium is down. A key this replica read as sealed under another secret counts
-        as absent, so the save replaces that block with one this replica can open."""
+        """Presence of each key, for a save (one held is not written again); all False when the
+        medium is down (not a miss: no block was asked for; the put that follows counts the
+        failed write). A key this replica read as sealed under another secret counts as absent,
+        so the save replaces that block with one this replica can open."""
         if not keys:
             return []
         try:
             held = self.backend.contains_many([self.ns + k for k in keys])
         except BackendUnavailable:
-            self.metrics.miss(self.name, self.unavailable, len(keys))
             return [False] * len(keys)
         foreign = self.foreign
         return [h and k not in foreign for k, h in zip(keys, held)] if foreign else held
@@ -157,23 +158,30 @@ class EncodedTier:
         (one this replica has no key for is a KEY_REASONS miss and stays); never raised."""
         read = _Read(self, keys, outs, keep_blobs)
         sealing = self.sealing(tenant)
+        spilled: set[int] = set()  # blocks whose tail a split read left in outs[i], then read whole
 
         def decode(i: int, head: memoryview | None, blob: memoryview | None) -> bool:
             try:
                 if head is not None:  # the medium read the block's payload straight into outs[i]
                     if not check_split(head, outs[i], namespace=self.ns, key=keys[i], expect=self.layout,
                                        sealing=sealing):
+                        spilled.add(i)
                         return False  # not a plain raw block: have it whole
                 else:
                     self.codec.decode(blob, namespace=self.ns, key=keys[i], out=outs[i], expect=self.layout,
                                       sealing=sealing)
             except Exception as exc:  # whatever a stored block makes decoding do is its fault
+                if i in spilled:  # (e.g. a sealed block's ciphertext: no byte of it stays there)
+                    clear(memoryview(outs[i]).cast("B"))
                 read.fail(i, exc)
                 return True
             read.done(i, blob if head is None else _Joined(head, outs[i]))
             return True
 
-        return read.run(lambda: self.backend.visit_split([self.ns + k for k in keys], outs, decode))
+        full = [self.ns + k for k in keys]
+        if sealing is not None:  # only sealed blocks are read, and none splits: each read whole, once
+            return read.run(lambda: self.backend.visit_many(full, lambda i, blob: decode(i, None, blob)))
+        return read.run(lambda: self.backend.visit_split(full, outs, decode))
 
     def read_layered(self, keys: Sequence[bytes], outs: Sequence[object],
                      on_ready: Callable[[list[int], int], None],

@@ -49,7 +49,9 @@ class TenantCipher:
         return f"TenantCipher(<secret redacted>, {len(self._cache)} tenants)"
 
     def sealing(self, tenant: bytes) -> Sealing:
-        """``tenant``'s cipher (AESGCM objects are safe to share between threads)."""
+        """``tenant``'s cipher (AESGCM objects are safe to share between threads); ``tenant``
+        any bytes-like label, as the media take it (a bytearray one is not hashable)."""
+        tenant = bytes(tenant)
         with self._lock:
             found = self._cache.get(tenant)
             if found is not None:
