@@ -14,7 +14,12 @@ would be moved round and round without freeing anything. The pads are read from 
 places, a few thousand per check (a segment not read yet counts a page less a byte per value:
 an overstatement, which only delays its compaction; a flat one kept the dead bytes of
 page-sized values over the limit for good). A victim none of whose values can be read is passed
-over from then on (damage: ``check(fix)``); one whose copies the disk refused is tried again later."""
+over from then on (damage: ``check(fix)``); one whose copies the disk refused, or that was read while
+the process ran short of descriptors, is tried again later.
+Every ``RECOVER_EVERY_S`` a check also seals the open segments of processes that died (killed
+mid-put or mid-compaction: only sealed segments are compacted or drained) and deletes the files no
+record names (a process killed between the commit that drained a segment and its file's deletion),
+as a writer's open does: else a process running on would keep them until a writer opens again."""
 
 from __future__ import annotations
 
@@ -22,16 +27,18 @@ import logging
 import threading
 import time
 
-from storage_backends.lmdb_environment import LmdbEnvironment
-from storage_backends.lmdb_places import keys_in, place_value, unplace
+from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
+from storage_backends.lmdb_places import keys_in, place_value, recover_segments, unplace
 from storage_backends.lmdb_segments import Place, SegmentRecord, unpack_place, unpack_segment
 from storage_backends.lmdb_values import SegmentValues
+from storage_backends.segment_owners import owner_alive
 
 log = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 1.0  # how often the dead bytes are summed (a cursor over the segments table)
 MOVE_BATCH = 8  # values copied per transaction (each in a buffer of the compacting thread)
 PAD_READS = 4096  # live values whose places one check reads to count their pads (a direct writer)
+RECOVER_EVERY_S = 30.0  # how often a check looks for what processes that died left
 
 
 class Compactor:
@@ -43,6 +50,7 @@ class Compactor:
         self._pads: dict[int, tuple[int, int, int]] = {}  # segment -> (live bytes, values, pads) counted
         self._running = threading.Lock()
         self._checked = 0.0
+        self._recovered: float | None = None  # when a check last looked for what dead processes left
         self._stuck: set[int] = set()  # victims none of whose values could be read (damage: check(fix))
 
     def dead_bytes(self) -> tuple[int, int]:
@@ -66,16 +74,42 @@ class Compactor:
             return 0
         try:
             self._checked = now
+            if force or self._recovered is None or now - self._recovered >= RECOVER_EVERY_S:
+                self._recovered = now
+                self._seal_dead()
             victim = self._sparsest()
             if victim is None:
                 return 0
             moved, unwritten = self._move(victim)
-            if not moved and not unwritten:
+            if not moved and not unwritten and not self.values.files.fds.short:
                 self._stuck.add(victim)  # not picked again, so the others' dead bytes still go
-            # (a copy the disk refused, ENOSPC say, leaves the victim to a later compaction)
+            # (a copy the disk refused, ENOSPC say, or values not read for want of descriptors
+            # leave the victim to a later compaction)
             return moved
         finally:
             self._running.release()
+
+    def _seal_dead(self) -> None:
+        """Seal the open segments of processes that are gone and delete orphan files
+        (:func:`~storage_backends.lmdb_places.recover_segments`, in a write transaction only when
+        a read one found some). Nothing when ``/proc``, the directory or the map cannot be read
+        or written now: the next look tries again."""
+        files = self.values.files
+        try:
+            with self.db.txn() as txn:
+                records = {int.from_bytes(bytes(sid), "big"): unpack_segment(stored)
+                           for sid, stored in txn.cursor(db=self.db.tables.segments)}
+            dead = any(not record.sealed and (record.owner_pid, record.owner_start) != (files.pid, files.start)
+                       and not owner_alive(record, files.path_of(segment)) for segment, record in records.items())
+            if not dead and files.files().keys() <= records.keys():
+                return
+            sealed, orphans = self.db.write(lambda w: recover_segments(self.db.tables, w, files))
+        except (OSError, NoSpace) as exc:
+            log.warning("lmdb tier at %s: what processes that are gone left not looked at: %s", self.db.path, exc)
+            return
+        if sealed or orphans:
+            log.info("lmdb tier at %s: sealed %d segments of processes that are gone, deleted %d orphan "
+                     "segment files", self.db.path, sealed, orphans)
 
     def _sparsest(self) -> int | None:
         dead, best, best_share = 0, None, 1.0

@@ -295,10 +295,10 @@ class LmdbBackend(Backend):
             return {tenant: TenantTotal(*t) for tenant, t in tenant_totals(self._db.tables, txn).items()}
 
     def stats(self) -> BackendStats:
-        with self._db.guard("stats"), self._db.shared():
-            used, entries = self._totals()
-            info, page = self.env.info(), self.env.stat()["psize"]
-            dead = self.compactor.dead_bytes()[1]
+        with self._db.guard("stats"):  # (transactions outside the shared gate: one may adopt a grown map)
+            used, entries, dead = *self._totals(), self.compactor.dead_bytes()[1]
+            with self._db.shared():
+                info, page = self.env.info(), self.env.stat()["psize"]
         size, allocated = self._db.file_bytes()
         segments = {s: self.values.files.file_size(s) or 0 for s in self.values.files.files()}
         with self._lock:

@@ -18,11 +18,19 @@ LOCKING = 1 << 63  # in a record's owner_ns: its owner locks the segment's file 
 
 def process_start(pid: int) -> int | None:
     """``pid``'s start time in clock ticks after boot; None when no such process runs (a
-    zombie, killed and not yet reaped, runs no more)."""
+    zombie, killed and not yet reaped, runs no more) or that cannot be told."""
+    try:
+        return _start_of(pid)
+    except OSError:
+        return None
+
+
+def _start_of(pid: int) -> int | None:
+    """:func:`process_start`; OSError when ``/proc`` cannot tell (no descriptor left, say)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):
         return None
     try:  # the command name may hold spaces and parentheses: fields follow the last ")"
         fields = stat[stat.rindex(b")") + 2 :].split()
@@ -41,14 +49,20 @@ def pid_namespace() -> int:
 
 def owner_alive(record, path: Path | None = None) -> bool:
     """Whether the process appending to a segment (its ``SegmentRecord``; its file at ``path``)
-    may still run. An owner of this pid namespace is looked up by its pid; one of another pid
-    namespace (another container on this host), which cannot be, is alive while it holds the
-    lock on the file (an empty file tells nothing: its owner may be about to lock it), and taken
-    to run where it takes no lock."""
+    may still run. An owner of this pid namespace is looked up by its pid (taken to run when
+    ``/proc`` cannot tell now, and while it holds the lock on the file: a ``/proc`` mounted with
+    ``hidepid`` hides other users' processes); one of another pid namespace (another container
+    on this host), which cannot be, is alive while it holds the lock on the file (an empty file
+    tells nothing: its owner may be about to lock it), and taken to run where it takes no lock."""
     if record.owner_pid <= 0:
         return False
-    if record.owner_ns & ~LOCKING == pid_namespace():  # its pid tells (the lock may not: a
-        return process_start(record.owner_pid) == record.owner_start  # lock emulated per process)
+    if record.owner_ns & ~LOCKING == pid_namespace():  # its pid tells (a free lock may not: a
+        try:  # lock emulated per process)
+            if _start_of(record.owner_pid) == record.owner_start:
+                return True
+        except OSError:
+            return True
+        return bool(record.owner_ns & LOCKING) and path is not None and _lock_free(path) is False
     if record.owner_ns & LOCKING and path is not None:
         free = _lock_free(path)
         if free is not None:
