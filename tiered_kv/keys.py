@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 
 import xxhash
@@ -188,6 +188,20 @@ def tenant_label(cache_salt: str) -> bytes:
     if not cache_salt:
         return b""
     return hashlib.blake2b(cache_salt.encode(), digest_size=8, person=b"tkv-tenant").digest()
+
+
+def key_extra(parts: Iterable[tuple[str, object]]) -> str | None:
+    """A request's key extra (LoRA, salt, media, folded into every key of it) from ``(name,
+    value)`` parts, as ``name=value;name=value`` with ``\\`` and ``;`` of a value escaped (a
+    backslash before each): different parts never give the same text (``("a;b",)`` and
+    ``("a", "b")`` joined bare did), and parts without those give the text they always did (so
+    their stored blocks stay found). None for no parts."""
+    out = []
+    for name, value in parts:
+        if not name or any(c in name for c in "=;\\"):
+            raise ValueError(f"a key extra's name must be non-empty without '=', ';' or '\\': {name!r}")
+        out.append(f"{name}=" + str(value).replace("\\", "\\\\").replace(";", "\\;"))
+    return ";".join(out) or None
 
 
 def tokens_to_bytes(tokens: Sequence[int], token_bytes: int = 4) -> bytes:

@@ -16,10 +16,12 @@ TensorRT-LLM has no way to report a failed load back to the engine. So the sched
 (rank 0, the same process as rank 0's worker) promises only blocks it has already validated:
 ``get_num_new_matched_tokens`` reads the matched blocks into leased host slots (a disk or Redis
 block that is corrupt, foreign or gone is a counted miss that shortens the match) and the worker
-then copies host slots into the pool, which cannot fail. For the same reason only one rank
-(no tensor or pipeline parallelism) is supported. That read is the lower tier's restore the
+then copies host slots into the pool, which cannot fail. For the same reason only one rank (no
+tensor, pipeline or context parallelism) is supported. That read is the lower tier's restore the
 restore policy weighs (it adds up with the prefill); what of a request changes its keys is read
-by :mod:`tiered_kv.integrations.trtllm_requests` (salt, LoRA, multimodal hashes).
+by :mod:`tiered_kv.integrations.trtllm_requests` (salt, LoRA, multimodal hashes). A request its
+keys cannot name (media without hashes, a prompt-tuning table, ...) is neither loaded nor saved,
+counted as ``requests_not_keyed``.
 
 The executor's order per step: schedule -> ``get_num_new_matched_tokens`` / allocation /
 ``update_state_after_alloc`` -> ``build_connector_meta`` -> ``start_load_kv`` -> forward
@@ -49,7 +51,7 @@ from typing import Any
 from tiered_kv.connector.meta import ConnectorMeta
 from tiered_kv.connector.restore_policy import RestorePolicy
 from tiered_kv.connector.scheduler import ConnectorScheduler
-from tiered_kv.errors import ConfigError
+from tiered_kv.errors import ConfigError, StoreClosed
 from tiered_kv.integrations.common import (
     RequestStep,
     StepOutput,
@@ -57,8 +59,9 @@ from tiered_kv.integrations.common import (
     parse_settings,
     release_store,
 )
-from tiered_kv.integrations.trtllm_model import SOURCE, WINDOWED, trtllm_namespace
+from tiered_kv.integrations.trtllm_model import SOURCE, WINDOWED, one_group, pages, trtllm_namespace
 from tiered_kv.integrations.trtllm_requests import request_view as _view
+from tiered_kv.integrations.trtllm_requests import unkeyed
 from tiered_kv.keys import tenant_label
 from tiered_kv.store.futures import gather
 
@@ -118,13 +121,16 @@ class TieredKVScheduler(_SchedulerBase):
                                        save=self.settings.save, restore=restore)
         self._verified: dict[Any, tuple[int, int, Any]] = {}  # request -> (device, external, plan)
         self._device_prefix: dict[Any, int] = {}  # request -> device prefix at allocation
+        self._unkeyed: set = set()  # live requests the keys cannot name (never loaded or saved)
         log.info("tiered-kv TensorRT-LLM scheduler: %s, block %d tokens, %s loads",
                  self.namespace.model_id, self.namespace.block_size,
                  "async" if self.settings.load_async else "sync")
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
-        view = _view(request)
-        self._drop_verified(view.request_id)
+        self._drop_verified(request.request_id)
+        view = self._view(request)
+        if view is None:
+            return 0, False
         n, _ = self.core.get_num_new_matched_tokens(view, num_computed_tokens)
         if n <= 0:
             self._verified[view.request_id] = (num_computed_tokens, 0, None)
@@ -134,7 +140,13 @@ class TieredKVScheduler(_SchedulerBase):
         keys = self.core.keys_of(view.request_id)[first : first + n // bs]
         tenant = tenant_label(view.tenant) if view.tenant else None  # checked here, counted at the lease
         start = time.perf_counter()
-        plan = self.store.load(self.store.prepare_load(keys, tenant, count=False))
+        plan = self.store.prepare_load(keys, tenant, count=False)
+        try:
+            self.store.load(plan)
+        except StoreClosed:  # (closing at exit, after the lookup): nothing is promised
+            self.store.release(plan)
+            self._verified[view.request_id] = (num_computed_tokens, 0, None)
+            return 0, False
         finished = True
         try:
             futures_wait(plan.futures, self.store.config.remote.timeout)  # one deadline for all
@@ -157,8 +169,10 @@ class TieredKVScheduler(_SchedulerBase):
         return good * bs, bool(good) and self.settings.load_async
 
     def update_state_after_alloc(self, request: Any, block_ids: Sequence[int]) -> None:
-        _pages(block_ids, request.request_id, "update_state_after_alloc")
-        view = _view(request)
+        pages(block_ids, request.request_id, "update_state_after_alloc")
+        view = self._view(request)
+        if view is None:
+            return
         device, external, plan = self._verified.pop(view.request_id, (0, 0, None))
         self._device_prefix[view.request_id] = device
         # the core leases the promised blocks (now host-resident) before our read plan lets go
@@ -170,28 +184,42 @@ class TieredKVScheduler(_SchedulerBase):
         for rd in (*scheduler_output.new_requests, *scheduler_output.cached_requests):
             groups = getattr(rd, "new_block_ids_by_layer_group", None)
             if groups is not None and len(groups) > 1:
-                _one_group(groups, rd.request_id, "build_connector_meta")
-            _pages(rd.new_block_ids, rd.request_id, "build_connector_meta")
+                one_group(groups, rd.request_id, "build_connector_meta")
+            pages(rd.new_block_ids, rd.request_id, "build_connector_meta")
         new = [RequestStep(rd.request_id, rd.new_tokens, rd.new_block_ids,
                      self._device_prefix.pop(rd.request_id, rd.computed_position),
-                     rd.num_scheduled_tokens) for rd in scheduler_output.new_requests]
-        return self.core.build_connector_meta(StepOutput(new, list(scheduler_output.cached_requests)))
+                     rd.num_scheduled_tokens) for rd in scheduler_output.new_requests
+               if rd.request_id not in self._unkeyed]
+        # (an unkeyed request, unknown to the core, only adds its tokens to the step's work)
+        cached = [*scheduler_output.cached_requests,
+                  *(rd for rd in scheduler_output.new_requests if rd.request_id in self._unkeyed)]
+        return self.core.build_connector_meta(StepOutput(new, cached))
 
     def request_finished(self, request: Any, cache_block_ids: Sequence[int]) -> bool:
         self._drop_verified(request.request_id)
         self._device_prefix.pop(request.request_id, None)
-        _pages(cache_block_ids, request.request_id, "request_finished")
+        self._unkeyed.discard(request.request_id)
+        pages(cache_block_ids, request.request_id, "request_finished")
         return self.core.request_finished(request, list(cache_block_ids))
 
     # -- per-layer-group forms: entry [g][i] is block i's page in layer group g -----------------
     def update_state_after_alloc_by_layer_group(self, request: Any, block_ids_by_layer_group: Sequence) -> None:
         """One layer group is the flat call; several (a window per group) are refused."""
-        ids = _one_group(block_ids_by_layer_group, request.request_id, "update_state_after_alloc_by_layer_group")
+        ids = one_group(block_ids_by_layer_group, request.request_id, "update_state_after_alloc_by_layer_group")
         self.update_state_after_alloc(request, ids)
 
     def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: Sequence) -> bool:
-        ids = _one_group(cache_block_ids_by_layer_group, request.request_id, "request_finished_by_layer_group")
+        ids = one_group(cache_block_ids_by_layer_group, request.request_id, "request_finished_by_layer_group")
         return self.request_finished(request, ids)
+
+    def _view(self, request: Any):
+        """The core's view of ``request``; None for one its keys cannot name (counted once)."""
+        view = _view(request)
+        if view is None and request.request_id not in self._unkeyed:
+            self._unkeyed.add(request.request_id)
+            self.store.metrics.event("requests_not_keyed")
+            log.info("request %s: %s; nothing of it is loaded or saved", request.request_id, unkeyed(request))
+        return view
 
     def _observe(self, plan: Any, seconds: float) -> None:
         """A read of the matched blocks from one lower tier is that tier's restore (the worker's
@@ -298,22 +326,6 @@ class TieredKVWorker(_WorkerBase):
     def close(self) -> None:
         self.core.close()
         release_store(self.store)
-
-
-def _one_group(groups: Sequence, request_id: Any, call: str) -> list[int]:
-    """The block ids of the one layer group the adapter follows."""
-    if len(groups) != 1:
-        raise ConfigError(f"{SOURCE}: TensorRT-LLM called {call} for request {request_id} with "
-                          f"{len(groups)} KV layer groups (one per attention window): {WINDOWED}")
-    return list(groups[0])
-
-
-def _pages(block_ids: Sequence[int], request_id: Any, call: str) -> None:
-    """A block without a page (``-1``, behind a window) would index the pool's last page."""
-    missing = [i for i, b in enumerate(block_ids) if b < 0]
-    if missing:
-        raise ConfigError(f"{SOURCE}: {call} for request {request_id}: blocks {missing} have no page "
-                          f"(-1), so the KV cache runs an attention window: {WINDOWED}")
 
 
 class _on:

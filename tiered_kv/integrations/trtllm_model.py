@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -69,10 +69,11 @@ def model_dir(llm_args: Any) -> str | None:
 
 def trtllm_namespace(llm_args: Any, config: TieredKVConfig) -> Namespace:
     """The namespace of this engine's KV blocks, from ``llm_args`` and the model's config.json."""
-    tp = int(getattr(llm_args, "tensor_parallel_size", 1) or 1)
-    pp = int(getattr(llm_args, "pipeline_parallel_size", 1) or 1)
-    if tp != 1 or pp != 1:
-        raise ConfigError(f"{SOURCE}: tensor_parallel_size={tp}, pipeline_parallel_size={pp}: the "
+    # (context parallelism splits a prompt's KV over ranks, each keyed by the whole prompt)
+    sizes = {f"{name}_parallel_size": int(getattr(llm_args, f"{name}_parallel_size", 1) or 1)
+             for name in ("tensor", "pipeline", "context")}
+    if set(sizes.values()) != {1}:
+        raise ConfigError(f"{SOURCE}: " + ", ".join(f"{k}={v}" for k, v in sizes.items()) + ": the "
                           "TensorRT-LLM adapter supports one rank (load failures on other ranks "
                           "cannot be reported to the engine)")
     hf = model_config(llm_args)
@@ -239,3 +240,19 @@ def attention_windows(llm_args: Any, hf: dict) -> str | None:
     if hf.get("use_sliding_window") and hf.get("sliding_window"):
         return f"config.json has use_sliding_window with sliding_window={hf['sliding_window']}"
     return None
+
+
+def one_group(groups: Sequence, request_id: Any, call: str) -> list[int]:
+    """The block ids of the one layer group the adapter follows."""
+    if len(groups) != 1:
+        raise ConfigError(f"{SOURCE}: TensorRT-LLM called {call} for request {request_id} with "
+                          f"{len(groups)} KV layer groups (one per attention window): {WINDOWED}")
+    return list(groups[0])
+
+
+def pages(block_ids: Sequence[int], request_id: Any, call: str) -> None:
+    """A block without a page (``-1``, behind a window) would index the pool's last page."""
+    missing = [i for i, b in enumerate(block_ids) if b < 0]
+    if missing:
+        raise ConfigError(f"{SOURCE}: {call} for request {request_id}: blocks {missing} have no page "
+                          f"(-1), so the KV cache runs an attention window: {WINDOWED}")

@@ -5,55 +5,81 @@ token ids, changes the KV they compute (folded into every key of the request).
 - ``lora_task_id`` and the fingerprint of the adapter's files (:func:`lora_fingerprint`);
 - multimodal inputs: TensorRT-LLM puts placeholder ids in the prompt where an image's
   embeddings go (the same ids for every image), and names the images by
-  ``multimodal_hashes`` (one per item, at ``multimodal_positions`` for ``multimodal_lengths``
-  tokens), as its own block keys do. A multimodal request without hashes (none were computed)
-  gets a mark of its own: its blocks are never another request's.
+  ``multimodal_hashes`` (one per item, over its content and any UUID, at
+  ``multimodal_positions`` for ``multimodal_lengths`` tokens), as its own block keys do.
+
+The parts are joined unambiguously (:func:`tiered_kv.keys.key_extra`). A request whose KV its
+token ids and these parts do not name (:func:`unkeyed`: media without hashes, a prompt-tuning
+table, an encoder input, position ids of its own) has no view: it is neither loaded nor saved.
 """
 
 from __future__ import annotations
 
-import uuid
 from typing import Any
 
 from tiered_kv.fingerprint import LORA_FINGERPRINTS
 from tiered_kv.integrations.common import RequestView
+from tiered_kv.keys import key_extra
 
 _lora_files: dict[Any, str] = {}  # lora_task_id -> fingerprint of the files it was loaded from
-_RUN = uuid.uuid4().hex  # names this process's unhashed multimodal requests
 
 
-def request_view(request: Any) -> RequestView:
-    """The connector core's view of ``request`` (prompt tokens, key extra, tenant)."""
+def request_view(request: Any) -> RequestView | None:
+    """The connector core's view of ``request`` (prompt tokens, key extra, tenant); None for a
+    request :func:`unkeyed` names a reason for."""
+    if unkeyed(request) is not None:
+        return None
     n = int(request.prompt_len)
     tokens = list(request.get_tokens(0))[:n]
     parts = []
     for name in ("cache_salt_id", "lora_task_id"):
         value = getattr(request, name, None)
         if value is not None:
-            parts.append(f"{name}={value}")
+            parts.append((name, value))
     files = lora_fingerprint(request)
     if files:
-        parts.append(f"lora_files={files}")
+        parts.append(("lora_files", files))
     media = multimodal(request)
     if media:
-        parts.append(media)
+        parts.append(("mm", media))
     salt = getattr(request, "cache_salt_id", None)
-    return RequestView(request.request_id, tokens, n, ";".join(parts) or None,
+    return RequestView(request.request_id, tokens, n, key_extra(parts),
                        None if salt is None else f"cache_salt_id={salt}")
+
+
+def unkeyed(request: Any) -> str | None:
+    """Why the KV of ``request`` is not named by its token ids and key extra (None: it is).
+    Placeholder ids past the vocabulary read a prompt-tuning table of the request's own; media
+    without hashes (none were computed) are not named at all; a decoder's KV attends to its
+    encoder input; position ids of its own (a rank's slice of a context-parallel prompt) move
+    every token. Keyed by their ids alone, another such request got this one's KV."""
+    if _given(request, "prompt_embedding_table"):
+        return "it reads a prompt-tuning table (prompt_embedding_table)"
+    if not getattr(request, "multimodal_hashes", None) and (
+            getattr(request, "multimodal_positions", None) or getattr(request, "multimodal_lengths", None)
+            or getattr(request, "py_multimodal_data", None) or _given(request, "multimodal_embedding")):
+        return "its multimodal inputs have no content hashes"
+    if _given(request, "encoder_tokens") or _given(request, "py_encoder_input_features"):
+        return "its decoder KV attends to an encoder input"
+    if _given(request, "position_ids"):
+        return "it has position ids of its own"
+    return None
+
+
+def _given(request: Any, name: str) -> bool:
+    return getattr(request, name, None) is not None
 
 
 def multimodal(request: Any) -> str | None:
     """The images (or other media) of a multimodal request, by hash, position and length; None
     for a text-only request."""
     hashes = getattr(request, "multimodal_hashes", None)
-    positions = getattr(request, "multimodal_positions", None)
-    lengths = getattr(request, "multimodal_lengths", None)
-    if hashes:
-        items = zip(hashes, list(positions or ()) + [""] * len(hashes), list(lengths or ()) + [""] * len(hashes))
-        return "mm=" + ",".join(f"{'-'.join(map(str, h))}@{p}+{n}" for h, p, n in items)
-    if positions or lengths or getattr(request, "py_multimodal_data", None):
-        return f"mm-unhashed={_RUN}:{request.request_id}"
-    return None
+    if not hashes:
+        return None
+    positions = list(getattr(request, "multimodal_positions", None) or ())
+    lengths = list(getattr(request, "multimodal_lengths", None) or ())
+    items = zip(hashes, positions + [""] * len(hashes), lengths + [""] * len(hashes))
+    return ",".join(f"{'-'.join(map(str, h))}@{p}+{n}" for h, p, n in items)
 
 
 def lora_fingerprint(request: Any) -> str | None:
