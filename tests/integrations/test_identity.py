@@ -422,3 +422,22 @@ def test_regression_two_hub_lora_adapters_under_one_name_and_id_shared_keys():
 
     assert _key_extra(hub("org/bot-v1")) != _key_extra(hub("org/bot-v2"))
     assert _key_extra(hub("org/bot-v1")) == _key_extra(hub("org/bot-v1"))
+
+
+def _vllm_request(salt=None, media=()):
+    features = [SimpleNamespace(identifier=ident, mm_position=SimpleNamespace(offset=at)) for ident, at in media]
+    return SimpleNamespace(lora_request=None, cache_salt=salt, mm_features=features)
+
+
+def test_regression_a_chosen_salt_or_media_uuid_named_another_requests_vllm_keys():
+    # a salt is the tenant: one holding ";mm=..." gave the key extra of another tenant's image request
+    assert _key_extra(_vllm_request("victim;mm=x@0")) != _key_extra(_vllm_request("victim", [("x", 0)]))
+    # a caller's multimodal UUIDs (vLLM's multi_modal_uuids) are any text
+    assert (_key_extra(_vllm_request(media=[("img-x@5;mm=img-y", 0)]))
+            != _key_extra(_vllm_request(media=[("img-x", 5), ("img-y", 0)])))
+
+
+def test_vllm_key_extras_without_a_semicolon_keep_the_text_stored_blocks_were_keyed_with():
+    assert _key_extra(_vllm_request("tenant-a", [("0f3a", 12), ("9bc1", 40)])) == \
+        "salt=tenant-a;mm=0f3a@12;mm=9bc1@40"
+    assert _key_extra(_vllm_request()) is None

@@ -17,7 +17,7 @@ from tiered_kv.fingerprint import LORA_FINGERPRINTS
 from tiered_kv.integrations.common import RequestStep, RequestView, StepOutput, release_index, scheduler_index
 from tiered_kv.integrations.vllm_events import VllmEventTracker
 from tiered_kv.integrations.vllm_groups import group_ids
-from tiered_kv.keys import Namespace
+from tiered_kv.keys import Namespace, key_extra
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +35,17 @@ def _key_extra(request: Any) -> str | None:
     if lora is not None:
         path = getattr(lora, "lora_path", None) or getattr(lora, "path", None)
         files = LORA_FINGERPRINTS.get(path) if path else None
-        parts.append(f"lora={getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}"
-                     + (f":{files}" if files else f":path={path}" if path else ""))
+        parts.append(("lora", f"{getattr(lora, 'lora_name', '')}:{getattr(lora, 'lora_int_id', '')}"
+                      + (f":{files}" if files else f":path={path}" if path else "")))
     if getattr(request, "cache_salt", None):
-        parts.append(f"salt={request.cache_salt}")
+        parts.append(("salt", request.cache_salt))
     for feature in getattr(request, "mm_features", None) or ():
         ident = getattr(feature, "identifier", None) or getattr(feature, "mm_hash", None)
         pos = getattr(getattr(feature, "mm_position", None), "offset", "")
-        parts.append(f"mm={ident}@{pos}")
-    return ";".join(parts) or None
+        parts.append(("mm", f"{ident}@{pos}"))
+    # (joined with a value's ";" escaped: a salt or a caller's media UUID holding ";mm=..." read
+    # as another part, so a chosen salt named another tenant's keys)
+    return key_extra(parts)
 
 
 def mm_content_hashed(vllm_config: Any) -> bool:
