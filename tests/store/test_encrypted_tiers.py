@@ -231,3 +231,20 @@ def test_the_secret_never_shows_in_the_configs_text_forms(tmp_path, monkeypatch)
     with pytest.raises(ConfigError):
         TieredKVConfig.from_dict({"encryption_secret": "env:TKV_NOT_SET_ANYWHERE"})
     assert TieredKVConfig.from_dict({}).encryption_secret is None
+
+
+@pytest.mark.parametrize("loader", [load, load_staged])
+def test_regression_a_replica_without_the_secret_replaced_sealed_blocks_by_copying_a_plain_one_up(tmp_path, loader):
+    # the disk holds sealed blocks; a shared tier below it plain copies of them (written by a
+    # replica without the secret): loading them there copied the plain ones over the sealed ones
+    shared = [{"name": "shared", "url": f"file://{tmp_path}/shared"}]
+    keys, data = stored(tmp_path)
+    with make_store(tmp_path / "other", disk=None, tiers=shared) as other:
+        other.save(keys, data)
+        assert other.flush(30)
+    with make_store(tmp_path, tiers=shared) as keyless:
+        ok, outs = loader(keyless, keys)
+        assert ok == [True] * N and all(torch.equal(o, d) for o, d in zip(outs, data))  # from the shared tier
+        assert keyless.metrics.misses("no_key") == N
+        assert keyless.flush(30)
+    assert all(BlockCodec.read_header(v).sealed for v in stored_values(tmp_path))

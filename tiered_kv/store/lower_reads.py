@@ -43,6 +43,7 @@ class LowerReader:
         a good one could differ); it stays a miss with its first reason."""
         reasons: list[str | None] = ["absent"] * len(keys)
         shown: set[int] = set()  # layer-wise: keys with bytes named in place
+        keyless: dict[str, set[int]] = {}  # tier -> keys it holds sealed, with no secret here to open them
         served: list[str | None] = [None] * len(keys)
         for i, gone in enumerate(self.invalidations.suppressed(keys)):
             if gone:
@@ -67,23 +68,32 @@ class LowerReader:
             for i, reason in zip(pending, got):
                 if reason is None:
                     served[i] = tier.name
+                elif reason == "no_key":
+                    keyless.setdefault(tier.name, set()).add(i)
                 if reason is None or reasons[i] == "absent":
                     reasons[i] = reason  # keep the first real failure reason for the report
             up = {i: blob for i, blob in zip(pending, blobs) if blob is not None}
             if up:
-                self._copy_up(keys, counts, tenant, up, above)
+                self._copy_up(keys, counts, tenant, up, above, keyless)
         return reasons, served
 
     def _copy_up(self, keys: Sequence[bytes], counts: Sequence[int], tenant: bytes,
-                 blobs: dict[int, bytes], above: list[EncodedTier]) -> None:
+                 blobs: dict[int, bytes], above: list[EncodedTier], keyless: dict[str, set[int]]) -> None:
         """Queue blocks read from a lower tier (index -> validated stored bytes) for the tiers
         above it that admit them: a remote hit warms the disk tier, as write-behind the load does
         not wait for. A key withdrawn before the copy is queued is not copied; one withdrawn
-        after is deleted once the copy is written (the copy is a tracked write)."""
+        after is deleted once the copy is written (the copy is a tracked write). A tier that holds
+        a block sealed under a secret this replica does not have (``keyless``) keeps it: it
+        serves the replicas that have one."""
         picked = list(blobs)
         live = [(keys[i], counts[i]) for i, gone in
                 zip(picked, self.invalidations.suppressed([keys[i] for i in picked])) if not gone]
         by_key = {keys[i]: blobs[i] for i in picked}
         groups = self.saver.admitted([k for k, _ in live], above, [n for _, n in live])
+        index = {keys[i]: i for i in picked}
         for tiers, group in groups.items():
-            self.saver.queue_stored([(k, by_key[k]) for k in group], list(tiers), tenant)
+            for tier in tiers:
+                sealed = keyless.get(tier.name, ())
+                items = [(k, by_key[k]) for k in group if index[k] not in sealed]
+                if items:
+                    self.saver.queue_stored(items, [tier], tenant)
