@@ -160,3 +160,25 @@ def test_a_load_served_by_a_lower_tier_does_not_wait_for_its_copy_up(tmp_path, s
         store.tier("shared").backend.delete_many([store.tier("shared").ns + k for k in keys])
         ok, outs = load(store, keys)
         assert ok == [True] * 3 and all(torch.equal(o, d) for o, d in zip(outs, data))
+
+
+def test_two_loads_of_the_same_blocks_copy_them_up_once(tmp_path):
+    tiers = [{"name": "shared", "url": f"file://{tmp_path}/shared"}]
+    keys = keys_for(3)
+    with make_store(tmp_path, disk=None, tiers=tiers) as other_replica:
+        other_replica.save(keys, payloads(other_replica, 3))
+    with make_store(tmp_path, tiers=tiers, workers=1) as store:
+        disk, first_write, written = store.tier("disk").backend, threading.Event(), []
+        put_many = disk.put_many
+
+        def held_put(items, **kwargs):
+            first_write.wait(30)  # the first copy up waits here while the second load queues its own
+            written.extend(k for k, _ in items if not k.startswith(b"tkv-ns:"))  # (not the namespace record)
+            return put_many(items, **kwargs)
+
+        disk.put_many = held_put
+        assert load(store, keys)[0] == [True] * 3
+        assert load(store, keys)[0] == [True] * 3  # the disk does not hold them yet: shared again
+        first_write.set()
+        store.flush()
+        assert sorted(written) == sorted(store.tier("disk").ns + k for k in keys)

@@ -307,15 +307,19 @@ class Saver:
 
     def queue_stored(self, items: list[tuple[bytes, bytes]], tiers: Sequence[EncodedTier], tenant: bytes) -> None:
         """Queue the write of ``items`` (validated stored bytes another tier served: a copy up) to
-        ``tiers`` as they are, so the load that read them does not wait for these writes."""
+        ``tiers`` as they are, so the load that read them does not wait for these writes. Keys a
+        tier holds by then (another load's copy up of the same blocks) are not written again."""
         stored = dict(items)
 
         def job(kept: list[bytes]) -> int:
             done = 0
             for tier in tiers:
                 try:
+                    todo = [k for k, held in zip(kept, tier.contains(kept)) if not held]
+                    if not todo:
+                        continue
                     self.records.keep(tier)
-                    done += sum(tier.put_blobs([(k, stored[k]) for k in kept], len(kept) * self.block_nbytes,
+                    done += sum(tier.put_blobs([(k, stored[k]) for k in todo], len(todo) * self.block_nbytes,
                                                tenant=tenant))
                 except Exception:  # the blocks were loaded; only their copy up there is lost
                     log.exception("copy of %d blocks into the %s tier failed", len(kept), tier.name)
