@@ -182,3 +182,30 @@ def test_two_loads_of_the_same_blocks_copy_them_up_once(tmp_path):
         first_write.set()
         store.flush()
         assert sorted(written) == sorted(store.tier("disk").ns + k for k in keys)
+
+
+def test_a_restore_larger_than_the_write_behind_budget_still_copies_every_block_up(tmp_path):
+    """Copies up queue as write-behind within its budget; past it they were dropped, so a large
+    cross-replica restore warmed the local disk with only its first part. They are written at
+    once then (the restore waits for that part of the disk write instead)."""
+    tiers = [{"name": "shared", "url": f"file://{tmp_path}/shared"}]
+    first, second = keys_for(2), keys_for(2, first_token=5_000)
+    with make_store(tmp_path, disk=None, tiers=tiers) as other_replica:
+        other_replica.save(first + second, payloads(other_replica, 4))
+    with make_store(tmp_path, tiers=tiers, max_inflight_save=1) as store:  # one job in flight at a time
+        disk, first_written = store.tier("disk").backend, threading.Event()
+        put_many, held = disk.put_many, {store.tier("disk").ns + k for k in first}
+
+        def put(items, **kwargs):
+            if held & {k for k, _ in items}:
+                first_written.wait(30)  # the first copy up holds the whole budget meanwhile
+            return put_many(items, **kwargs)
+
+        disk.put_many = put
+        assert load(store, first)[0] == [True] * 2
+        assert load(store, second)[0] == [True] * 2
+        assert store.tier("disk").contains(second) == [True, True]  # written by the restore itself
+        first_written.set()
+        store.flush()
+        assert store.tier("disk").contains(first) == [True, True]
+        assert store.metrics.events.get("saves_dropped", 0) == 0

@@ -307,8 +307,9 @@ class Saver:
 
     def queue_stored(self, items: list[tuple[bytes, bytes]], tiers: Sequence[EncodedTier], tenant: bytes) -> None:
         """Queue the write of ``items`` (validated stored bytes another tier served: a copy up) to
-        ``tiers`` as they are, so the load that read them does not wait for these writes. Keys a
-        tier holds by then (another load's copy up of the same blocks) are not written again."""
+        ``tiers`` as they are, so the load that read them does not wait for these writes (but
+        when the write-behind budget is spent: then they are written at once). Keys a tier holds
+        by then (another load's copy up of the same blocks) are not written again."""
         stored = dict(items)
 
         def job(kept: list[bytes]) -> int:
@@ -325,8 +326,13 @@ class Saver:
                     log.exception("copy of %d blocks into the %s tier failed", len(kept), tier.name)
             return done
 
-        self._submit(list(stored), job, lambda kept: self.metrics.event("saves_dropped", len(kept)),
-                     replacement=False)
+        def refused(kept: list[bytes]) -> None:  # the write-behind budget is spent: written now, so a
+            if self.pool.closed:  # restore larger than that budget still warms the tiers above
+                self.metrics.event("saves_dropped", len(kept))
+            else:
+                job(kept)
+
+        self._submit(list(stored), job, refused, replacement=False)
 
     def _queue_copies(self, items: list[tuple[bytes, bytes]], tiers: Sequence[EncodedTier], tenant: bytes) -> None:
         """Queue the write of ``items`` (private copies of their payloads) to ``tiers``."""
