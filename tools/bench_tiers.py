@@ -29,7 +29,9 @@ ratios taken in one run mean anything):
   LMDB, and until ``flush()`` made it durable) and the engine-visible part of it (until ``save()``
   returned), LMDB restore warm and cold (a fresh store on the same directory with a host tier of
   two load batches, so every block comes from disk; ``load_into`` one batch at a time, decoded
-  straight into the caller's CPU tensors), Redis write-behind and restore (remote tier only);
+  straight into the caller's CPU tensors), Redis write-behind and restore (remote tier only;
+  and again into another replica's store with an empty disk tier above Redis, whose copies up
+  are write-behind: a context row against the restore from Redis alone);
 - ratios against the targets (``tools/bench/targets.py``), each with a pass flag, all taken
   against limits measured in the same run:
 

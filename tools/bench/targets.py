@@ -81,6 +81,9 @@ EXTRA_TARGETS = [
      "vs min(BlockCodec encode 2t, redis-py SET of the encoded blobs)"),
     ("redis_get_vs_encoded_get_bound", "store.redis_restore", "limits.bound_redis_read", 0.7,
      "vs min(BlockCodec decode 2t, redis-py GET of the encoded blobs)"),
+    ("redis_restore_disk_above_vs_alone", "store.redis_restore_disk_above", "store.redis_restore", 0.9,
+     "a cross-replica restore: load_into from Redis with an empty disk tier above it (each block "
+     "copied up into it as write-behind) vs from Redis alone: the restore does not wait for the disk"),
 ]
 DERIVED = {  # name -> (codec figure, medium figure, scale the medium by the compression ratio)
     "limits.bound_write": ("limits.codec_encode_2t", "limits.file_write", True),

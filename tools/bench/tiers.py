@@ -210,6 +210,13 @@ def store_redis(b: Bench, size: str, rep: int) -> None:
                               remote=b.redis_url)
 
         restore(b, size, "store.redis_restore", "remote", keys, make)
+
+        def replica() -> TieredStore:  # another replica: the same Redis, its own empty disk tier
+            return make_store(b, size, tag, host_blocks=2 * SIZES[size]["batch"], disk=b.tmpdir("replica"),
+                              remote=b.redis_url)
+
+        # the blocks are copied up into that disk as write-behind: the restore does not wait for it
+        restore(b, size, "store.redis_restore_disk_above", "remote", keys, replica)
     finally:
         drop_redis_namespace(b, ns)
 
