@@ -57,7 +57,7 @@ class HostBackend(Backend):
         self._recency = RecencyIndex(self._held)  # every entry, reserved ones included
         self._eviction = Eviction(LRU, None, self.quotas)  # capacity: the slots
         self._counters.extra["quota_evictions"] = 0
-        self._free, self._ready = list(range(self.num_slots - 1, -1, -1)), 0  # free slots (pop order), ready entries
+        self._free, self._ready, self._leased = list(range(self.num_slots - 1, -1, -1)), 0, 0  # (pop order), committed, leased
         self.on_evict = on_evict
         self._evicting = PendingEvictions()  # evicted bytes on their way to ``on_evict``
         self._closed = False
@@ -80,10 +80,9 @@ class HostBackend(Backend):
 
     # -- slot interface (two-phase, leases) ----------------------------------------------------
     def can_reserve(self, n: int) -> bool:
-        """Whether ``n`` slots could be had now (free or evictable)."""
+        """Whether ``n`` slots could be had now: free, or evictable (committed, not leased)."""
         with self._lock:
-            evictable = sum(1 for _ in self._eviction.policy.candidates(self._recency))
-            return len(self._free) + evictable >= n
+            return len(self._free) + self._ready - self._leased >= n
 
     def reserve_many(self, keys: Sequence[bytes], lengths: Sequence[int] | None = None,
                      tenant: bytes = b"") -> list[int | None]:
@@ -126,7 +125,7 @@ class HostBackend(Backend):
                 entry = self._entries.get(key)
                 if entry is not None and not entry.ready:
                     entry.ready = True
-                    entry.refs += refs
+                    self._leased += entry.lease(refs)
                     touched.append(key)
                     if entry.retired and entry.refs == 0:  # retired while being filled
                         self._drop(key, entry)
@@ -152,7 +151,7 @@ class HostBackend(Backend):
                 if entry is None or not entry.ready or entry.retired or tenant not in (None, entry.tenant):
                     out.append(None)
                     continue
-                entry.refs += 1
+                self._leased += entry.lease()
                 out.append(entry.slot)
             self._recency.touch_many([k for k, s in zip(keys, out) if s is not None])
         return out
@@ -162,7 +161,7 @@ class HostBackend(Backend):
             for key in keys:
                 entry = self._entries.get(key)
                 if entry is not None and entry.refs > 0:
-                    entry.refs -= 1
+                    self._leased -= entry.release()
                     if entry.retired and entry.refs == 0:
                         self._drop(key, entry)
 
@@ -274,15 +273,15 @@ class HostBackend(Backend):
     def tenant_totals(self) -> dict[bytes, TenantTotal]:
         """Per tenant: bytes (the lengths reserved) and entries, reservations included."""
         with self._lock:
-            return {tenant: TenantTotal(*t) for tenant, t in self._recency.usage().items()}
+            usage = self._recency.usage()
+        return {tenant: TenantTotal(*t) for tenant, t in usage.items()}
 
     def stats(self) -> BackendStats:
-        with self._lock:
-            used, ready = self._recency.used(), self._ready
-            pinned = sum(1 for e in self._entries.values() if e.refs)
-        return self._snapshot(entries=ready, used_bytes=used, capacity_bytes=self.capacity,
+        """Counts kept as entries change, read without the lock (a scrape scanned every entry
+        under it, holding up the engine's calls); each is exact as of some moment."""
+        return self._snapshot(entries=self._ready, used_bytes=self._recency.used(), capacity_bytes=self.capacity,
                               extra={"slots": self.num_slots, "slot_bytes": self.slot_bytes,
-                                     "pinned_memory": self.pinned, "leased": pinned})
+                                     "pinned_memory": self.pinned, "leased": self._leased})
 
     def close(self) -> None:
         """Forget every block and hand the slab's memory back now (views of it are dropped by
@@ -291,7 +290,7 @@ class HostBackend(Backend):
             self._closed = True
             self._entries.clear()
             self._recency = RecencyIndex(self._held)
-            self._free = []
+            self._free, self._ready, self._leased = [], 0, 0
             self.slab = no_slab(self.slot_bytes)
             self._np = self.slab.numpy()
 
@@ -341,8 +340,8 @@ class HostBackend(Backend):
     def _drop(self, key: bytes, entry: HostEntry) -> None:
         del self._entries[key]
         self._recency.remove(key)
-        if entry.ready:
-            self._ready -= 1
+        self._ready -= entry.ready
+        self._leased -= entry.refs > 0  # (0 today: callers drop only entries without leases)
         self._free.append(entry.slot)
 
     def _check_open(self) -> None:

@@ -24,3 +24,14 @@ class HostEntry:
         if self.retired:
             return "retired" if self.withdrawn else "failed"
         return "ready" if self.ready else "reserved"
+
+    def lease(self, n: int = 1) -> int:
+        """Take ``n`` leases; 1 when the entry became leased by them (the tier counts its leased
+        entries as they change, for figures without a scan), else 0."""
+        was, self.refs = self.refs, self.refs + n
+        return int(was == 0 < n)
+
+    def release(self) -> int:
+        """End one lease; 1 when it was the last (the entry is no longer leased), else 0."""
+        self.refs -= 1
+        return int(self.refs == 0)

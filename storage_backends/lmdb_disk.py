@@ -194,17 +194,9 @@ class LmdbBackend(Backend):
         """The ``lmdb.Environment``."""
         return self._db.env
 
-    @property
-    def blocks(self):
-        return self._db.tables.blocks
-
-    @property
-    def meta(self):
-        return self._db.tables.meta
-
-    @property
-    def lru(self):
-        return self._db.tables.lru
+    blocks = property(lambda self: self._db.tables.blocks)
+    meta = property(lambda self: self._db.tables.meta)
+    lru = property(lambda self: self._db.tables.lru)
 
     # -- reads -------------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -294,21 +286,29 @@ class LmdbBackend(Backend):
         with self._db.guard("tenants"), self._db.txn() as txn:
             return {tenant: TenantTotal(*t) for tenant, t in tenant_totals(self._db.tables, txn).items()}
 
+    def figures(self) -> BackendStats:
+        """Entries, used bytes and capacity from the ``info`` table: one read, nothing per entry
+        or segment file (what a Prometheus scrape reads; :meth:`stats` adds the files' figures)."""
+        with self._db.guard("figures"):
+            used, entries = self._totals()
+        return self._snapshot(entries=entries, used_bytes=used, capacity_bytes=self.capacity)
+
     def stats(self) -> BackendStats:
+        """:meth:`figures`, the map's, the data file's and the segments' (lists and stats the files: tools)."""
+        stats = self.figures()
         with self._db.guard("stats"):  # (transactions outside the shared gate: one may adopt a grown map)
-            used, entries, dead = *self._totals(), self.compactor.dead_bytes()[1]
+            dead = self.compactor.dead_bytes()[1]
             with self._db.shared():
                 info, page = self.env.info(), self.env.stat()["psize"]
         size, allocated = self._db.file_bytes()
         segments = {s: self.values.files.file_size(s) or 0 for s in self.values.files.files()}
         with self._lock:
             pinned = len(self._pins)
-        pending = len(self._db.accesses)
-        return self._snapshot(entries=entries, used_bytes=used, capacity_bytes=self.capacity, extra={
-            "map_size": info["map_size"], "page_size": page, "file_bytes": size,
-            "file_allocated_bytes": allocated, "readers": info["num_readers"],
-            "last_txnid": info["last_txnid"], "pending_touches": pending, "pinned": pinned,
-            "segment_files": len(segments), "segment_bytes": sum(segments.values()), "segment_dead_bytes": dead})
+        stats.extra.update({"map_size": info["map_size"], "page_size": page, "file_bytes": size,
+                            "file_allocated_bytes": allocated, "readers": info["num_readers"],
+                            "last_txnid": info["last_txnid"], "pending_touches": len(self._db.accesses), "pinned": pinned,
+                            "segment_files": len(segments), "segment_bytes": sum(segments.values()), "segment_dead_bytes": dead})
+        return stats
 
     def compact(self) -> int:
         """Compact the sparsest sealed segment if dead bytes exceed the limit; values moved."""

@@ -4,7 +4,9 @@
 A store whose config sets ``metrics_port`` registers with the exporter of that port (one HTTP
 server per port and process, shared by the stores of that process: one per model shard). Each
 scrape reads :meth:`StoreMetrics.snapshot`, the transfer queues and the figures of the media
-that keep them in memory (host, LMDB); nothing here touches Redis or walks a directory.
+that keep them at hand (host: counts kept in memory, no scan of its entries; LMDB: its ``info`` and
+``tenants`` tables, through ``figures()``); nothing here touches Redis, walks a directory or
+stats a file.
 
 Metric families (labels ``namespace``, ``model`` on all of them):
 
@@ -64,7 +66,7 @@ class MetricSource(Protocol):
 
 log = logging.getLogger(__name__)
 
-CHEAP_MEDIA = ("host", "lmdb")  # stats() without network or directory walks
+CHEAP_MEDIA = ("host", "lmdb")  # figures without network, directory walks or scans (:func:`_figures`)
 TENANT_SERIES = 32  # tenants with a series of their own per tier; the rest are summed as "other"
 OTHER_TENANTS = "other"
 _servers: dict[int, tuple] = {}  # port -> (server, thread, collector)
@@ -173,16 +175,24 @@ def _collect_store(store: MetricSource, fam: dict) -> None:
                 fam["quota_evictions"].add_metric(ids + [tier], counted.extra["quota_evictions"])
         if backend.name not in CHEAP_MEDIA:
             continue
-        try:
-            stats = backend.stats()
+        try:  # (a medium that cannot answer now leaves out its own figures, not the next tiers')
+            stats, usage = _figures(backend), backend.tenant_usage() or {}
         except BackendUnavailable:
             continue
         fam["entries"].add_metric(ids + [tier], stats.entries)
         fam["used"].add_metric(ids + [tier], stats.used_bytes)
         if stats.capacity_bytes is not None:
             fam["capacity"].add_metric(ids + [tier], stats.capacity_bytes)
-        for tenant, used in tenant_series(backend.tenant_usage() or {}):
+        for tenant, used in tenant_series(usage):
             fam["tenant_used"].add_metric(ids + [tier, tenant], used)
+
+
+def _figures(backend: Backend) -> BackendStats:
+    """Entries, used bytes and capacity of a medium of :data:`CHEAP_MEDIA`: its ``figures()``
+    where it has one (LMDB: its ``stats()`` lists the segment directory, stats every segment file
+    and walks the segments table), else its ``stats()`` (host: counts kept as entries change)."""
+    figures = getattr(backend, "figures", None)
+    return figures() if callable(figures) else backend.stats()
 
 
 def _counters(backend: Backend) -> BackendStats | None:
