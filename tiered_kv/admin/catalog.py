@@ -20,7 +20,9 @@ from tiered_kv.errors import ConfigError, CorruptBlock, DamagedRecord
 from tiered_kv.keys import Namespace
 from tiered_kv.store.codec import BlockCodec, BlockHeader
 from tiered_kv.store.records import (
+    DIGEST_BYTES,
     NAMESPACE_PREFIX,
+    STORAGE_KEY_BYTES,
     decode_namespace,
     is_block_key,
     is_namespace_key,
@@ -29,6 +31,7 @@ from tiered_kv.store.records import (
 
 READ_BATCH = 64  # values read per call when headers are needed
 UNREADABLE = "the store lists it but cannot read its value (its segment file is gone or cut short)"
+OTHER_STORE = "other_store"  # an entry of a store under a longer prefix (:func:`of_another_store`)
 DAMAGED_META = "its meta record (size, times, tenant) cannot be read: verify --fix rebuilds it"
 
 
@@ -37,7 +40,7 @@ class Entry:
     """One stored value as tools see it."""
 
     key: bytes
-    kind: str  # "block" | "namespace" (a namespace record) | "foreign"
+    kind: str  # "block" | "namespace" (a namespace record) | "foreign" | OTHER_STORE
     size: int | None = None  # stored bytes
     created: float | None = None  # seconds since the epoch
     last_access: float | None = None  # seconds since the epoch (None: the medium does not say)
@@ -72,6 +75,25 @@ def kind_of(key: bytes) -> str:
     if is_block_key(key):
         return "block"
     return "namespace" if is_namespace_key(key) else "foreign"
+
+
+def of_another_store(key: bytes, value) -> bool:
+    """Whether the foreign entry ``key`` (holding ``value``) is another store's, kept under a
+    longer prefix of the same medium (a Redis store of prefix ``tkv:team-b:`` lists under the
+    default ``tkv:``): a key ending in a namespace record's key, or one ending in a block's
+    storage key whose value is a block naming that key. Tools leave those alone (``verify --fix``
+    deleted another deployment's blocks and records as orphans)."""
+    tail = len(NAMESPACE_PREFIX) + DIGEST_BYTES
+    if len(key) > tail and is_namespace_key(key[-tail:]):
+        return True
+    if len(key) <= STORAGE_KEY_BYTES or value is None:
+        return False
+    digest, block = split_key(key[-STORAGE_KEY_BYTES:])
+    try:
+        BlockCodec.read_header(value, namespace=digest, key=block)
+    except CorruptBlock:
+        return False
+    return True
 
 
 def namespaces(backend: Backend) -> Namespaces:
@@ -119,6 +141,8 @@ def entries(backend: Backend, *, headers: bool = False, keys: Sequence[bytes] | 
             if (value is None if read else meta is None) and key not in lost:
                 continue  # deleted since the scan
             entry = Entry(key, kind_of(key))
+            if entry.kind == "foreign" and of_another_store(key, value):
+                entry.kind = OTHER_STORE
             if meta == DAMAGED_META:
                 entry.error, meta = DAMAGED_META, None
             if key in lost:
@@ -180,14 +204,16 @@ def resolve_namespace(spec: str | None, found: Namespaces, digests: Sequence[byt
             return pool[0]
         raise ConfigError(f"the store holds {len(pool)} namespaces: choose one with --namespace "
                           "(a digest prefix, a model id or a JSON file of namespace fields)")
-    spec_l = spec.lower()
-    hits = [d for d in pool if d.hex().startswith(spec_l)] or \
-        [d for d in pool if d in found.known and found.known[d].model_id == spec]
+    spec_l = spec.lower()  # a digest prefix and a model id alike (a model id of hex digits that
+    # began another namespace's digest chose that namespace: evict removed the other model's blocks)
+    hits = list(dict.fromkeys([d for d in pool if d.hex().startswith(spec_l)] +
+                              [d for d in pool if d in found.known and found.known[d].model_id == spec]))
     if len(hits) == 1:
         return hits[0]
     if not hits:
         raise ConfigError(f"no namespace matches {spec!r} in this store")
-    raise ConfigError(f"{spec!r} matches {len(hits)} namespaces; give more digest characters")
+    raise ConfigError(f"{spec!r} matches {len(hits)} namespaces (by digest prefix or model id); "
+                      "give more digest characters")
 
 
 def block_digests(keys: Iterable[bytes]) -> list[bytes]:

@@ -8,9 +8,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from tiered_kv.admin.block_checks import check_block
 from tiered_kv.admin.catalog import (
+    OTHER_STORE,
     READ_BATCH,
     UNREADABLE,
     Entry,
@@ -22,7 +24,7 @@ from tiered_kv.admin.catalog import (
 from tiered_kv.admin.opening import Tier
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import Namespace
-from tiered_kv.store.records import NAMESPACE_PREFIX, decode_namespace, namespace_key, scrubbed, split_key
+from tiered_kv.store.records import decode_namespace, namespace_key, scrubbed, split_key
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ def evict_plan(tier: Tier, *, to: int | None = None, older_than: float | None = 
     if to is None and older_than is None and namespace is None:
         raise ConfigError("evict needs --to SIZE, --older-than AGE or --namespace NS")
     now = time.time() if now is None else now
-    listing = list(entries(tier.backend))
+    listing = [e for e in entries(tier.backend) if e.kind != OTHER_STORE]  # (not ours to count)
     used = sum(e.size or 0 for e in listing)
     chosen = [e for e in listing if e.kind == "block" and (namespace is None or e.namespace == namespace)]
     if older_than is not None:
@@ -79,23 +81,30 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
          verify: bool = True, progress: Progress | None = None) -> dict:
     """Copy every block (of ``namespace``) and its namespace record from ``src`` to ``dst``.
     Blocks are validated on the way (fully decoded with ``verify``, else their header only),
-    against their namespace record's block when the source has one (a block of another shape,
-    dtype or size is corrupt) and with the declared size bounded otherwise: corrupt ones are
+    against their namespace's block when either store has a valid record of it (a block of another
+    shape, dtype or size is corrupt) and with the declared size bounded otherwise: corrupt ones are
     skipped and reported, never copied, as are blocks the source lists but cannot read (an LMDB
-    value whose segment file is cut short). Evictions at the destination are counted from before
-    the namespace records are put (a tool's open of an LMDB store evicts nothing)."""
+    value whose segment file is cut short). A block the source no longer holds as it was read once
+    the destination took it (a serving engine withdrew it, or evicted or rewrote it) is taken back
+    from the destination where that still holds the copied bytes (``changed_at_source``): a
+    withdrawn block is never re-created there. (An engine withdrawing from both stores deletes
+    from them in its tiers' order: when the destination is its earlier tier, a copy put and checked
+    between those two deletes is not noticed.) The destination's own namespace records are kept
+    (with its engine's restore estimates; only an older version's salt is taken out): a record is
+    copied where the destination has none or one that does not decode, and never one that does not
+    decode itself. Evictions at the destination are counted from before the namespace records are
+    put (a tool's open of an LMDB store evicts nothing)."""
     keys = [k for k in sorted(src.backend.scan())
             if kind_of(k) == "block" and (namespace is None or k.startswith(namespace))]
     digests = sorted({split_key(k)[0] for k in keys} | ({namespace} if namespace else set()))
-    records = [(k, scrubbed(k, v) or v) for k, v in zip(map(namespace_key, digests), src.backend.get_many(
-        [namespace_key(d) for d in digests])) if v is not None]  # (an older version's: without its salt)
     before = dst.backend.stats().evictions  # (the records' puts count too)
-    if records:
-        dst.backend.put_many(records)
-    recorded = {k[len(NAMESPACE_PREFIX):]: _namespace_of(k, v) for k, v in records}
+    records = _records(src, dst, digests)
+    if records.puts:
+        dst.backend.put_many(records.puts)
     copied = present = rejected = nbytes = 0
     corrupt: dict[str, str] = {}  # key (hex) -> why it was not copied
     lost: dict[str, str] = {}  # the same, for blocks listed but unreadable
+    changed: list[str] = []  # copied, then taken back: the source's value changed or went meanwhile
     for start in range(0, len(keys), READ_BATCH):
         batch = keys[start : start + READ_BATCH]
         if not overwrite:
@@ -112,26 +121,81 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
         for key, value in zip(batch_todo, values):
             if value is None:
                 continue
-            try:  # against its namespace's block (from the record), else with its size bounded
-                check_block(key, value, recorded.get(split_key(key)[0]), decode=verify)
+            try:  # against its namespace's block (from a record), else with its size bounded
+                check_block(key, value, records.layouts.get(split_key(key)[0]), decode=verify)
             except CorruptBlock as exc:
                 corrupt[key.hex()] = exc.detail
                 log.warning("copy: skipped %s: %s", key.hex(), exc.detail)
                 continue
             good.append((key, value))
         stored = _put_as_theirs(src, dst, good)
-        copied += sum(stored)
         rejected += len(stored) - sum(stored)
-        nbytes += sum(len(v) for (_, v), s in zip(good, stored) if s)
+        put = [item for item, s in zip(good, stored) if s]
+        gone = _taken_back(src, dst, put)
+        changed += [k.hex() for k in gone]
+        copied += len(put) - len(gone)
+        nbytes += sum(len(v) for k, v in put if k not in gone)
         if progress is not None:
             progress(len(batch), len(keys))
     dst.backend.flush()
     return {"source": src.shown_url, "destination": dst.shown_url, "blocks": len(keys),
             "copied": copied, "copied_bytes": nbytes, "already_present": present,
             "corrupt_skipped": list(corrupt), "corrupt_details": corrupt, "unreadable_skipped": list(lost),
-            "unreadable_details": lost, "rejected": rejected,
-            "namespace_records": len(records),
+            "unreadable_details": lost, "rejected": rejected, "changed_at_source": changed,
+            "namespace_records": records.copied, "namespace_records_kept": records.kept,
+            "broken_namespace_records": records.broken,
             "evicted_at_destination": dst.backend.stats().evictions - before}
+
+
+@dataclass
+class _Records:
+    """What ``copy`` does with the namespace records of the digests it copies."""
+
+    puts: list[tuple[bytes, bytes]] = field(default_factory=list)  # into the destination
+    layouts: dict[bytes, Namespace | None] = field(default_factory=dict)  # from either's valid record
+    copied: int = 0  # the source's records put
+    kept: int = 0  # valid records of the destination's own, left as they are (or without a salt)
+    broken: dict[str, str] = field(default_factory=dict)  # the source's that do not decode: hex -> why
+
+
+def _records(src: Tier, dst: Tier, digests: list[bytes]) -> _Records:
+    """The destination's valid record stays (its engine's estimates in it; an older version's is
+    put back without its salt); else the source's valid one is copied (without an older version's
+    salt); a record that does not decode never is."""
+    keys = [namespace_key(d) for d in digests]
+    out = _Records()
+    for d, key, theirs, ours in zip(digests, keys, src.backend.get_many(keys), dst.backend.get_many(keys)):
+        (source, why), (own, _) = _namespace_of(key, theirs), _namespace_of(key, ours)
+        out.layouts[d] = source or own
+        if why is not None:
+            out.broken[d.hex()] = why
+            log.warning("copy: namespace record %s not copied: %s", d.hex(), why)
+        if own is not None:
+            out.kept += 1
+            if (clean := scrubbed(key, ours)) is not None:
+                out.puts.append((key, clean))
+        elif source is not None:
+            out.copied += 1
+            out.puts.append((key, scrubbed(key, theirs) or theirs))
+    return out
+
+
+def _taken_back(src: Tier, dst: Tier, put: list[tuple[bytes, bytes]]) -> set[bytes]:
+    """Those of ``put`` (just stored in ``dst``) that ``src`` no longer holds as they were read
+    (withdrawn by a serving engine, evicted or rewritten since), each deleted from ``dst`` when it
+    still holds the copied bytes (a serving engine may have stored its own since)."""
+    if not put:
+        return set()
+    now = src.backend.get_many([k for k, _ in put])
+    stale = [(k, v) for (k, v), n in zip(put, now) if n is None or bytes(n) != bytes(v)]
+    if not stale:
+        return set()
+    held = dst.backend.get_many([k for k, _ in stale])
+    ours = [k for (k, v), h in zip(stale, held) if h is not None and bytes(h) == bytes(v)]
+    if ours:
+        dst.backend.delete_many(ours)
+    log.info("copy: %d blocks changed at the source while being copied: not copied", len(stale))
+    return {k for k, _ in stale}
 
 
 def tenants_of(backend, keys: list[bytes]) -> list[bytes]:
@@ -153,8 +217,12 @@ def _put_as_theirs(src: Tier, dst: Tier, items: list[tuple[bytes, bytes]]) -> li
     return stored
 
 
-def _namespace_of(key: bytes, value) -> Namespace | None:
+def _namespace_of(key: bytes, value) -> tuple[Namespace | None, str | None]:
+    """(the namespace a stored record describes, None when there is none or it does not decode;
+    why it does not)."""
+    if value is None:
+        return None, None
     try:
-        return decode_namespace(key, value)
-    except CorruptBlock:
-        return None
+        return decode_namespace(key, value), None
+    except CorruptBlock as exc:
+        return None, exc.detail

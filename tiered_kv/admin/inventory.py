@@ -12,6 +12,7 @@ import numpy as np
 
 from tiered_kv.admin.block_checks import block_layout, check_block
 from tiered_kv.admin.catalog import (
+    OTHER_STORE,
     UNREADABLE,
     Entry,
     Namespaces,
@@ -64,11 +65,11 @@ def inspect_tier(tier: Tier, now: float | None = None) -> dict:
     for digest in sorted(per_ns.keys() | found.known.keys()):
         report[digest.hex()] = _namespace_summary(tier, digest, per_ns.get(digest, []), found, keys, now)
     stats = tier.backend.stats()
-    stored = sum(e.size or 0 for e in listing)
+    stored = sum(e.size or 0 for e in listing if e.kind != OTHER_STORE)
     return {
         "tier": tier.name, "url": tier.shown_url, "medium": tier.backend.name,
-        "entries": len(listing), "blocks": kinds["block"], "namespace_records": kinds["namespace"],
-        "foreign_entries": kinds["foreign"], "stored_bytes": stored,
+        "entries": len(listing) - kinds[OTHER_STORE], "blocks": kinds["block"], "namespace_records": kinds["namespace"],
+        "foreign_entries": kinds["foreign"], "other_store_entries": kinds[OTHER_STORE], "stored_bytes": stored,
         "used_bytes": stats.used_bytes, "capacity_bytes": tier.capacity,
         "capacity_used": round(stats.used_bytes / tier.capacity, 4) if tier.capacity else None,
         "tenants": tenant_usage(tier), "tenant_quota_bytes": default_quota(tier),

@@ -18,8 +18,11 @@ Findings:
 and lets the backend repair its bookkeeping; the report says what was done. Each entry is read
 and judged again just before its delete: a serving process may have replaced it meanwhile (an
 engine that read the corrupt block removed it and stored the block it recomputed), and that
-good block is left alone. Namespace records an older version wrote with the ``cache_salt`` in
-them are a note (the salt is never shown), and ``fix`` rewrites them without it.
+good block is left alone. (That read is one batch's, right before its delete; a block stored
+between the two is still deleted: the media offer no delete-if-unchanged.) Entries of another
+store kept under a longer prefix of the same medium (a Redis ``prefix`` extending this one) are
+a note, never orphans. Namespace records an older version wrote with the ``cache_salt`` in them
+are a note (the salt is never shown), and ``fix`` rewrites them without it.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 from storage_backends.base import Unchecked
 from tiered_kv.admin.block_checks import check_block
-from tiered_kv.admin.catalog import READ_BATCH, kind_of, namespaces
+from tiered_kv.admin.catalog import READ_BATCH, kind_of, namespaces, of_another_store
 from tiered_kv.admin.opening import Tier
 from tiered_kv.errors import CorruptBlock
 from tiered_kv.store.codec import BlockCodec
@@ -60,7 +63,7 @@ def verify_tier(tier: Tier, *, fix: bool = False, progress: Callable[[int, int],
                 for d, why in found.broken.items()]
     keys = sorted(backend.scan())
     blocks: Counter = Counter()
-    checked = 0
+    checked = elsewhere = 0
     salted: list[tuple[bytes, bytes]] = []  # (key, the record without its salt): records holding one
     for start in range(0, len(keys), READ_BATCH):
         batch = keys[start : start + READ_BATCH]
@@ -69,7 +72,9 @@ def verify_tier(tier: Tier, *, fix: bool = False, progress: Callable[[int, int],
                 continue  # removed since the scan (evicted, or by a serving process)
             checked += 1
             kind = kind_of(key)
-            if kind == "foreign":
+            if kind == "foreign" and of_another_store(key, value):
+                elsewhere += 1  # (a store under a longer prefix of this medium: not an orphan)
+            elif kind == "foreign":
                 findings.append(Finding(tier.name, "orphaned", key.hex(),
                                         f"not a block nor a namespace record ({len(value)} bytes)"))
             elif kind == "block":
@@ -94,6 +99,9 @@ def verify_tier(tier: Tier, *, fix: bool = False, progress: Callable[[int, int],
         done = sum(backend.put_many(salted))
         actions.append(f"rewrote {done} of {len(salted)} namespace records without their cache_salt")
     notes = [str(p) for p in said if isinstance(p, Unchecked)]
+    if elsewhere:
+        notes.append(f"{elsewhere} entries are another store's, under a longer prefix of this medium "
+                     "(left alone)")
     if salted and not fix:
         notes.append(f"{len(salted)} namespace records hold their cache_salt in the clear (an older "
                      "version wrote them): verify --fix rewrites them without it")
@@ -140,17 +148,25 @@ def _fix(tier: Tier, findings: list[Finding], known: dict) -> list[str]:
     doomed = [f for f in findings if f.kind in REMOVABLE]
     if doomed:
         keys = list(dict.fromkeys(bytes.fromhex(f.key) for f in doomed if f.key))
-        # judged again now: the scan may have ended long ago (it used to delete blocks a serving
-        # process had rewritten since with good ones, acknowledged to its engine)
-        wrong = [k for k, bad in zip(keys, _still_wrong(tier.backend, keys, known)) if bad]
-        removed = tier.backend.delete_many(wrong) if wrong else 0
-        still = {k for k, bad in zip(wrong, _still_wrong(tier.backend, wrong, known)) if bad}
+        removed = judged_wrong = 0
+        still: set[bytes] = set()
+        for start in range(0, len(keys), READ_BATCH):
+            # each batch judged again just before its own delete: the scan (and the batches
+            # before) may have ended long ago (it used to delete blocks a serving process had
+            # rewritten since with good ones, acknowledged to its engine; judging every entry
+            # before deleting any left that window open for the whole re-read)
+            batch = keys[start : start + READ_BATCH]
+            wrong = [k for k, bad in zip(batch, _still_wrong(tier.backend, batch, known)) if bad]
+            if wrong:
+                removed += tier.backend.delete_many(wrong)
+                still |= {k for k, bad in zip(wrong, _still_wrong(tier.backend, wrong, known)) if bad}
+            judged_wrong += len(wrong)
         for f in doomed:
             f.fixed = bytes.fromhex(f.key) not in still
         actions.append(f"removed {removed} of {len(keys)} entries "
                        f"({', '.join(f'{n} {k}' for k, n in Counter(f.kind for f in doomed).items())})")
-        if len(wrong) < len(keys):
-            actions.append(f"left {len(keys) - len(wrong)} entries alone: rewritten with a valid value "
+        if judged_wrong < len(keys):
+            actions.append(f"left {len(keys) - judged_wrong} entries alone: rewritten with a valid value "
                            "or removed since they were checked (by a serving process)")
         log.info("%s tier: removed %d entries", tier.name, removed)
     drift = [f for f in findings if f.kind == "meta_drift"]

@@ -116,6 +116,13 @@ def cmd_copy(args: argparse.Namespace) -> int:
             out.print(f"the destination refused {report['rejected']} blocks (full?)")
         if report["evicted_at_destination"]:
             out.print(f"the destination evicted {report['evicted_at_destination']} entries to make room")
+        if report["changed_at_source"]:
+            out.print(f"{len(report['changed_at_source'])} blocks changed or went at the source while they were "
+                      "copied (withdrawn by an engine, say): taken back from the destination")
+        if report["namespace_records_kept"]:
+            out.print(f"kept the destination's own namespace records ({report['namespace_records_kept']})")
+        for record, why in report["broken_namespace_records"].items():
+            out.print(f"skipped source namespace record {record}: {why}", soft_wrap=True, markup=False)
     return EXIT_PROBLEM if bad else EXIT_OK
 
 

@@ -80,8 +80,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     out = render.console()
     for r in reports:
         cap = f" of {render.size(r['capacity_bytes'])} ({r['capacity_used']:.1%})" if r["capacity_bytes"] else ""
+        others = f", {r['other_store_entries']} of stores under longer prefixes" if r["other_store_entries"] else ""
         out.print(f"[bold]{r['tier']}[/bold] {r['url']} ({r['medium']}): {r['blocks']} blocks, "
-                  f"{r['namespace_records']} namespace records, {r['foreign_entries']} foreign entries; "
+                  f"{r['namespace_records']} namespace records, {r['foreign_entries']} foreign entries{others}; "
                   f"{render.size(r['used_bytes'])} used{cap}")
         rows = []
         for digest, n in r["namespaces"].items():
