@@ -3,10 +3,12 @@ leaves its bytes there until the whole segment drains; a segment held by a few l
 values (a shared prefix's first blocks) would keep the rest of its file forever. When the dead
 bytes of sealed segments exceed ``dead_limit``, the live values of the sparsest sealed segment
 (the one with the smallest live share) are copied to an open segment of this process (the
-compacting writer's lane) and their places swapped in one transaction, each
+compacting writer's lane; fsync'd first) and their places swapped in one transaction, each
 only if the value still lies where it was read (a value overwritten, deleted or moved by another
 process meanwhile keeps its new place; the copy is dead bytes). The old segment then drains and
-its file goes. Disk use stays within the capacity plus ``dead_limit`` plus the open segments.
+its file goes once that transaction is durable (without ``sync`` a crash could undo it, and the
+values would be back in a file that is gone). Disk use stays within the capacity plus
+``dead_limit`` plus the open segments.
 A direct writer (``direct_io``) pads each value it writes to a whole page, so its copies take
 pads again: its compaction counts each live value's pad (what its copy adds to reach a whole
 page: none for a value of whole pages) as not reclaimable, else a store of values under a page
@@ -27,11 +29,14 @@ import logging
 import threading
 import time
 
+import lmdb
+
 from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
 from storage_backends.lmdb_places import keys_in, place_value, recover_segments, unplace
 from storage_backends.lmdb_segments import Place, SegmentRecord, unpack_place, unpack_segment
 from storage_backends.lmdb_values import SegmentValues
 from storage_backends.segment_owners import owner_alive
+from tiered_kv.errors import BackendError
 
 log = logging.getLogger(__name__)
 
@@ -183,14 +188,32 @@ class Compactor:
                     copies.append((key, value))
         if not copies:
             return 0, 0
+        # the values were durable (a flush) before they moved, and stay so: the copies are fsync'd
+        # before the swap names them, and a drained victim's file goes once the swap is durable
         news = self.values.write([value for _, value in copies])
+        news = news if self.values.sync else self.values.durable(news)  # (with sync: fsync'd)
+        drained: list[int] = []  # what the swap's commit drained
+        held: set[int] = set()  # what its attempts held for deletion
         try:
-            moved = self.db.write(lambda w: self._swap(w, [k for k, _ in copies], olds, news))
+            try:
+                moved = self.db.write(lambda w: self._swap(w, [k for k, _ in copies], olds, news, drained, held))
+            except NoSpace as exc:  # the disk (or map) is full: the copies are dead bytes, the
+                log.warning("lmdb tier at %s: compaction's swap refused: %s", self.db.path, exc)  # victim stays
+                return 0, len(copies)
+            finally:
+                self.values.settle(news)
+            if self._durable(drained) and self.db.on_drained is not None:
+                self.db.on_drained(drained)
         finally:
-            self.values.settle(news)
+            self.values.let_go(held)
         return moved, sum(1 for new in news if new is None)
 
-    def _swap(self, w, keys: list[bytes], olds: list[Place], news: list[Place | None]) -> int:
+    def _swap(self, w, keys: list[bytes], olds: list[Place], news: list[Place | None], drained: list[int],
+              held: set[int]) -> int:
+        """Swap the places (the transaction's body: run again after a full map). The segments it
+        drains are taken from the environment (handed back to it once :meth:`_durable`) into
+        ``drained``, and held for deletion before the commit (``held``): till their files go, no
+        check takes one for an orphan, no other process deletes it."""
         swapped = 0
         for key, old, new in zip(keys, olds, news):
             record = w.txn.get(key, db=self.db.tables.places)
@@ -199,4 +222,23 @@ class Compactor:
             unplace(self.db.tables, w, key)
             place_value(self.db.tables, w, key, new)
             swapped += 1
+        drained[:] = w.drained
+        w.drained.clear()  # (the environment deletes their files once the commit is durable: _durable)
+        for segment in drained:
+            held.add(segment)
+            self.values.hold_for_deletion(segment)
         return swapped
+
+    def _durable(self, drained: list[int]) -> bool:
+        """Whether the swap that drained segments is durable, so their files may go (LMDB synced
+        it with ``sync``; else a machine crash could undo it, and put the values back in a file
+        that is gone). When the sync fails they stay: orphans, a later recovery's."""
+        if not drained or self.values.sync:
+            return bool(drained)
+        try:
+            with self.db.shared():
+                self.db.env.sync(True)
+        except (lmdb.Error, BackendError) as exc:
+            log.warning("lmdb tier at %s: compacted segments kept (sync failed): %s", self.db.path, exc)
+            return False
+        return True

@@ -5,22 +5,20 @@ Named databases inside the environment (a directory; formats in :mod:`storage_ba
 ``blocks`` (key -> stored value, already encoded and compressed by the caller) for values under
 ``segment_min`` bytes; larger values are appended to segment files beside it and ``places`` says
 where they lie (:mod:`storage_backends.lmdb_segments`: each is written once, in parallel, outside
-LMDB's single writer, before the transaction that records it); ``meta`` (size,
-times, hits and tenant of each key), ``lru`` and ``tenant_lru`` (keys in access order, overall
-and per tenant), ``tenants`` and ``info`` (used bytes and entries per tenant and overall, and the
-format), all updated in the same write transaction as every put, delete and eviction, so they
-stay right with several processes.
+LMDB's single writer, before the transaction that records it); ``meta`` (size, times, hits and
+tenant of each key), ``lru`` and ``tenant_lru`` (keys in access order, overall and per tenant),
+``tenants`` and ``info`` (used bytes and entries per tenant and overall, and the format), all
+updated in the same write transaction as every put, delete and eviction: right with several processes.
 
 Reopening is the whole warm-up: usage (per tenant too), entry count and LRU order come back from
 these tables without a scan. ``tenant_quota`` / ``tenant_quotas`` bound each tenant's bytes: a put
 over its quota evicts the tenant's own least recently used entries, or is refused
-(:mod:`storage_backends.eviction`). Reads record accesses in memory; they are applied in the next write transaction
-(or on ``flush``/``close``, or when many are pending), never with a write per read. A value that
-cannot fit is refused (``False``); ``lmdb.MapFullError`` never reaches the caller: the map grows
-(it is sparse) or more is evicted. Remapping (ours, or adopting a map another process grew)
-waits for every transaction of this process to end, so zero-copy buffers never outlive their
-mapping.
-"""
+(:mod:`storage_backends.eviction`). Reads record accesses in memory, applied in the next write
+transaction (or on ``flush``/``close``, or when many are pending), never with a write per read.
+A value that cannot fit is refused (``False``); ``lmdb.MapFullError`` never reaches the caller:
+the map grows (it is sparse) or more is evicted. Remapping (ours, or adopting a map another
+process grew) waits for every transaction of this process to end: zero-copy buffers never
+outlive their mapping."""
 
 from __future__ import annotations
 
@@ -38,7 +36,7 @@ from storage_backends.eviction_lru import LRU
 from storage_backends.lmdb_check import check_tables
 from storage_backends.lmdb_compaction import Compactor
 from storage_backends.lmdb_entries import evict_beyond
-from storage_backends.lmdb_environment import LmdbEnvironment
+from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
 from storage_backends.lmdb_options import url_options
 from storage_backends.lmdb_reads import LmdbReads
 from storage_backends.lmdb_segment_check import check_segments
@@ -338,12 +336,15 @@ class LmdbBackend(Backend):
         self._db.apply_pending()
 
         def run(txn, w: Write | None) -> list[str]:
-            problems, placed = check_segments(self._db.tables, txn, w, self.values.files)
+            problems, placed = check_segments(self._db.tables, txn, w, self.values.files, self._db.txn)
             return problems + check_tables(self._db.tables, txn, w, placed)
 
         if not fix:
             with self._db.guard("check"), self._db.txn() as txn:
                 return run(txn, None)
         with self._db.guard("check"):
-            return self._db.write(lambda w: run(w.txn, w))
+            try:
+                return self._db.write(lambda w: run(w.txn, w))
+            except NoSpace as exc:  # (the repairs need room the disk has not got now)
+                raise BackendUnavailable(f"lmdb store at {self.path}: no room to repair: {exc}") from None
 

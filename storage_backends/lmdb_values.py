@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
+
+import lmdb
 
 from storage_backends.gathered import nbytes_of
 from storage_backends.lmdb_entries import withdraw_segments
@@ -19,9 +22,10 @@ from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
 from storage_backends.lmdb_places import keys_in, recover_segments, register_segment, seal_segments
 from storage_backends.lmdb_segments import Lane, Place, SegmentFiles, unpack_place
 from storage_backends.log_throttle import LogThrottle
+from storage_backends.segment_fds import being_deleted, lock_for_deletion
 from storage_backends.segment_io import VALUE_END_ALIGN
 from storage_backends.segment_runs import runs
-from tiered_kv.errors import BackendClosed, BackendUnavailable
+from tiered_kv.errors import BackendClosed, BackendError, BackendUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +40,16 @@ RUN_SLOT = 1  # the thread buffer holding a run's heads (whole values are read i
 
 class SegmentValues:
     """Values of at least ``min_bytes`` go to ``files``; smaller ones stay in LMDB's pages. The
-    files of segments a transaction drains are deleted once it commits (``db.on_drained``)."""
+    files of segments a transaction drains are deleted once it commits (``db.on_drained``), but
+    for those another process is deleting (:func:`~storage_backends.segment_fds.being_deleted`:
+    a compaction holds a victim until its swap is durable: :meth:`hold_for_deletion`)."""
 
     def __init__(self, db: LmdbEnvironment, files: SegmentFiles, min_bytes: int, sync: bool) -> None:
         self.db, self.files, self.min_bytes, self.sync = db, files, min_bytes, sync
-        db.on_drained = files.delete
+        db.on_drained = self._drained
+        self._deleting: dict[int, int] = {}  # segments this process holds for deletion -> their lock
+        self._unsealed: dict[int, int] = {}  # segments whose seal failed (a full disk) -> end: tried again
+        self._sealing = threading.Lock()  # _unsealed, _deleting
         self._writers = threading.Condition()
         self._inflight = 0  # puts (and compactions) between their first write and their settling
         self._closing = False
@@ -70,22 +79,28 @@ class SegmentValues:
     def write(self, values: Sequence) -> list[Place | None]:
         """Append each value to a segment of this writer's own; its place, or None when it could
         not be written (no room on the disk, an I/O error: logged, counted by the caller). Every
-        place (and None) must be :meth:`settle`-d once its transaction ended."""
+        place (and None) must be :meth:`settle`-d once its transaction ended. With ``sync`` the
+        values are :meth:`durable` before the commit that names them."""
         places: list[Place | None] = []
         try:
             self._write_all(values, places)
         except BaseException:
             self.settle(places)  # (BackendClosed, a bug): nothing of this call is recorded
             raise
-        if self.sync and any(p is not None for p in places):
-            try:  # the data is durable before the commit that names it (its own segments' data:
-                # a failed fsync of another writer's segment does not fail this put)
-                self.files.sync({p.segment for p in places if p is not None})
-            except OSError as exc:
-                self._failures.warning("lmdb tier at %s: segment fsync failed: %s", self.db.path, exc)
-                self.settle(places)
-                self._after_failure()
-                return [None] * len(places)
+        return self.durable(places) if self.sync else places
+
+    def durable(self, places: list[Place | None]) -> list[Place | None]:
+        """fsync the values :meth:`write` put at ``places`` (before the commit that names them);
+        all None (settled here) when an fsync failed: nothing of them may be recorded."""
+        if not any(p is not None for p in places):
+            return places
+        try:  # (its own segments' data: a failed fsync of another writer's segment does not fail this put)
+            self.files.sync({p.segment for p in places if p is not None})
+        except OSError as exc:
+            self._failures.warning("lmdb tier at %s: segment fsync failed: %s", self.db.path, exc)
+            self.settle(places)
+            self._after_failure()
+            return [None] * len(places)
         return places
 
     def _write_all(self, values: Sequence, places: list[Place | None]) -> None:
@@ -103,9 +118,10 @@ class SegmentValues:
                     self.files.write_many(places[run[0]].segment, [(places[i].offset, values[i]) for i in run])
                 except OSError as exc:
                     self._failures.warning("lmdb tier at %s: segment write failed: %s", self.db.path, exc)
-                    self.settle([places[i] for i in run])
-                    for i in run:
+                    refused = [places[i] for i in run]
+                    for i in run:  # (first: these are settled once, here)
                         places[i] = None
+                    self.settle(refused)
 
     def _reserve(self, lane: Lane, value) -> Place | None:
         nbytes = nbytes_of(value)
@@ -121,16 +137,52 @@ class SegmentValues:
         self.db.write(lambda w: register_segment(self.db.tables, w, segment, record))
 
     def settle(self, places: Sequence[Place | None]) -> None:
-        """The transactions recording ``places`` ended: seal the segments left with none in flight."""
+        """The transactions recording ``places`` ended: seal the segments left with none in
+        flight (and those whose seal failed before). Never raises: a seal the disk refuses is
+        logged and tried again by the next settle (their puts are done)."""
         done = self.files.settle([p.segment for p in places if p is not None])
-        if done:
+        with self._sealing:
+            done, self._unsealed = {**self._unsealed, **done}, {}
+        if not done:
+            return
+        try:
             self.seal(done)
+        except (NoSpace, lmdb.Error, BackendError) as exc:
+            with self._sealing:
+                self._unsealed = {**done, **self._unsealed}
+            self._failures.warning("lmdb tier at %s: %d segments not sealed yet: %s", self.db.path, len(done), exc)
 
     def seal(self, ends: dict[int, int]) -> None:
         """Seal segments (id -> end); the environment deletes the drained ones' files. Their
         locks go first: should the seal fail, another writer's recovery seals them."""
         self.files.claims.drop(ends)
         self.db.write(lambda w: seal_segments(self.db.tables, w, ends))
+
+    def hold_for_deletion(self, segment: int) -> None:
+        """Lock ``segment``'s file (:func:`~storage_backends.segment_fds.lock_for_deletion`) until
+        :meth:`let_go`: taken before the commit that drains it, so no check takes it for an
+        orphan and no other process deletes it until this one does (it goes through
+        ``db.on_drained`` all the same)."""
+        with self._sealing:
+            if segment in self._deleting:
+                return
+            fd = lock_for_deletion(self.files.path_of(segment))
+            if fd is not None:
+                self._deleting[segment] = fd
+
+    def let_go(self, segments) -> None:
+        with self._sealing:
+            fds = [self._deleting.pop(s) for s in segments if s in self._deleting]
+        for fd in fds:
+            os.close(fd)
+
+    def _drained(self, segments: list[int]) -> None:
+        """``db.on_drained``: delete the files of drained segments, but those another process
+        holds for deletion (it deletes them once its commit is durable)."""
+        with self._sealing:
+            own = set(self._deleting)
+        self.files.delete([s for s in segments if s in own or not being_deleted(self.files.path_of(s))])
+        self.let_go(segments)
 
     # -- reads ---------------------------------------------------------------------------------
     def place_of(self, txn, key: bytes) -> Place | None:
@@ -192,8 +244,13 @@ class SegmentValues:
 
     # -- the whole environment -----------------------------------------------------------------
     def recover(self) -> None:
-        """Seal dead processes' segments and delete orphan files (at open, writers only)."""
-        sealed, orphans = self.db.write(lambda w: recover_segments(self.db.tables, w, self.files))
+        """Seal dead processes' segments and delete orphan files (at open, writers only; on a
+        full disk left to the compactor's next look)."""
+        try:
+            sealed, orphans = self.db.write(lambda w: recover_segments(self.db.tables, w, self.files))
+        except NoSpace as exc:
+            log.warning("lmdb tier at %s: what processes that are gone left not looked at: %s", self.db.path, exc)
+            return
         if sealed or orphans:
             log.info("lmdb tier at %s: sealed %d segments of processes that are gone, deleted %d orphan "
                      "segment files", self.db.path, sealed, orphans)
@@ -242,7 +299,8 @@ class SegmentValues:
             self._closing = True
             if not self._writers.wait_for(lambda: not self._inflight, CLOSE_WAIT_S):
                 log.warning("lmdb tier at %s: closing while %d puts still run", self.db.path, self._inflight)
-        done = self.files.retire_open()
+        with self._sealing:  # (with those whose seal failed before)
+            done, self._unsealed = {**self._unsealed, **self.files.retire_open()}, {}
         if done:
             try:
                 self.seal(done)

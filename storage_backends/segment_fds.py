@@ -5,11 +5,17 @@ At most ``max_idle`` descriptors are kept open while unused (the least recently 
 an ``open`` refused for lack of descriptors closes the idle ones and tries again, and for the
 next ``RELAX_S`` seconds at most ``TIGHT_IDLE`` are kept), and those of
 files another process deleted are closed once unused (checked at most once a second): a
-deleted segment's disk space is freed only when its last descriptor closes."""
+deleted segment's disk space is freed only when its last descriptor closes.
+
+A segment file whose deletion waits for the commit that drained it to be made durable is locked
+exclusively meanwhile (:func:`lock_for_deletion`, from before that commit): a file no record
+names that :func:`being_deleted` finds so locked is no orphan (a check reports none, a recovery
+leaves it to the process deleting it)."""
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import os
 import threading
@@ -49,7 +55,11 @@ class Descriptors:
         """Create ``segment``'s file (it must not exist) and keep it open for writing."""
         fd = self._open(segment, os.O_RDWR | os.O_CREAT | os.O_EXCL)
         with self._lock:
-            self._fds[segment] = (fd, True)
+            if not self._closed:
+                self._fds[segment] = (fd, True)
+                return
+        os.close(fd)  # (closed meanwhile: kept, it would never be closed)
+        raise OSError(errno.EBADF, "segment descriptors closed")
 
     @contextmanager
     def use(self, segment: int, write: bool = False):
@@ -63,14 +73,18 @@ class Descriptors:
 
     def deleted(self, segment: int) -> bool:
         """Whether ``segment``'s file, open here, was deleted (by anyone)."""
-        with self._lock:
+        with self._lock:  # held while looked at: closed meanwhile, its number could name another file
             entry = self._fds.get(segment)
+            if entry is not None:
+                self._users[segment] = self._users.get(segment, 0) + 1
         if entry is None:
             return not os.path.exists(self.path_of(segment))
         try:
             return os.fstat(entry[0]).st_nlink == 0
         except OSError:
             return True
+        finally:
+            self.release(segment)
 
     def hold(self, segment: int, write: bool = False) -> int:
         """:meth:`use` without the context manager (the read path's per-block cost): the
@@ -87,6 +101,9 @@ class Descriptors:
         fd = self._open(segment, os.O_RDWR if write else os.O_RDONLY)
         with self._lock:
             entry = self._fds.get(segment)
+            if self._closed:  # closed meanwhile: kept, this one would never be closed
+                os.close(fd)
+                raise OSError(errno.EBADF, "segment descriptors closed")
             if entry is not None and (entry[1] or not write):  # another thread opened it meanwhile
                 os.close(fd)
                 fd = entry[0]
@@ -188,3 +205,36 @@ class Descriptors:
             segments = list(self._fds)
         for segment in segments:
             self.forget(segment)
+
+
+def lock_for_deletion(path: Path) -> int | None:
+    """An exclusive lock on ``path`` (its descriptor: closing it unlocks); None when it cannot be
+    taken now (no such file, no descriptor left, someone else locks it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def being_deleted(path: Path) -> bool:
+    """Whether a descriptor other than ours holds :func:`lock_for_deletion`'s lock on ``path``
+    (False when that cannot be told: no such file, no descriptor left)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (released as the descriptor closes)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
