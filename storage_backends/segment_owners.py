@@ -11,6 +11,7 @@ import errno
 import fcntl
 import os
 import threading
+import weakref
 from pathlib import Path
 
 LOCKING = 1 << 63  # in a record's owner_ns: its owner locks the segment's file while it appends
@@ -98,6 +99,19 @@ class Claims:
         self._lock = threading.Lock()
         self._fds: dict[int, int] = {}
         self._closed = False
+        _every_claims.add(self)
+
+    def _forget_in_child(self) -> None:
+        """In a process just forked from this one: close the copies of the locked descriptors
+        (the locks stay the parent's). Kept, a child outliving its parent (a worker, a data loader)
+        kept the dead parent's open segments looking written to: never sealed while it ran. The
+        lock another thread may have held at the fork is not taken (it would never be let go)."""
+        fds, self._fds, self._lock = list(self._fds.values()), {}, threading.Lock()
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     def take(self, segment: int, path: Path) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -123,3 +137,14 @@ class Claims:
             fds, self._fds = list(self._fds.values()), {}
         for fd in fds:
             os.close(fd)
+
+
+_every_claims: weakref.WeakSet[Claims] = weakref.WeakSet()
+
+
+def _forget_claims_in_child() -> None:
+    for claims in list(_every_claims):
+        claims._forget_in_child()
+
+
+os.register_at_fork(after_in_child=_forget_claims_in_child)

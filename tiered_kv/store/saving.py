@@ -177,8 +177,16 @@ class Saver:
     def write_earned(self, requested: Sequence[tuple[bytes, int]], tenant: bytes) -> None:
         """Host-resident blocks requested again ((key, request count) each): write them to the
         tiers this request earned them (none unless some tier admits after several requests)."""
-        if requested and self.requests.active:
-            self.write_behind([k for k, _ in requested], tenant, [n for _, n in requested], earned_only=True)
+        if not requested or not self.requests.active:
+            return
+        # leased first, so admission claims no tier for a key whose host copy is another tenant's
+        # or gone (never written there, and its owner's next requests found that tier claimed)
+        requested = list(dict(requested).items())  # (each key once: one lease each)
+        slots = self.host.pin_many([k for k, _ in requested], bytes(tenant))
+        held = [(k, n, s) for (k, n), s in zip(requested, slots) if s is not None]
+        if held:
+            self.write_behind([k for k, _, _ in held], tenant, [n for _, n, _ in held], earned_only=True,
+                              leased={k: s for k, _, s in held})
 
     def write_behind(self, keys: list[bytes], tenant: bytes, counts: Sequence[int] | None = None,
                      earned_only: bool = False, leased: dict[bytes, int] | None = None) -> Future | None:
