@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 N = 200 * KiB  # five values per 1 MiB segment
 
 PRELUDE = textwrap.dedent("""
-    import os, sys, time
+    import os, resource, sys, time
     from storage_backends.lmdb_disk import LmdbBackend
     from storage_backends.segment_owners import owner_alive
     from tests.backends.test_lmdb_segments import KiB, MiB, identify, key, labelled, segment_records
@@ -36,6 +36,16 @@ PRELUDE = textwrap.dedent("""
     def pause(what):  # say where this process is, then wait for a line (or to be killed)
         print(what, flush=True)
         sys.stdin.readline()
+
+    def short_of_descriptors():  # every descriptor taken but a few: (held, soft, hard limit)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        held = []
+        try:
+            while True:
+                held.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            return held, soft, hard
 """)
 
 
@@ -305,18 +315,10 @@ def test_a_process_short_of_descriptors_takes_no_other_writer_for_dead(tmp_path)
     assert a.put_many([(key(0), labelled(key(0), 1, N))]) == [True]
     (segment,) = a.values.files.open_segments()
     proc = child(f"""
-        import resource
         b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB)
         b.compactor.dead_limit = 0
         record = segment_records(b)[{segment}]
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
-        held = []
-        try:
-            while True:
-                held.append(os.open("/dev/null", os.O_RDONLY))
-        except OSError:
-            pass
+        held, soft, hard = short_of_descriptors()
         print(owner_alive(record, b.values.files.path_of({segment})), b.compact(), flush=True)
     """)
     assert finish(proc).split() == ["True", "0"]
@@ -338,17 +340,9 @@ def test_regression_a_segment_compaction_could_not_read_for_want_of_descriptors_
         b.close()
     """))
     out = finish(child(f"""
-        import resource
         b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB)
         b.compactor.dead_limit = 0
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
-        held = []
-        try:
-            while True:
-                held.append(os.open("/dev/null", os.O_RDONLY))
-        except OSError:
-            pass
+        held, soft, hard = short_of_descriptors()
         short = b.compact()
         for fd in held:
             os.close(fd)
