@@ -24,6 +24,7 @@ from storage_backends.lmdb_segments import Lane, Place, SegmentFiles, unpack_pla
 from storage_backends.log_throttle import LogThrottle
 from storage_backends.segment_fds import being_deleted, lock_for_deletion
 from storage_backends.segment_io import VALUE_END_ALIGN
+from storage_backends.segment_owners import close_copies, forget_in_children
 from storage_backends.segment_runs import runs
 from tiered_kv.errors import BackendClosed, BackendError, BackendUnavailable
 
@@ -56,6 +57,7 @@ class SegmentValues:
         self._local = threading.local()
         self._gap = memoryview(bytearray(MAX_GAP))  # where the bytes between values of a run go
         self._failures = LogThrottle(log)
+        forget_in_children(self)
 
     @contextmanager
     def writing(self):
@@ -169,6 +171,12 @@ class SegmentValues:
             fd = lock_for_deletion(self.files.path_of(segment))
             if fd is not None:
                 self._deleting[segment] = fd
+
+    def forget_in_child(self) -> None:
+        """In a child forked from this process: close its copies of the deletion locks (kept, a
+        child outliving a compaction killed mid-deletion kept the victim's file for good)."""
+        fds, self._deleting, self._sealing = list(self._deleting.values()), {}, threading.Lock()
+        close_copies(fds)
 
     def let_go(self, segments) -> None:
         with self._sealing:

@@ -99,19 +99,15 @@ class Claims:
         self._lock = threading.Lock()
         self._fds: dict[int, int] = {}
         self._closed = False
-        _every_claims.add(self)
+        forget_in_children(self)
 
-    def _forget_in_child(self) -> None:
+    def forget_in_child(self) -> None:
         """In a process just forked from this one: close the copies of the locked descriptors
         (the locks stay the parent's). Kept, a child outliving its parent (a worker, a data loader)
         kept the dead parent's open segments looking written to: never sealed while it ran. The
         lock another thread may have held at the fork is not taken (it would never be let go)."""
         fds, self._fds, self._lock = list(self._fds.values()), {}, threading.Lock()
-        for fd in fds:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        close_copies(fds)
 
     def take(self, segment: int, path: Path) -> None:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -139,12 +135,26 @@ class Claims:
             os.close(fd)
 
 
-_every_claims: weakref.WeakSet[Claims] = weakref.WeakSet()
+_forgetting: weakref.WeakSet = weakref.WeakSet()  # holders of lock descriptors a fork's child must close
 
 
-def _forget_claims_in_child() -> None:
-    for claims in list(_every_claims):
-        claims._forget_in_child()
+def forget_in_children(holder) -> None:
+    """Have ``holder.forget_in_child()`` run in every child forked from this process from now on
+    (it closes the child's copies of descriptors whose file locks say what this process does)."""
+    _forgetting.add(holder)
 
 
-os.register_at_fork(after_in_child=_forget_claims_in_child)
+def close_copies(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _after_fork_in_child() -> None:
+    for holder in list(_forgetting):
+        holder.forget_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -7,9 +7,33 @@ from __future__ import annotations
 
 import os
 import signal
+import textwrap
 
-from tests.backends.test_lmdb_multiprocess_compaction import N, child, kill, opened, said
-from tests.backends.test_lmdb_segments import key, labelled, segment_records
+from tests.backends.test_lmdb_multiprocess_compaction import (
+    N,
+    assert_values,
+    child,
+    kill,
+    opened,
+    said,
+    sparse,
+)
+from tests.backends.test_lmdb_segments import key, labelled, segment_of, segment_records
+
+LIVES_ON = """
+helper = os.fork()
+if helper == 0:  # lives on, beside the others, until the test ends it
+    nowhere = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):  # (not its parent's pipes: they end when its parent dies)
+        os.dup2(nowhere, fd)
+    while True:
+        time.sleep(3600)
+"""
+
+
+def forks_a_helper(indent: int) -> str:
+    """A child's lines forking a process that outlives it (``helper``: its pid), at ``indent``."""
+    return textwrap.indent(LIVES_ON.strip(), " " * indent).strip()
 
 
 def test_regression_a_child_the_writer_forked_kept_its_killed_parents_open_segment_from_being_sealed(tmp_path):
@@ -19,13 +43,7 @@ def test_regression_a_child_the_writer_forked_kept_its_killed_parents_open_segme
         b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB)
         for i in range(4):
             assert b.put_many([(key(i, "b"), labelled(key(i, "b"), 1, N))]) == [True]
-        helper = os.fork()
-        if helper == 0:  # lives on, beside the others, until the test ends it
-            nowhere = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):  # (not its parent's pipes: they end when its parent dies)
-                os.dup2(nowhere, fd)
-            while True:
-                time.sleep(3600)
+        {forks_a_helper(8)}
         pause(f"{{helper}} {{b.values.files.open_segments()[0]}}")
     """)
     helper, segment = map(int, said(proc).split())
@@ -36,6 +54,40 @@ def test_regression_a_child_the_writer_forked_kept_its_killed_parents_open_segme
         record = segment_records(a)[segment]
         assert record.sealed and record.owner_pid == 0, "a forked child kept its dead parent's segment open"
         assert a.get_many([key(i, "b") for i in range(4)]) == [labelled(key(i, "b"), 1, N) for i in range(4)]
+    finally:
+        os.kill(helper, signal.SIGKILL)
+        a.close()
+
+
+def test_regression_a_child_forked_mid_deletion_kept_a_killed_compactions_victim_for_good(tmp_path):
+    # a compaction holds its victim's file locked from the swap's commit until the file is gone;
+    # a child forked meanwhile kept that lock, so after the compacting process was killed no
+    # other process would delete the file (it looked "being deleted") while the child ran
+    db = tmp_path / "db"
+    a = opened(db)
+    live = sparse(a)
+    victim = segment_of(a, key(0, "s"))
+    proc = child(f"""
+        b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB)
+        b.compactor.dead_limit = 0
+        real_unlink = os.unlink
+        def unlink(path, *args, **kwargs):  # the swap committed: fork, then stop before the file goes
+            if str(path).endswith(".seg"):
+                {forks_a_helper(16)}
+                pause(f"{{helper}}")
+            return real_unlink(path, *args, **kwargs)
+        os.unlink = unlink
+        b.compact()
+    """)
+    helper = int(said(proc))
+    try:
+        kill(proc)
+        assert victim not in segment_records(a) and a.values.files.path_of(victim).exists()
+        a.compactor.dead_limit = 1 << 40  # (only the look for what dead processes left)
+        a.compact()
+        assert not a.values.files.path_of(victim).exists(), "a forked child kept the victim's file"
+        assert_values(a, live)
+        assert a.check() == []
     finally:
         os.kill(helper, signal.SIGKILL)
         a.close()
