@@ -9,11 +9,19 @@ reads), and each group is one plain pipeline on that node's own connection pool,
 connections redis-py makes with no retries: a node that does not answer within the socket
 timeout raises at once, once per call.
 
-What a node answers per command is kept: MOVED and ASK (a slot moved or moving: resharding) are
-sent again through redis-py's cluster pipeline, which follows them and learns the new owner; a
-refused or dropped connection (a node restarted, a master that failed over) re-reads the
-topology and sends that node's commands again, at most ``retries`` more times with backoff;
-a timeout is never sent again. What still fails is raised, for the caller's breaker.
+What a node answers per command is kept. MOVED and ASK (a slot moved or moving: resharding) are
+followed here, in at most ``REDIRECT_ROUNDS`` more passes of per-node pipelines to the nodes they
+name (behind ``ASKING`` after an ASK); a MOVED also updates the client's slot map, as redis-py's
+own handling does. A command still redirected after that, or to a node the client does not
+know yet, is answered its redirection (a miss). redis-py's cluster pipeline, which followed them
+before, held a connection of every node of its commands at once, taken in its commands' order:
+two calls taking two nodes' last connections in opposite orders waited out each other's
+``timeout`` on a healthy cluster; and it sent each command still failing again one at a time,
+each with its own timeout. Here a thread holds one connection at a time, never one while it
+waits for another. A refused or dropped connection (a node restarted, a master that failed
+over) re-reads the topology and sends that node's commands again, at most ``retries`` more
+times in a call, with backoff; a timeout is never sent again. What still fails is raised, for
+the caller's breaker.
 
 With ``node_threads`` (0, the default: one node after another) a call spanning several nodes
 sends their pipelines at once (:class:`NodeFanout`): one on the caller's thread, the others on
@@ -40,9 +48,12 @@ from redis.exceptions import AskError, MovedError, RedisClusterException, RedisE
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from storage_backends.redis_pool import ConnectionsBusy
+
 log = logging.getLogger(__name__)
 
-REDIRECTS = (MovedError, AskError)  # answered per command: redis-py's cluster pipeline follows them
+REDIRECTS = (MovedError, AskError)  # answered per command (a MovedError is an AskError too)
+REDIRECT_ROUNDS = 3  # passes following redirections, after the first
 _UNSENT = object()  # the reply of a command whose node has not answered yet
 THREAD_PREFIX = "tiered-kv-redis-node"
 
@@ -116,13 +127,15 @@ def _error_of(job: Callable[[], None]) -> BaseException | None:
 
 
 def _deciding(errors: Sequence[BaseException | None]) -> BaseException | None:
-    """The error a call raises when several nodes failed: one that is neither a timeout nor a
-    refused connection (unexpected), else a timeout (never retried: a hung node costs one),
-    else a refused connection (retried); the others are logged."""
+    """The error a call raises when several nodes failed: one that is neither a timeout, a
+    node's connections all busy, nor a refused connection (unexpected), else a timeout (never
+    retried: a hung node costs one, and opens the breaker), else busy connections (this
+    process's own limit: a counted miss, the breaker left closed; not retried, which would wait
+    for them again), else a refused connection (retried); the others are logged."""
     failed = [e for e in errors if e is not None]
     if not failed:
         return None
-    rank = {RedisTimeoutError: 1, RedisConnectionError: 2}
+    rank = {RedisTimeoutError: 1, ConnectionsBusy: 2, RedisConnectionError: 3}
     deciding = min(failed, key=lambda e: next((r for t, r in rank.items() if isinstance(e, t)), 0))
     for other in failed:
         if other is not deciding:
@@ -136,14 +149,52 @@ def node_pipelines(client: Any, items: Sequence, name_of: Callable[[Any], bytes]
     """The replies to ``add(pipe, item)`` for every item, in order (per-command errors as
     values, as ``execute(raise_on_error=False)`` gives them); the key of an item is
     ``name_of(item)``. ``read``: commands a replica may answer, when ``client`` balances reads.
-    The nodes' pipelines go at once on ``fanout``."""
+    The nodes' pipelines go at once on ``fanout``; redirections are followed (module docstring)."""
     replies: list = [_UNSENT] * len(items)
-    pending = list(range(len(items)))
-    failures = 0
+    balance = getattr(client, "load_balancing_strategy", None) if read else None
+    manager = client.nodes_manager
+
+    def owner(i: int) -> tuple[Any, bool]:  # (on the caller's thread: a balanced read's round robin is not shared)
+        return manager.get_node_from_slot(client.keyslot(name_of(items[i])), load_balancing_strategy=balance), False
+
+    send = partial(_deliver, client, items, add, replies, fanout, retries, backoff)
+    failures = send(list(range(len(items))), owner, 0)
+    for _ in range(REDIRECT_ROUNDS):
+        again = {i: r for i, r in enumerate(replies) if isinstance(r, REDIRECTS)}
+        if not again:
+            break
+        for moved in {r.slot_id: r for r in again.values() if isinstance(r, MovedError)}.values():
+            _learn(manager, moved)
+        nodes = {i: (client.get_node(host=r.host, port=r.port), not isinstance(r, MovedError)) for i, r in again.items()}
+        pending = [i for i, (node, _) in nodes.items() if node is not None]  # (a node not known yet: a miss)
+        for i in pending:
+            replies[i] = _UNSENT
+        failures = send(pending, nodes.__getitem__, failures)
+    return replies
+
+
+def _learn(manager: Any, moved: MovedError) -> None:
+    """The client's slot map takes a MOVED's new owner, as redis-py's own MOVED handling does
+    (no round trip: the next calls go there at once); best effort."""
+    try:
+        if hasattr(manager, "move_slot"):  # redis-py >= 7.2
+            manager.move_slot(moved)
+        else:  # applied as the slot is next looked up
+            manager.update_moved_exception(moved)
+    except (KeyError, RedisError) as exc:  # (a slot the map does not hold)
+        log.debug("redis cluster slot map not updated from %r: %r", moved, exc)
+
+
+def _deliver(client: Any, items: Sequence, add, replies: list, fanout: NodeFanout, retries: int,
+             backoff: Callable[[int], float], pending: list[int], route: Callable[[int], tuple[Any, bool]],
+             failures: int) -> int:
+    """Send the ``pending`` items, each to ``route(i)`` ((node, behind ASKING)): a refused
+    connection reads the topology again and sends what did not answer again, while the call's
+    ``failures`` are at most ``retries``; a timeout raises at once. Returns the failures."""
     while pending:
         try:
-            _send(client, items, name_of, add, read, pending, replies, fanout)
-            pending = []
+            _send(client, items, add, pending, replies, route, fanout)
+            return failures
         except RedisTimeoutError:
             raise  # hung or black-holed: asking again only doubles the wait
         except RedisConnectionError as exc:
@@ -154,28 +205,19 @@ def node_pipelines(client: Any, items: Sequence, name_of: Callable[[Any], bytes]
             time.sleep(backoff(failures))
             reinitialize(client)
             pending = [i for i in pending if replies[i] is _UNSENT]  # (a node that answered is not asked again)
-    again = [i for i, reply in enumerate(replies) if isinstance(reply, REDIRECTS)]
-    if again:
-        pipe = client.pipeline(transaction=False)
-        for i in again:
-            add(pipe, items[i])
-        for i, reply in zip(again, pipe.execute(raise_on_error=False)):
-            replies[i] = reply
-    return replies
+    return failures
 
 
-def _send(client: Any, items: Sequence, name_of, add, read: bool, pending: list[int], replies: list,
-          fanout: NodeFanout) -> None:
+def _send(client: Any, items: Sequence, add, pending: list[int], replies: list,
+          route: Callable[[int], tuple[Any, bool]], fanout: NodeFanout) -> None:
     """One pipeline per node for the ``pending`` items (sent as ``fanout`` runs them); their
     replies stored as each node answers (a node that fails leaves its items ``_UNSENT``)."""
-    balance = getattr(client, "load_balancing_strategy", None) if read else None
-    groups: dict[str, tuple[Any, list[int]]] = {}
-    manager = client.nodes_manager
-    for i in pending:  # (on the caller's thread: a balanced read's round robin is not shared)
-        node = manager.get_node_from_slot(client.keyslot(name_of(items[i])), load_balancing_strategy=balance)
-        groups.setdefault(node.name, (node, []))[1].append(i)
-    fanout.run([partial(_node_pipeline, client, node, members, items, add, replies)
-                for node, members in groups.values()], partial(_nodes_of, client))
+    groups: dict[tuple[str, bool], tuple[Any, list[int]]] = {}
+    for i in pending:
+        node, asking = route(i)
+        groups.setdefault((node.name, asking), (node, []))[1].append(i)
+    fanout.run([partial(_node_pipeline, client, node, members, items, add, replies, asking)
+                for (_, asking), (node, members) in groups.items()], partial(_nodes_of, client))
 
 
 def _nodes_of(client: Any) -> int:
@@ -183,12 +225,17 @@ def _nodes_of(client: Any) -> int:
     return len(client.get_nodes() if getattr(client, "load_balancing_strategy", None) else client.get_primaries())
 
 
-def _node_pipeline(client: Any, node: Any, members: list[int], items: Sequence, add, replies: list) -> None:
-    """One node's pipeline, made on the thread that sends it (a pipeline is never shared)."""
+def _node_pipeline(client: Any, node: Any, members: list[int], items: Sequence, add, replies: list,
+                   asking: bool = False) -> None:
+    """One node's pipeline, made on the thread that sends it (a pipeline is never shared); with
+    ``asking``, each command behind an ``ASKING`` (which lets the node serve a slot it imports)."""
     pipe = client.get_redis_connection(node).pipeline(transaction=False)
     for i in members:
+        if asking:
+            pipe.execute_command("ASKING")
         add(pipe, items[i])
-    for i, reply in zip(members, pipe.execute(raise_on_error=False)):
+    answers = pipe.execute(raise_on_error=False)
+    for i, reply in zip(members, answers[1::2] if asking else answers):
         replies[i] = reply  # (each thread its own indices)
 
 

@@ -29,9 +29,8 @@ BIG = 1 << 30  # pipeline_bytes: every key of a call in one batch (the first GET
 
 
 class PipelineSpy:
-    """Records every per-node pipeline (redis-py's plain ``Pipeline``; the cluster pipeline that
-    follows MOVED is another class): its node's port, the thread that sent it, whether it
-    answered. With ``meet``, a pipeline is sent only once ``meet`` of them are in flight."""
+    """Records every per-node pipeline (redis-py's plain ``Pipeline``, redirected passes
+    included): its node's port, the thread that sent it, whether it answered. With ``meet``, a pipeline is sent only once ``meet`` of them are in flight."""
 
     def __init__(self, monkeypatch, meet: int | None = None) -> None:
         self.barrier = threading.Barrier(meet, timeout=MEET_S) if meet else None
