@@ -58,6 +58,7 @@ class LmdbEnvironment:
         self.accesses = AccessBuffer(record_access)
         self._failures = LogThrottle(log)  # failed calls repeat while a disk is full: one a minute
         self.closed = False
+        self.opener = os.getpid()  # an environment is not to be used after a fork (LMDB's rule)
         self._settling = threading.Lock()  # the first write after a read-only open
         self.env = self._open_env(options)
         if max_map is None:  # as an engine's map may grow: to twice its first size (and 1 GiB more)
@@ -155,6 +156,9 @@ class LmdbEnvironment:
     def check_open(self) -> None:
         if self.closed:
             raise BackendClosed(f"lmdb backend at {self.path} is closed")
+        if os.getpid() != self.opener:  # (a child using it appended into its parent's segments)
+            raise BackendClosed(f"lmdb backend at {self.path} was opened by process {self.opener}, "
+                                "not this one (a fork's child): open it again here")
 
     @contextmanager
     def shared(self):

@@ -178,7 +178,9 @@ class SegmentFiles:
         through :meth:`appending`); a new segment is opened first when there is none or it is
         full: ``register(segment_id)`` records it (a write transaction) before its file is
         created. Every reservation is :meth:`settle`-d once its transaction ended. OSError when
-        there is no room."""
+        there is no room, or in a fork's child (its parent appends at the same offsets)."""
+        if os.getpid() != self.pid:
+            raise OSError(errno.EBADF, f"segment files of process {self.pid}, not this one (a fork's child)")
         with self._lock:
             if not self._needs_new(lane, length):
                 return self._take(lane, length)

@@ -91,3 +91,33 @@ def test_regression_a_child_forked_mid_deletion_kept_a_killed_compactions_victim
     finally:
         os.kill(helper, signal.SIGKILL)
         a.close()
+
+
+def test_regression_a_forked_child_putting_into_its_parents_store_had_its_keys_served_the_parents_values(tmp_path):
+    # the child inherited the parent's lanes and appended at the offsets the parent went on to
+    # use: the child's keys then read the parent's values, as hits (LMDB's own rule: an
+    # environment is not to be used after a fork)
+    from tiered_kv.errors import BackendClosed
+
+    a = opened(tmp_path / "db")
+    assert a.put_many([(key(0, "p"), labelled(key(0, "p"), 1, N))]) == [True]
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: says what its puts got, and leaves at once
+        try:
+            said_ = f"stored {a.put_many([(key(i, 'c'), labelled(key(i, 'c'), 1, N)) for i in range(3)])}"
+        except BackendClosed:
+            said_ = "refused"
+        except BaseException as exc:  # (anything else is a failure the parent reports)
+            said_ = repr(exc)
+        os.write(writer, said_.encode())
+        os._exit(0)
+    os.close(writer)
+    os.waitpid(pid, 0)
+    with os.fdopen(reader, "rb") as answer:
+        assert answer.read().decode() == "refused"
+    assert a.put_many([(key(i, "p"), labelled(key(i, "p"), 1, N)) for i in range(1, 4)]) == [True] * 3
+    assert a.get_many([key(i, "c") for i in range(3)]) == [None] * 3
+    assert a.get_many([key(i, "p") for i in range(4)]) == [labelled(key(i, "p"), 1, N) for i in range(4)]
+    assert a.check() == []
+    a.close()
