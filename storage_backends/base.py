@@ -282,6 +282,11 @@ class Backend(ABC):
                 else:
                     self._counters.extra[name] = self._counters.extra.get(name, 0) + delta
 
+    def figures(self) -> BackendStats:
+        """Entries, used bytes and capacity with the counters, as cheaply as the medium can give
+        them (what a metrics scrape reads); :meth:`stats` unless a medium knows a cheaper way."""
+        return self.stats()
+
     def counters(self) -> BackendStats:
         """What this backend has counted so far (puts, evictions, quota evictions, ...), from
         memory: no call to the medium (unlike :meth:`stats`, which may ask a server or walk files)."""

@@ -176,7 +176,7 @@ def _collect_store(store: MetricSource, fam: dict) -> None:
         if backend.name not in CHEAP_MEDIA:
             continue
         try:  # (a medium that cannot answer now leaves out its own figures, not the next tiers')
-            stats, usage = _figures(backend), backend.tenant_usage() or {}
+            stats, usage = backend.figures(), backend.tenant_usage() or {}
         except BackendUnavailable:
             continue
         fam["entries"].add_metric(ids + [tier], stats.entries)
@@ -185,14 +185,6 @@ def _collect_store(store: MetricSource, fam: dict) -> None:
             fam["capacity"].add_metric(ids + [tier], stats.capacity_bytes)
         for tenant, used in tenant_series(usage):
             fam["tenant_used"].add_metric(ids + [tier, tenant], used)
-
-
-def _figures(backend: Backend) -> BackendStats:
-    """Entries, used bytes and capacity of a medium of :data:`CHEAP_MEDIA`: its ``figures()``
-    where it has one (LMDB: its ``stats()`` lists the segment directory, stats every segment file
-    and walks the segments table), else its ``stats()`` (host: counts kept as entries change)."""
-    figures = getattr(backend, "figures", None)
-    return figures() if callable(figures) else backend.stats()
 
 
 def _counters(backend: Backend) -> BackendStats | None:
