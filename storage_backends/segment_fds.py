@@ -25,6 +25,7 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
+from storage_backends.segment_owners import lock_would_take
 from storage_backends.segment_pruning import Pruning, forget_gone
 
 log = logging.getLogger(__name__)
@@ -225,16 +226,4 @@ def lock_for_deletion(path: Path) -> int | None:
 def being_deleted(path: Path) -> bool:
     """Whether a descriptor other than ours holds :func:`lock_for_deletion`'s lock on ``path``
     (False when that cannot be told: no such file, no descriptor left)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # (released as the descriptor closes)
-        return False
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    return lock_would_take(path, fcntl.LOCK_SH) is False

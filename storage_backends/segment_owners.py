@@ -74,14 +74,21 @@ def owner_alive(record, path: Path | None = None) -> bool:
 def _lock_free(path: Path) -> bool | None:
     """Whether nobody locks the file ``path``; None when that cannot be told (no such file, an
     empty one, a file system without locks)."""
+    return lock_would_take(path, fcntl.LOCK_EX, empty_tells=False)
+
+
+def lock_would_take(path: Path, operation: int, empty_tells: bool = True) -> bool | None:
+    """Whether ``flock(operation)`` on the file ``path`` would be granted now (tried, and let go
+    at once); None when that cannot be told (no such file, no descriptor left, a file system
+    without locks; an empty file, unless ``empty_tells``)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_size == 0:
+        if not empty_tells and os.fstat(fd).st_size == 0:
             return None
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (released as the descriptor closes)
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)  # (released as the descriptor closes)
         return True
     except BlockingIOError:
         return False
