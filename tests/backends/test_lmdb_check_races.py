@@ -44,8 +44,7 @@ def compacting_child(db) -> subprocess.Popen:
     """Another process on ``db`` that compacts its sparsest segment once told to, says how many
     values it moved, and waits to be told to close."""
     proc = child(f"""
-        b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB)
-        b.compactor.dead_limit = 0
+        b = compacting({str(db)!r})
         pause("ready")
         print(b.compact(), flush=True)
         pause("compacted")
@@ -119,8 +118,7 @@ def test_regression_a_compaction_victim_was_deleted_as_an_orphan_by_another_proc
     live = sparse(a)
     victim = segment_of(a, key(0, "s"))
     proc = child(f"""
-        b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB)
-        b.compactor.dead_limit = 0
+        b = compacting({str(db)!r})
         real_unlink = os.unlink
         def unlink(path, *args, **kwargs):  # the swap committed: stop before the victim's file goes
             if str(path).endswith(".seg"):

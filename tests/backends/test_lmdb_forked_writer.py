@@ -68,8 +68,7 @@ def test_regression_a_child_forked_mid_deletion_kept_a_killed_compactions_victim
     live = sparse(a)
     victim = segment_of(a, key(0, "s"))
     proc = child(f"""
-        b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB)
-        b.compactor.dead_limit = 0
+        b = compacting({str(db)!r})
         real_unlink = os.unlink
         def unlink(path, *args, **kwargs):  # the swap committed: fork, then stop before the file goes
             if str(path).endswith(".seg"):

@@ -37,6 +37,11 @@ PRELUDE = textwrap.dedent("""
         print(what, flush=True)
         sys.stdin.readline()
 
+    def compacting(path):  # a store whose compactor moves any dead bytes
+        b = LmdbBackend(path, capacity=64 * MiB, segment_bytes=MiB)
+        b.compactor.dead_limit = 0
+        return b
+
     def short_of_descriptors():  # every descriptor taken but a few: (held, soft, hard limit)
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
@@ -186,8 +191,7 @@ def test_a_process_killed_mid_compaction_loses_nothing_and_the_other_clears_what
     live = sparse(a)
     victim = segment_of(a, key(0, "s"))
     proc = child(f"""
-        b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB)
-        b.compactor.dead_limit = 0
+        b = compacting({str(db)!r})
         {textwrap.indent(textwrap.dedent(STOPS[stop]), " " * 8).strip()}
         b.compact()
     """)
@@ -216,8 +220,7 @@ def test_two_processes_compacting_one_segment_at_once_move_each_value_once_and_l
     live = sparse(a)
     victim = segment_of(a, key(0, "s"))
     proc = child(f"""
-        b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB)
-        b.compactor.dead_limit = 0
+        b = compacting({str(db)!r})
         write = b.values.write
         b.values.write = lambda values: (write(values), pause("copied"))[0]  # then the other compacts
         print(b.compact(), flush=True)
@@ -250,8 +253,7 @@ def test_a_visit_in_one_process_reads_a_segment_another_process_compacted_away_o
     first, second = key(0, "s"), key(5, "s")  # alone in the sparsest segment; in the other sealed one
     segments = {segment_of(a, first), segment_of(a, second)}
     proc = child(f"""
-        b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB)
-        b.compactor.dead_limit = 0
+        b = compacting({str(db)!r})
         pause("ready")
         print(b.compact() + b.compact(), flush=True)
         b.close()
@@ -315,8 +317,7 @@ def test_a_process_short_of_descriptors_takes_no_other_writer_for_dead(tmp_path)
     assert a.put_many([(key(0), labelled(key(0), 1, N))]) == [True]
     (segment,) = a.values.files.open_segments()
     proc = child(f"""
-        b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB)
-        b.compactor.dead_limit = 0
+        b = compacting({str(db)!r})
         record = segment_records(b)[{segment}]
         held, soft, hard = short_of_descriptors()
         print(owner_alive(record, b.values.files.path_of({segment})), b.compact(), flush=True)
@@ -340,8 +341,7 @@ def test_regression_a_segment_compaction_could_not_read_for_want_of_descriptors_
         b.close()
     """))
     out = finish(child(f"""
-        b = LmdbBackend({str(db)!r}, capacity=64 * MiB, segment_bytes=MiB)
-        b.compactor.dead_limit = 0
+        b = compacting({str(db)!r})
         held, soft, hard = short_of_descriptors()
         short = b.compact()
         for fd in held:
