@@ -4,6 +4,7 @@ their keys, and the requests no key can name (neither loaded nor saved, counted)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
@@ -116,3 +117,19 @@ def test_regression_a_context_parallel_engine_was_taken_for_one_rank(llm_args):
     with pytest.raises(ConfigError, match="context_parallel_size=2"):
         TieredKVWorker(args)
     TieredKVScheduler(_ContextParallelArgs(llm_args.model, KvCacheConfig())).close()  # one rank: taken
+
+
+@pytest.mark.parametrize("sampling", [{"beam_width": 2}, {"beam_width": 1, "beam_width_array": [1, 1, 3]}])
+def test_regression_a_beam_search_request_saved_its_generated_blocks_under_beam_zeros_tokens(llm_args, sampling):
+    """TensorRT-LLM reports beam 0's tokens and block ids; with several beams the generated ones
+    can be rewritten when beams are reordered, and the cache indirection mixes what the beams'
+    blocks hold, so their keys named KV no single sequence computed. Only the prompt is saved
+    (and served again)."""
+    beams = SimpleNamespace(**{"beam_width_array": None, **sampling})
+    searched, greedy = prompt(24, 5), prompt(24, 6)  # 6 full blocks of 4 tokens each
+    _, _, stored, _ = _serve(llm_args, 1, searched, max_new_tokens=9, sampling_config=beams)
+    assert stored == 1 + 6  # the namespace record and the prompt's blocks only
+    _, _, stored, _ = _serve(llm_args, 2, greedy, max_new_tokens=9)
+    assert stored == 1 + 6 + 8  # one beam: the prompt's 6 blocks and 2 of generated tokens
+    _, match, _, _ = _serve(llm_args, 3, searched, max_new_tokens=9, sampling_config=beams)
+    assert match[0] == 20  # its prompt is found (but for the block of its last token)

@@ -21,7 +21,7 @@ tensor, pipeline or context parallelism) is supported. That read is the lower ti
 restore policy weighs (it adds up with the prefill); what of a request changes its keys is read
 by :mod:`tiered_kv.integrations.trtllm_requests` (salt, LoRA, multimodal hashes). A request its
 keys cannot name (media without hashes, a prompt-tuning table, ...) is neither loaded nor saved,
-counted as ``requests_not_keyed``.
+counted as ``requests_not_keyed``; one searching several beams has only its prompt saved.
 
 The executor's order per step: schedule -> ``get_num_new_matched_tokens`` / allocation /
 ``update_state_after_alloc`` -> ``build_connector_meta`` -> ``start_load_kv`` -> forward
@@ -46,6 +46,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as futures_wait
+from contextlib import nullcontext
 from typing import Any
 
 from tiered_kv.connector.meta import ConnectorMeta
@@ -60,8 +61,8 @@ from tiered_kv.integrations.common import (
     release_store,
 )
 from tiered_kv.integrations.trtllm_model import SOURCE, WINDOWED, one_group, pages, trtllm_namespace
+from tiered_kv.integrations.trtllm_requests import beams, unkeyed
 from tiered_kv.integrations.trtllm_requests import request_view as _view
-from tiered_kv.integrations.trtllm_requests import unkeyed
 from tiered_kv.keys import tenant_label
 from tiered_kv.store.futures import gather
 
@@ -122,6 +123,7 @@ class TieredKVScheduler(_SchedulerBase):
         self._verified: dict[Any, tuple[int, int, Any]] = {}  # request -> (device, external, plan)
         self._device_prefix: dict[Any, int] = {}  # request -> device prefix at allocation
         self._unkeyed: set = set()  # live requests the keys cannot name (never loaded or saved)
+        self._beamed: set = set()  # live requests with several beams (only their prompt is saved)
         log.info("tiered-kv TensorRT-LLM scheduler: %s, block %d tokens, %s loads",
                  self.namespace.model_id, self.namespace.block_size,
                  "async" if self.settings.load_async else "sync")
@@ -173,6 +175,8 @@ class TieredKVScheduler(_SchedulerBase):
         view = self._view(request)
         if view is None:
             return
+        if beams(request) > 1:
+            self._beamed.add(view.request_id)
         device, external, plan = self._verified.pop(view.request_id, (0, 0, None))
         self._device_prefix[view.request_id] = device
         # the core leases the promised blocks (now host-resident) before our read plan lets go
@@ -191,26 +195,29 @@ class TieredKVScheduler(_SchedulerBase):
                      rd.num_scheduled_tokens) for rd in scheduler_output.new_requests
                if rd.request_id not in self._unkeyed]
         # (an unkeyed request, unknown to the core, only adds its tokens to the step's work)
-        cached = [*scheduler_output.cached_requests,
-                  *(rd for rd in scheduler_output.new_requests if rd.request_id in self._unkeyed)]
+        cached = [rd if rd.request_id not in self._beamed else  # (its generated tokens never key a block)
+                  RequestStep(rd.request_id, (), rd.new_block_ids, rd.computed_position, rd.num_scheduled_tokens)
+                  for rd in scheduler_output.cached_requests]
+        cached += [rd for rd in scheduler_output.new_requests if rd.request_id in self._unkeyed]
         return self.core.build_connector_meta(StepOutput(new, cached))
 
     def request_finished(self, request: Any, cache_block_ids: Sequence[int]) -> bool:
         self._drop_verified(request.request_id)
         self._device_prefix.pop(request.request_id, None)
         self._unkeyed.discard(request.request_id)
+        self._beamed.discard(request.request_id)
         pages(cache_block_ids, request.request_id, "request_finished")
         return self.core.request_finished(request, list(cache_block_ids))
 
     # -- per-layer-group forms: entry [g][i] is block i's page in layer group g -----------------
     def update_state_after_alloc_by_layer_group(self, request: Any, block_ids_by_layer_group: Sequence) -> None:
         """One layer group is the flat call; several (a window per group) are refused."""
-        ids = one_group(block_ids_by_layer_group, request.request_id, "update_state_after_alloc_by_layer_group")
-        self.update_state_after_alloc(request, ids)
+        self.update_state_after_alloc(request, one_group(block_ids_by_layer_group, request.request_id,
+                                                         "update_state_after_alloc_by_layer_group"))
 
     def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: Sequence) -> bool:
-        ids = one_group(cache_block_ids_by_layer_group, request.request_id, "request_finished_by_layer_group")
-        return self.request_finished(request, ids)
+        return self.request_finished(request, one_group(cache_block_ids_by_layer_group, request.request_id,
+                                                        "request_finished_by_layer_group"))
 
     def _view(self, request: Any):
         """The core's view of ``request``; None for one its keys cannot name (counted once)."""
@@ -328,21 +335,10 @@ class TieredKVWorker(_WorkerBase):
         release_store(self.store)
 
 
-class _on:
+def _on(stream):
     """Run on the engine's CUDA stream when one is given (a no-op on CPU)."""
+    if stream is not None and type(stream).__module__.startswith("torch.cuda"):
+        import torch
 
-    def __init__(self, stream) -> None:
-        self.stream = stream
-        self.ctx = None
-
-    def __enter__(self):
-        if self.stream is not None and type(self.stream).__module__.startswith("torch.cuda"):
-            import torch
-
-            self.ctx = torch.cuda.stream(self.stream)
-            self.ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
+        return torch.cuda.stream(stream)
+    return nullcontext()

@@ -8,6 +8,11 @@ token ids, changes the KV they compute (folded into every key of the request).
   ``multimodal_hashes`` (one per item, over its content and any UUID, at
   ``multimodal_positions`` for ``multimodal_lengths`` tokens), as its own block keys do.
 
+With beam search (a beam width above one, :func:`beams`), only the prompt's blocks are saved:
+its generated tokens are beam 0's as they stand (earlier ones may be rewritten when the beams are
+reordered) and its later blocks hold what each beam wrote, which the cache indirection mixes
+across beams, so keys of beam 0's tokens would name KV no single sequence computed.
+
 The parts are joined unambiguously (:func:`tiered_kv.keys.key_extra`). A request whose KV its
 token ids and these parts do not name (:func:`unkeyed`: media without hashes, a prompt-tuning
 table, an encoder input, position ids of its own) has no view: it is neither loaded nor saved.
@@ -64,6 +69,14 @@ def unkeyed(request: Any) -> str | None:
     if _given(request, "position_ids"):
         return "it has position ids of its own"
     return None
+
+
+def beams(request: Any) -> int:
+    """The most beams ``request`` searches with (``sampling_config.beam_width``, or the largest
+    of a variable beam width's ``beam_width_array``); 1 when it says none."""
+    config = getattr(request, "sampling_config", None)
+    widths = [getattr(config, "beam_width", None) or 1, *(getattr(config, "beam_width_array", None) or ())]
+    return max(int(w) for w in widths)
 
 
 def _given(request: Any, name: str) -> bool:
