@@ -63,8 +63,9 @@ class MHAPool:
     }
 
     def __init__(self, layout: str, *, dtype=torch.bfloat16, page_size: int = 4, pages: int = 16,
-                 layer_num: int = 3, head_num: int = 2, head_dim: int = 8, seed: int = 0) -> None:
-        self.layout, self.dtype, self.page_size = layout, dtype, page_size
+                 layer_num: int = 3, head_num: int = 2, head_dim: int = 8, seed: int = 0,
+                 start_layer: int = 0) -> None:
+        self.layout, self.dtype, self.page_size, self.start_layer = layout, dtype, page_size, start_layer
         self.layer_num, self.head_num, self.head_dim, self.v_head_dim = layer_num, head_num, head_dim, head_dim
         self.size = pages * page_size
         shape = self.SHAPES[layout](layer_num, self.size, pages, page_size, head_num, head_dim)
@@ -104,8 +105,10 @@ class MLAPool(MHAPool):
     }
 
     def __init__(self, layout: str, *, dtype=torch.bfloat16, page_size: int = 4, pages: int = 16,
-                 layer_num: int = 3, kv_lora_rank: int = 16, qk_rope_head_dim: int = 4, seed: int = 0) -> None:
+                 layer_num: int = 3, kv_lora_rank: int = 16, qk_rope_head_dim: int = 4, seed: int = 0,
+                 start_layer: int = 0) -> None:
         self.layout, self.dtype, self.page_size, self.layer_num = layout, dtype, page_size, layer_num
+        self.start_layer = start_layer  # (the pipeline stage's first model layer)
         self.kv_lora_rank, self.qk_rope_head_dim = kv_lora_rank, qk_rope_head_dim
         self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
         self.size = pages * page_size

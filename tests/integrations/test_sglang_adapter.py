@@ -118,6 +118,30 @@ def test_mha_ranks_keep_their_own_pages_and_mla_ranks_share_one_copy(tmp_path):
         rank1.close()
 
 
+@pytest.mark.parametrize("cls", [MHAPool, MLAPool], ids=["mha", "mla"])
+def test_regression_a_pipeline_stage_was_served_the_layers_another_partition_gave_that_stage(tmp_path, cls):
+    # one 32-layer checkpoint at --pp-size 3: SGLang's default partition (10, 11, 11) gives stage 1
+    # layers 10-20, SGLANG_PP_LAYER_PARTITION=11,11,10 gives it layers 11-21; both were named
+    # "pp=1/3" with 11 layers, and the second server read the first one's layers 10-20 as 11-21
+    keys = sglang_keys(2)
+
+    def stage_1(pool):
+        return backend(tmp_path, pool, config=StorageConfig(pp_rank=1, pp_size=3, is_mla_model=cls is MLAPool))
+
+    default = cls("page_first", layer_num=11, start_layer=10, seed=1)
+    writer = stage_1(default)
+    assert writer.batch_set_v1(keys, default.page_indices(0, 2)) == [True, True]
+    writer.close()
+    other = cls("page_first", layer_num=11, start_layer=11, seed=2)
+    reader = stage_1(other)
+    assert reader.batch_exists(keys) == 0
+    assert reader.batch_get_v1(keys, other.page_indices(4, 2)) == [False, False]
+    reader.close()
+    same = stage_1(cls("page_first", layer_num=11, start_layer=10, seed=2))
+    assert same.batch_exists(keys) == 2  # the same partition still shares its pages
+    same.close()
+
+
 def test_an_mla_rank_that_is_not_the_writer_stores_nothing_and_reports_success(tmp_path):
     keys = sglang_keys(2)
     pool = MLAPool("page_first", seed=1)
@@ -290,6 +314,22 @@ def test_pools_whose_pages_cannot_be_stored_are_refused_when_sglang_attaches_the
     storage.register_mem_host_pool_v2(MHAPool("page_first"), "kv")  # the KV pool again: fine
     with pytest.raises(ConfigError, match="mamba"):
         storage.register_mem_host_pool_v2(object(), "mamba")
+
+
+def test_regression_a_host_pool_without_kv_of_its_own_crashed_the_attach_with_a_zero_division(tmp_path):
+    # DeepSeek-V4's KV anchor is SGLang's LogicalHostPool: no layers, empty pages (its KV lives in
+    # the extra pools); attaching raised ZeroDivisionError out of the namespace, not a refusal
+    class LogicalPool(MHAPool):
+        def get_data_page(self, index, flat=True):
+            return torch.empty(0, dtype=torch.uint8)
+
+        def get_dummy_flat_data_page(self):
+            return torch.empty(0, dtype=torch.uint8)
+
+    pool = LogicalPool("layer_first", layer_num=0, dtype=torch.uint8)
+    storage = TieredKVHiCacheStorage(StorageConfig(extra_config={}, is_mla_model=True), {})
+    with pytest.raises(ConfigError, match="no KV pages of its own"):
+        storage.register_mem_pool_host(pool)
 
 
 def test_the_cli_shows_and_verifies_sglang_pages_offline(tmp_path):

@@ -7,8 +7,9 @@ order; MLA pages have one latent part). That order differs between layouts, so t
 pool kind (MHA, MLA) and every page geometry figure are folded into the namespace's ``layout``
 field: a page written under one layout is never found under another. TP rank and size go into
 the namespace for MHA pools (each rank holds its heads); MLA pages are identical on every rank
-and are stored once (rank 0 of 1). Pipeline stages, attention context-parallel and DCP shards
-hold different bytes and are named in the layout too.
+and are stored once (rank 0 of 1). Pipeline stages (by rank and first layer: servers with other
+layer partitions give one stage other layers), attention context-parallel and DCP shards hold
+different bytes and are named in the layout too.
 
 The namespace's block shape ``[L, 2, page_size, 1, d]`` only sizes the block (``d`` = the page's
 elements / (2 L page_size)); the real geometry is the one named in ``layout``. SGLang's keys are
@@ -71,6 +72,7 @@ class PageGeometry:
     layer_num: int  # layers a page carries
     page_elements: int  # elements in one flat data page
     detail: str  # the per-token shape, e.g. "heads=8,head_dim=128,v_head_dim=128" or "kv_dim=576"
+    first_layer: int | None = None  # the model layer the pages start at (a pipeline stage's first)
 
     @property
     def page_bytes(self) -> int:
@@ -92,6 +94,9 @@ def geometry_of(pool: Any, *, mla: bool) -> PageGeometry:
     except Exception as exc:
         raise ConfigError(f"tiered-kv cannot store the pages of SGLang's {type(pool).__name__} with "
                           f"host layout {layout!r}: {exc}") from None
+    if elements <= 0 or layer_num <= 0:  # DeepSeek-V4's logical anchor: its KV is in extra pools
+        raise ConfigError(f"SGLang's {type(pool).__name__} holds no KV pages of its own (the model's KV "
+                          "is in extra host pools): tiered-kv cannot store this model's pages yet")
     if int(view.numel()) != elements:
         raise ConfigError(f"SGLang's {type(pool).__name__} ({layout}) has pages of {view.numel()} "
                           f"elements but flat pages of {elements}: not a layout tiered-kv can store")
@@ -104,7 +109,9 @@ def geometry_of(pool: Any, *, mla: bool) -> PageGeometry:
         kind = "mha"
         detail = (f"heads={getattr(pool, 'head_num', None)},head_dim={getattr(pool, 'head_dim', None)},"
                   f"v_head_dim={getattr(pool, 'v_head_dim', None)}")
-    return PageGeometry(kind, layout, dtype, page_size, layer_num, elements, detail)
+    first = getattr(pool, "start_layer", None)
+    return PageGeometry(kind, layout, dtype, page_size, layer_num, elements, detail,
+                        None if first is None else int(first))
 
 
 def page_namespace(geometry: PageGeometry, storage_config: Any, *, model_id: str | None = None,
@@ -123,6 +130,8 @@ def page_namespace(geometry: PageGeometry, storage_config: Any, *, model_id: str
                           f"into K/V halves of {g.layer_num} layers x {g.page_size} tokens")
     mla = g.kind == "mla"
     shard = [f"pp={_int(storage_config, 'pp_rank', 0)}/{_int(storage_config, 'pp_size', 1)}"]
+    if _int(storage_config, "pp_size", 1) > 1:  # a stage's layers follow the partition, not the rank
+        shard[0] += f",first_layer={g.first_layer}"  # (SGLANG_PP_LAYER_PARTITION, SGLang's default)
     if _int(storage_config, "attn_cp_size", 1) > 1:
         shard.append(f"attn_cp={storage_config.attn_cp_rank}/{storage_config.attn_cp_size}")
     if _int(storage_config, "dcp_size", 1) > 1:
