@@ -49,7 +49,7 @@ def test_regression_a_write_behind_leased_before_the_withdrawal_was_queued_after
     # write was queued: it was taken for the recomputed replacement and ordered after the delete
     with make_store(tmp_path) as store:
         keys = keys_for(1)
-        submit = store.saver._submit
+        submit = store.saver.submit_write
         withdrawals = []
 
         def withdrawn_first(keys_, *args, **kwargs):
@@ -57,7 +57,7 @@ def test_regression_a_write_behind_leased_before_the_withdrawal_was_queued_after
                 withdrawals.append(store.invalidate(keys))
             return submit(keys_, *args, **kwargs)
 
-        store.saver._submit = withdrawn_first
+        store.saver.submit_write = withdrawn_first
         store.save(keys, payloads(store, 1, seed=2))
         withdrawals[0].result(10)
         store.flush(10)
@@ -74,7 +74,7 @@ def test_regression_an_evicted_copy_taken_before_the_withdrawal_landed_after_its
         k = keys_for(3)
         data = payloads(store, 3)
         store.save(k[:1], data[:1])  # the wrong block
-        submit = store.saver._submit
+        submit = store.saver.submit_write
         withdrawals = []
 
         def withdrawn_first(keys_, *args, **kwargs):
@@ -84,7 +84,7 @@ def test_regression_an_evicted_copy_taken_before_the_withdrawal_landed_after_its
                     withdrawals[0].result(10)
             return submit(keys_, *args, **kwargs)
 
-        store.saver._submit = withdrawn_first
+        store.saver.submit_write = withdrawn_first
         store.save(k[1:], data[1:])  # evicts k[0] to the disk tier
         assert withdrawals, "k[0] was not evicted"
         assert withdrawals[0].result(10) == 1

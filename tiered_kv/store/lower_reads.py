@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from tiered_kv.store.copies_up import CopiesUp
 from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.invalidation import Invalidations
 from tiered_kv.store.metrics import StoreMetrics
@@ -25,6 +26,7 @@ class LowerReader:
         self.tiers = tiers
         self.invalidations = invalidations
         self.saver = saver
+        self.copies = CopiesUp(saver)  # write-behind into the tiers above a lower tier's hit
         self.metrics = metrics
         self.block_nbytes = block_nbytes
 
@@ -81,10 +83,10 @@ class LowerReader:
                  blobs: dict[int, bytes], above: list[EncodedTier], keyless: dict[str, set[int]]) -> None:
         """Queue blocks read from a lower tier (index -> validated stored bytes) for the tiers
         above it that admit them: a remote hit warms the disk tier, as write-behind the load does
-        not wait for. A key withdrawn before the copy is queued is not copied; one withdrawn
-        after is deleted once the copy is written (the copy is a tracked write). A tier that holds
-        a block sealed under a secret this replica does not have (``keyless``) keeps it: it
-        serves the replicas that have one."""
+        not wait for (:mod:`tiered_kv.store.copies_up`). A key withdrawn before the copy is
+        queued is not copied; one withdrawn after is deleted once the copy is written (the copy
+        is a tracked write). A tier that holds a block sealed under a secret this replica does
+        not have (``keyless``) keeps it: it serves the replicas that have one."""
         picked = list(blobs)
         live = [(keys[i], counts[i]) for i, gone in
                 zip(picked, self.invalidations.suppressed([keys[i] for i in picked])) if not gone]
@@ -96,4 +98,4 @@ class LowerReader:
                 sealed = keyless.get(tier.name, ())
                 items = [(k, by_key[k]) for k in group if index[k] not in sealed]
                 if items:
-                    self.saver.queue_stored(items, [tier], tenant)
+                    self.copies.queue(items, tier, tenant)

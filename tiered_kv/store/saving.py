@@ -215,15 +215,16 @@ class Saver:
                       tenant: bytes) -> Future | None:
         """Queue the write of the host slots ``pinned`` to ``targets``; None when dropped."""
         keys = [k for k, _ in pinned]
-        return self._submit(keys, lambda kept: self._write_job(pinned, targets, tenant),
+        return self.submit_write(keys, lambda kept: self._write_job(pinned, targets, tenant),
                             lambda kept: self._drop_write(keys), replacement=True)
 
-    def _submit(self, keys: list[bytes], job, dropped, *, replacement: bool) -> Future | None:
+    def submit_write(self, keys: list[bytes], job, dropped, *, replacement: bool) -> Future | None:
         """Queue the write ``job(kept)`` of the ``kept`` of ``keys`` the withdrawals leave
         (:meth:`Invalidations.begin_write`), tracked as a write from before it is queued (so a
         withdrawal from then on deletes after it) and after any delete in flight of the same
-        keys; ``dropped(kept)`` runs instead when the save budget refuses it. None when nothing
-        is left to write or the budget refused it at once."""
+        keys; ``dropped(kept)`` runs instead when the save budget refuses it (it may start the
+        write another way and return its future: the write stays tracked until that is done).
+        None when nothing is left to write or the budget refused it at once."""
         out: Future = WriteFuture()
         kept, deletes = self.invalidations.begin_write(keys, out, replacement=replacement)
         if not kept:
@@ -233,10 +234,11 @@ class Saver:
         def start() -> bool:
             queued = self.pool.try_submit_save(len(kept) * self.block_nbytes, lambda: job(kept))
             if queued is None:
-                dropped(kept)
-                out.set_result(0)
-                return False
-            queued.add_done_callback(lambda j: settle(out, j))  # (the pool's own future: never cancelled)
+                queued = dropped(kept)
+                if queued is None:
+                    out.set_result(0)
+                    return False
+            queued.add_done_callback(lambda j: settle(out, j))  # (never cancelled)
             return True
 
         if deletes:
@@ -313,37 +315,8 @@ class Saver:
         for tiers, _ in self.admitted([key], targets).items():
             self._queue_copies([(key, bytes(value))], tiers, tenant)
 
-    def queue_stored(self, items: list[tuple[bytes, bytes]], tiers: Sequence[EncodedTier], tenant: bytes) -> None:
-        """Queue the write of ``items`` (validated stored bytes another tier served: a copy up) to
-        ``tiers`` as they are, so the load that read them does not wait for these writes (but
-        when the write-behind budget is spent: then they are written at once). Keys a tier holds
-        by then (another load's copy up of the same blocks) are not written again."""
-        stored = dict(items)
-
-        def job(kept: list[bytes]) -> int:
-            done = 0
-            for tier in tiers:
-                try:
-                    todo = [k for k, held in zip(kept, tier.contains(kept)) if not held]
-                    if not todo:
-                        continue
-                    self.records.keep(tier)
-                    done += sum(tier.put_blobs([(k, stored[k]) for k in todo], len(todo) * self.block_nbytes,
-                                               tenant=tenant))
-                except Exception:  # the blocks were loaded; only their copy up there is lost
-                    log.exception("copy of %d blocks into the %s tier failed", len(kept), tier.name)
-            return done
-
-        def refused(kept: list[bytes]) -> None:  # the write-behind budget is spent: written now, so a
-            if self.pool.closed:  # restore larger than that budget still warms the tiers above
-                self.metrics.event("saves_dropped", len(kept))
-            else:
-                job(kept)
-
-        self._submit(list(stored), job, refused, replacement=False)
-
     def _queue_copies(self, items: list[tuple[bytes, bytes]], tiers: Sequence[EncodedTier], tenant: bytes) -> None:
         """Queue the write of ``items`` (private copies of their payloads) to ``tiers``."""
         payloads = dict(items)
-        self._submit([k for k, _ in items], lambda kept: self.write_lower([(k, payloads[k]) for k in kept], list(tiers), tenant),
+        self.submit_write([k for k, _ in items], lambda kept: self.write_lower([(k, payloads[k]) for k in kept], list(tiers), tenant),
                      lambda kept: self.metrics.event("saves_dropped", len(kept)), replacement=False)
