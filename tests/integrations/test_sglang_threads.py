@@ -178,3 +178,32 @@ def test_a_clear_while_backups_are_still_being_written_clears_nothing_and_says_s
     finally:
         r.execute_command("CLIENT", "UNPAUSE")
         storage.close()
+
+
+def test_regression_a_backup_larger_than_the_staging_tier_waited_on_a_hung_tier_for_as_long_as_it_hung(tmp_path):
+    # more pages than the host staging tier holds are staged in chunks, each waiting for the
+    # write-behind of the ones before: with the disk tier hung (a stalled network disk, another
+    # process holding LMDB's writer) that wait had no bound, past SGLang's 10 s thread join
+    import threading
+
+    pool = MHAPool("page_first", seed=1)
+    probe = attach(pool, disk=disk(tmp_path))
+    page_bytes = probe.store.block_nbytes
+    probe.close()
+    storage = attach(pool, disk=disk(tmp_path), host={"capacity": 4 * page_bytes}, write_timeout="300ms")
+    backend, hung = storage.store.tier("disk").backend, threading.Event()
+    put_many = backend.put_many
+    backend.put_many = lambda items, **kw: hung.wait(60) and put_many(items, **kw)
+    answers: list = []
+    backup = threading.Thread(target=lambda: answers.append(
+        storage.batch_set_v1(sglang_keys(12), pool.page_indices(0, 12))))
+    try:
+        backup.start()
+        backup.join(SGLANG_JOIN_S - 2)
+        assert not backup.is_alive(), "the backup waited on the hung disk tier"
+        assert answers == [[False] * 12]  # nothing was written: nothing reported stored
+        assert storage.store.metrics.events["saves_no_room"] > 0  # what found no room, counted
+    finally:
+        hung.set()
+        backup.join(30)
+        storage.close()

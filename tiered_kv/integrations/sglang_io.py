@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -91,10 +92,11 @@ def backup(store, keys: Sequence[bytes], pages: Sequence[Any], timeout: float) -
     staging copy where no lower tier is written through)."""
     if not keys:
         return []
-    future = store.save(keys, [p.reshape(store.shape) for p in pages])
+    deadline = time.monotonic() + timeout  # (staging more pages than the host tier holds waits too)
+    future = store.save(keys, [p.reshape(store.shape) for p in pages], wait=timeout)
     if future is not None:
         try:
-            future.result(timeout=timeout)
+            future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             log.warning("tiered-kv SGLang storage: %d pages not written within %.1f s; reported "
                         "to SGLang as not stored", len(keys), timeout)

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 
 import torch
@@ -118,21 +119,24 @@ class Saver:
         return self.write_behind(batch.keys, batch.tenant, batch.counts, leased=dict(zip(batch.keys, batch.slots)))
 
     def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor],
-             tenant: bytes | None = None) -> Future | None:
+             tenant: bytes | None = None, wait: float | None = None) -> Future | None:
         """Copy ``payloads`` (canonical block tensors) into the host tier and write behind.
 
         More blocks than the host tier holds at once are staged in chunks; a chunk waits for
-        the write-behind of earlier ones when their leased slots are all the room there is."""
+        the write-behind of earlier ones when their leased slots are all the room there is, at
+        most ``wait`` seconds over the call (None: as long as they take); what then finds no room
+        is not staged (counted ``saves_no_room``). A hung tier below held such a call for as long
+        as it hung (SGLang's backups: past its thread join)."""
         if len(payloads) != len(keys):  # a block per key, or which block is whose is a guess
             raise ValueError(f"save of {len(keys)} keys with {len(payloads)} blocks")
         index: dict[bytes, int] | None = None  # made when a batch skipped some keys
         chunk = max(1, self.host.num_slots // 2)
         futures: list[Future] = []
+        deadline = None if wait is None else time.monotonic() + wait
         for start in range(0, len(keys), chunk):
             part = list(keys[start : start + chunk])
             if futures and not self.host.can_reserve(len(part)):
-                for f in futures:
-                    f.exception()
+                futures_wait(futures, None if deadline is None else max(0.0, deadline - time.monotonic()))
             batch = self.prepare_save(part, tenant)
             if batch.skipped:
                 index = index or {k: i for i, k in enumerate(keys)}

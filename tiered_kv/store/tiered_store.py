@@ -169,10 +169,11 @@ class TieredStore:
             return None
         return self.saver.commit_save(batch, ok)
 
-    def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor], tenant: bytes | None = None):
+    def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor], tenant: bytes | None = None,
+             wait: float | None = None):
         if self._after_close(len(keys)):
             return None
-        return self.saver.save(keys, payloads, tenant)
+        return self.saver.save(keys, payloads, tenant, wait)
 
     def _after_close(self, n: int) -> bool:
         """Whether the store is closed: a save of ``n`` blocks then is a counted drop
