@@ -3,7 +3,9 @@
 Blocks live in a dict ``key -> [2, num_layers, block_size, H, D]`` tensor that several engines may
 share (a "restart" is a new engine over the same dict). Options make loads async (finished after
 ``load_delay`` polls of ``get_finished``), hold finished requests' blocks until ``save_delay``
-polls later, or corrupt the loads of chosen keys and report their blocks as failed.
+polls later, or corrupt the loads of chosen keys and report their blocks as failed (``early_errors``:
+an async load's failed blocks are reported when it starts, before it is reported loaded).
+``match_extra`` tokens are added to every non-zero match (an unaligned claim the engine must floor).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class _Tracked:
 class MemoryConnector:
     def __init__(self, namespace: Namespace, store: dict | None = None, *, load_async: bool = False,
                  load_delay: int = 2, hold: bool = False, save_delay: int = 2, fail_keys=(),
-                 silent_corruption: bool = False, save: bool = True, cap: bool = False) -> None:
+                 silent_corruption: bool = False, save: bool = True, cap: bool = False,
+                 early_errors: bool = False, match_extra: int = 0) -> None:
         self.namespace = namespace
         self.block_size = namespace.block_size
         self.store: dict[bytes, torch.Tensor] = {} if store is None else store
@@ -36,6 +39,7 @@ class MemoryConnector:
         self.fail_keys = set(fail_keys)
         self.silent_corruption = silent_corruption
         self.save, self.cap = save, cap
+        self.early_errors, self.match_extra = early_errors, match_extra
         self.calls: list[str] = []
         self.scheduler_outputs: list[SchedulerOutput] = []
         self.kv: torch.Tensor | None = None
@@ -61,6 +65,8 @@ class MemoryConnector:
         if self.cap:
             matched = min(matched, (request.num_prompt_tokens - 1) // self.block_size * self.block_size
                           - num_computed_tokens)
+        if matched > 0:
+            matched += self.match_extra
         return max(0, matched), self.load_async and matched > 0
 
     def update_state_after_alloc(self, request: RequestView, block_ids: list[int],
@@ -122,6 +128,8 @@ class MemoryConnector:
         for request_id, blocks in self._meta["loads"].items():
             if self.load_async:
                 self._loading[request_id] = self.load_delay
+                if self.early_errors:
+                    self._errors.update(block_id for key, block_id in blocks if key in self.fail_keys)
             else:
                 self._load(request_id, blocks)
 
@@ -130,7 +138,8 @@ class MemoryConnector:
             if key in self.fail_keys:
                 self.kv[:, :, block_id] = 1e4 * torch.randn_like(self.kv[:, :, block_id])
                 if not self.silent_corruption:
-                    self._errors.add(block_id)
+                    if not (self.load_async and self.early_errors):  # (reported when it started)
+                        self._errors.add(block_id)
                     self._failed_requests.add(request_id)
             else:
                 self.kv[:, :, block_id] = self.store[key]

@@ -68,8 +68,18 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert seen == {0, 1}
 
 
-@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0),
-                                 dict(top_k=-2), dict(seed="x")])
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1.0), dict(temperature=float("nan")),
+                                 dict(temperature=float("inf")), dict(top_p=0.0), dict(top_k=-2), dict(seed="x")])
 def test_invalid_sampling_params_raise_config_error(bad):
     with pytest.raises(ConfigError):
         SamplingParams(**bad)
+
+
+def test_regression_a_tiny_temperature_made_the_sampler_raise_into_the_engine():
+    """Logits divided by 1e-40 overflowed to inf, softmax gave nan, and torch.multinomial
+    raised in the middle of a step; a tiny temperature now samples the most likely token."""
+    sampler = Sampler()
+    logits = torch.tensor([[2.0, 5.0, -1.0, 4.9]])
+    for seed in range(20):
+        sampler.add_request("r", seed)
+        assert sampler.sample(logits, ["r"], [SamplingParams(temperature=1e-40, seed=seed)]) == [1]

@@ -37,7 +37,8 @@ class Sampler:
 
     @staticmethod
     def _draw(row: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-        scores = row / params.temperature
+        scores = (row - row.max()) / params.temperature  # (the best is 0: a tiny temperature makes
+        # the others -inf, never inf - inf = nan, which torch.multinomial refused with an error)
         if 0 < params.top_k < scores.numel():
             kth = torch.topk(scores, params.top_k).values[-1]
             scores = scores.masked_fill(scores < kth, float("-inf"))
