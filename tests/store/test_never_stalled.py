@@ -8,7 +8,9 @@ import statistics
 import threading
 import time
 
-from tests.store.helpers import NS, keys_for, make_store, payloads
+import torch
+
+from tests.store.helpers import NS, keys_for, load_staged, make_store, payloads
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.store.lower_index import LowerTierIndex
 from tiered_kv.store.transfer import TransferPool
@@ -46,6 +48,22 @@ def test_loads_waiting_for_budget_fail_cleanly_when_the_pool_closes():
     threading.Timer(0.1, gate.set).start()
     pool.close()
     assert isinstance(waiting.exception(5), RuntimeError)
+
+
+
+def test_a_load_queued_while_every_worker_runs_a_save_runs_beside_them_and_saves_stay_on_the_workers():
+    pool = TransferPool(workers=1, max_save_bytes=1 << 20, max_load_bytes=1 << 20)
+    stuck, running = threading.Event(), threading.Event()
+    first = pool.try_submit_save(10, lambda: running.set() or stuck.wait(30))
+    assert running.wait(10)  # the only worker is held by a save
+    second = pool.try_submit_save(10, lambda: "second save")
+    loads = [pool.submit_load(10, lambda i=i: f"load {i}") for i in range(3)]
+    assert [f.result(10) for f in loads] == ["load 0", "load 1", "load 2"]
+    assert not second.done(), "a save ran off the workers"
+    stuck.set()
+    assert first.result(10) is True and second.result(10) == "second save"
+    assert pool.drain(10) and pool.queued_bytes() == {"save": 0, "load": 0}
+    pool.close()
 
 
 def _lookup_ms(fn, keys, n: int = 20) -> list[float]:
@@ -216,3 +234,36 @@ def test_regression_a_layer_wise_load_waited_until_the_step_ended_on_another_pla
         assert second.progress is not None and second.progress.over == [True]
         assert store.metrics.tiers["host"].misses["no_room"] == 0
         assert not store.host.reserved(keys[1]), "the failed reservation ended with its plan"
+
+
+def test_regression_a_load_through_the_host_slots_waited_behind_saves_stuck_on_a_hung_disk(tmp_path):
+    """Write-behind jobs stuck on a hung tier (a stalled network disk, another process holding
+    LMDB's writer lock) held every worker; an engine's load through the host slots (a pool job)
+    waited behind them for as long as the tier hung, and a synchronous load's forward pass with it."""
+    stored = keys_for(4)
+    with make_store(tmp_path, host="64MiB") as earlier:  # blocks on disk from an earlier run
+        earlier.save(stored, payloads(earlier, 4)).result(30)
+    with make_store(tmp_path, host="64MiB", workers=2) as store:
+        disk, hung, inside = store.tier("disk").backend, threading.Event(), threading.Semaphore(0)
+        put_many = disk.put_many
+
+        def stuck(items, **kwargs):
+            inside.release()
+            hung.wait(60)
+            return put_many(items, **kwargs)
+
+        disk.put_many = stuck
+        try:
+            store.save(keys_for(2, first_token=7_000), payloads(store, 2))
+            store.save(keys_for(2, first_token=9_000), payloads(store, 2))
+            assert inside.acquire(timeout=30) and inside.acquire(timeout=30)  # both workers are stuck
+            loaded: list = []
+            engine = threading.Thread(target=lambda: loaded.append(load_staged(store, stored)))
+            engine.start()
+            engine.join(10)
+            assert not engine.is_alive(), "the load waited behind the saves stuck on the hung disk"
+            ok, outs = loaded[0]
+            assert ok == [True] * 4
+            assert all(torch.equal(o, p) for o, p in zip(outs, payloads(store, 4)))
+        finally:
+            hung.set()

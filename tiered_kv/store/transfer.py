@@ -7,6 +7,12 @@ drop. Loads have a byte budget too, but are never dropped and never make the sub
 (``start_load_kv`` runs on the forward pass): a load over the budget is queued, in order, and
 started as earlier loads finish. A job cancelled before it started (``Future.cancel``) gives its
 bytes back at once, wherever it waits, and never runs.
+
+A load queued while every worker runs a save gets a thread of its own (a *stand-in*, at most
+``workers`` of them at once), which runs queued loads and ends when none is left: a save stuck
+on a hung tier (a stalled network disk, another process holding LMDB's writer lock) held every
+worker, and an engine's load through the host slots waited behind it as long as it hung (the
+forward pass with it, for a synchronous load). Saves stay on the workers.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ class TransferPool:
         self._seq = itertools.count()
         self._closed = False
         self._waiting_loads: deque[tuple[int, Callable[[], Any], Future]] = deque()  # over budget
+        self._saving = 0  # workers running a save now
+        self._stand_ins = 0  # threads running loads beside workers all busy with saves
         self._threads = [threading.Thread(target=self._run, name=f"tiered-kv-{i}", daemon=True)
                          for i in range(workers)]
         for t in self._threads:
@@ -80,6 +88,9 @@ class TransferPool:
             else:
                 self.inflight[LOAD] += nbytes
                 self._queue.put((LOAD, next(self._seq), fn, fut, nbytes))
+                if self._saving >= len(self._threads) and self._stand_ins < len(self._threads):
+                    self._stand_ins += 1
+                    threading.Thread(target=self._stand_in, name="tiered-kv-load", daemon=True).start()
         return fut
 
     def _load_fits(self, nbytes: int) -> bool:
@@ -125,23 +136,48 @@ class TransferPool:
 
     def _run(self) -> None:
         while True:
-            kind, _, fn, fut, nbytes = self._queue.get()
-            if fn is None:
+            job = self._queue.get()
+            if job[2] is None:
                 return
-            if not fut.set_running_or_notify_cancel():
-                continue  # cancelled before it started: _cancelled gave its bytes back
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:  # reported through the future
-                log.debug("transfer job failed: %r", exc)
-                fut.set_exception(exc)
-            finally:
-                with self._cond:
-                    self.inflight[kind] -= nbytes
-                    self.jobs -= 1
-                    if kind == LOAD:
-                        self._admit_waiting_loads()
-                    self._cond.notify_all()
+            self._execute(job)
+
+    def _stand_in(self) -> None:
+        """Run queued loads until the next job is none (a save or a stop stays for the workers)."""
+        try:
+            while True:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+                if job[0] != LOAD:
+                    self._queue.put(job)  # (its place in line is its sequence number)
+                    return
+                self._execute(job)
+        finally:
+            with self._cond:
+                self._stand_ins -= 1
+
+    def _execute(self, job: tuple) -> None:
+        kind, _, fn, fut, nbytes = job
+        if not fut.set_running_or_notify_cancel():
+            return  # cancelled before it started: _cancelled gave its bytes back
+        saving = kind == SAVE  # (only workers run saves)
+        if saving:
+            with self._cond:
+                self._saving += 1
+        try:
+            fut.set_result(fn())
+        except BaseException as exc:  # reported through the future
+            log.debug("transfer job failed: %r", exc)
+            fut.set_exception(exc)
+        finally:
+            with self._cond:
+                self.inflight[kind] -= nbytes
+                self.jobs -= 1
+                self._saving -= saving
+                if kind == LOAD:
+                    self._admit_waiting_loads()
+                self._cond.notify_all()
 
     def queued_bytes(self) -> dict[str, int]:
         with self._cond:
