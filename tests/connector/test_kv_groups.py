@@ -281,3 +281,29 @@ def test_regression_every_load_of_fp8_latents_kept_in_bytes_failed_on_cpu(tmp_pa
     for layer in range(3):
         assert torch.equal(b[0][layer][9:15], a[0][layer][1:7])
     conn.close()
+
+
+# a hybrid of chunked-local attention and recurrent state: a hit ending on a chunk edge keeps no
+# token block (vLLM nulls every block before the current chunk), so its load is the state entry alone
+CHUNKED = KVGroup("chunked", 2, (2, H, D), "float32", BS, window=2 * BS)
+STATE = KVGroup("state", 2, (40,), "float32", 64)
+
+
+def test_regression_a_hybrid_hit_with_no_token_block_to_load_never_loaded_its_state(tmp_path):
+    """The state was scattered only beside a loaded block: the load was reported complete and
+    the engine resumed from a state slot holding nothing of the prefix."""
+    ns = namespace(CHUNKED, STATE)
+    a = [tensors(CHUNKED, 4), tensors(STATE, 5)]
+    fill_store(tmp_path, ns, a, [list(range(1, 8)), [9]], [2 * BS, 2 * BS, len(PROMPT) - 4 * BS])
+    b = [[torch.zeros_like(t) for t in a[0]], [torch.zeros_like(t) for t in a[1]]]
+    conn = connector(tmp_path, ns)
+    conn.worker.register_kv_caches(b)
+    n, _ = conn.get_num_new_matched_tokens(request("b"), 0)
+    assert n == 4 * BS  # a chunk edge: every block before it is the engine's null block
+    ids_b = [[-1, -1, -1, -1, 20, 21, 22], [3]]
+    conn.update_state_after_alloc(request("b"), ids_b, n)
+    run_step(conn, "b", ids_b, 0, len(PROMPT) - n)
+    assert conn.get_block_ids_with_load_errors() == set()
+    for layer in range(2):
+        assert torch.equal(b[1][layer][3], a[1][layer][9])  # the state at the end of block 4
+    conn.close()

@@ -172,7 +172,7 @@ class ConnectorWorker:
         try:
             if good and layered is None:
                 self._scatter([b for b, _ in good], [s for _, s in good])
-            if spec.state_key and good:
+            if state_slot is not None and not bad:  # (a hit may keep no token block: a chunk edge)
                 self._scatter([spec.state_ids], [state_slot], state=True)
         except Exception:  # a copy that failed leaves nothing trustworthy in those blocks
             log.exception("request %s: scattering loaded blocks failed", spec.request_id)
