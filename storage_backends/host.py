@@ -331,8 +331,8 @@ class HostBackend(Backend):
         for key, _ in plan.victims:
             entry = self._entries[key]
             if self.on_evict is not None:
-                evicted.append((key, bytes(self._np[entry.slot, : entry.length]), entry.tenant))
-                self._evicting.taken(key)
+                evicted.append((key, bytes(self._np[entry.slot, : entry.length]), entry.tenant,
+                                self._evicting.taken(key)))
             gone.append(key)
             self._drop(key, entry)
         return self._free.pop(), len(plan.quota)

@@ -4,6 +4,8 @@ one being filled or leased), and the eviction hook learns whose entry it sees.""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from storage_backends.host import HostBackend
@@ -120,3 +122,35 @@ def test_regression_a_reservation_that_raised_after_evicting_left_its_victim_pen
     h.put_many([(b"e", b"4")])
     h.put_many([(b"f", b"5")])
     assert seen[-1] == (b"a", b"3", False)
+
+
+def test_a_copy_stored_after_a_withdrawal_and_evicted_is_not_read_as_withdrawn_while_an_earlier_eviction_is_pending():
+    # "k" evicted (bytes "1", its hook held up on another thread), stored again, withdrawn,
+    # recomputed ("3") and evicted again: the withdrawal was remembered per key until every
+    # pending eviction of it ended, so "3" (stored after the withdrawal, good) read as withdrawn
+    # too and the store's on_evict write dropped it: written nowhere, a silent loss
+    seen, entered, gate = [], threading.Event(), threading.Event()
+    h = None
+
+    def hook(key, value, tenant):
+        if bytes(value[:1]) == b"1":
+            entered.set()
+            assert gate.wait(30)
+        seen.append((key, bytes(value[:1]), h.withdrawn_in_eviction([key, b"other"])))
+
+    h = HostBackend(capacity=2 * SLOT, slot_bytes=SLOT, pinned=False, on_evict=hook)
+    h.put_many([(b"k", b"1")])
+    h.put_many([(b"z", b"z")])
+    slow = threading.Thread(target=h.put_many, args=([(b"x", b"x")],))  # evicts "k": bytes "1"
+    slow.start()
+    assert entered.wait(30)
+    h.put_many([(b"k", b"2")])  # evicts "z"
+    h.retire_many([b"k"])  # "1" and "2" may be wrong
+    assert h.withdrawn_in_eviction([b"k"]) == [True]  # ("1" is still on its way)
+    h.put_many([(b"k", b"3")])  # recomputed
+    h.put_many([(b"y", b"y")])  # evicts "k": bytes "3" ("x" is still being filled)
+    gate.set()
+    slow.join()
+    assert (b"k", b"3", [False, False]) in seen, "a good evicted copy read as withdrawn"
+    assert (b"k", b"1", [True, False]) in seen, "the withdrawn copy's own hook must still learn of it"
+    assert h.withdrawn_in_eviction([b"k"]) == [False]
