@@ -7,10 +7,12 @@ from __future__ import annotations
 import urllib.request
 from dataclasses import replace
 
+import pytest
 import torch
 
 from tests.store.helpers import NS, keys_for, load, make_store, payloads
 from tiered_kv.config import TieredKVConfig
+from tiered_kv.errors import ConfigError
 from tiered_kv.keys import tenant_label
 from tiered_kv.store import TieredStore
 
@@ -73,6 +75,15 @@ def test_a_tenant_over_its_host_quota_keeps_the_other_tenants_host_blocks(tmp_pa
         assert store.host.contains_many(b_keys) == [True] * 3
         assert store.host.contains_many(a_keys) == [False] * 4 + [True] * 4
         assert store.host.tenant_usage() == {A: 4 * BLOCK, B: 3 * BLOCK}
+
+
+
+def test_regression_a_host_tenant_quota_under_one_block_silently_cached_no_tenants_blocks():
+    """Every labelled tenant's save found no room (counted, nothing said): the setting turned
+    caching off for them. It is refused where the block size is known."""
+    config = TieredKVConfig.from_dict({"host": {"capacity": "1MiB", "tenant_quota": BLOCK // 2}})
+    with pytest.raises(ConfigError, match="host.tenant_quota 8.0 KiB holds no block"):
+        TieredStore(config, NS)
 
 
 def test_blocks_of_a_namespace_with_a_cache_salt_are_that_tenants(tmp_path):

@@ -77,9 +77,9 @@ class TieredStore:
         self.config = config
         self.namespace = namespace
         block_nbytes = itemsize(namespace.dtype) * prod(namespace.block_shape)
-        if config.host.capacity < block_nbytes:
-            raise ConfigError(f"host.capacity {format_size(config.host.capacity)} holds no block of "
-                              f"{format_size(block_nbytes)}")
+        for field, size in (("capacity", config.host.capacity), ("tenant_quota", config.host.tenant_quota)):
+            if size is not None and size < block_nbytes:  # (a quota under it: no tenant's block was kept)
+                raise ConfigError(f"host.{field} {format_size(size)} holds no block of {format_size(block_nbytes)}")
         self.metrics = StoreMetrics()
         self.pool = TransferPool(config.workers, config.max_inflight_save, config.max_inflight_load)
         # a part that fails to start stops those started before it (a host slab refused left the
