@@ -220,7 +220,7 @@ class Saver:
         """Queue the write of the host slots ``pinned`` to ``targets``; None when dropped."""
         keys = [k for k, _ in pinned]
         return self.submit_write(keys, lambda kept: self._write_job(pinned, targets, tenant),
-                            lambda kept: self._drop_write(keys), replacement=True)
+                                 lambda kept: self._drop_write(keys), replacement=True)
 
     def submit_write(self, keys: list[bytes], job, dropped, *, replacement: bool) -> Future | None:
         """Queue the write ``job(kept)`` of the ``kept`` of ``keys`` the withdrawals leave
@@ -322,5 +322,6 @@ class Saver:
     def _queue_copies(self, items: list[tuple[bytes, bytes]], tiers: Sequence[EncodedTier], tenant: bytes) -> None:
         """Queue the write of ``items`` (private copies of their payloads) to ``tiers``."""
         payloads = dict(items)
-        self.submit_write([k for k, _ in items], lambda kept: self.write_lower([(k, payloads[k]) for k in kept], list(tiers), tenant),
-                     lambda kept: self.metrics.event("saves_dropped", len(kept)), replacement=False)
+        self.submit_write([k for k, _ in items],
+                          lambda kept: self.write_lower([(k, payloads[k]) for k in kept], list(tiers), tenant),
+                          lambda kept: self.metrics.event("saves_dropped", len(kept)), replacement=False)
