@@ -78,3 +78,18 @@ def test_regression_a_block_this_replica_cannot_open_left_its_ciphertext_in_the_
         assert ok == [False] * N and store.metrics.misses(reason) == N
         assert not any(o.any() for o in outs), "no byte of a block it cannot open"
         assert store.present(keys) == [True] * N  # left for the replicas holding the key
+
+
+def test_a_sealed_block_gone_before_it_is_read_whole_leaves_no_ciphertext_in_the_callers_buffer(
+        tmp_path, monkeypatch):
+    """A replica without the secret has a sealed block read in two pieces (its tail straight
+    into the caller's buffer), finds it sealed and asks for it whole; a block gone by then (its
+    segment no longer holds it: evicted, deleted meanwhile) was an absent miss that left its
+    ciphertext in the caller's buffer."""
+    keys, _ = sealed_store(tmp_path)
+    with make_store(tmp_path, ns=BIG, host="4MiB", disk=RAW) as store:
+        values = store.tier("disk").backend.values
+        monkeypatch.setattr(values, "read", lambda place, slot=0: None)  # gone since its split read
+        ok, outs = load(store, keys)
+        assert ok == [False] * N and store.metrics.misses("absent") == N
+        assert not any(o.any() for o in outs), "no byte of a block that was not read whole"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -19,6 +20,8 @@ NS64 = Namespace(model_id="test-llama", dtype="bfloat16", num_layers=16, num_kv_
                  head_dim=32, block_size=16)  # 64 KiB blocks: one frame
 NS256 = Namespace(model_id="test-llama", dtype="bfloat16", num_layers=64, num_kv_heads=2,
                   head_dim=32, block_size=16)  # 256 KiB blocks: four layer groups, a segment table
+TINY = Namespace(model_id="test-llama", dtype="bfloat16", num_layers=2, num_kv_heads=2,
+                 head_dim=16, block_size=16)  # 4 KiB blocks
 
 
 def disk_store(tmp_path, ns: Namespace):
@@ -118,3 +121,26 @@ def test_a_block_whose_segment_file_is_gone_or_cut_short_is_a_miss_but_no_corrup
         assert ok == [p.segment != segment or (damage == "truncated" and p != last) for p in places]
         assert all(torch.equal(o, d) for o, d, good in zip(outs, data, ok) if good)
         assert store.metrics.misses("corrupt") == 0, "nothing failed a check: the medium did not have it"
+
+
+def test_a_compressed_block_a_few_bytes_longer_than_its_payload_loads_and_is_not_removed_as_corrupt(tmp_path):
+    """A value in a segment file is read split when it is 1 B..64 KiB longer than the caller's
+    block: a zstd block whose compressing saved fewer bytes than its header takes was split
+    with a head shorter than a header, refused as a "truncated header": a good block a corrupt
+    miss, and removed from its tier. Such a block is read whole."""
+    disk = {"codec": "zstd+shuffle", "options": {"segment_min": "1KiB"}}  # every block in a segment
+    with make_store(tmp_path, ns=TINY, disk=disk) as store:
+        keys = keys_for(3, TINY)
+        words = np.random.default_rng(5).integers(0, 1 << 16, (3, 2048), dtype=np.uint16)
+        words[:, :80] &= 0x00FF  # a high byte plane just compressible enough to be stored compressed
+        data = [torch.from_numpy(w.copy()).view(torch.bfloat16).reshape(store.shape) for w in words]
+        store.save(keys, data)
+        store.flush()
+        store.host.delete_many(keys)
+        heads = head_lengths(store, keys)
+        assert all(h is not None and 0 < h < HEADER_BYTES for h in heads), f"(the scenario) {heads}"
+        outs = [torch.full(store.shape, 3.0, dtype=store.dtype) for _ in keys]
+        assert store.load_into(keys, outs) == [True] * 3
+        assert all(torch.equal(o.view(torch.int16), d.view(torch.int16)) for o, d in zip(outs, data))  # (NaNs)
+        assert store.metrics.misses("corrupt") == 0
+        assert store.tier("disk").contains(keys) == [True] * 3, "a good block was removed as corrupt"

@@ -60,8 +60,10 @@ def check_split(head, out, *, namespace: bytes, key: bytes, expect: BlockLayout 
     laid out that way (compressed, sealed): the caller decodes the whole block instead.
     CorruptBlock when a check fails; ``out`` is then cleared."""
     head, dst = memoryview(head).cast("B"), memoryview(out).cast("B")
+    if len(head) < HEADER_BYTES:  # a compressed or sealed block a few bytes longer than its payload
+        return False  # (its header runs into ``out``): not head + payload, judged whole
     memo = None
-    if sealing is None and type(namespace) is bytes and len(head) >= HEADER_BYTES:  # (a memo key must hash)
+    if sealing is None and type(namespace) is bytes:  # (a memo key must hash)
         own = OWN.unpack_from(head, FIXED_BYTES)
         memo = (bytes(head[:FIXED_BYTES]), own[1], own[2], len(head), namespace, id(expect))
         layout = _known.get(memo)

@@ -181,7 +181,11 @@ class EncodedTier:
         full = [self.ns + k for k in keys]
         if sealing is not None:  # only sealed blocks are read, and none splits: each read whole, once
             return read.run(lambda: self.backend.visit_many(full, lambda i, blob: decode(i, None, blob)))
-        return read.run(lambda: self.backend.visit_split(full, outs, decode))
+        reasons, blobs = read.run(lambda: self.backend.visit_split(full, outs, decode))
+        for i in spilled:  # read split, then never whole (gone since, the medium failed): no tail left
+            if reasons[i] is not None:
+                clear(memoryview(outs[i]).cast("B"))
+        return reasons, blobs
 
     def read_layered(self, keys: Sequence[bytes], outs: Sequence[object],
                      on_ready: Callable[[list[int], int], None],
