@@ -66,6 +66,79 @@ def test_a_load_queued_while_every_worker_runs_a_save_runs_beside_them_and_saves
     pool.close()
 
 
+
+def test_regression_a_load_queued_as_the_stand_in_ended_waited_behind_the_hung_save():
+    """The stand-in found no load left and ended a moment later: a load queued in between saw
+    it still running, started none, and waited behind the hung save. Ending is now decided under
+    the lock that queueing a load takes."""
+    import queue
+
+    pool = TransferPool(workers=1, max_save_bytes=1 << 20, max_load_bytes=1 << 20)
+    stuck, running = threading.Event(), threading.Event()
+    pool.try_submit_save(10, lambda: running.set() or stuck.wait(30))
+    assert running.wait(10)
+    real, in_gap, go = pool._queue, threading.Event(), threading.Event()
+
+    class Paused:  # the stand-in pauses once, right after it found the queue empty
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def get_nowait(self):
+            try:
+                return real.get_nowait()
+            except queue.Empty:
+                if threading.current_thread().name == "tiered-kv-load" and not in_gap.is_set():
+                    in_gap.set()
+                    go.wait(10)
+                raise
+
+    pool._queue = Paused()
+    try:
+        assert pool.submit_load(10, lambda: "a").result(10) == "a"
+        assert in_gap.wait(10)  # no load left: the stand-in is about to end
+        second: dict = {}
+        engine = threading.Thread(target=lambda: second.update(b=pool.submit_load(10, lambda: "b")))
+        engine.start()
+        go.set()
+        engine.join(10)
+        assert second["b"].result(10) == "b"  # while the save still hangs
+    finally:
+        stuck.set()
+        pool.close()
+
+
+
+def test_regression_a_load_queued_as_a_worker_took_a_hung_save_got_no_stand_in():
+    """A worker took a save off the queue and counted itself saving only later: a load queued in
+    between saw a free worker, got no stand-in, and waited behind the save once it hung."""
+    pool = TransferPool(workers=1, max_save_bytes=1 << 20, max_load_bytes=1 << 20)
+    real, taken, go, stuck = pool._queue, threading.Event(), threading.Event(), threading.Event()
+
+    class Paused:  # the worker pauses once, right after it took a save
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def get(self, *args, **kwargs):
+            job = real.get(*args, **kwargs)
+            if job[0] == 1 and not taken.is_set():  # (SAVE)
+                taken.set()
+                go.wait(10)
+            return job
+
+    pool._queue = Paused()
+    pool.submit_load(10, lambda: None).result(10)  # the worker waits in the wrapped get now
+    try:
+        pool.try_submit_save(10, lambda: stuck.wait(30))
+        assert taken.wait(10)
+        load = pool.submit_load(10, lambda: "load")  # the worker is not counted saving yet
+        go.set()
+        assert load.result(10) == "load"  # while the save hangs
+    finally:
+        go.set()
+        stuck.set()
+        pool.close()
+
+
 def _lookup_ms(fn, keys, n: int = 20) -> list[float]:
     out = []
     for _ in range(n):

@@ -44,7 +44,8 @@ class TransferPool:
         self._closed = False
         self._waiting_loads: deque[tuple[int, Callable[[], Any], Future]] = deque()  # over budget
         self._saving = 0  # workers running a save now
-        self._stand_ins = 0  # threads running loads beside workers all busy with saves
+        self._queued_loads = 0  # loads in the queue (not yet taken by a thread)
+        self._stand_ins: set[threading.Thread] = set()  # threads running loads beside workers all saving
         self._threads = [threading.Thread(target=self._run, name=f"tiered-kv-{i}", daemon=True)
                          for i in range(workers)]
         for t in self._threads:
@@ -87,10 +88,9 @@ class TransferPool:
                 self._waiting_loads.append((nbytes, fn, fut))
             else:
                 self.inflight[LOAD] += nbytes
-                self._queue.put((LOAD, next(self._seq), fn, fut, nbytes))
-                if self._saving >= len(self._threads) and self._stand_ins < len(self._threads):
-                    self._stand_ins += 1
-                    threading.Thread(target=self._stand_in, name="tiered-kv-load", daemon=True).start()
+                self._queue_load((LOAD, next(self._seq), fn, fut, nbytes))
+            stand_in = self._stand_in_wanted()
+        self._start(stand_in)
         return fut
 
     def _load_fits(self, nbytes: int) -> bool:
@@ -102,7 +102,29 @@ class TransferPool:
         while self._waiting_loads and self._load_fits(self._waiting_loads[0][0]):
             nbytes, fn, fut = self._waiting_loads.popleft()
             self.inflight[LOAD] += nbytes
-            self._queue.put((LOAD, next(self._seq), fn, fut, nbytes))
+            self._queue_load((LOAD, next(self._seq), fn, fut, nbytes))
+
+    def _queue_load(self, job: tuple) -> None:
+        """(holding _cond) queue a load."""
+        self._queued_loads += 1
+        self._queue.put(job)
+
+    def _stand_in_wanted(self) -> threading.Thread | None:
+        """(holding _cond) a stand-in to start (after releasing the lock) when loads are queued
+        and every worker runs a save; every such moment asks (a load queued, a worker taking a
+        save, a waiting load admitted), so none is left behind a hung save."""
+        if not self._queued_loads or self._saving < len(self._threads) or self._closed:
+            return None
+        if len(self._stand_ins) >= len(self._threads):
+            return None
+        thread = threading.Thread(target=self._stand_in, name="tiered-kv-load", daemon=True)
+        self._stand_ins.add(thread)
+        return thread
+
+    @staticmethod
+    def _start(thread: threading.Thread | None) -> None:
+        if thread is not None:
+            thread.start()
 
     def _put(self, kind: int, nbytes: int, fn: Callable[[], Any]) -> Future:
         """Queue a job accepted while holding ``_cond``, in the same section as the check that
@@ -132,39 +154,47 @@ class TransferPool:
             self.jobs -= 1
             if kind == LOAD:
                 self._admit_waiting_loads()
+            stand_in = self._stand_in_wanted()
             self._cond.notify_all()
+        self._start(stand_in)
 
     def _run(self) -> None:
         while True:
             job = self._queue.get()
             if job[2] is None:
                 return
-            self._execute(job)
+            with self._cond:
+                self._queued_loads -= job[0] == LOAD
+                running = job[3].set_running_or_notify_cancel()
+                self._saving += running and job[0] == SAVE
+                stand_in = self._stand_in_wanted()  # (this save may be the one that hangs)
+            self._start(stand_in)
+            if running:  # (else cancelled before it started: _cancelled gave its bytes back)
+                self._execute(job)
 
     def _stand_in(self) -> None:
-        """Run queued loads until the next job is none (a save or a stop stays for the workers)."""
-        try:
-            while True:
+        """Run queued loads until the next job is none (a save or a stop stays for the workers);
+        the decision to end is taken with the lock that queueing a load holds."""
+        while True:
+            with self._cond:
                 try:
                     job = self._queue.get_nowait()
                 except queue.Empty:
-                    return
-                if job[0] != LOAD:
+                    job = None
+                if job is not None and job[0] != LOAD:
                     self._queue.put(job)  # (its place in line is its sequence number)
+                    job = None
+                if job is None:
+                    self._stand_ins.discard(threading.current_thread())
                     return
+                self._queued_loads -= 1
+                running = job[3].set_running_or_notify_cancel()
+            if running:
                 self._execute(job)
-        finally:
-            with self._cond:
-                self._stand_ins -= 1
 
     def _execute(self, job: tuple) -> None:
+        """Run a started job (its future set running) and account for its end."""
         kind, _, fn, fut, nbytes = job
-        if not fut.set_running_or_notify_cancel():
-            return  # cancelled before it started: _cancelled gave its bytes back
-        saving = kind == SAVE  # (only workers run saves)
-        if saving:
-            with self._cond:
-                self._saving += 1
         try:
             fut.set_result(fn())
         except BaseException as exc:  # reported through the future
@@ -174,7 +204,7 @@ class TransferPool:
             with self._cond:
                 self.inflight[kind] -= nbytes
                 self.jobs -= 1
-                self._saving -= saving
+                self._saving -= kind == SAVE  # (only workers run saves)
                 if kind == LOAD:
                     self._admit_waiting_loads()
                 self._cond.notify_all()
@@ -204,4 +234,8 @@ class TransferPool:
         for _ in self._threads:
             self._queue.put((2, next(self._seq), None, None, 0))
         for t in self._threads:
+            t.join()
+        with self._cond:
+            stand_ins = list(self._stand_ins)  # (each ends at the stop signals, or the queue's end)
+        for t in stand_ins:
             t.join()
