@@ -332,6 +332,16 @@ def test_regression_a_host_pool_without_kv_of_its_own_crashed_the_attach_with_a_
         storage.register_mem_pool_host(pool)
 
 
+
+def test_a_pipeline_stage_whose_pool_does_not_name_its_first_layer_is_refused(tmp_path):
+    # without start_layer two servers splitting the layers otherwise would name one stage alike
+    pool = MHAPool("page_first", layer_num=11, seed=1)
+    del pool.start_layer
+    storage = TieredKVHiCacheStorage(StorageConfig(extra_config={}, pp_rank=1, pp_size=3), {})
+    with pytest.raises(ConfigError, match="start_layer"):
+        storage.register_mem_pool_host(pool)
+
+
 def test_the_cli_shows_and_verifies_sglang_pages_offline(tmp_path):
     from tests.cli.conftest import cli
 

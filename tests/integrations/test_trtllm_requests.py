@@ -133,3 +133,23 @@ def test_regression_a_beam_search_request_saved_its_generated_blocks_under_beam_
     assert stored == 1 + 6 + 8  # one beam: the prompt's 6 blocks and 2 of generated tokens
     _, match, _, _ = _serve(llm_args, 3, searched, max_new_tokens=9, sampling_config=beams)
     assert match[0] == 20  # its prompt is found (but for the block of its last token)
+
+
+def test_a_beam_search_request_scheduled_anew_with_its_generated_tokens_still_saves_its_prompt_only(llm_args):
+    """A request TensorRT-LLM reports as new again (all its tokens in ``new_tokens``, generated
+    ones too) keys and saves no block past its prompt when it searches several beams."""
+    from tests.integrations.trtllm_executor import BS, RequestData, SchedulerOutput
+
+    sched = TieredKVScheduler(llm_args)
+    try:
+        tokens = prompt(24, 7)
+        req = LlmRequest(1, tokens, len(tokens), 9)
+        req.sampling_config = SimpleNamespace(beam_width=2, beam_width_array=None)
+        assert sched.get_num_new_matched_tokens(req, 0) == (0, False)
+        sched.update_state_after_alloc(req, list(range(8)))
+        generated = prompt(8, 8)  # two more blocks' worth, as if resumed after generating them
+        step = RequestData(1, tokens + generated, list(range(8)), 0, len(tokens) + len(generated))
+        meta = sched.build_connector_meta(SchedulerOutput(new_requests=[step]))
+        assert sum(len(s.keys) for s in meta.saves) == len(tokens) // BS  # the prompt's 6 blocks
+    finally:
+        sched.close()

@@ -131,7 +131,10 @@ def page_namespace(geometry: PageGeometry, storage_config: Any, *, model_id: str
     mla = g.kind == "mla"
     shard = [f"pp={_int(storage_config, 'pp_rank', 0)}/{_int(storage_config, 'pp_size', 1)}"]
     if _int(storage_config, "pp_size", 1) > 1:  # a stage's layers follow the partition, not the rank
-        shard[0] += f",first_layer={g.first_layer}"  # (SGLANG_PP_LAYER_PARTITION, SGLang's default)
+        if g.first_layer is None:  # (SGLANG_PP_LAYER_PARTITION, SGLang's default split)
+            raise ConfigError("SGLang's host pool does not say which model layer this pipeline stage "
+                              "starts at (start_layer): its pages cannot be told from another split's")
+        shard[0] += f",first_layer={g.first_layer}"
     if _int(storage_config, "attn_cp_size", 1) > 1:
         shard.append(f"attn_cp={storage_config.attn_cp_rank}/{storage_config.attn_cp_size}")
     if _int(storage_config, "dcp_size", 1) > 1:

@@ -123,7 +123,7 @@ class TieredKVScheduler(_SchedulerBase):
         self._verified: dict[Any, tuple[int, int, Any]] = {}  # request -> (device, external, plan)
         self._device_prefix: dict[Any, int] = {}  # request -> device prefix at allocation
         self._unkeyed: set = set()  # live requests the keys cannot name (never loaded or saved)
-        self._beamed: set = set()  # live requests with several beams (only their prompt is saved)
+        self._beamed: dict = {}  # live requests with several beams -> prompt length (only it is saved)
         log.info("tiered-kv TensorRT-LLM scheduler: %s, block %d tokens, %s loads",
                  self.namespace.model_id, self.namespace.block_size,
                  "async" if self.settings.load_async else "sync")
@@ -176,7 +176,7 @@ class TieredKVScheduler(_SchedulerBase):
         if view is None:
             return
         if beams(request) > 1:
-            self._beamed.add(view.request_id)
+            self._beamed[view.request_id] = view.num_prompt_tokens
         device, external, plan = self._verified.pop(view.request_id, (0, 0, None))
         self._device_prefix[view.request_id] = device
         # the core leases the promised blocks (now host-resident) before our read plan lets go
@@ -190,7 +190,7 @@ class TieredKVScheduler(_SchedulerBase):
             if groups is not None and len(groups) > 1:
                 one_group(groups, rd.request_id, "build_connector_meta")
             pages(rd.new_block_ids, rd.request_id, "build_connector_meta")
-        new = [RequestStep(rd.request_id, rd.new_tokens, rd.new_block_ids,
+        new = [RequestStep(rd.request_id, list(rd.new_tokens)[: self._beamed.get(rd.request_id)], rd.new_block_ids,
                      self._device_prefix.pop(rd.request_id, rd.computed_position),
                      rd.num_scheduled_tokens) for rd in scheduler_output.new_requests
                if rd.request_id not in self._unkeyed]
@@ -205,7 +205,7 @@ class TieredKVScheduler(_SchedulerBase):
         self._drop_verified(request.request_id)
         self._device_prefix.pop(request.request_id, None)
         self._unkeyed.discard(request.request_id)
-        self._beamed.discard(request.request_id)
+        self._beamed.pop(request.request_id, None)
         pages(cache_block_ids, request.request_id, "request_finished")
         return self.core.request_finished(request, list(cache_block_ids))
 
