@@ -336,3 +336,19 @@ def test_regression_a_segment_cut_short_between_layer_passes_killed_the_engine_w
     assert reasons == ["unreadable" if gone else None for gone in lost]
     assert passes == NS.num_layers and kept == [keep_blobs and not gone for gone in lost]
     assert right == [not gone for gone in lost]
+
+
+def test_a_wait_for_a_layer_past_the_namespaces_loads_every_layer_and_fails_no_block(tmp_path):
+    # an adapter counting layers from 1 (or waiting once with the layer count) asks for layer
+    # num_layers: the copy ran past the blocks' end and failed every block of every layer-wise
+    # load, step after step (layer-wise loads stayed on)
+    keys, payloads = _stored(tmp_path)
+    worker, kv = _worker(tmp_path)
+    block_ids = [3, 9, 4, 11, 0, 7]  # short runs: the batched copy path
+    _start(worker, keys, block_ids)
+    worker.wait_for_layer_load(NS.num_layers)
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == set()
+    assert all(torch.equal(_engine_block(kv, b), p) for b, p in zip(block_ids, payloads))
+    worker.close()
+    worker.store.close()

@@ -298,3 +298,18 @@ def test_a_record_with_an_infinite_count_is_left_out_and_the_policy_loads():
     assert costs.restores_observed() == {} and costs.steps_observed() == 0
     sched, n = claim(Index(DENSE, ["remote"] * 8, costs))
     assert n == 8 * BS and sched._decisions["r"].reason == "below_floor"
+
+
+def test_an_absurd_step_time_in_a_record_does_not_make_recomputing_look_free():
+    # one figure past 1e154 s (a corrupt record) squared to infinity: no fit was accepted, every
+    # prefill coefficient stayed 0 and the policy skipped every load as slower than recomputing
+    record = RestoreCosts(3)
+    for tokens in (16, 256, 4096):
+        record.observe_step(tokens, attention_work(0, tokens), 0.01 + tokens * 1e-3)
+    snap = record.snapshot()
+    snap["prefill"]["samples"].append([64, attention_work(0, 64), 1e200])
+    costs = estimates()
+    costs.restore_snapshot({**snap, "restore": costs.snapshot()["restore"]})
+    assert costs.prefill_seconds(8 * BS, attention_work(0, 8 * BS)) > 1.0
+    sched, n = claim(Index(DENSE, ["remote"] * 8, costs))
+    assert n == 8 * BS and sched._decisions["r"].reason == "load_is_faster"

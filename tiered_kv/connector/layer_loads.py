@@ -74,7 +74,9 @@ class LayerLoads:
         live = [(ids, plan, self._live(plan)) for ids, plan in self.loads]
         ready = [plan.progress.ready[i] for _, plan, good in live for i in good]
         upto = min([r // self.layer_bytes for r in ready] + [self.num_layers]) if ready else self.num_layers
-        upto = max(upto, layer + 1)
+        # (a layer past the namespace's, as an adapter counting from 1 asks last: every layer;
+        # copied as such it was a copy past the blocks' end that failed every block, every step)
+        upto = min(max(upto, layer + 1), self.num_layers)
         block_ids = [ids[i] for ids, _, good in live for i in good]
         slots = [plan.progress.slot[i] for _, plan, good in live for i in good]
         if block_ids:

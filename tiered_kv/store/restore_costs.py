@@ -290,7 +290,10 @@ def _nnls(samples: Sequence[tuple], width: int) -> tuple[float, ...]:
     unconstrained fits on each face of the orthant that land inside it (the optimum is one)."""
     k = width + 1
     rows = [(1.0, *map(float, s[:-1])) for s in samples]
-    ys = [float(s[-1]) for s in samples]
+    # seconds scaled too: squares of a figure past 1e154 (a corrupt record) were infinite, no face
+    # fitted and every coefficient stayed 0 (recomputing predicted free: nothing was loaded)
+    y_scale = max(float(s[-1]) for s in samples) or 1.0
+    ys = [float(s[-1]) / y_scale for s in samples]
     scale = [max(abs(r[j]) for r in rows) or 1.0 for j in range(k)]
     rows = [tuple(v / sc for v, sc in zip(r, scale)) for r in rows]
     gram = [[sum(r[i] * r[j] for r in rows) for j in range(k)] for i in range(k)]
@@ -308,7 +311,7 @@ def _nnls(samples: Sequence[tuple], width: int) -> tuple[float, ...]:
             coef[i] * gram[i][j] * coef[j] for i in range(k) for j in range(k))
         if err < best_err - 1e-9 * yty:
             best, best_err = coef, err
-    return tuple(c / sc for c, sc in zip(best, scale))
+    return tuple(c * y_scale / sc for c, sc in zip(best, scale))
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
