@@ -11,10 +11,16 @@ from tiered_kv.units import as_int as _as_int
 
 
 def split_options(url: str) -> tuple[str, dict[str, str]]:
-    """(url without the query, query parameters)."""
+    """(url without the query, query parameters). ConfigError for a parameter given twice with
+    different values (``?sync=true&sync=false`` was read as its last: a setting is written once;
+    the values are not quoted, one may be a password)."""
     parts = urlsplit(url)
     base = parts._replace(query="").geturl()
-    return base, dict(parse_qsl(parts.query, keep_blank_values=True))
+    query: dict[str, str] = {}
+    for name, value in parse_qsl(parts.query, keep_blank_values=True):
+        if query.setdefault(name, value) != value:
+            raise ConfigError(f"the URL {redact_url(url)!r} sets {name!r} twice, to different values")
+    return base, query
 
 
 def with_options(url: str, options) -> str:

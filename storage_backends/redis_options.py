@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 from redis.cluster import cleanup_kwargs
 from redis.connection import ConnectionPool, parse_url
@@ -14,6 +15,14 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.units import as_bool, as_int, parse_duration, parse_size
 
 MAX_TIMEOUT_S = 86400.0  # a call not answered in a day is hung (past ~292 years every socket call raises)
+MAX_TTL_S = 100 * 365 * 86400.0  # Redis refuses every SET whose expiry passes 2**63 ms
+
+
+def ttl_seconds(seconds: float | None, name: str) -> float | None:
+    """A Redis ttl in seconds (None or 0: no expiry); ConfigError past MAX_TTL_S."""
+    if seconds is not None and seconds > MAX_TTL_S:
+        raise ConfigError(f"{name} must be at most 100 years, got {seconds:g} s")
+    return seconds
 
 
 def _timeout(seconds: float, name: str) -> float:
@@ -31,7 +40,7 @@ PARSERS: dict[str, Callable[[Any, str], Any]] = {
     "prefix": lambda v, name: v, "retries": lambda v, name: as_int(v, name, minimum=0),
     "max_connections": lambda v, name: as_int(v, name, minimum=1), "cluster": as_bool,
     "read_from_replicas": as_bool, "node_threads": lambda v, name: as_int(v, name, minimum=0),
-    "ttl": lambda v, name: None if str(v).lower() in ("none", "", "0") else parse_duration(v, name=name),
+    "ttl": lambda v, name: None if str(v).lower() in ("none", "", "0") else ttl_seconds(parse_duration(v, name=name), name),
     "timeout": lambda v, name: _timeout(parse_duration(v, name=name), name),
     "pipeline_bytes": lambda v, name: parse_size(v, name=name),
     "tenant_quota": _no_quota, "tenant_quotas": _no_quota,
@@ -62,7 +71,26 @@ def redis_target(url: str) -> str:
     if password_misread(url):
         raise ConfigError(f"bad Redis URL {redact_url(url)!r}: percent-encode a '/', '?' or '#' in "
                           "its password (%2F, %3F, %23)")
+    _check_db(url)
     return url.replace("redis+cluster://", "redis://", 1)
+
+
+def _check_db(url: str) -> None:
+    """ConfigError where a TCP URL's path is not a db number, or gives one the query gives too:
+    redis-py took ``/abc`` (``/O`` for ``/0``) for db 0, ``/1/2`` for db 12 and ``/1?db=3`` for
+    db 3, all without a word."""
+    if url.split(":", 1)[0].lower() == "unix":
+        return
+    try:
+        path = urlsplit(url).path
+    except ValueError:  # (redis-py says what is wrong with the URL)
+        return
+    db = unquote(path[1:])
+    if db and not (db.isascii() and db.isdigit()):
+        raise ConfigError(f"bad Redis URL {redact_url(url)!r}: its path names no db number")
+    given = split_options(url)[1].get("db")
+    if db and given is not None and not (given.strip().isascii() and given.strip().isdigit() and int(given) == int(db)):
+        raise ConfigError(f"bad Redis URL {redact_url(url)!r}: two dbs are given (its path and ?db=)")
 
 
 def check_cluster_options(target: str, common: dict[str, Any]) -> None:

@@ -44,6 +44,7 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.settings.loading import build_config, check_types, read_toml
 from tiered_kv.settings.loading import env_dict as _env_dict
 from tiered_kv.settings.tiers import (  # noqa: F401 (the tiers' settings are part of this module's API)
+    MAX_TIMEOUT,
     POLICIES,
     DiskConfig,
     RemoteConfig,
@@ -57,6 +58,7 @@ from tiered_kv.units import as_bool
 RESTORE_POLICIES = ("cost", "always")
 MIN_SECRET_BYTES = 16
 MAX_WORKERS = 256  # transfer threads a store may start (each holds a stack; more would not help)
+MAX_LOG_INTERVAL = 30 * 86400.0  # (a thread's wait past ~292 years raises OverflowError)
 
 
 class Secret:
@@ -197,10 +199,10 @@ class TieredKVConfig:
         check_choice("hash_algo", self.hash_algo, tuple(HASHES))
         if self.metrics_port is not None and not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"metrics_port must be a TCP port, got {self.metrics_port}")
-        if not self.lookup_timeout > 0:
-            raise ConfigError(f"lookup_timeout must be positive, got {self.lookup_timeout}")
-        if self.metrics_log_interval is not None and not self.metrics_log_interval > 0:
-            raise ConfigError(f"metrics_log_interval must be positive, got {self.metrics_log_interval}")
+        if not 0 < self.lookup_timeout <= MAX_TIMEOUT:  # a scheduler-side wait (huge: every lookup raised)
+            raise ConfigError(f"lookup_timeout must be positive and at most 1d, got {self.lookup_timeout}")
+        if self.metrics_log_interval is not None and not 0 < self.metrics_log_interval <= MAX_LOG_INTERVAL:
+            raise ConfigError(f"metrics_log_interval must be positive and at most 30d, got {self.metrics_log_interval}")
         names = [t.name for t in (self.disk, self.remote, *self.tiers)]
         for name in names:
             if names.count(name) > 1:

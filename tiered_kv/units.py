@@ -9,15 +9,16 @@ from decimal import Decimal
 
 from tiered_kv.errors import ConfigError
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?i?b?)?\s*$", re.IGNORECASE | re.ASCII)
 _FACTORS = {"": 1, "b": 1}
 for _i, _p in enumerate("kmgtp", start=1):
     _FACTORS[_p] = _FACTORS[_p + "b"] = 1000**_i
     _FACTORS[_p + "i"] = _FACTORS[_p + "ib"] = 1024**_i
 
 _INT = re.compile(r"\s*[+-]?\d+(?:_\d+)*\s*", re.ASCII)  # as TOML and int() spell them; no 0x, 1e3 or 2.0
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE)
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$", re.IGNORECASE | re.ASCII)
 _SECONDS = {"ms": 0.001, "s": 1, "": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_SIZE = (1 << 63) - 1  # no file, map or buffer is larger (C APIs overflow past it)
 
 
 def parse_size(value: int | float | str, *, name: str = "size") -> int:
@@ -32,10 +33,18 @@ def parse_size(value: int | float | str, *, name: str = "size") -> int:
     else:
         raise ConfigError(f"{name}: expected a byte size like 8GiB or 512MB, got {value!r}")
     if number < 0:
-        raise ConfigError(f"{name}: size must not be negative, got {value!r}")
+        raise ConfigError(f"{name}: size must not be negative, got {_short(value)}")
     if factor == 1 and number != int(number):  # 1.5 bytes meant something else: never cut to 1
         raise ConfigError(f"{name}: a size in bytes is a whole number, got {value!r} (1.5GiB: write the unit)")
+    if number * factor > MAX_SIZE:  # (and a size of thousands of digits has no repr)
+        raise ConfigError(f"{name}: size must be at most 8 EiB, got {_short(value)}")
     return int(number * factor)
+
+
+def _short(value: object) -> str:
+    """``repr(value)``, but for an int too long to convert (never cut: a URL cut in its password
+    could no longer be redacted by whoever quotes the message)."""
+    return "a huge number" if isinstance(value, int) and value.bit_length() > 3000 else repr(value)
 
 
 def parse_duration(value: int | float | str, *, name: str = "duration") -> float:
@@ -48,7 +57,7 @@ def parse_duration(value: int | float | str, *, name: str = "duration") -> float
     elif isinstance(value, str) and (m := _DURATION.match(value)):
         seconds = float(m.group(1)) * _SECONDS[(m.group(2) or "").lower()]
     if not math.isfinite(seconds):  # also NaN / inf, which TOML allows
-        raise ConfigError(f"{name}: expected a duration like 30s or 2h, got {value!r}")
+        raise ConfigError(f"{name}: expected a duration like 30s or 2h, got {_short(value)}")
     if seconds < 0:
         raise ConfigError(f"{name}: duration must not be negative, got {value!r}")
     return seconds
@@ -100,6 +109,8 @@ def as_int(value: int | float | str, name: str, *, minimum: int | None = None) -
             pass
     if number is None:
         raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if number.bit_length() > 3000:  # (str() of thousands of digits raises ValueError: every message did)
+        raise ConfigError(f"{name} must be an integer of at most 900 digits, got {_short(value)}")
     if minimum is not None and number < minimum:
         raise ConfigError(f"{name} must be at least {minimum}, got {number}")
     return number

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from storage_backends.redaction import redact_url
 from storage_backends.redis_options import MAX_TIMEOUT_S as MAX_TIMEOUT  # noqa: F401 (the CLI's bound too)
 from storage_backends.redis_options import PARSERS as REDIS_PARSERS
+from storage_backends.redis_options import ttl_seconds
 from tiered_kv.errors import ConfigError
 from tiered_kv.settings.loading import check_types
 from tiered_kv.units import as_bool, parse_duration, parse_size
@@ -186,6 +187,7 @@ class RemoteConfig(TierConfig):
         if not 0 < self.timeout <= MAX_TIMEOUT:  # 0: TensorRT-LLM's matched reads, waited for this
             # long, never finish; past ~292 years every socket call raises OverflowError
             raise ConfigError(f"remote.timeout must be positive and at most 1d, got {self.timeout}")
+        ttl_seconds(self.ttl, "remote.ttl")
 
     def medium_options(self) -> dict[str, Any]:
         return {**super().medium_options(), "ttl": self.ttl, "timeout": self.timeout,
