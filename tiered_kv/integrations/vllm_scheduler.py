@@ -79,6 +79,8 @@ class SchedulerSide:
         self.requests: dict[str, Any] = {}  # live vLLM Request objects (all_token_ids grows)
         self.reported: dict[str, int] = {}  # tokens handed to the core per request
         self.allocated: set[str] = set()  # requests allocated since the last build_connector_meta
+        self.extras: dict[str, str | None] = {}  # request -> the key extra its keys were made with
+        self.rekeyed_saves: set[str] = set()  # requests re-keyed after saves (held when finished)
         self.matched_tokens = 0  # external tokens promised so far (for reports)
         self.matched_requests = 0
         self.n_groups = len(namespace.groups)
@@ -104,11 +106,24 @@ class SchedulerSide:
         return RequestView(request.request_id, list(request.prompt_token_ids), int(request.num_prompt_tokens),
                      _key_extra(request), getattr(request, "cache_salt", None) or None)
 
+    def _rekey(self, view: RequestView) -> None:
+        """A streaming-input session (vLLM's resumable requests) keeps its request id while its
+        next chunk brings multimodal items: its key extra changes, and so does every key. Its
+        keys are made anew then: the old ones named the new chunk's blocks without its images,
+        so another session differing only by them was promised KV computed over other images."""
+        rid, extra = view.request_id, view.key_extra
+        if rid in self.extras and self.extras[rid] != extra and self.core is not None:
+            log.info("tiered-kv: request %s: its multimodal inputs or salt changed; keyed anew", rid)
+            if self.core.request_finished(view, ()):  # (its saves so far are still reported)
+                self.rekeyed_saves.add(rid)
+        self.extras[rid] = extra
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         view = self._view(request)
         if view is None:
             return 0, False
         self.requests[view.request_id] = request
+        self._rekey(view)
         if getattr(request, "skip_reading_prefix_cache", False):
             # (prompt logprobs): vLLM drops any claim, so none is weighed, counted or probed with
             return 0, False
@@ -120,6 +135,7 @@ class SchedulerSide:
         if view is None:
             return
         self.requests[view.request_id] = request
+        self._rekey(view)
         self.allocated.add(view.request_id)
         self._core().update_state_after_alloc(view, block_ids, num_external_tokens)
         if num_external_tokens > 0:
@@ -188,9 +204,12 @@ class SchedulerSide:
     def request_finished(self, request: Any, block_ids: list[int]) -> bool:
         self.requests.pop(request.request_id, None)
         self.reported.pop(request.request_id, None)
+        self.extras.pop(request.request_id, None)
+        rekeyed = request.request_id in self.rekeyed_saves
+        self.rekeyed_saves.discard(request.request_id)
         if self.core is None:
             return False
-        return self.core.request_finished(request, block_ids)
+        return self.core.request_finished(request, block_ids) or rekeyed
 
     def close(self) -> None:
         release_index(self.index)
