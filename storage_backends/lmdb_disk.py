@@ -37,7 +37,7 @@ from storage_backends.lmdb_check import check_tables
 from storage_backends.lmdb_compaction import Compactor
 from storage_backends.lmdb_entries import evict_beyond
 from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
-from storage_backends.lmdb_options import url_options
+from storage_backends.lmdb_options import store_directory, url_options
 from storage_backends.lmdb_reads import LmdbReads
 from storage_backends.lmdb_segment_check import check_segments
 from storage_backends.lmdb_segments import SegmentFiles
@@ -112,9 +112,7 @@ class LmdbBackend(Backend):
         # when the disk is written behind the page cache (eager_writeback: the older spelling)
         writeback = writeback_mode(writeback, as_bool(eager_writeback, "lmdb eager_writeback"))
         direct = as_bool(direct_io, "lmdb direct_io")  # segment values written with O_DIRECT
-        if self.path.exists() and not self.path.is_dir():
-            raise ConfigError(f"lmdb path {self.path} exists and is not a directory")
-        self.path.mkdir(parents=True, exist_ok=True)
+        store_directory(self.path)
         # writemap: puts into reused pages ~1.5x faster, but without sync a machine crash may
         # corrupt the environment (not only lose the last commits); every process must agree
         writemap = as_bool(writemap, "lmdb writemap")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from storage_backends.options import split_options
 from tiered_kv.errors import ConfigError
 
@@ -18,3 +20,14 @@ def url_options(url: str, options: dict) -> dict:
     if unknown:
         raise ConfigError(f"unknown lmdb option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
     return query
+
+
+def store_directory(path: Path) -> None:
+    """Make the store's directory where it is missing; ConfigError where ``path`` is no directory
+    or cannot be made (a missing or read-only parent raised OSError into an engine's scheduler)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"lmdb path {path} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"lmdb path {path} cannot be made: {exc.strerror or exc}") from None

@@ -18,7 +18,7 @@ import pytest
 from storage_backends import lmdb_values, segment_io
 from storage_backends.lmdb_disk import LmdbBackend
 from storage_backends.segment_io import read_fully
-from tiered_kv.errors import BackendUnavailable
+from tiered_kv.errors import BackendUnavailable, ConfigError
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -267,3 +267,13 @@ def test_regression_an_io_error_registering_a_new_segment_reached_the_caller_as_
     assert b.put_many([(key(0), blob(0, 100 * KiB))]) == [True]  # the medium goes on
     assert b.get_many([key(0)]) == [blob(0, 100 * KiB)] and b.check() == []
     b.close()
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "exists_as_a_file"])
+def test_regression_an_lmdb_path_that_cannot_be_made_raised_oserror_not_config_error(tmp_path, where):
+    # the path's parent missing (or a file): mkdir's FileNotFoundError / NotADirectoryError
+    # reached vLLM's schedule() when the scheduler opened its index at the first request
+    (tmp_path / "a_file").write_bytes(b"x")
+    path = tmp_path / "a_file" / "db" if where == "under_a_file" else tmp_path / "a_file"
+    with pytest.raises(ConfigError, match="lmdb path"):
+        LmdbBackend(path, capacity=1 << 20)
