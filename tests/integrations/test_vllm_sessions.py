@@ -7,12 +7,12 @@ tokens computed so far."""
 from __future__ import annotations
 
 import os
-import random
 from types import SimpleNamespace
 
 import pytest
 
 from tests.integrations.test_vllm_adapter import Halves, extra
+from tests.integrations.test_vllm_adapter import prompt as tokens
 from tests.integrations.vllm_engine import Engine
 
 
@@ -20,11 +20,6 @@ from tests.integrations.vllm_engine import Engine
 def _no_env(monkeypatch):
     for name in [n for n in os.environ if n.startswith("TIERED_KV_")]:
         monkeypatch.delenv(name)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 1000) for _ in range(n)]
 
 
 FIRST, IMAGE = tokens(9, 1), [7] * 8  # the second chunk: an image's placeholder tokens, then text
