@@ -33,6 +33,18 @@ def pool_of(backend: RedisBackend, node: Node) -> WaitingPool:
     return backend.client.get_redis_connection(backend.client.get_node(host="127.0.0.1", port=node.port)).connection_pool
 
 
+def two_masters_stored(cluster: RedisClusterServers, retries: int):
+    """A backend on ``cluster`` (one connection a node, every key of a call in one batch) and
+    two masters other than the first node, each holding four stored keys: (backend, first,
+    second, first's keys, second's keys)."""
+    backend = RedisBackend.from_url(cluster.url, max_connections=1, timeout="300ms", retries=retries,
+                                    pipeline_bytes=BIG, node_threads=4)
+    first, second = [m for m in cluster.masters() if m is not cluster.nodes[0]][:2]
+    first_keys, second_keys = keys_on(cluster, backend, first), keys_on(cluster, backend, second)
+    assert all(backend.put_many([(k, b"v") for k in first_keys + second_keys]))
+    return backend, first, second, first_keys, second_keys
+
+
 def meet_and_count(monkeypatch, pools: list[WaitingPool]) -> dict[int, int]:
     """Each of ``pools`` asked for a connection waits once for the others to be asked too;
     returns port -> times asked."""
@@ -59,11 +71,7 @@ def test_regression_a_hung_master_left_the_breaker_closed_when_another_nodes_con
     # timeout: the call was a miss with the breaker closed, and every call touching the hung
     # master waited its timeout again while callers kept the other node's connections busy
     cluster = own_redis_cluster
-    backend = RedisBackend.from_url(cluster.url, max_connections=1, timeout="300ms", retries=0,
-                                    pipeline_bytes=BIG, node_threads=4)
-    busy, hung = [m for m in cluster.masters() if m is not cluster.nodes[0]][:2]
-    busy_keys, hung_keys = keys_on(cluster, backend, busy), keys_on(cluster, backend, hung)
-    assert all(backend.put_many([(k, b"v") for k in busy_keys + hung_keys]))
+    backend, busy, hung, busy_keys, hung_keys = two_masters_stored(cluster, retries=0)
     held = pool_of(backend, busy).get_connection()  # (another caller's call, not ending)
     asked = meet_and_count(monkeypatch, [pool_of(backend, busy), pool_of(backend, hung)])
     hung.proc.send_signal(signal.SIGSTOP)
@@ -82,11 +90,7 @@ def test_regression_a_hung_master_left_the_breaker_closed_when_another_nodes_con
 def test_a_busy_node_with_another_busy_or_refused_in_one_call_is_a_counted_miss_waited_once(
         own_redis_cluster, monkeypatch, with_it):
     cluster = own_redis_cluster
-    backend = RedisBackend.from_url(cluster.url, max_connections=1, timeout="300ms", retries=2,
-                                    pipeline_bytes=BIG, node_threads=4)
-    busy, second = [m for m in cluster.masters() if m is not cluster.nodes[0]][:2]
-    busy_keys, second_keys = keys_on(cluster, backend, busy), keys_on(cluster, backend, second)
-    assert all(backend.put_many([(k, b"v") for k in busy_keys + second_keys]))
+    backend, busy, second, busy_keys, second_keys = two_masters_stored(cluster, retries=2)
     pools = [pool_of(backend, busy), pool_of(backend, second)]
     held = [p.get_connection() for p in (pools if with_it == "busy" else pools[:1])]
     asked = meet_and_count(monkeypatch, pools)
