@@ -165,6 +165,31 @@ def test_a_block_both_ranks_drop_is_announced_removed_once():
     assert step(("stored", 1)) == []  # a shard stored again while it is held: nothing new
 
 
+def test_a_rank_whose_feed_dropped_events_has_its_tiers_blocks_announced_removed():
+    """A worker's feed overflowed: its "removed" may be among the dropped, so every block the
+    tier announced is retracted, and announced again when that rank stores it again."""
+    _, step = _two_ranks()
+    assert step(("stored", 0), ("stored", 1)) == ["BlockStored"]
+    assert step(("lost", 0)) == ["BlockRemoved"]
+    assert step(("lost", 0)) == []  # nothing announced any more
+    assert step(("stored", 0)) == ["BlockStored"]  # rank 1 kept its shard
+
+
+def test_a_queue_nobody_drains_past_its_bound_tells_the_router_to_forget_every_block(monkeypatch):
+    """Dropping the oldest queued events could drop a BlockRemoved (its blocks announced for
+    ever): past the bound every event goes and the router is told AllBlocksCleared."""
+    monkeypatch.setattr(vllm_events, "QUEUED", 2)
+    tracker, step = _two_ranks()
+    tracker.receive(vllm_events.TieredKVEvents([(r, BlockEvent("stored", "host", (b"k" * 16,), 0.0))
+                                                for r in (0, 1)]))
+    tracker.receive(vllm_events.TieredKVEvents([(0, BlockEvent("removed", "host", (b"k" * 16,), 0.0))]))
+    tracker.receive(vllm_events.TieredKVEvents([(r, BlockEvent("stored", "disk", (b"j" * 16,), 0.0))
+                                                for r in (0, 1)]))
+    assert [type(e).__name__ for e in tracker.take()] == ["AllBlocksCleared"]
+    assert tracker.dropped == 3
+    assert step(("stored", 0), ("stored", 1)) == ["BlockStored"]  # announced anew once stored again
+
+
 def test_a_tier_holding_more_blocks_than_are_tracked_retracts_the_least_recently_stored(monkeypatch):
     """Per tier HELD blocks are tracked; past that the least recently stored is forgotten, and
     announced removed under the hash it was stored under (nothing could retract it later)."""
@@ -190,6 +215,7 @@ def test_with_vllm_installed_the_events_are_vllms_own_classes():
     kv_events = pytest.importorskip("vllm.distributed.kv_events")
     assert vllm_events.BlockStored is kv_events.BlockStored
     assert vllm_events.BlockRemoved is kv_events.BlockRemoved
+    assert vllm_events.AllBlocksCleared is kv_events.AllBlocksCleared
     assert issubclass(vllm_events.TieredKVEvents, kv_events.KVConnectorKVEvents)
 
 

@@ -10,8 +10,8 @@ from tiered_kv.store.block_events import BlockEvents
 def replay(events, tier: str) -> set[bytes]:
     out: set[bytes] = set()
     for e in events:
-        if e.tier == tier:
-            out = out | set(e.keys) if e.kind == "stored" else out - set(e.keys)
+        if e.tier == tier:  # (a "lost" event: what was known of the tier is forgotten)
+            out = set() if e.kind == "lost" else out | set(e.keys) if e.kind == "stored" else out - set(e.keys)
     return out
 
 
@@ -57,3 +57,33 @@ def test_a_failing_subscriber_never_reaches_the_medium():
     feed.put = None  # a broken feed: publishing logs, the caller goes on
     events.listener("host")("stored", [b"k" * 16])
     events.listener("disk", b"ns")("stored", [b"nsk", b"other"])
+
+
+def test_a_removal_larger_than_the_feed_does_not_leave_its_blocks_announced_stored():
+    events = BlockEvents()
+    feed = events.subscribe(limit=4)
+    hear = events.listener("disk")
+    stored = [bytes([i]) * 16 for i in range(3)]
+    hear("stored", stored)
+    hear("removed", [*stored, b"x" * 16, b"y" * 16])  # one medium call, more blocks than the feed holds
+    kept = feed.take()
+    assert replay(kept, "disk") == set()  # the older "stored" no longer outlives the removal
+    assert sum(len(e.keys) for e in kept) == 4 and feed.dropped == 4  # (3 stored, 1 removed)
+
+
+def test_a_router_that_took_stored_events_before_a_removal_was_dropped_is_told_to_forget_the_tier():
+    events = BlockEvents()
+    feed = events.subscribe(limit=4)
+    hear = events.listener("disk")
+    stored = [bytes([i]) * 16 for i in range(3)]
+    hear("stored", stored)
+    router = replay(feed.take(), "disk")  # the router knows the three blocks are on disk
+    hear("removed", stored)
+    hear("stored", [b"x" * 16, b"y" * 16])  # the removal is dropped: the feed is full
+    hear("stored", [b"z" * 16])
+    kept = feed.take()
+    assert [(e.kind, e.tier) for e in kept][0] == ("lost", "disk")
+    for e in kept:  # the router applies them to what it knew
+        router = set() if e.kind == "lost" else router | set(e.keys) if e.kind == "stored" else router - set(e.keys)
+    assert not router & set(stored), "blocks the tier removed are still announced stored"
+    assert feed.take() == [], "a lost event is given once"

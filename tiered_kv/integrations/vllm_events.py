@@ -38,7 +38,7 @@ from typing import Any
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.vllm_holdings import Holdings
-from tiered_kv.store.block_events import REMOVED, STORED, BlockEvent
+from tiered_kv.store.block_events import LOST, REMOVED, STORED, BlockEvent
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ REMEMBERED = 1 << 17  # keys whose planned vLLM names are remembered (least rece
 QUEUED = 1 << 16  # vLLM events waiting for take_events (oldest dropped beyond, counted)
 
 try:
-    from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVConnectorKVEvents
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVConnectorKVEvents
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 except ImportError:  # no vLLM: the same fields in plain frozen dataclasses (tests, tools)
 
@@ -64,6 +64,10 @@ except ImportError:  # no vLLM: the same fields in plain frozen dataclasses (tes
     class BlockRemoved:  # type: ignore[no-redef]
         block_hashes: list
         medium: str | None
+
+    @dataclass(frozen=True)
+    class AllBlocksCleared:  # type: ignore[no-redef]
+        pass
 
     class KVConnectorKVEvents:  # type: ignore[no-redef]
         pass
@@ -175,6 +179,11 @@ class VllmEventTracker:
         if not isinstance(container, TieredKVEvents):
             return
         for rank, event in container.get_all_events():
+            if event.kind == LOST:  # the rank's feed dropped events of the tier: it may hold none
+                hashes = self.held.lost(event.tier, rank)
+                if hashes:
+                    self._queue([BlockRemoved(block_hashes=hashes, medium=event.tier)])
+                continue
             if event.kind == REMOVED:
                 hashes = self.held.removed(event.tier, rank, event.keys, lambda k: self._name(k).block_hash)
                 if hashes:
@@ -218,6 +227,11 @@ class VllmEventTracker:
     def _queue(self, events: list) -> None:
         self.queued.extend(events)
         if len(self.queued) > QUEUED:
-            self.dropped += len(self.queued) - QUEUED
-            log.warning("tiered-kv: %d KV events dropped: nobody took them", len(self.queued) - QUEUED)
-            del self.queued[: len(self.queued) - QUEUED]
+            # dropping some could drop a BlockRemoved and leave its blocks announced for ever:
+            # all go, the router is told to forget this replica's blocks (vLLM's own included,
+            # as after a prefix-cache reset), and ours are announced again as they are stored
+            self.dropped += len(self.queued)
+            log.warning("tiered-kv: %d KV events dropped (nobody took them); all blocks announced "
+                        "cleared", len(self.queued))
+            self.queued = [AllBlocksCleared()]
+            self.held.unannounce()

@@ -92,5 +92,28 @@ class Holdings:
                 out.append(holding.told)
         return out
 
+    def lost(self, tier: str, rank: int) -> list:
+        """Rank ``rank``'s events of ``tier`` were dropped (it may have dropped any shard): the
+        hashes of the blocks announced there, to announce removed; its shards are forgotten (a
+        block it stores again is announced again once the other ranks hold theirs)."""
+        held = self.tiers.get(tier) or OrderedDict()
+        bit = 1 << rank
+        out = []
+        for key, holding in list(held.items()):
+            if holding.told is not None:
+                out.append(holding.told)
+                holding.told = None
+            holding.ranks &= ~bit
+            if not holding.ranks:
+                del held[key]
+        return out
+
+    def unannounce(self) -> None:
+        """Every block counts as not announced (the router was told to forget them all); the
+        shards held stay known, so a block stored again is announced again."""
+        for held in self.tiers.values():
+            for holding in held.values():
+                holding.told = None
+
     def __len__(self) -> int:
         return sum(len(held) for held in self.tiers.values())

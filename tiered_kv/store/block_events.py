@@ -18,7 +18,11 @@ as :class:`BlockEvent` batches. A router, or an engine's own KV-event publisher,
   drops by its own policy (Redis ``maxmemory`` evictions and TTL expiry). A Redis delete names
   the keys of every call that ran (or was sent and failed: it may have run).
 - **Bounded**: a feed holds at most ``limit`` blocks; when more arrive the oldest events go and
-  their blocks are counted in ``feed.dropped``. Nothing grows when nobody drains.
+  their blocks are counted in ``feed.dropped`` (an event of more than ``limit`` blocks keeps
+  its last ``limit``). Nothing grows when nobody drains. The next :meth:`EventFeed.take` then
+  starts with a **lost** event (no keys) for each tier that lost events: what its consumer
+  knows of that tier may be wrong (a dropped removal would leave blocks announced stored for
+  ever), so it forgets the tier, then applies the events after the marker.
 - **Cheap and quiet**: with no subscriber a medium's report costs one check; publishing never
   raises into the media's callers (the engine's hot path): a failure is logged.
 """
@@ -36,7 +40,7 @@ from tiered_kv.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-STORED, REMOVED = "stored", "removed"
+STORED, REMOVED, LOST = "stored", "removed", "lost"
 DEFAULT_LIMIT = 1 << 16  # blocks a feed holds undrained (a few MiB of keys at most)
 
 
@@ -44,9 +48,9 @@ DEFAULT_LIMIT = 1 << 16  # blocks a feed holds undrained (a few MiB of keys at m
 class BlockEvent:
     """``keys`` were stored in (or removed from) tier ``tier`` at ``ts`` (``time.time()``)."""
 
-    kind: str  # STORED or REMOVED
+    kind: str  # STORED, REMOVED, or LOST (events of the tier were dropped: forget what you knew)
     tier: str  # "host" or a lower tier's name
-    keys: tuple[bytes, ...]  # content keys, in the order the medium handled them
+    keys: tuple[bytes, ...]  # content keys, in the order the medium handled them (LOST: none)
     ts: float
 
 
@@ -60,26 +64,35 @@ class EventFeed:
         self.dropped = 0  # blocks of events dropped because the feed was full
         self._events: deque[BlockEvent] = deque()
         self._held = 0  # blocks in _events
+        self._lost: dict[str, float] = {}  # tier -> when its first event was dropped since the last take
         self._lock = threading.Lock()
 
     def put(self, event: BlockEvent) -> None:
+        cut = len(event.keys) - self.limit
+        if cut > 0:  # its newest blocks only, the events held before it all go (dropping it whole
+            # kept an older "stored" of the blocks it removed: a replaying router kept them)
+            event = BlockEvent(event.kind, event.tier, event.keys[cut:], event.ts)
         n = len(event.keys)
         with self._lock:
-            if n > self.limit:
-                self.dropped += n
-                return
+            if cut > 0:
+                self.dropped += cut
+                self._lost.setdefault(event.tier, event.ts)
             while self._held + n > self.limit:
                 old = self._events.popleft()
                 self._held -= len(old.keys)
                 self.dropped += len(old.keys)
+                self._lost.setdefault(old.tier, old.ts)
             self._events.append(event)
             self._held += n
 
     def take(self) -> list[BlockEvent]:
-        """The events since the last take, oldest first."""
+        """The events since the last take, oldest first, after a LOST event for each tier that
+        lost some since (the module docstring)."""
         with self._lock:
-            out = list(self._events)
+            out = [BlockEvent(LOST, tier, (), ts) for tier, ts in self._lost.items()]
+            out += self._events
             self._events.clear()
+            self._lost.clear()
             self._held = 0
         return out
 
