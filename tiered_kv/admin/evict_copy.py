@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from storage_backends.cas_delete import delete_if_unchanged
 from tiered_kv.admin.block_checks import check_block
 from tiered_kv.admin.catalog import (
     OTHER_STORE,
@@ -183,17 +184,19 @@ def _records(src: Tier, dst: Tier, digests: list[bytes]) -> _Records:
 def _taken_back(src: Tier, dst: Tier, put: list[tuple[bytes, bytes]]) -> set[bytes]:
     """Those of ``put`` (just stored in ``dst``) that ``src`` no longer holds as they were read
     (withdrawn by a serving engine, evicted or rewritten since), each deleted from ``dst`` when it
-    still holds the copied bytes (a serving engine may have stored its own since)."""
+    still holds the copied bytes (a serving engine may have stored its own since: kept, even when
+    stored just before the delete, on the media with delete-if-unchanged)."""
     if not put:
         return set()
     now = src.backend.get_many([k for k, _ in put])
     stale = [(k, v) for (k, v), n in zip(put, now) if n is None or bytes(n) != bytes(v)]
     if not stale:
         return set()
-    held = dst.backend.get_many([k for k, _ in stale])
-    ours = [k for (k, v), h in zip(stale, held) if h is not None and bytes(h) == bytes(v)]
-    if ours:
-        dst.backend.delete_many(ours)
+    if delete_if_unchanged(dst.backend, stale) is None:  # (a medium without it: a put between
+        held = dst.backend.get_many([k for k, _ in stale])  # this read and the delete is lost)
+        ours = [k for (k, v), h in zip(stale, held) if h is not None and bytes(h) == bytes(v)]
+        if ours:
+            dst.backend.delete_many(ours)
     log.info("copy: %d blocks changed at the source while being copied: not copied", len(stale))
     return {k for k, _ in stale}
 

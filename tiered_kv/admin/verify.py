@@ -18,8 +18,9 @@ Findings:
 and lets the backend repair its bookkeeping; the report says what was done. Each entry is read
 and judged again just before its delete: a serving process may have replaced it meanwhile (an
 engine that read the corrupt block removed it and stored the block it recomputed), and that
-good block is left alone. (That read is one batch's, right before its delete; a block stored
-between the two is still deleted: the media offer no delete-if-unchanged.) Entries of another
+good block is left alone. The delete itself removes an entry only while it still holds the value
+judged (:mod:`storage_backends.cas_delete`: LMDB, Redis, file): a block stored between that read
+and the delete is kept too (a medium without such a delete still deletes it). Entries of another
 store kept under a longer prefix of the same medium (a Redis ``prefix`` extending this one) are
 a note, never orphans. Namespace records an older version wrote with the ``cache_salt`` in them
 are a note (the salt is never shown), and ``fix`` rewrites them without it.
@@ -33,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from storage_backends.base import Unchecked
+from storage_backends.cas_delete import delete_if_unchanged
 from tiered_kv.admin.block_checks import check_block
 from tiered_kv.admin.catalog import READ_BATCH, kind_of, namespaces, of_another_store
 from tiered_kv.admin.opening import Tier
@@ -148,26 +150,30 @@ def _fix(tier: Tier, findings: list[Finding], known: dict) -> list[str]:
     doomed = [f for f in findings if f.kind in REMOVABLE]
     if doomed:
         keys = list(dict.fromkeys(bytes.fromhex(f.key) for f in doomed if f.key))
-        removed = judged_wrong = 0
+        removed = judged_wrong = spared = 0
         still: set[bytes] = set()
         for start in range(0, len(keys), READ_BATCH):
             # each batch judged again just before its own delete: the scan (and the batches
             # before) may have ended long ago (it used to delete blocks a serving process had
             # rewritten since with good ones, acknowledged to its engine; judging every entry
-            # before deleting any left that window open for the whole re-read)
+            # before deleting any left that window open for the whole re-read); the delete then
+            # takes only the values judged (one rewritten since the re-read stays)
             batch = keys[start : start + READ_BATCH]
-            wrong = [k for k, bad in zip(batch, _still_wrong(tier.backend, batch, known)) if bad]
+            wrong = _still_wrong(tier.backend, batch, known)
             if wrong:
-                removed += tier.backend.delete_many(wrong)
-                still |= {k for k, bad in zip(wrong, _still_wrong(tier.backend, wrong, known)) if bad}
+                done = _delete_judged(tier.backend, wrong)
+                removed += done
+                spared += len(wrong) - done
+                now = [k for k, _ in wrong]
+                still |= {k for k, _ in _still_wrong(tier.backend, now, known)}
             judged_wrong += len(wrong)
         for f in doomed:
             f.fixed = bytes.fromhex(f.key) not in still
         actions.append(f"removed {removed} of {len(keys)} entries "
                        f"({', '.join(f'{n} {k}' for k, n in Counter(f.kind for f in doomed).items())})")
-        if judged_wrong < len(keys):
-            actions.append(f"left {len(keys) - judged_wrong} entries alone: rewritten with a valid value "
-                           "or removed since they were checked (by a serving process)")
+        if judged_wrong - spared < len(keys):
+            actions.append(f"left {len(keys) - judged_wrong + spared} entries alone: rewritten with a valid "
+                           "value or removed since they were checked (by a serving process)")
         log.info("%s tier: removed %d entries", tier.name, removed)
     drift = [f for f in findings if f.kind == "meta_drift"]
     check = getattr(tier.backend, "check", None)
@@ -180,16 +186,25 @@ def _fix(tier: Tier, findings: list[Finding], known: dict) -> list[str]:
     return actions
 
 
-def _still_wrong(backend, keys: list[bytes], known: dict) -> list[bool]:
-    """Whether each of ``keys`` (found wrong by this run) holds a wrong value now; one gone, or
-    rewritten with a valid value since, does not."""
+def _still_wrong(backend, keys: list[bytes], known: dict) -> list[tuple[bytes, bytes]]:
+    """(key, the value it holds now) for each of ``keys`` (found wrong by this run) holding a
+    wrong value now; one gone, or rewritten with a valid value since, is left out."""
     codec = BlockCodec()
-    out: list[bool] = []
+    out: list[tuple[bytes, bytes]] = []
     for start in range(0, len(keys), READ_BATCH):
         batch = keys[start : start + READ_BATCH]
-        out += [value is not None and _wrong(codec, key, value, known)
-                for key, value in zip(batch, backend.get_many(batch))]
+        out += [(key, value) for key, value in zip(batch, backend.get_many(batch))
+                if value is not None and _wrong(codec, key, value, known)]
     return out
+
+
+def _delete_judged(backend, judged: list[tuple[bytes, bytes]]) -> int:
+    """Delete the entries of ``judged`` that still hold the value judged; how many were deleted.
+    A medium without delete-if-unchanged deletes the keys whatever they hold now."""
+    done = delete_if_unchanged(backend, judged)
+    if done is None:
+        return backend.delete_many([k for k, _ in judged])
+    return sum(done)
 
 
 def _wrong(codec: BlockCodec, key: bytes, value, known: dict) -> bool:
