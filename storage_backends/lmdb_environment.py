@@ -18,7 +18,7 @@ import lmdb
 
 from storage_backends.lmdb_accesses import AccessBuffer
 from storage_backends.lmdb_entries import apply_accesses
-from storage_backends.lmdb_format import READABLE, format_refusal, settle_format, stored_format
+from storage_backends.lmdb_format import READABLE, foreign, format_refusal, settle_format, stored_format
 from storage_backends.lmdb_gate import RemapGate
 from storage_backends.lmdb_missing import MissingTable, WithMissing, open_existing, raw_txn
 from storage_backends.lmdb_tables import FORMAT, Tables, Write
@@ -84,6 +84,10 @@ class LmdbEnvironment:
         for _ in range(3):
             try:
                 self.env.reader_check()  # readers left by crashed processes would pin old pages
+                if foreign(self.env):
+                    self.env.close()
+                    raise ConfigError(f"{self.path} holds an LMDB environment that is not a tiered-kv "
+                                      "store (other entries in its main table): not opened")
                 if not create:
                     return Tables(*open_existing(self.env, Tables.NAMES))
                 return Tables(*[self.env.open_db(name) for name in Tables.NAMES])

@@ -38,6 +38,14 @@ def format_refusal(path: object, found: int | None, *, doing: str = "reads") -> 
     return f"lmdb store at {path} has format {found}, this version {doing} {FORMAT}"
 
 
+def foreign(env) -> bool:
+    """Whether ``env``'s main table holds anything but this store's tables (every version kept
+    its data in named tables, which LMDB lists in the main table): another program's LMDB
+    environment, which no open may take for a new store and create tables in."""
+    with env.begin() as txn:
+        return any(bytes(key) not in Tables.NAMES for key in txn.cursor().iternext(values=False))
+
+
 def stored_format(tables: Tables, txn) -> int | None:
     """The environment's format (None: a new one)."""
     stored = txn.get(b"format", db=tables.info)
