@@ -53,6 +53,8 @@ class LmdbEnvironment:
         self._count, self._evict = count, evict
         self.on_changes: Callable[[list[tuple[str, bytes]]], None] | None = None  # committed changes
         self.on_drained: Callable[[list[int]], None] | None = None  # segments a commit dropped
+        # segments a transaction drops, before its commit; False: the commit did not come after all
+        self.on_draining: Callable[[list[int], bool], None] | None = None
         self._in_order = threading.Lock()  # taken inside a write txn, released once its changes are told
         self.gate = RemapGate()
         self.accesses = AccessBuffer(record_access)
@@ -223,6 +225,7 @@ class LmdbEnvironment:
         for _ in range(6):
             touches = self.accesses.take()
             telling = applied = False
+            held: list[int] = []
             try:
                 with self.txn(write=True) as txn:
                     w = Write(txn, self.tables)
@@ -230,11 +233,16 @@ class LmdbEnvironment:
                     applied = True
                     result = body(w)
                     w.save()
+                    if w.drained and self.on_draining is not None:  # (no check takes them for orphans)
+                        held = list(w.drained)
+                        self.on_draining(held, True)
                     # the writers' changes are told in their commit order (LMDB has one writer)
                     telling = bool(w.changes) and self.on_changes is not None and self._in_order.acquire()
             except (lmdb.MapFullError, lmdb.DiskError) as exc:
                 if telling:
                     self._in_order.release()
+                if held:
+                    self.on_draining(held, False)
                 self.accesses.restore(touches)
                 if not self._make_room(nbytes, grow=isinstance(exc, lmdb.MapFullError)):
                     raise NoSpace(str(exc)) from exc
@@ -242,6 +250,8 @@ class LmdbEnvironment:
             except BaseException as exc:
                 if telling:
                     self._in_order.release()
+                if held:
+                    self.on_draining(held, False)
                 if applied:
                     self.accesses.restore(touches)
                 elif touches:

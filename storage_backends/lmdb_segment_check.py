@@ -66,7 +66,7 @@ def check_segments(tables: Tables, txn, w: Write | None, files: SegmentFiles,
     if w is None and fresh is not None and (outside or missing or sizes.keys() - records.keys() - live.keys()):
         orphans = _settled(tables, fresh, files, outside, missing, sizes, records, (placed, live, index))
     else:
-        orphans = {s for s in sizes.keys() - records.keys() - live.keys() if not being_deleted(files.path_of(s))}
+        orphans = {s for s in sizes.keys() - records.keys() - live.keys() if _left(files, s)}
     for key, (_, _, where) in outside.items():
         problems.append(f"value {where}: {key.hex()}")
         broken.append(key)
@@ -110,7 +110,14 @@ def _settled(tables: Tables, fresh: FreshView, files: SegmentFiles, outside: dic
         missing -= {s for s in missing if now.get(segment_key(s), db=tables.segments) is None}
         orphans = {s for s in sizes.keys() - records.keys() - sound[1].keys()
                    if now.get(segment_key(s), db=tables.segments) is None}
-    return {s for s in orphans if files.file_size(s) is not None and not being_deleted(files.path_of(s))}
+    return {s for s in orphans if _left(files, s)}
+
+
+def _left(files: SegmentFiles, segment: int) -> bool:
+    """Whether ``segment``'s file (which no record names) is left: nobody holds it for deletion,
+    and it is still there after that was looked at (a file deleted meanwhile is not locked any
+    more: :func:`being_deleted` cannot tell, so the look for the file comes after it)."""
+    return not being_deleted(files.path_of(segment)) and files.file_size(segment) is not None
 
 
 def _repair(tables: Tables, w: Write, broken: list[bytes], index: set[bytes], found: set[bytes],

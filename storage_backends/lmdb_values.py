@@ -48,6 +48,7 @@ class SegmentValues:
     def __init__(self, db: LmdbEnvironment, files: SegmentFiles, min_bytes: int, sync: bool) -> None:
         self.db, self.files, self.min_bytes, self.sync = db, files, min_bytes, sync
         db.on_drained = self._drained
+        db.on_draining = self._draining
         self._deleting: dict[int, int] = {}  # segments this process holds for deletion -> their lock
         self._unsealed: dict[int, int] = {}  # segments whose seal failed (a full disk) -> end: tried again
         self._sealing = threading.Lock()  # _unsealed, _deleting
@@ -183,6 +184,15 @@ class SegmentValues:
             fds = [self._deleting.pop(s) for s in segments if s in self._deleting]
         for fd in fds:
             os.close(fd)
+
+    def _draining(self, segments: list[int], committing: bool) -> None:
+        """``db.on_draining``: hold the segments a transaction drops for deletion before it
+        commits (till their files go no other process's check takes one for an orphan); let
+        go when it did not commit."""
+        if not committing:
+            return self.let_go(segments)
+        for segment in segments:
+            self.hold_for_deletion(segment)
 
     def _drained(self, segments: list[int]) -> None:
         """``db.on_drained``: delete the files of drained segments, but those another process

@@ -10,6 +10,7 @@ import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,3 +58,35 @@ def after_listing(monkeypatch, directory: Path, meanwhile, times: int | None = 1
         return iter(listed)
 
     monkeypatch.setattr(os, "scandir", scandir)
+
+
+class Compaction(NamedTuple):
+    """A store with a compaction victim, and another process about to compact it."""
+
+    db: Path  # the store's directory
+    store: object  # this process's LmdbBackend on it
+    live: dict[bytes, bytes]  # the values it holds, by key
+    victim: int  # the sparsest sealed segment (holding key(0, "s") alone): the one compacted
+    proc: subprocess.Popen  # the compacting child
+
+
+def compaction_beside(tmp_path: Path, lines: str) -> Compaction:
+    """A store under ``tmp_path`` holding ``sparse``'s values, and a child interpreter
+    (``test_lmdb_multiprocess_compaction``'s) that opens it as ``b``, compacting any dead bytes,
+    then runs ``lines`` (dedented: where it stops, what it compacts)."""
+    from tests.backends.test_lmdb_multiprocess_compaction import child
+
+    db, store, live, victim = with_victim(tmp_path)
+    proc = child(f"b = compacting({str(db)!r})\n" + textwrap.dedent(lines))
+    return Compaction(db, store, live, victim, proc)
+
+
+def with_victim(tmp_path: Path) -> tuple[Path, object, dict[bytes, bytes], int]:
+    """(directory, store, values, victim): :func:`compaction_beside`'s store, without the child."""
+    from tests.backends.test_lmdb_multiprocess_compaction import opened, sparse
+    from tests.backends.test_lmdb_segments import key, segment_of
+
+    db = tmp_path / "db"
+    store = opened(db)
+    live = sparse(store)
+    return db, store, live, segment_of(store, key(0, "s"))

@@ -9,6 +9,7 @@ import os
 import signal
 import textwrap
 
+from tests.backends.helpers import compaction_beside
 from tests.backends.test_lmdb_multiprocess_compaction import (
     N,
     assert_values,
@@ -16,9 +17,8 @@ from tests.backends.test_lmdb_multiprocess_compaction import (
     kill,
     opened,
     said,
-    sparse,
 )
-from tests.backends.test_lmdb_segments import key, labelled, segment_of, segment_records
+from tests.backends.test_lmdb_segments import key, labelled, segment_records
 
 LIVES_ON = """
 helper = os.fork()
@@ -63,12 +63,7 @@ def test_regression_a_child_forked_mid_deletion_kept_a_killed_compactions_victim
     # a compaction holds its victim's file locked from the swap's commit until the file is gone;
     # a child forked meanwhile kept that lock, so after the compacting process was killed no
     # other process would delete the file (it looked "being deleted") while the child ran
-    db = tmp_path / "db"
-    a = opened(db)
-    live = sparse(a)
-    victim = segment_of(a, key(0, "s"))
-    proc = child(f"""
-        b = compacting({str(db)!r})
+    _, a, live, victim, proc = compaction_beside(tmp_path, f"""
         real_unlink = os.unlink
         def unlink(path, *args, **kwargs):  # the swap committed: fork, then stop before the file goes
             if str(path).endswith(".seg"):

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from storage_backends.lmdb_disk import LmdbBackend
+from tests.backends.helpers import compaction_beside
 from tests.backends.test_lmdb_segments import KiB, MiB, identify, key, labelled, segment_of, segment_records
 
 REPO = Path(__file__).resolve().parents[2]
@@ -186,15 +187,7 @@ STOPS = {  # where a compacting process is killed
 
 @pytest.mark.parametrize("stop", list(STOPS))
 def test_a_process_killed_mid_compaction_loses_nothing_and_the_other_clears_what_it_left(tmp_path, stop):
-    db = tmp_path / "db"
-    a = opened(db)
-    live = sparse(a)
-    victim = segment_of(a, key(0, "s"))
-    proc = child(f"""
-        b = compacting({str(db)!r})
-        {textwrap.indent(textwrap.dedent(STOPS[stop]), " " * 8).strip()}
-        b.compact()
-    """)
+    db, a, live, victim, proc = compaction_beside(tmp_path, textwrap.dedent(STOPS[stop]) + "b.compact()\n")
     said(proc)
     kill(proc)
     assert_values(a, live)  # whatever the other did before it died
@@ -215,12 +208,7 @@ def test_a_process_killed_mid_compaction_loses_nothing_and_the_other_clears_what
 
 # -- two compactions at once -------------------------------------------------------------------------
 def test_two_processes_compacting_one_segment_at_once_move_each_value_once_and_lose_none(tmp_path):
-    db = tmp_path / "db"
-    a = opened(db)
-    live = sparse(a)
-    victim = segment_of(a, key(0, "s"))
-    proc = child(f"""
-        b = compacting({str(db)!r})
+    db, a, live, victim, proc = compaction_beside(tmp_path, """
         write = b.values.write
         b.values.write = lambda values: (write(values), pause("copied"))[0]  # then the other compacts
         print(b.compact(), flush=True)
