@@ -75,7 +75,7 @@ def one_round(side: str, options: str, blocks: list[torch.Tensor], dst: torch.Te
         figures = {"write": nbytes / (t1 - t0) / 1e9, "write_sync": nbytes / (t2 - t0) / 1e9}
         for phase in ("warm_restore", "cold_restore"):
             if phase == "cold_restore":
-                drop_page_cache(directory)
+                drop_page_cache(directory, require_cold=True)
             figures[phase] = nbytes / restore(side, directory, options, keys, blocks, dst, ns) / 1e9
         return figures
     finally:

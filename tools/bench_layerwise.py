@@ -122,7 +122,7 @@ def main() -> None:
                 kinds = ["layerwise", "whole", "limit"]
                 for kind in kinds if r % 2 == 0 else kinds[::-1]:
                     if cache == "cold":
-                        drop_page_cache(directory)
+                        drop_page_cache(directory, require_cold=True)
                     else:
                         read_files(directory, into)  # every byte in the page cache
                     if kind == "limit":

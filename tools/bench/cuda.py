@@ -237,11 +237,14 @@ def measure_connector(run: Run, args: argparse.Namespace, base: str) -> dict:
             check(dst_ids, "host load")
         outs = [torch.empty(BLOCK_SHAPE, dtype=torch.bfloat16, device="cuda") for _ in range(n)]
         ins = list(expected.unbind(0))
-        for r in range(repeats):  # the last saved set: every block is a host hit
+        for _ in range(repeats):  # the last saved set: every block is a host hit
+            for o in outs:
+                o.fill_(0)
+            got: list = []
             run.add("store_load_into_host_cuda", nbytes,
-                    _wall_time(lambda: store.load_into(key_sets[-1], outs)))
-            if r == 0:
-                assert all(torch.equal(o, e) for o, e in zip(outs, ins)), "load_into differs"
+                    _wall_time(lambda: got.extend(store.load_into(key_sets[-1], outs))))  # noqa: B023
+            assert all(got) and len(got) == n, f"load_into (host): {got.count(False)} blocks not loaded"
+            assert all(torch.equal(o, e) for o, e in zip(outs, ins)), "load_into differs"
         api_keys = [_keys(ns, n, 1000 + r) for r in range(repeats)]
         for keys in api_keys:
             run.add("store_save_cuda", nbytes, _wall_time(lambda: store.save(keys, ins)))  # noqa: B023
@@ -259,9 +262,14 @@ def measure_connector(run: Run, args: argparse.Namespace, base: str) -> dict:
             check(dst_ids, "LMDB restore")
             worker.close()
         with _store(n * block_nbytes + block_nbytes, disk, args.workers, ns) as store:
-            cpu_outs = [torch.empty(BLOCK_SHAPE, dtype=torch.bfloat16) for _ in range(n)]
+            cpu_outs = [torch.zeros(BLOCK_SHAPE, dtype=torch.bfloat16) for _ in range(n)]
+            got = []
             run.add("store_load_into_lmdb_cpu", nbytes,
-                    _wall_time(lambda: store.load_into(keys, cpu_outs)))  # noqa: B023
+                    _wall_time(lambda: got.extend(store.load_into(keys, cpu_outs))))  # noqa: B023
+            hits = store.stats()["tiers"].get("disk", {}).get("hits", 0)
+            assert all(got) and len(got) == n and hits == n, \
+                f"load_into (LMDB): {got.count(False)} blocks not loaded, {hits} of {n} from disk"
+            assert all(torch.equal(o, e.cpu()) for o, e in zip(cpu_outs, ins)), "load_into (LMDB) differs"
     return info
 
 

@@ -13,7 +13,7 @@ import time
 from .e2e_probe import Probe
 from .e2e_setup import BLOCK_SIZE, build, prompt_tokens, warm_up
 from .machine import e2e_env
-from .pagecache import drop_page_cache
+from .pagecache import drop_page_cache, store_resident_mib
 
 
 def _serve_once(spec: dict, store_dir: str, probe: Probe | None) -> dict:
@@ -28,6 +28,9 @@ def _serve_once(spec: dict, store_dir: str, probe: Probe | None) -> dict:
         warm_up(engine)
         params = SamplingParams(max_tokens=spec["gen_tokens"], temperature=0.0, return_logits=True)
         prompt = prompt_tokens(length, seed=length) + prompt_tokens(extra, seed=length + 1)
+        # what the store's open (its index warm-up) and the engine's warm-up read back before
+        # the request: a "dropped" run's index pages may be warm again, its block values not
+        at_request = store_resident_mib(store_dir) if spec["variant"] == "dropped" else None
         request_id = engine.add_request(prompt, params)
         request = engine.get_request(request_id)
         if probe is not None:
@@ -57,6 +60,7 @@ def _serve_once(spec: dict, store_dir: str, probe: Probe | None) -> dict:
         "tier_blocks": tiers,
         "breakdown_ms": breakdown,
         "flush_after_s": round(flush_s, 3),
+        "store_resident_mib_at_request": at_request,
         "disk_blocks_written": disk.get("blocks_in", 0),
         "disk_stored_bytes": disk.get("stored_bytes_in", 0),
         "disk_payload_bytes": disk.get("bytes_in", 0),

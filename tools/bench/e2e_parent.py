@@ -112,12 +112,37 @@ def ttft_section(args, max_position: int, scratch: str) -> tuple[list[dict], dic
         row["outputs_identical"] = all(r["output"] == reference["output"] for r in others)
         row["first_token_logits_max_abs_diff"] = max(
             (_max_abs_diff(reference["first_logits"], r["first_logits"]) or 0.0) for r in others)
+        row["problems"] = restart_problems(length, by_mode)
+        if not row["outputs_identical"]:
+            row["problems"].append("a warm restart's output differs from the cold run's")
+        if not row.get("continuation", {}).get("outputs_identical", True):
+            row["problems"].append("the continuations' outputs differ")
         row["target_ratio"] = TARGET_RATIO if length >= TARGET_FROM else None
         if row["target_ratio"] is not None:
             worst = max(row["ratio_warm_over_cold"], row.get("ratio_dropped_over_cold", 0.0))
-            row["pass"] = worst <= TARGET_RATIO
+            row["pass"] = worst <= TARGET_RATIO and not row["problems"]
         rows.append(row)
     return rows, env
+
+
+def restart_problems(length: int, by_mode: dict[tuple[str, str], list[dict]]) -> list[str]:
+    """What makes warm restarts' TTFT no measure of a restore from the disk tier: a run that did not
+    load every stored block of the prompt it can use (the prompt's full blocks, less the last
+    token's block when the prompt is all of it), a block served by another tier, or a
+    "dropped" run whose store was not out of the page cache when the child started."""
+    problems = []
+    for (variant, mode), runs in by_mode.items():
+        cache, _, more = variant.partition("+")
+        blocks = length // BLOCK_SIZE if more else (length - 1) // BLOCK_SIZE
+        for i, r in enumerate(runs):
+            where = f"{variant}/{mode} run {i + 1}"
+            if r["matched_tokens"] != blocks * BLOCK_SIZE:
+                problems.append(f"{where}: {r['matched_tokens']} tokens restored, {blocks * BLOCK_SIZE} stored")
+            if r["tier_blocks"] != {"disk": blocks}:
+                problems.append(f"{where}: blocks served {r['tier_blocks']}, {blocks} expected from disk")
+            if cache == "dropped" and not r.get("page_cache", {}).get("cold"):
+                problems.append(f"{where}: " + r.get("page_cache", {}).get("not_cold", "page cache drop not checked"))
+    return problems
 
 
 def decode_section(args, max_position: int, scratch: str) -> dict:

@@ -23,7 +23,7 @@ from .common import MiB, Stopwatch
 from .data import as_np, touched
 from .figures import run_parallel, torch_threads
 from .internals import HEADER_BYTES, BlockCodec
-from .pagecache import files_under, resident_fraction
+from .pagecache import files_under, not_cold, resident_fraction
 from .redis_server import redis_benchmark
 
 if TYPE_CHECKING:
@@ -214,7 +214,10 @@ def raw_file(b: Bench, size: str) -> None:
     finally:
         os.close(fd)
     b.evictor.evict([path])
-    b.residency.setdefault(f"{size}.file_read_cold", []).append(resident_fraction([path]))
+    fraction = resident_fraction([path])
+    b.residency.setdefault(f"{size}.file_read_cold", []).append(fraction)
+    if not_cold(fraction):
+        b.fig.fail(size, "limits.file_read_cold", not_cold(fraction))
     b.fig.add(size, "limits.file_read_cold", read_all(), n * nb, n)
     shutil.rmtree(d, ignore_errors=True)
     del dst_t
@@ -254,7 +257,10 @@ def _naive(b: Bench, size: str) -> None:
               what="torch.load + copy_ into a tensor, per file (torch 1 thread)")
     files = files_under(d_sync)
     b.evictor.evict(files)
-    b.residency.setdefault(f"{size}.naive_load_cold", []).append(resident_fraction(files))
+    fraction = resident_fraction(files)
+    b.residency.setdefault(f"{size}.naive_load_cold", []).append(fraction)
+    if not_cold(fraction):
+        b.fig.fail(size, "limits.naive_load_cold", not_cold(fraction))
     b.fig.add(size, "limits.naive_load_cold", run_parallel(load, n, 1), n * nb, n,
               what="torch.load + copy_ into a tensor, per file, page cache dropped (1 thread)")
     assert torch.equal(dst[n - 1], blocks[n - 1]), "naive round trip differs"

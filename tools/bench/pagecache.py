@@ -116,29 +116,64 @@ class Evictor:
                 pass
 
 
-def drop_page_cache(store_dir: str) -> dict:
-    """fsync + POSIX_FADV_DONTNEED on every file of the LMDB store (its medium names them: the
-    environment and its segment files); residency before and after."""
+COLD_MAX_FRACTION = 0.01  # of a file set's bytes still resident after a drop: above, not cold
+
+
+def not_cold(fraction: float | None) -> str | None:
+    """Why a figure taken after an eviction is not a cold figure (None: it is): the residency
+    was unknown, or more than ``COLD_MAX_FRACTION`` of the bytes stayed in the page cache."""
+    if fraction is None:
+        return "residency after the eviction unknown (mincore failed): not checked cold"
+    if fraction > COLD_MAX_FRACTION:
+        return f"not cold: {fraction:.1%} of the files still in the page cache after the eviction"
+    return None
+
+
+def _store_resident(files: list[Path]) -> int | None:
+    """Page-cache bytes of ``files``, None if unknown."""
+    total = 0
+    for path in files:
+        try:
+            pages = resident_pages(path)[0]
+        except (OSError, AttributeError):
+            return None
+        if pages is None:
+            return None
+        total += pages * _PAGE
+    return total
+
+
+def _store_files(store_dir: str) -> list[Path]:
     from storage_backends.lmdb_disk import LmdbBackend
 
-    def resident(paths: list[Path]) -> int | None:  # page-cache bytes, None if unknown
-        total = 0
-        for path in paths:
-            try:
-                pages = resident_pages(path)[0]
-            except (OSError, AttributeError):
-                return None
-            if pages is None:
-                return None
-            total += pages * _PAGE
-        return total
+    return LmdbBackend.store_files(Path(store_dir))
 
-    files = LmdbBackend.store_files(Path(store_dir))
-    before = resident(files)
+
+def store_resident_mib(store_dir: str) -> float | None:
+    """MiB of the LMDB store's files (environment and segment files) in the page cache now."""
+    got = _store_resident(_store_files(store_dir))
+    return None if got is None else round(got / 2**20, 1)
+
+
+def drop_page_cache(store_dir: str, *, require_cold: bool = False) -> dict:
+    """fsync + POSIX_FADV_DONTNEED on every file of the LMDB store (its medium names them: the
+    environment and its segment files); residency before and after, and ``cold`` (False, with
+    ``not_cold`` saying why, when more than ``COLD_MAX_FRACTION`` stayed or it is unknown).
+    ``require_cold``: raise RuntimeError instead of returning a drop that left the store warm."""
+    files = _store_files(store_dir)
+    before = _store_resident(files)
     for path in files:
         fadvise_out(path)
-    after = resident(files)
+    after = _store_resident(files)
+    size = sum(p.stat().st_size for p in files)
     allocated = sum(p.stat().st_blocks * 512 for p in files)
-    return {"store_allocated_mib": round(allocated / 2**20, 1), "files": len(files),
-            "resident_mib_before": None if before is None else round(before / 2**20, 1),
-            "resident_mib_after": None if after is None else round(after / 2**20, 1)}
+    why = not_cold(None if after is None else (after / size if size else 0.0))
+    out = {"store_allocated_mib": round(allocated / 2**20, 1), "files": len(files),
+           "resident_mib_before": None if before is None else round(before / 2**20, 1),
+           "resident_mib_after": None if after is None else round(after / 2**20, 1),
+           "cold": why is None}
+    if why is not None:
+        out["not_cold"] = why
+        if require_cold:
+            raise RuntimeError(f"page cache drop of {store_dir}: {why}")
+    return out
