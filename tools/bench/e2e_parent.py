@@ -22,7 +22,7 @@ from .e2e_setup import (
     GEN_TOKENS,
     TARGET_FROM,
     TARGET_OVERHEAD_PCT,
-    TARGET_RATIO,
+    target_ratio,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,10 +117,10 @@ def ttft_section(args, max_position: int, scratch: str) -> tuple[list[dict], dic
             row["problems"].append("a warm restart's output differs from the cold run's")
         if not row.get("continuation", {}).get("outputs_identical", True):
             row["problems"].append("the continuations' outputs differ")
-        row["target_ratio"] = TARGET_RATIO if length >= TARGET_FROM else None
+        row["target_ratio"] = target_ratio(length)
         if row["target_ratio"] is not None:
             worst = max(row["ratio_warm_over_cold"], row.get("ratio_dropped_over_cold", 0.0))
-            row["pass"] = worst <= TARGET_RATIO and not row["problems"]
+            row["pass"] = worst <= row["target_ratio"] and not row["problems"]
         rows.append(row)
     return rows, env
 
