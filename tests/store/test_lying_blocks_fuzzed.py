@@ -22,8 +22,9 @@ from tiered_kv.errors import CorruptBlock
 from tiered_kv.keys import Namespace
 from tiered_kv.store.codec import HEADER, HEADER_BYTES, BlockCodec, BlockLayout
 from tiered_kv.store.codec_segments import ENTRY, TABLE_HEAD, table_len
+from tiered_kv.store.cost_records import decode_costs
 from tiered_kv.store.host_slots import bytes_of
-from tiered_kv.store.records import decode_costs, decode_namespace, encode_namespace, namespace_key, scrubbed
+from tiered_kv.store.records import decode_namespace, encode_namespace, namespace_key, scrubbed
 from tiered_kv.store.tenant_cipher import TenantCipher
 
 # 8 layers of 32 KiB: framed in 4 layer groups of 64 KiB (layer_groups 8), or one (layer_groups 1)

@@ -177,3 +177,64 @@ def test_the_estimates_and_skipped_tokens_are_exported(tmp_path):
     assert samples[("tiered_kv_restore_throughput_bytes", "disk")] == pytest.approx(1e9)
     assert samples[("tiered_kv_prefill_seconds", "token")] == pytest.approx(20e-6)
     assert samples[("tiered_kv_cost_observations", "steps")] == 3
+
+
+def as_machine(monkeypatch, name: str) -> None:
+    """This process is on a machine of class ``name`` from now on."""
+    from tiered_kv.store import cost_records
+
+    monkeypatch.setattr(cost_records, "machine_class", lambda: (name, f"{name} hardware"))
+
+
+def test_a_replica_on_other_hardware_sharing_a_tier_does_not_steer_this_ones_restore_policy(tmp_path, monkeypatch):
+    """Replicas on a GPU and on a CPU share a file store (or a Redis): each reads only the
+    estimates of its own class of machine (the CPU's read the GPU's prefill figures: recomputing
+    looked cheap), and both classes' stay in the record."""
+    files = {"url": f"file://{tmp_path}/files"}
+    as_machine(monkeypatch, "gpu")
+    with make_store(tmp_path, disk=files) as store:
+        store.save(keys_for(2), payloads(store, 2))
+        observe(store)
+        gpu = (store.costs.restore_estimate("disk"), store.costs.prefill_estimate())
+    as_machine(monkeypatch, "cpu")
+    with make_store(tmp_path, disk=files) as store:
+        assert store.costs.empty(), "another class of machine's estimates were adopted"
+        store.costs.observe_restore("disk", 1 << 16, 0.5)  # this machine's own, other figures
+        store.costs.observe_restore("disk", 1 << 18, 1.0)
+        config = store.config
+    index = LowerTierIndex(config, NS)  # the CPU replica's scheduler
+    try:
+        assert index.cost_record.loaded.wait(10)
+        assert index.costs.prefill_estimate() is None and index.costs.restores_observed() == {"disk": 2}
+    finally:
+        index.close()
+    as_machine(monkeypatch, "gpu")
+    with make_store(tmp_path, disk=files) as store:  # the GPU replica restarted: its own figures
+        assert (store.costs.restore_estimate("disk"), store.costs.prefill_estimate()) == gpu
+
+
+def test_a_record_keeps_the_most_recently_written_classes_of_machine(tmp_path, monkeypatch):
+    from tiered_kv.store import cost_records
+
+    monkeypatch.setattr(cost_records, "MAX_MACHINES", 2)
+    monkeypatch.setattr(cost_records.time, "time", iter(range(1, 100)).__next__)
+    held = None
+    for name in ("a", "b", "c"):
+        as_machine(monkeypatch, name)
+        held = cost_records.encode_costs(NS, {"restore": {}, "prefill": {}}, "disk", held)
+    assert cost_records.decode_costs(held, "a") is None
+    assert cost_records.decode_costs(held, "b")["machine"] == "b hardware"
+    assert cost_records.decode_costs(held, cost_records.ANY)["machine"] == "c hardware"
+
+
+def test_a_record_of_the_previous_format_is_not_read_as_this_machines_estimates():
+    """Format 1 held one set of estimates of no known machine: the store learns afresh."""
+    import json
+
+    from tiered_kv.store import cost_records
+    from tiered_kv.store.records import COSTS_MEMBER, record_doc
+
+    legacy = {**record_doc(NS), COSTS_MEMBER: {"format": 1, "tier": "disk", "written": 1.0,
+                                                "restore": {}, "prefill": {}}}
+    assert cost_records.decode_costs(json.dumps(legacy).encode()) is None
+    assert cost_records.decode_costs(json.dumps(legacy).encode(), cost_records.ANY) is None

@@ -18,7 +18,7 @@ from tiered_kv.admin.opening import Tier
 from tiered_kv.connector.restore_policy import Decision, RestorePolicy
 from tiered_kv.errors import BackendUnavailable, ConfigError, CorruptBlock, TokenError
 from tiered_kv.keys import Namespace, block_keys
-from tiered_kv.store.records import read_costs
+from tiered_kv.store.cost_records import ANY, read_costs
 from tiered_kv.store.restore_costs import RestoreCosts
 
 _SEPARATORS = re.compile(r"[\s,]+")
@@ -145,11 +145,14 @@ def _restore(tiers: list[Tier], ns: Namespace, digest: bytes, where: list[str], 
     ``prompt`` tokens, from the estimates in the namespace record of the first tier holding some."""
     costs = RestoreCosts(options.min_samples)
     record, names = None, {}
-    for tier in tiers:  # each record names the tier it is in as its store called it
-        doc = read_costs([(tier.name, tier.backend)], digest)
-        if doc is not None:
-            record = record or doc
-            names[tier.name] = str(doc.get("tier") or tier.name)
+    for machine in (None, ANY):  # this machine's estimates, else the latest written (another class of machine's)
+        for tier in tiers:  # each record names the tier it is in as its store called it
+            doc = read_costs([(tier.name, tier.backend)], digest, machine)
+            if doc is not None:
+                record = record or doc
+                names.setdefault(tier.name, str(doc.get("tier") or tier.name))
+        if record is not None:
+            break
     if record is not None:
         costs.restore_snapshot(record)
     policy = RestorePolicy.for_namespace(costs, ns, layerwise=options.layerwise, device=options.device,
@@ -169,7 +172,8 @@ def _restore(tiers: list[Tier], ns: Namespace, digest: bytes, where: list[str], 
     out = {"policy": options.policy, **decision.as_dict(), "layerwise": policy.layerwise,
            "engine_device": options.device, "overlap": policy.overlap,
            "layer_groups": policy.groups, "min_samples": options.min_samples,
-           "record_written": record.get("written") if record else None, "estimates": _estimates(costs)}
+           "record_written": record.get("written") if record else None,
+           "record_machine": record.get("machine") if record else None, "estimates": _estimates(costs)}
     return out
 
 

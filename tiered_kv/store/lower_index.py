@@ -9,7 +9,7 @@ block evicted in between is a counted load failure that the engine recomputes.
 
 The restore policy needs cost estimates, which only the workers can observe: ``costs`` is read
 from the namespace record, where the workers' stores write them, when the index opens and every
-``COSTS_REFRESH_S`` seconds after (:class:`~tiered_kv.store.records.CostsKeeper`); what the policy
+``COSTS_REFRESH_S`` seconds after (:class:`~tiered_kv.store.cost_records.CostsKeeper`); what the policy
 left unloaded is counted in ``skipped`` (blocks per tier) and ``skipped_tokens``.
 """
 
@@ -21,9 +21,9 @@ from collections.abc import Sequence
 
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.keys import Namespace
+from tiered_kv.store.cost_records import COSTS_REFRESH_S, CostsKeeper
 from tiered_kv.store.lower_tiers import open_media
 from tiered_kv.store.presence import RankedPresence
-from tiered_kv.store.records import COSTS_REFRESH_S, CostsKeeper
 from tiered_kv.store.restore_costs import RestoreCosts
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ restores from each tier and the engine's prefill steps take (the connector's wor
 its scheduler's restore policy reads); it starts from the estimates in the namespace record of
 the first lower tier holding some (never an ``off`` one: this process does not write those),
 and is written back at most every ``COSTS_SAVE_S`` seconds and at flush / close
-(:class:`~tiered_kv.store.records.CostsKeeper`). Blocks the policy left unloaded are counted
+(:class:`~tiered_kv.store.cost_records.CostsKeeper`). Blocks the policy left unloaded are counted
 by :meth:`TieredStore.count_restore_skips`.
 
 The store is assembled from parts handed what they use: :class:`~tiered_kv.store.host_slots.HostSlots`
@@ -49,6 +49,7 @@ from tiered_kv.keys import Namespace, leading_present
 from tiered_kv.store import codec_choice
 from tiered_kv.store.admission import RequestCounts
 from tiered_kv.store.block_events import BlockEvents
+from tiered_kv.store.cost_records import COSTS_SAVE_S, CostsKeeper
 from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.host_copy import HostCopier
 from tiered_kv.store.host_slots import HostSlots
@@ -58,7 +59,7 @@ from tiered_kv.store.lower_reads import LowerReader
 from tiered_kv.store.lower_tiers import open_media
 from tiered_kv.store.metrics import StoreMetrics
 from tiered_kv.store.presence import RankedPresence
-from tiered_kv.store.records import COSTS_SAVE_S, CostsKeeper, RecordKeeper
+from tiered_kv.store.records import RecordKeeper
 from tiered_kv.store.restore_costs import RestoreCosts
 from tiered_kv.store.saving import SaveBatch, Saver
 from tiered_kv.store.stats_log import StatsLogger
