@@ -46,6 +46,7 @@ class MemoryConnector:
         self._requests: dict[str, _Tracked] = {}
         self._meta: dict | None = None
         self._loading: dict[str, int] = {}  # async request -> polls left
+        self._load_blocks: dict[str, list[tuple[bytes, int]]] = {}  # async request -> what it loads
         self._saving: dict[str, int] = {}  # held request -> polls left
         self._errors: set[int] = set()
         self._failed_requests: set[str] = set()  # loads failed this step: do not save their KV
@@ -74,6 +75,7 @@ class MemoryConnector:
         self.calls.append("update_state_after_alloc")
         tracked = self._requests.setdefault(request.request_id, _Tracked([], []))
         tracked.external = num_external_tokens
+        tracked.block_ids = list(block_ids)  # (called again with new ones when a load is given up)
         if num_external_tokens:
             keys = block_keys(self.namespace, request.prompt_token_ids)
             first = request.num_computed_tokens // self.block_size  # after the device prefix hit
@@ -128,6 +130,7 @@ class MemoryConnector:
         for request_id, blocks in self._meta["loads"].items():
             if self.load_async:
                 self._loading[request_id] = self.load_delay
+                self._load_blocks[request_id] = blocks
                 if self.early_errors:
                     self._errors.update(block_id for key, block_id in blocks if key in self.fail_keys)
             else:
@@ -175,7 +178,7 @@ class MemoryConnector:
             self._loading[request_id] -= 1
             if self._loading[request_id] <= 0:
                 del self._loading[request_id]
-                self._load(request_id, self._requests[request_id].loads)
+                self._load(request_id, self._load_blocks.pop(request_id))
                 loaded.append(request_id)
         return saved, loaded
 

@@ -192,3 +192,33 @@ def test_a_loaded_state_is_the_state_a_full_prefill_leaves_at_that_boundary(tmp_
         assert torch.equal(engine.kv_cache_manager.state[:, engine.kv_cache_manager.state_slot(rid)], expected)
     finally:
         conn.close()
+
+
+def test_a_hybrid_prefill_is_not_held_back_by_decodes_under_a_one_block_budget(tmp_path):
+    """Decodes take part of a one-block step budget: the prefill beside them still advances (a
+    chunk short of the next boundary, then one ending on it) and every boundary's state is stored."""
+    prompt = random_prompt(40, seed=32)
+    params = SamplingParams(max_tokens=3, return_logits=True)
+    reference = recomputed(HYBRID, prompt, params)
+    conn = connector(tmp_path, HYBRID)
+    try:
+        engine = make_engine(HYBRID, connector=conn, block_size=BS, max_num_batched_tokens=BS)
+        engine.add_request(random_prompt(20, seed=33), SamplingParams(max_tokens=30))
+        for _ in range(3):  # prefilled, decoding
+            engine.step()
+        request_id = engine.add_request(prompt, params)
+        steps = 0
+        while engine.get_request(request_id).is_prefill:
+            engine.step()
+            steps += 1
+        assert steps <= 8 and engine.has_unfinished_requests()  # beside the decode, not after it
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.drain(30.0)
+        ns = namespace(HYBRID)
+        assert conn.store.lookup([ns.state_key(k) for k in block_keys(ns, prompt)[:2]]) == 2
+    finally:
+        conn.close()
+    [again], _, _ = serve(tmp_path, HYBRID, [prompt], params)
+    assert again.output_token_ids == reference.output_token_ids
+    assert (again.num_external_tokens, again.state_loaded) == (32, True)

@@ -207,3 +207,41 @@ def test_regression_a_backup_larger_than_the_staging_tier_waited_on_a_hung_tier_
         hung.set()
         backup.join(30)
         storage.close()
+
+
+def test_a_clear_with_a_hung_tier_does_not_stall_sglangs_scheduler_thread(tmp_path):
+    # clear() ran the deletes on SGLang's scheduler thread: a lower tier that stopped answering
+    # (a stalled network disk, a hung Redis) stalled every request behind the admin call
+    import threading
+
+    pool = MHAPool("page_first", seed=1)
+    storage = attach(pool, disk=disk(tmp_path), write_timeout="300ms")
+    keys = sglang_keys(3)
+    assert storage.batch_set_v1(keys, pool.page_indices(0, 3)) == [True] * 3
+    backend, hung, entered = storage.store.tier("disk").backend, threading.Event(), threading.Event()
+    delete_many = backend.delete_many
+    backend.delete_many = lambda batch, **kw: (entered.set(), hung.wait(60)) and delete_many(batch, **kw)
+    answers: list = []
+
+    def scheduler_clear():
+        try:
+            storage.clear()
+            answers.append("cleared")
+        except TieredKVError as exc:
+            answers.append(exc)
+
+    scheduler = threading.Thread(target=scheduler_clear, daemon=True)
+    try:
+        scheduler.start()
+        assert entered.wait(30)  # the deletes reached the hung tier
+        scheduler.join(SGLANG_JOIN_S)
+        assert not scheduler.is_alive(), "clear() waited on the hung disk tier"
+        assert len(answers) == 1 and "background" in str(answers[0])  # SGLang: logged, clear() -> False
+        with pytest.raises(TieredKVError, match="still running"):
+            storage.clear()  # one at a time
+    finally:
+        hung.set()
+        storage._clearing.join(30)
+    storage.clear()  # the tier answers again: the next clear goes through
+    assert storage.batch_exists(keys) == 0
+    storage.close()

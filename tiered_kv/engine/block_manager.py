@@ -94,7 +94,22 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop the request's references; blocks reaching zero go back to the free list."""
-        for block_id in reversed(seq.block_ids):
+        self.release(reversed(seq.block_ids))
+        seq.block_ids = []
+        seq.num_registered_blocks = 0
+
+    def set_aside(self, seq: Sequence, block_ids: list[int]) -> None:
+        """Give the request fresh blocks in place of ``block_ids``; its references on those become
+        the caller's (:meth:`release` drops them)."""
+        if len(block_ids) > self.num_free_blocks:
+            raise RuntimeError(f"out of KV blocks: need {len(block_ids)}, {self.num_free_blocks} free")
+        where = {block_id: i for i, block_id in enumerate(seq.block_ids)}
+        for block_id in block_ids:
+            seq.block_ids[where[block_id]] = self._take_free()
+
+    def release(self, block_ids) -> None:
+        """Drop one reference on each block; blocks reaching zero go back to the free list."""
+        for block_id in block_ids:
             self.ref_counts[block_id] -= 1
             if self.ref_counts[block_id] < 0:
                 raise RuntimeError(f"block {block_id} freed twice")
@@ -102,8 +117,6 @@ class BlockManager:
                 self._free[block_id] = None
                 if self.block_keys[block_id] is None:
                     self._free.move_to_end(block_id, last=False)  # useless for reuse: hand out first
-        seq.block_ids = []
-        seq.num_registered_blocks = 0
 
     def _take_free(self) -> int:
         block_id, _ = self._free.popitem(last=False)

@@ -240,6 +240,10 @@ class EngineConfig:
     cache_salt: str = ""  # tenant salt folded into the namespace
     hash_algo: str = "xxh3_128"  # block-key hash (see tiered_kv.keys.HASHES)
     drain_timeout_s: float = 30.0  # generate() waits this long for held blocks to be saved
+    # seconds an async load may go unreported before its request recomputes those blocks (on fresh
+    # ones: the blocks it loads into stay out of use until the connector reports it); None = wait
+    # for ever (vLLM's behaviour); 0 = give up at the first poll that did not report it
+    load_timeout_s: float | None = 30.0
 
     def __post_init__(self) -> None:
         _positive("engine", self, "block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens")
@@ -254,6 +258,10 @@ class EngineConfig:
         if isinstance(self.drain_timeout_s, bool) or not isinstance(self.drain_timeout_s, (int, float)) \
                 or self.drain_timeout_s < 0:
             raise ConfigError(f"engine.drain_timeout_s must be >= 0, got {self.drain_timeout_s!r}")
+        timeout = self.load_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                    or not 0 <= timeout < float("inf")):
+            raise ConfigError(f"engine.load_timeout_s must be a finite number >= 0 or None, got {timeout!r}")
         from tiered_kv.keys import HASHES
 
         _choice("engine", "hash_algo", self.hash_algo, tuple(HASHES))

@@ -15,6 +15,11 @@ The engine drives a connector in TensorRT-LLM's executor order, once per step::
     get_finished(finished_req_ids, started_loading_req_ids)
     get_block_ids_with_load_errors()                  (again, when async loads were reported)
 
+An async load not reported within ``EngineConfig.load_timeout_s`` is given up: its request
+computes those tokens on fresh blocks (a hybrid: a fresh state slot too), announced by a second
+``update_state_after_alloc`` with 0 external tokens; the blocks (and slot) the load was given stay
+unused until ``get_finished`` reports the request id as loaded (a late load may still write them).
+
 A request whose loaded blocks failed is recomputed from its first failed block (a sync-loaded
 request also drops the token sampled in that step). Error ids may be reported once or repeatedly:
 the engine only applies them to blocks it has not yet validated.
@@ -93,7 +98,8 @@ class ConnectorScheduler(Protocol):
     def update_state_after_alloc(self, request: RequestView, block_ids: list[int],
                                  num_external_tokens: int) -> None:
         """The request got ``block_ids`` (all its prompt blocks); ``num_external_tokens`` tokens
-        after the device prefix hit are to be loaded (0 = nothing to load)."""
+        after the device prefix hit are to be loaded (0 = nothing to load). Called again with 0
+        and the request's new blocks when its async load was given up (``load_timeout_s``)."""
         ...
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> object:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +36,14 @@ def paged_pool_shape(page: ResourceHandler, num_layers: int, num_blocks: int, bl
 def paged_layer_view(page: ResourceHandler, pool: torch.Tensor, layer: int) -> torch.Tensor:
     """Layer ``layer``'s blocks: ``[2, num_blocks, block_size, H, D]`` or ``[num_blocks, block_size, D]``."""
     return pool[:, layer] if isinstance(page, PagedKVHandler) else pool[layer]
+
+
+@dataclass(frozen=True)
+class SetAside:
+    """What a request gave up while a load may still write it: device blocks, a state slot."""
+
+    block_ids: tuple[int, ...]
+    slot: int | None = None
 
 
 class KVCacheManager:
@@ -126,6 +135,19 @@ class KVCacheManager:
             return
         self._reserved.pop(request.request_id, None)
         self.block_manager.free(request)
+
+    # ---- blocks an abandoned load may still write -----------------------------------------------
+    def set_aside(self, request: Sequence, block_ids: list[int]) -> SetAside | None:
+        """Move the request off ``block_ids`` (a load it gave up on may still write them) onto
+        fresh blocks; None when the pool cannot spare them now. The old ones stay out of use until
+        :meth:`release_set_aside`."""
+        if len(block_ids) > self.get_num_available_blocks():
+            return None
+        self.block_manager.set_aside(request, block_ids)
+        return SetAside(tuple(block_ids))
+
+    def release_set_aside(self, aside: SetAside) -> None:
+        self.block_manager.release(aside.block_ids)
 
     # ---- views ---------------------------------------------------------------------------------
     def get_batch_cache_indices(self, request_ids: Iterable[str]) -> list[list[int]]:

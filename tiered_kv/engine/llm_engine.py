@@ -22,6 +22,7 @@ from tiered_kv.engine.batch import ScheduledBatch
 from tiered_kv.engine.cached_sequence import CachedSequenceInterface
 from tiered_kv.engine.config import EngineConfig, ModelConfig
 from tiered_kv.engine.connector_api import ConnectorScheduler, ConnectorWorker
+from tiered_kv.engine.load_timeouts import LoadTimeouts
 from tiered_kv.engine.model_runner import ModelRunner, resolve_device
 from tiered_kv.engine.namespace import engine_namespace, weights_revision
 from tiered_kv.engine.output import Output
@@ -83,6 +84,7 @@ class LLMEngine:
         self.scheduler = Scheduler(engine_config, self.kv_cache_manager, self.connector_scheduler,
                                    groups=self.namespace.groups,
                                    align=self.cache.has_state and connector is not None)
+        self.load_timeouts = LoadTimeouts(self.scheduler, self.kv_cache_manager, self.connector_scheduler)
         self.sampler = Sampler()
         self._seed = seed
         self._counter = itertools.count()
@@ -127,7 +129,7 @@ class LLMEngine:
         prompt = [int(t) for t in prompt_token_ids]
         index = next(self._counter)
         request_id = request_id if request_id is not None else f"req-{index}"
-        if request_id in self._requests or request_id in self._held:
+        if request_id in self._requests or request_id in self._held or self.load_timeouts.holds(request_id):
             raise ConfigError(f"request id {request_id!r} is already in use")
         if not prompt:
             raise ConfigError("prompt_token_ids must not be empty")
@@ -278,6 +280,8 @@ class LLMEngine:
                 request.num_computed_tokens = request.num_cached_tokens + request.num_external_tokens
                 self._validate_load(request)
                 self.scheduler.loaded(request)
+            self.load_timeouts.reported(loaded)  # (after their errors were taken: the ids are ours)
+        self.load_timeouts.give_up_overdue()
         pending = {b for r in self.scheduler.loading.values() for b in r.pending_load_blocks}
         self._load_errors &= pending
 

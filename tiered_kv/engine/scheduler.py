@@ -10,13 +10,15 @@ With KV cache groups (MLA, hybrid) every block-id argument the connector gets ho
 group: a token group's list is the block table, a state group's is the request's state slot.
 A model with recurrent state and a connector prefills in chunks that end on block boundaries
 (``align``): the state at a block boundary exists only at the end of a step, so each chunk but a
-prompt's last ends on one, and a prompt's last full block boundary before its last token is
+prompt's last ends on one (or, when the step's budget left is under a block, short of the next
+one, which the chunk after it then ends on), and a prompt's last full block boundary before its last token is
 always the end of a step (a later request can resume there).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 
 from tiered_kv.engine.batch import ScheduledBatch
@@ -43,6 +45,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.loading: dict[str, Sequence] = {}  # async loads in flight
         self._finished_since_output: list[str] = []
+        self.clock = time.monotonic  # load deadlines (``load_timeout_s``) are read on it
 
     def add_request(self, request: Sequence) -> None:
         self.waiting.append(request)
@@ -87,8 +90,10 @@ class Scheduler:
             boundary = (request.num_prompt_tokens - 1) // bs * bs  # the last a later request resumes at
             if start < boundary < end:
                 end = boundary
-            elif end < request.num_tokens:
+            elif end < request.num_tokens and end - end % bs > start:
                 end -= end % bs
+            # else a budget under a block (decodes took some): the chunk ends inside this block and
+            # the next one ends on its boundary (no boundary is skipped; prefills are never held back)
         return max(0, end - start)
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
@@ -117,6 +122,8 @@ class Scheduler:
             batch.cached_blocks[request.request_id] = cached
             if load_async:
                 request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                timeout = self.config.load_timeout_s
+                request.load_deadline = None if timeout is None else self.clock() + timeout
                 self.loading[request.request_id] = request
             else:
                 request.status = RequestStatus.RUNNING
@@ -196,8 +203,16 @@ class Scheduler:
         self.loading.pop(request.request_id, None)
         self._finished_since_output.append(request.request_id)
 
+    def overdue_loads(self) -> list[Sequence]:
+        """Requests whose async load is past its deadline (``load_timeout_s``)."""
+        if not self.loading:
+            return []
+        now = self.clock()
+        return [r for r in self.loading.values() if r.load_deadline is not None and r.load_deadline <= now]
+
     def loaded(self, request: Sequence) -> None:
-        """An async load finished (and was validated): compute the rest of the prompt next."""
+        """An async load finished (and was validated) or was given up on: compute the rest of the
+        prompt next."""
         if self.loading.pop(request.request_id, None) is None:
             return
         request.status = RequestStatus.RUNNING

@@ -41,6 +41,7 @@ class Sequence:
         self.num_prefilled_tokens = 0  # prompt tokens this engine computed (recomputes included)
         self.load_async = False
         self.pending_load_blocks: list[int] = []  # connector-loaded blocks not validated yet
+        self.load_deadline: float | None = None  # async load: given up on after this (scheduler clock)
         self.state_loaded = False  # its recurrent state came with the loaded blocks (hybrid models)
         self.num_registered_blocks = 0  # leading full blocks published in the device prefix table
         self.num_reported_tokens = 0  # tokens already sent to the connector in a SchedulerOutput

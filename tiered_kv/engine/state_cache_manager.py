@@ -14,7 +14,7 @@ again when the request is recomputed from its first token.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -22,7 +22,7 @@ from tiered_kv.dtypes import torch_dtype
 from tiered_kv.engine.batch import ScheduledBatch
 from tiered_kv.engine.cache_resources import CausalConvHandler, SSMStateHandler
 from tiered_kv.engine.config import EngineConfig, ModelConfig
-from tiered_kv.engine.kv_cache_manager import KVCacheManager
+from tiered_kv.engine.kv_cache_manager import KVCacheManager, SetAside
 from tiered_kv.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
@@ -102,6 +102,24 @@ class HybridCacheManager(KVCacheManager):
         if slot is not None:
             self._free_slots.append(slot)
         super().free_resources(request)
+
+    def set_aside(self, request: Sequence, block_ids: list[int]) -> SetAside | None:
+        """Blocks as :meth:`KVCacheManager.set_aside`, and the state slot (a load writes the
+        state at its prefix's end there): the request continues in a zeroed slot."""
+        if not self._free_slots:
+            return None
+        aside = super().set_aside(request, block_ids)
+        if aside is None:
+            return None
+        slot = self._slot_of.get(request.request_id)
+        self._slot_of[request.request_id] = self._free_slots.pop(0)
+        self.reset_state(request)
+        return replace(aside, slot=slot)
+
+    def release_set_aside(self, aside: SetAside) -> None:
+        super().release_set_aside(aside)
+        if aside.slot is not None:
+            self._free_slots.append(aside.slot)
 
     # ---- views ---------------------------------------------------------------------------------
     def get_state_buffers(self, layer_idx: int) -> dict[str, torch.Tensor]:

@@ -121,6 +121,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
         self.namespace = None
         self._store = None
         self._lock = threading.Lock()
+        self._clearing: threading.Thread | None = None  # the last clear's thread
         self._staging = Staging()  # per-thread staging blocks for reads
         self._failures = 0  # calls answered as misses because they failed
         self._complaints = LogThrottle(log, 30.0)
@@ -218,17 +219,43 @@ class TieredKVHiCacheStorage(HiCacheStorage):
     def clear(self) -> None:
         """Remove every page of this namespace from every tier (SGLang's ``clear_storage_backend``).
         A failure raises: SGLang's storage attachment logs it and answers False (a failure
-        answered as None was logged "cleared successfully")."""
+        answered as None was logged "cleared successfully"). SGLang calls it on its scheduler
+        thread: the work runs on a thread of its own, waited for at most twice ``write_timeout``
+        (the flush, then the deletes); past that it raises and goes on in the background (a hung
+        tier stalls it, not the scheduler), and a clear asked for meanwhile is refused."""
+        with self._lock:
+            if self._clearing is not None and self._clearing.is_alive():
+                raise BackendUnavailable("tiered-kv SGLang storage: the clear asked for earlier is still "
+                                         "running (a lower tier is not answering); nothing more started")
+            outcome: list[Exception | None] = []
+            self._clearing = threading.Thread(target=self._clear_now, args=(self.store, outcome),
+                                              name="tiered-kv-sglang-clear", daemon=True)
+        self._clearing.start()
+        self._clearing.join(2 * self.write_timeout)
+        if not outcome:
+            raise BackendUnavailable(f"tiered-kv SGLang storage: the clear did not finish within "
+                                     f"{2 * self.write_timeout:g} s (a lower tier is not answering); "
+                                     f"it goes on in the background")
+        if outcome[0] is not None:
+            raise outcome[0]
+
+    def _clear_now(self, store, outcome: list) -> None:
         from tiered_kv.admin.evict_copy import evict
         from tiered_kv.admin.opening import Tier
 
-        store = self.store
-        if not store.flush(self.write_timeout):  # a write-behind left running would store pages again
-            raise BackendUnavailable(f"tiered-kv SGLang storage: backups still being written after "
-                                     f"{self.write_timeout:g} s; nothing cleared")
-        for tier in store.tiers:
-            evict(Tier(tier.name, tier.backend), namespace=self.namespace.digest())
-        store.host.delete_many(list(store.host.scan()))
+        try:
+            if not store.flush(self.write_timeout):  # a write-behind left running would store pages again
+                raise BackendUnavailable(f"tiered-kv SGLang storage: backups still being written after "
+                                         f"{self.write_timeout:g} s; nothing cleared")
+            for tier in store.tiers:
+                evict(Tier(tier.name, tier.backend), namespace=self.namespace.digest())
+            store.host.delete_many(list(store.host.scan()))
+        except Exception as exc:  # (raised to the caller when it still waits; logged for when it does not)
+            log.warning("tiered-kv SGLang storage: clear failed: %s", exc)
+            outcome.append(exc)
+            return
+        log.info("tiered-kv SGLang storage: cleared")
+        outcome.append(None)
 
     @_answers(lambda *a, **k: None)
     def get_stats(self):
