@@ -21,7 +21,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from storage_backends.file_layout import as_key, file_of, temp_of
+from storage_backends.file_layout import as_key, file_of, temp_of, tenant_of_link
 from tiered_kv.errors import BackendClosed, BackendUnavailable
 
 _serials = itertools.count()
@@ -51,6 +51,8 @@ def delete_if_unchanged(backend, pairs: Sequence[tuple[bytes, bytes]]) -> list[b
 
 def _delete_one(path: Path, expected: bytes) -> bool:
     link = _link_of(path)
+    if link is not None and tenant_of_link(link) is None:
+        return False  # a link that is not ours (to /etc/passwd): never followed, never renamed
     held = path.parent / link if link is not None else path
     tomb = temp_of(path, f"cas{next(_serials)}")
     try:

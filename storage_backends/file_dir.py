@@ -17,8 +17,8 @@ Options: ``capacity`` (bytes; default none: the filesystem decides) evicts least
 used files when a put would go over it; ``tenant_quota`` / ``tenant_quotas`` bound each tenant's
 bytes (a tenant over its quota evicts its own files first: :mod:`storage_backends.eviction`).
 Both work on an approximate view of the directory (:mod:`storage_backends.file_room`).
-``sync`` fsyncs each file before the rename; ``touch=false`` leaves access times alone (tools:
-no ``utime``, and files are opened with O_NOATIME where the filesystem allows it);
+``sync`` fsyncs each file before the rename and its directories after it; ``touch=false``
+leaves access times alone (tools: no ``utime``, files opened with O_NOATIME where allowed);
 ``create=false`` refuses to make a store where there is none. Usage per tenant comes from a
 listing, so it counts every process's files.
 """
@@ -159,21 +159,16 @@ class FileBackend(Backend):
         return values
 
     async def _read(self, key: bytes) -> bytes | None:
-        path = self._file(key)
-        try:
-            async with aiofiles.open(path, "rb", opener=None if self.touch else file_entries.open_untouched) as fh:
-                data = await fh.read()
-        except FileNotFoundError:
+        data = await _read_value(self._file(key), self.touch)
+        if data is None:
             return None
-        if self.touch:
-            await _touch(path)
         if self._room is not None:
             self._room.touched(key)
         return data
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         keys = [as_key(k) for k in keys]
-        return self._run(self._each(keys, lambda k: aiofiles.os.path.isfile(self._file(k))))
+        return self._run(self._each(keys, lambda k: _holds_value(self._file(k))))
 
     def scan(self, prefix: bytes = b"") -> Iterator[bytes]:
         prefix = bytes(prefix)
@@ -236,15 +231,22 @@ class FileBackend(Backend):
         path = self._file(key)
         if path.parent.name not in self._made:
             await aiofiles.os.makedirs(path.parent, exist_ok=True)
+            if self.sync:  # (the bucket's name in the store's directory)
+                await _sync_dir(self.path)
             self._made.add(path.parent.name)
         tmp = temp_of(target_of(path, tenant), next(self._names))
+        fh = await aiofiles.open(tmp, "xb")  # (never another writer's file, never removed)
         try:
-            async with aiofiles.open(tmp, "wb") as fh:
+            try:
                 await fh.write(value)
                 if self.sync:
                     await fh.flush()
                     await _fsync(fh.fileno())
+            finally:
+                await fh.close()
             await _publish(tmp, path, tenant)
+            if self.sync:  # (the rename is durable too: the directory naming the value)
+                await _sync_dir(path.parent)
         except BaseException:
             await _remove(tmp)
             raise
@@ -293,9 +295,8 @@ class FileBackend(Backend):
         """Size, last access (atime), creation (the rename: mtime) and tenant of ``key``; no
         hit count."""
         path = self._file(as_key(key))
-        try:
-            st = os.stat(path)
-        except FileNotFoundError:
+        st = file_entries.value_stat(path)
+        if st is None:
             return None
         return {"size": st.st_size, "last_access_ns": st.st_atime_ns, "hits": None,
                 "created_ns": st.st_mtime_ns, "tenant": file_entries.tenant_at(path)}
@@ -337,7 +338,9 @@ async def _others_ended(timeout: float) -> None:
         await asyncio.wait(others, timeout=timeout)
 
 
-_touch = aiofiles.os.wrap(file_entries.set_atime)
+_read_value = aiofiles.os.wrap(file_entries.read_value)
+_holds_value = aiofiles.os.wrap(lambda path: file_entries.value_stat(path) is not None)
 _remove = aiofiles.os.wrap(file_entries.remove)
 _publish = aiofiles.os.wrap(file_entries.publish)
 _fsync = aiofiles.os.wrap(os.fsync)
+_sync_dir = aiofiles.os.wrap(file_entries.sync_dir)

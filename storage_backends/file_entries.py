@@ -10,13 +10,17 @@ one; a race between two writers of one key can leave a tenant file no link point
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import time
 from pathlib import Path
 from typing import NamedTuple
 
 from storage_backends.file_layout import (
     MARKER,
+    is_bucket,
+    is_marker_temp,
     is_tenant_file,
     key_of,
     temp_of,
@@ -38,10 +42,73 @@ def target_of(path: Path, tenant: bytes) -> Path:
     return tenant_file_of(path, tenant) if tenant else path
 
 
+def value_of(path: Path) -> Path | None:
+    """The file holding the value of the key named ``path``: ``path`` itself, or the tenant file
+    its link names; None for a link that is not ours (one to /etc/passwd is never followed)."""
+    target = _link_of(path)
+    if target is None:
+        return path
+    return path.parent / target if tenant_of_link(target) is not None else None
+
+
+_MISSES = (errno.ENOENT, errno.ELOOP, errno.ENOTDIR)  # absent, a link (not ours), no bucket
+
+
+def read_value(path: Path, touch: bool) -> bytes | None:
+    """The value of the key named ``path``; None when absent or when what is there is not a
+    value of ours (a foreign link, a directory, a tenant file that is itself a link). With
+    ``touch``, its access time is set (best effort: another user's file keeps its own)."""
+    held = value_of(path)
+    if held is None:
+        return None
+    flags = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    untouched = 0 if touch else getattr(os, "O_NOATIME", 0)
+    try:
+        try:
+            fd = os.open(held, flags | untouched)
+        except PermissionError:
+            if not untouched:
+                raise
+            fd = os.open(held, flags)  # (O_NOATIME needs the file's owner)
+    except OSError as exc:
+        if exc.errno in _MISSES:
+            return None
+        raise
+    try:
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not stat.S_ISREG(st.st_mode):  # (a directory)
+        os.close(fd)
+        return None
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read()
+        if touch:
+            try:
+                os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
+            except PermissionError:
+                pass
+    return data
+
+
+def value_stat(path: Path) -> os.stat_result | None:
+    """The stat of the value of the key named ``path``; None where :func:`read_value` finds
+    none."""
+    held = value_of(path)
+    try:
+        st = os.stat(held, follow_symlinks=False) if held is not None else None
+    except OSError as exc:
+        if exc.errno in _MISSES:
+            return None
+        raise
+    return st if st is not None and stat.S_ISREG(st.st_mode) else None
+
+
 def publish(tmp: Path, path: Path, tenant: bytes) -> None:
     """Make the value written to ``tmp`` the value of the key named ``path``, for ``tenant``;
     the file of a previous tenant of the key goes."""
-    old = _link_of(path)
+    old = _our_link_of(path)
     target = target_of(path, tenant)
     os.replace(tmp, target)
     if tenant and old != target.name:
@@ -56,18 +123,35 @@ def publish(tmp: Path, path: Path, tenant: bytes) -> None:
         _unlink(path.parent / old)
 
 
-def remove(path: Path) -> int | None:
-    """Remove the key named ``path`` (and its tenant's file); its size, or None when absent."""
+def sync_dir(path: Path) -> None:
+    """fsync the directory ``path`` (the names renamed in it are durable after it)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
-        size = None  # absent, or a link whose file went
-    old = _link_of(path)
-    if not _unlink(path):
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove(path: Path) -> int | None:
+    """Remove the key named ``path`` (and its tenant's file); its size, or None when absent.
+    A directory there is left alone; a link that is not ours goes, never what it points to."""
+    st = value_stat(path)  # (None: absent, or a link whose file went)
+    size = st.st_size if st is not None else None
+    old = _our_link_of(path)
+    try:
+        if not _unlink(path):
+            return None
+    except IsADirectoryError:
         return None
     if old is not None:
         _unlink(path.parent / old)
     return size
+
+
+def _our_link_of(path: Path) -> str | None:
+    """Where ``path`` links when it is a link of ours (to a tenant file next to it)."""
+    target = _link_of(path)
+    return target if target is not None and tenant_of_link(target) is not None else None
 
 
 def tenant_at(path: Path) -> bytes | None:
@@ -83,7 +167,7 @@ def stored_files(root: Path) -> list[Stored]:
     are skipped. OSError when the directory cannot be read."""
     out = []
     for sub in os.scandir(root):
-        if not sub.is_dir() or len(sub.name) != 2:
+        if not sub.is_dir(follow_symlinks=False) or not is_bucket(sub.name):
             continue
         for entry in os.scandir(sub.path):
             key = key_of(entry.name)
@@ -92,45 +176,74 @@ def stored_files(root: Path) -> list[Stored]:
             tenant = tenant_of_link(_link_of(Path(entry.path)) or "") if entry.is_symlink() else b""
             if tenant is None:
                 continue  # a link that is not ours
+            held = value_of(Path(entry.path)) if tenant else Path(entry.path)
             try:
-                out.append(Stored(key, tenant, entry.stat()))
+                st = os.stat(held, follow_symlinks=False) if held is not None else None
             except FileNotFoundError:  # deleted meanwhile, or a link whose file went
                 continue
+            if st is not None and stat.S_ISREG(st.st_mode):  # (not a directory, not a link)
+                out.append(Stored(key, tenant, st))
     return out
 
 
 def check_dir(root: Path, fix: bool = False) -> list[str]:
     """Files that do not belong under ``root``: leftover temporary files, tenant files no link
-    points to (both when older than STALE_S), links to nothing, foreign files; removed with
-    ``fix``."""
-    problems, doomed = [], []
+    points to (both when older than STALE_S), links to nothing, foreign files and directories;
+    with ``fix``, the files (never a directory) are removed as they were judged: one replaced
+    meanwhile (a put of the key since) stays."""
+    problems = []
     now = time.time()
     for sub in os.scandir(root):
-        if not sub.is_dir():
-            if sub.name != MARKER:
-                problems.append(f"foreign file: {sub.name}")
+        if sub.is_dir(follow_symlinks=False) and is_bucket(sub.name):
+            problems += _check_bucket(Path(sub.path), fix, now)
             continue
         try:
-            entries = list(os.scandir(sub.path))
-        except FileNotFoundError:  # removed since the listing above: nothing of the store's
+            problem = _top_problem(sub, now)
+        except FileNotFoundError:  # gone since the scan
             continue
-        linked = {_link_of(Path(e.path)) for e in entries if e.is_symlink()}
-        for entry in entries:
-            try:
-                problem = _problem(entry, sub.name, linked, now)
-            except FileNotFoundError:  # renamed or removed since the scan (a live store)
-                continue
-            if problem:
-                problems.append(f"{problem}: {sub.name}/{entry.name}")
-                doomed.append(entry.path)
-    for path in doomed if fix else ():
-        _unlink(Path(path))
+        if problem:
+            problems.append(f"{problem}: {sub.name}")
+            if fix and problem != "foreign directory":
+                _drop(Path(sub.path), sub.inode())
+    return problems
+
+
+def _top_problem(entry: os.DirEntry, now: float) -> str | None:
+    if entry.name == MARKER:
+        return None
+    if entry.is_dir(follow_symlinks=False):
+        return "foreign directory"  # not a bucket: never walked, never removed
+    if is_marker_temp(entry.name):
+        recent = now - entry.stat(follow_symlinks=False).st_mtime < STALE_S
+        return None if recent else "leftover temporary file"
+    return "foreign file"
+
+
+def _check_bucket(bucket: Path, fix: bool, now: float) -> list[str]:
+    try:
+        entries = list(os.scandir(bucket))
+    except FileNotFoundError:  # removed since the listing above: nothing of the store's
+        return []
+    linked = {_link_of(Path(e.path)) for e in entries if e.is_symlink()}
+    problems = []
+    for entry in entries:
+        try:
+            problem = _problem(entry, bucket.name, linked, now)
+        except FileNotFoundError:  # renamed or removed since the scan (a live store)
+            continue
+        if problem:
+            problems.append(f"{problem}: {bucket.name}/{entry.name}")
+            if fix and problem != "foreign directory":
+                dangling = _link_of(Path(entry.path)) if problem.startswith("link to") else None
+                _drop(Path(entry.path), entry.inode(), dangling)
     return problems
 
 
 def _problem(entry: os.DirEntry, bucket: str, linked: set, now: float) -> str | None:
     name = entry.name
-    if key_of(name) is not None and name.endswith(bucket) and len(bucket) == 2:
+    if entry.is_dir(follow_symlinks=False):
+        return "foreign directory"
+    if key_of(name) is not None and name.endswith(bucket):
         if not entry.is_symlink():
             return None
         try:
@@ -143,11 +256,34 @@ def _problem(entry: os.DirEntry, bucket: str, linked: set, now: float) -> str | 
             return None  # resolves, or was replaced or removed since
         return "link to a missing tenant file"
     recent = now - entry.stat(follow_symlinks=False).st_mtime < STALE_S  # gone: the caller skips it
-    if is_tenant_file(name) and len(bucket) == 2:
+    if is_tenant_file(name):
+        if entry.is_symlink():
+            return "foreign link"  # a value is a file: read through no link of a link
         return None if name in linked or recent else "tenant file no key links to"
     if name.endswith(".tmp"):
         return None if recent else "leftover temporary file"  # maybe being written right now
     return "foreign file"
+
+
+def _drop(path: Path, inode: int, dangling: str | None = None) -> None:
+    """Remove ``path`` if it is still the file judged (``inode``) and, for a link judged to lead
+    nowhere, its tenant file ``dangling`` still is not there: it is renamed to a name of this
+    call first, so a value published under ``path`` since is never the one removed."""
+    tomb = temp_of(path, "check")
+    try:
+        os.rename(path, tomb)
+    except FileNotFoundError:
+        return
+    same = os.lstat(tomb).st_ino == inode
+    if same and (dangling is None or not (path.parent / dangling).exists()):
+        os.unlink(tomb)
+        return
+    try:  # back, unless another was published there meanwhile (newer: it stays)
+        os.link(tomb, path, follow_symlinks=False)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tomb)
 
 
 def _link_of(path: Path) -> str | None:
@@ -164,21 +300,3 @@ def _unlink(path: Path) -> bool:
         return True
     except FileNotFoundError:
         return False
-
-
-def set_atime(path: Path) -> None:
-    """Record an access of the value named ``path`` now (through the link)."""
-    try:
-        st = os.stat(path)
-        os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))
-    except FileNotFoundError:  # replaced or deleted meanwhile
-        pass
-
-
-def open_untouched(path: str, flags: int) -> int:
-    """Open without the kernel's own access time update (``relatime`` records a first read),
-    where the file is ours (O_NOATIME needs that)."""
-    try:
-        return os.open(path, flags | getattr(os, "O_NOATIME", 0))
-    except PermissionError:
-        return os.open(path, flags)

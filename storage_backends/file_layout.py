@@ -6,7 +6,8 @@ Layout (format 2)::
     DIR/.tiered-kv-file-store          marker (format version); a directory without it is refused
     DIR/<ff>/<key as hex>              a value of no tenant, or a link to the next one
     DIR/<ff>/<key as hex>.<tenant hex> a value of that tenant (the key's name links to it)
-    DIR/<ff>/.<name>.<pid>.<thread>.<n>.tmp   a value or link being written, renamed over <name>
+    DIR/<ff>/.<name>.<pid>.<token>.<thread>.<n>.tmp   a value or link being written, renamed
+                                                      over <name> (token: random per process)
 
 ``<ff>`` is the last byte of the key in hex. Reads and presence checks open the key's name
 (following the link), so they never need the tenant; listings read the tenant from the link.
@@ -30,6 +31,9 @@ FORMAT = 2
 READS = (1, 2)  # formats this version opens
 MAX_KEY = 120  # bytes: 240 hex characters, within every filesystem's 255-byte name limit
 MAX_NAME = 255  # bytes of a file name
+# in temporary names: replicas on other hosts (containers) may run with the same pid, thread id
+# and serial, and two writers of one name would write into one file (a torn value published)
+_TOKEN = os.urandom(4).hex()
 
 
 def as_key(key) -> bytes:
@@ -68,13 +72,22 @@ def tenant_of_link(target: str) -> bytes | None:
         return None
 
 
+def is_bucket(name: str) -> bool:
+    """Whether ``name`` is one of the store's subdirectories (a key's last byte in hex)."""
+    return len(name) == 2 and all(c in "0123456789abcdef" for c in name)
+
+
 def is_tenant_file(name: str) -> bool:
     return not name.startswith(".") and tenant_of_link(name) is not None
 
 
 def temp_of(path: Path, serial: int | str) -> Path:
     """A temporary name next to ``path``, unique to this process, thread and ``serial``."""
-    return path.parent / f".{path.name[:64]}.{os.getpid()}.{threading.get_ident()}.{serial}.tmp"
+    return path.parent / f".{path.name[:64]}.{os.getpid()}.{_TOKEN}.{threading.get_ident()}.{serial}.tmp"
+
+
+def is_marker_temp(name: str) -> bool:
+    return name.startswith(f".{MARKER}.") and name.endswith(".tmp")
 
 
 def key_of(name: str) -> bytes | None:
@@ -105,14 +118,23 @@ def open_store(root: Path, create: bool) -> int:
     if not create:
         existing_directory(root)
         raise ConfigError(f"{root} is not a file store (no {MARKER})")
-    if root.exists() and any(root.iterdir()):
+    if root.exists() and any(not is_marker_temp(p.name) for p in root.iterdir()):
+        if marker.is_file():  # another process made the store since the look above
+            return open_store(root, False)
         raise ConfigError(f"{root} is not empty and not a file store: refusing to write there")
-    try:
+    try:  # (whole when it appears, and the first of several replicas creating it wins)
         root.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"format": FORMAT}))
+        tmp = temp_of(marker, "new")
+        tmp.write_text(json.dumps({"format": FORMAT}))
+        try:
+            os.link(tmp, marker)
+        except FileExistsError:  # another process made the store meanwhile
+            pass
+        finally:
+            tmp.unlink()
     except OSError as exc:
         raise ConfigError(f"cannot create a file store at {root}: {exc}") from None
-    return FORMAT
+    return open_store(root, False)
 
 
 def upgrade_marker(root: Path) -> None:
