@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from storage_backends.options import split_options
+from storage_backends.options import known_options
 from tiered_kv.errors import ConfigError
 
 OPTIONS = ("capacity", "sync", "map_size", "readahead", "writemap", "max_readers", "batch_bytes",
@@ -14,12 +14,12 @@ OPTIONS = ("capacity", "sync", "map_size", "readahead", "writemap", "max_readers
 
 def url_options(url: str, options: dict) -> dict:
     """The URL's query with ``options`` over it (None: not given); unknown names refused."""
-    _, query = split_options(url)
-    query.update({k: v for k, v in options.items() if v is not None})
-    unknown = sorted(set(query) - set(OPTIONS))
-    if unknown:
-        raise ConfigError(f"unknown lmdb option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
-    return query
+    return known_options("lmdb", url, options, OPTIONS)
+
+
+def check_options(url: str, options: dict) -> None:
+    """The options of an ``lmdb:`` tier checked as its config is built (names only)."""
+    url_options(url, options)
 
 
 def store_directory(path: Path) -> None:

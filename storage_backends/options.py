@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
@@ -75,3 +77,46 @@ def existing_directory(path: Path) -> Path:
     if not path.is_dir():
         raise ConfigError(f"{path} is a file, not a store directory")
     return path
+
+
+# scheme -> "module:function(url, options)" raising ConfigError for options (the URL's query and
+# an options table) that medium would refuse as it opens: checked when a config is built, with
+# no medium opened or imported (a medium registered with no check here is checked as it opens)
+OPTION_CHECKS = {"lmdb": "storage_backends.lmdb_options:check_options",
+                 "file": "storage_backends.options:check_file_options",
+                 **dict.fromkeys(("redis", "rediss", "unix", "redis+cluster"),
+                                 "storage_backends.redis_options:check_options")}
+
+
+def check_url_options(url: str, options: Mapping) -> None:
+    """ConfigError for an option of ``url``'s medium it does not know (in the URL's query or
+    ``options``; None values are no setting): ``lmdb:///x?no_such=1`` was a config until the
+    tier opened, in the engine's worker."""
+    try:
+        scheme = urlsplit(url).scheme.lower()
+    except ValueError:  # (the registry says what is wrong with the URL)
+        return
+    target = OPTION_CHECKS.get(scheme)
+    if target is not None:
+        module, _, name = target.partition(":")
+        getattr(importlib.import_module(module), name)(url, dict(options))
+
+
+def known_options(medium: str, url: str, options: Mapping, known: Collection[str],
+                  ignored: Collection[str] = ()) -> dict:
+    """The URL's query with ``options`` over it (None: not given), but ``ignored``; ConfigError
+    naming the first option not ``known``."""
+    _, query = split_options(url)
+    query.update({k: v for k, v in options.items() if v is not None})
+    for name in ignored:
+        query.pop(name, None)
+    unknown = sorted(set(query) - set(known))
+    if unknown:
+        raise ConfigError(f"unknown {medium} option {unknown[0]!r} (known: {', '.join(known)})")
+    return query
+
+
+def check_file_options(url: str, options: Mapping) -> None:
+    """:data:`OPTION_CHECKS` of ``file:`` URLs: the names its medium reads."""
+    medium = importlib.import_module("storage_backends.file_dir")  # (it imports this module)
+    known_options("file", url, options, medium.OPTIONS, medium.IGNORED)

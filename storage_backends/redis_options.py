@@ -10,12 +10,31 @@ from redis.cluster import cleanup_kwargs
 from redis.connection import ConnectionPool, parse_url
 
 from storage_backends.options import split_options
-from storage_backends.redaction import password_misread, redact_url
+from storage_backends.redaction import password_misread, redact_text, redact_url
 from tiered_kv.errors import ConfigError
 from tiered_kv.units import as_bool, as_int, parse_duration, parse_size
 
 MAX_TIMEOUT_S = 86400.0  # a call not answered in a day is hung (past ~292 years every socket call raises)
 MAX_TTL_S = 100 * 365 * 86400.0  # Redis refuses every SET whose expiry passes 2**63 ms
+# counts with a ceiling: each was unbounded, and a huge one stalled or exhausted the process
+MAX_RETRIES = 10  # refused connections a call tries again, backoff (<= 0.5 s) between: ~3 s at most
+MAX_CONNECTIONS = 10_000  # Redis' default maxclients (a pool is filled with that many slots as it opens)
+MAX_NODE_THREADS = 64  # threads sending a cluster call's per-node pipelines at once
+
+
+def count(value: Any, name: str, minimum: int, maximum: int) -> int:
+    """A whole number in ``minimum..maximum``, else ConfigError naming ``name``."""
+    number = as_int(value, name, minimum=minimum)
+    if number > maximum:
+        raise ConfigError(f"{name} must be at most {maximum}, got {number}")
+    return number
+
+
+def check_counts(retries: Any, max_connections: Any, node_threads: Any) -> None:
+    """The bounds above for a backend made without :func:`redis_arguments` (keywords)."""
+    count(retries, "redis retries", 0, MAX_RETRIES)
+    count(max_connections, "redis max_connections", 1, MAX_CONNECTIONS)
+    count(node_threads, "redis node_threads", 0, MAX_NODE_THREADS)
 
 
 def ttl_seconds(seconds: float | None, name: str) -> float | None:
@@ -37,9 +56,9 @@ def _no_quota(value: Any, name: str) -> None:
 
 
 PARSERS: dict[str, Callable[[Any, str], Any]] = {
-    "prefix": lambda v, name: v, "retries": lambda v, name: as_int(v, name, minimum=0),
-    "max_connections": lambda v, name: as_int(v, name, minimum=1), "cluster": as_bool,
-    "read_from_replicas": as_bool, "node_threads": lambda v, name: as_int(v, name, minimum=0),
+    "prefix": lambda v, name: v, "retries": lambda v, name: count(v, name, 0, MAX_RETRIES),
+    "max_connections": lambda v, name: count(v, name, 1, MAX_CONNECTIONS), "cluster": as_bool,
+    "read_from_replicas": as_bool, "node_threads": lambda v, name: count(v, name, 0, MAX_NODE_THREADS),
     "ttl": lambda v, name: None if str(v).lower() in ("none", "", "0") else ttl_seconds(parse_duration(v, name=name), name),
     "timeout": lambda v, name: _timeout(parse_duration(v, name=name), name),
     "pipeline_bytes": lambda v, name: parse_size(v, name=name),
@@ -62,6 +81,43 @@ def redis_arguments(url: str, options: dict[str, Any]) -> tuple[str, dict[str, A
     rest = "&".join(p for p in text.split("&") if p and p.split("=")[0] not in PARSERS)
     kwargs = {name: PARSERS[name](value, f"redis {name}") for name, value in mine.items()}
     return (f"{head}?{rest}" if rest else head), kwargs
+
+
+def check_options(url: str, options: dict[str, Any]) -> None:
+    """The option names of a Redis tier checked as its config is built, without connecting:
+    ours, and the rest of the query as redis-py's connections take it (``?bogus=2`` was refused
+    only when the tier opened, in the engine's worker; a cluster's connections drop it unsaid).
+    Our options' values are read as the tier opens."""
+    _, query = split_options(url)
+    given = {k for k in query if k in PARSERS} | {k for k, v in options.items() if v is not None}
+    unknown = sorted(given - set(PARSERS))
+    if unknown:
+        raise ConfigError(f"unknown redis option {unknown[0]!r}")
+    head, _, text = url.partition("?")
+    rest = "&".join(p for p in text.split("&") if p and p.split("=")[0] not in PARSERS)
+    target = redis_target(f"{head}?{rest}" if rest else head)
+    try:
+        if url.startswith("redis+cluster://") or _flag({**query, **options}.get("cluster")):
+            check_cluster_options(target, {})
+            parsed = parse_url(target)
+            unknown = sorted(set(parsed) - set(cleanup_kwargs(**parsed)) - {"host", "port"})
+            if unknown:
+                raise ConfigError(f"unknown redis option {unknown[0]!r} (a Redis Cluster's connections ignore it)")
+        else:
+            pool = ConnectionPool.from_url(target)
+            pool.connection_class(**pool.connection_kwargs)  # makes no connection
+    except (ValueError, TypeError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"bad Redis URL {redact_url(url)!r}: {redact_text(str(exc), url)}") from None
+
+
+def _flag(value: Any) -> bool:
+    """A ``cluster`` setting as a flag (one the tier refuses as it opens: none here)."""
+    try:
+        return value is not None and as_bool(value, "redis cluster")
+    except ConfigError:
+        return False
 
 
 def redis_target(url: str) -> str:

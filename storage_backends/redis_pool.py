@@ -12,6 +12,7 @@ reads between (redis-py before 6.4 also dropped the node's pool)."""
 
 from __future__ import annotations
 
+from contextlib import suppress
 from queue import Empty, LifoQueue
 from typing import Any
 
@@ -54,3 +55,10 @@ def single_client(target: str, **options: Any) -> redis.Redis:
     client = redis.Redis(connection_pool=pool)
     client.auto_close_connection_pool = True
     return client
+
+
+def close_client(client: Any) -> None:
+    """Close every connection of ``client`` (a single server's pool, each cluster node's), if any."""
+    if client is not None:
+        with suppress(RedisError, OSError):
+            client.close()  # (a single_client disconnects its pool)

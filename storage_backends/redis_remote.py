@@ -1,28 +1,28 @@
 """Remote tier: Redis (``redis://``, ``rediss://`` TLS, ``unix://``) or Redis Cluster.
 
-Values live under ``prefix + key`` (binary-safe), optionally with a TTL (``SET .. PX``); Redis'
-own ``maxmemory`` policy evicts. Transfer shapes follow loopback measurements (redis-py 8 +
-hiredis, 2 vCPUs): SETs and GETs go in pipelines of about ``pipeline_bytes`` (4 MiB) of values,
-GETs sized by the value size seen so far, so 2 MiB values travel two at a time and 64 KiB ones
-64 at a time. Against one command per value that made GETs 1.8x (2 MiB) to 3.5x (64 KiB) and
-64 KiB SETs 2x faster (2 MiB SETs: the same); 32-deep pipelines of 2 MiB values and MGET (one
-multi-value reply) are slower. Commands are packed without copying large values
-(``storage_backends.redis_packer``), a raw block's payload sent straight from its host slot;
-URL options are read by ``storage_backends.redis_options``.
+Values live under ``prefix + key`` (binary-safe), optionally with a TTL (``SET .. PX``); Redis' own
+``maxmemory`` policy evicts. Transfer shapes follow loopback measurements (redis-py 8 + hiredis, 2 vCPUs):
+SETs and GETs go in pipelines of about ``pipeline_bytes`` (4 MiB) of values, GETs sized by the value size
+seen so far, so 2 MiB values travel two at a time and 64 KiB ones 64 at a time. Against one command per
+value that made GETs 1.8x (2 MiB) to 3.5x (64 KiB) and 64 KiB SETs 2x faster (2 MiB SETs: the same);
+32-deep pipelines of 2 MiB values and MGET (one multi-value reply) are slower. Commands are packed without
+copying large values (``storage_backends.redis_packer``), a raw block's payload sent straight from its
+host slot; URL options are read by ``storage_backends.redis_options``.
 
-Failures are misses: refused or dropped connections are retried with exponential backoff
-(redis-py's ``Retry``: at most ``retries`` more tries), a timeout is not (a server that did not
-answer in ``timeout`` seconds is hung or black-holed; asking again only doubles the wait); then
-the call raises :class:`BackendUnavailable` and the circuit breaker opens
-(:mod:`storage_backends.redis_breaker`). While it is open every call fails at once, and one
-background probe (a PING, every cool-down that doubles from 0.5 s to 4 s; in a cluster to every
-master) watches for Redis to come back and closes it: no caller ever waits on a probe, and the
-same object works again on its own once Redis is healthy. In a cluster GETs, TYPEs, SETs and
-UNLINKs go one pipeline per node (at once with ``node_threads``; :mod:`storage_backends.redis_node_pipelines`),
-so a hung node costs a call one timeout there too; SCAN and INFO are retried as whole calls
-(:mod:`storage_backends.redis_admin`). ``maxmemory`` refusals (OOM) make that put ``False``
-(``put_rejected``), as do ``READONLY`` and ``MISCONF``, which other calls raise as :class:`BackendError`.
-A call finding all ``max_connections`` busy waits for one (:mod:`storage_backends.redis_pool`).
+Failures are misses: refused or dropped connections are retried with exponential backoff (redis-py's
+``Retry``: at most ``retries`` more tries), a timeout is not (a server that did not answer in ``timeout``
+seconds is hung or black-holed; asking again only doubles the wait); then the call raises
+:class:`BackendUnavailable` and the circuit breaker opens (:mod:`storage_backends.redis_breaker`). While
+it is open every call fails at once, and one background probe (a PING, every cool-down that doubles from
+0.5 s to 4 s; in a cluster to every master) watches for Redis to come back and closes it: no caller ever
+waits on a probe, and the same object works again on its own once Redis is healthy. In a cluster GETs,
+TYPEs, SETs and UNLINKs go one pipeline per node (at once with ``node_threads``;
+:mod:`storage_backends.redis_node_pipelines`), so a hung node costs a call one timeout there too; SCAN and
+INFO are retried as whole calls (:mod:`storage_backends.redis_admin`). ``maxmemory`` refusals (OOM) make
+that put ``False`` (``put_rejected``), as do ``READONLY`` and ``MISCONF``, which other calls raise as
+:class:`BackendError`. A call finding all ``max_connections`` busy waits for one
+(:mod:`storage_backends.redis_pool`). ``close()`` closes every connection, those a call or probe running
+meanwhile puts back too.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ from storage_backends.redis_breaker import Breaker
 from storage_backends.redis_figures import server_facts
 from storage_backends.redis_names import RedisNames
 from storage_backends.redis_node_pipelines import NodeFanout, node_pipelines, ping_every_node
-from storage_backends.redis_options import check_cluster_options, redis_arguments, redis_target
+from storage_backends.redis_options import check_cluster_options, check_counts, redis_arguments, redis_target
 from storage_backends.redis_packer import PACKER, PackedConnection
-from storage_backends.redis_pool import ConnectionsBusy, WaitingPool, single_client
-from tiered_kv.errors import BackendError, BackendUnavailable, ConfigError
+from storage_backends.redis_pool import ConnectionsBusy, WaitingPool, close_client, single_client
+from tiered_kv.errors import BackendClosed, BackendError, BackendUnavailable, ConfigError
 
 log = logging.getLogger(__name__)
 _refusals = LogThrottle(log)  # a read-only replica or a failing RDB save refuses every value
@@ -84,9 +84,9 @@ class RedisBackend(Backend):
                  pipeline_bytes: int = PIPELINE_BYTES, read_from_replicas: bool = False,
                  node_threads: int = 0) -> None:
         super().__init__(redact_url(url))  # stats and logs never show a password
-        if timeout <= 0 or min(retries, node_threads) < 0 or max_connections < 1 or pipeline_bytes < 1:
-            raise ConfigError("redis timeout and pipeline_bytes must be positive, retries and "
-                              "node_threads >= 0 and max_connections >= 1")
+        check_counts(retries, max_connections, node_threads)  # (each within its bounds)
+        if timeout <= 0 or pipeline_bytes < 1:
+            raise ConfigError("redis timeout and pipeline_bytes must be positive")
         self.prefix = prefix.encode() if isinstance(prefix, str) else bytes(prefix)
         self.ttl_ms = max(1, round(ttl * 1000)) if ttl else None
         self.timeout, self.pipeline_bytes = timeout, pipeline_bytes
@@ -173,7 +173,7 @@ class RedisBackend(Backend):
     def _call(self, fn: Callable[[Any], T], *, admin: bool = False) -> T:
         """``fn(client)`` behind the breaker (``admin``: SCAN, INFO); Redis away raises BackendUnavailable."""
         if self._closed:
-            raise ValueError("redis backend is closed")
+            raise BackendClosed(f"redis backend at {self.url} is closed")
         if self._breaker.open:  # the background probe decides when to close
             self._count(errors=1)
             raise BackendUnavailable(f"redis at {self.url} is down (next probe in {self._breaker.next_probe_s():.1f}s)")
@@ -187,14 +187,21 @@ class RedisBackend(Backend):
                 raise BackendUnavailable(f"redis at {self.url}: {exc}") from None
             self._breaker.trip(exc)
             raise BackendUnavailable(f"redis at {self.url} unavailable: {exc}") from None
+        finally:
+            if self._closed:  # close() ran meanwhile: the connection this call put back goes too
+                close_client(self._client)
 
     def _ping(self) -> None:
         """What the breaker's probe asks: a PING; in a cluster every master (and replica, when
         they answer reads) after reading the topology again, not only the client's default node."""
-        if self.cluster:
-            ping_every_node(self.client, RedisCluster.ALL_NODES if self._balanced else RedisCluster.PRIMARIES)
-        else:
-            self.client.ping()
+        try:
+            if self.cluster:
+                ping_every_node(self.client, RedisCluster.ALL_NODES if self._balanced else RedisCluster.PRIMARIES)
+            else:
+                self.client.ping()
+        finally:
+            if self._closed:  # (as in _call)
+                close_client(self._client)
 
     # -- reads -------------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -340,10 +347,4 @@ class RedisBackend(Backend):
         self._closed = True
         self._breaker.close()
         self._fanout.close()  # (before the client: no pipeline runs on a closed client)
-        if self._client is not None:
-            try:
-                self._client.close()
-                if not self.cluster:
-                    self._client.connection_pool.disconnect()
-            except (redis.RedisError, OSError):
-                pass
+        close_client(self._client)  # (again by a call or probe still running: _call, _ping)

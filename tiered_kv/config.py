@@ -166,7 +166,7 @@ class TieredKVConfig:
     max_inflight_load: int = size_field(512 << 20)  # load bytes in flight; later loads queue behind them
     lookup_timeout: float = duration_field(0.05)  # scheduler-side lookup deadline per tier; unanswered = miss
     hash_algo: str = "xxh3_128"  # block key hash: xxh3_128, blake2b_128 or sha256_128
-    cache_salt: str = ""  # tenant salt folded into every key
+    cache_salt: str = field(default="", repr=False)  # tenant salt folded into every key (a secret: in no repr)
     model_revision: str = ""  # weights fingerprint folded into the namespace
     metrics_port: int | None = None  # serve Prometheus metrics on this port; None = off
     metrics_log_interval: float | None = duration_field(None)  # log a one-line traffic summary this often; None = off

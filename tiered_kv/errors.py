@@ -69,3 +69,9 @@ class StoreClosed(BackendClosed, RuntimeError):
 
 class UnknownBackend(ConfigError):
     """No storage backend is registered for a URL scheme or name."""
+
+
+class BlockMismatch(TieredKVError, ValueError):
+    """A block handed to the store (to save, or to load into) is not one its host slots hold:
+    another shape or size, or a tensor with no data to copy (``meta``, sparse). Refused before
+    any byte of it is copied, never a torch error raised into the engine."""

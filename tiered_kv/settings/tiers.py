@@ -98,6 +98,7 @@ class TierConfig:
         if not isinstance(self.options, Mapping):
             raise ConfigError(f"{key}.options must be a table of settings, got {self.options!r}")
         self._adopt_medium_settings(key)
+        self._check_medium_options(key)
         check_choice(f"{key}.policy", self.policy, POLICIES)
         check_choice(f"{key}.codec", self.codec, ("auto", "raw", "zstd", "zstd+shuffle"))
         check_level(f"{key}.level", self.level)
@@ -125,6 +126,19 @@ class TierConfig:
                                       "set it in one place")
                 mine = value
             object.__setattr__(self, name, self.MEDIUM_DEFAULTS.get(name) if mine is None else mine)
+
+    def _check_medium_options(self, key: str) -> None:
+        """ConfigError for a setting the medium would refuse as it opens (an unknown name in the
+        URL's query or ``options``): such a config was built, and refused only as the tier
+        opened, in an engine's worker. (Checked by the medium's options module, never the medium.)"""
+        if self.url is None or not isinstance(self.options, Mapping):
+            return
+        from storage_backends.options import check_url_options
+
+        try:
+            check_url_options(self.url, self.medium_options())
+        except ConfigError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
 
     def settings(self) -> dict[str, Any]:
         """The settings as written, to build this tier again with some of them changed: a medium

@@ -13,6 +13,7 @@ import torch
 from storage_backends.host import HostBackend
 from storage_backends.host_slab import no_slab
 from tiered_kv.dtypes import torch_dtype
+from tiered_kv.errors import BlockMismatch
 from tiered_kv.keys import Namespace
 from tiered_kv.store.host_copy import HostCopier
 
@@ -22,7 +23,7 @@ SMALL_BLOCK_ITEMS = 32768  # blocks of at most this many elements are copied by 
 VIEW_CHUNK = 256  # slot tensors are made this many at a time, when the first of them is asked for
 RUN_PIECE_BLOCKS = 64  # small blocks in consecutive slots are copied this many per torch call
 # (one share of a batch for the copier's threads)
-_KIND = operator.attrgetter("is_cpu", "dtype", "shape")  # what a block must match to join a run
+_KIND = operator.attrgetter("is_cpu", "dtype", "shape", "layout")  # what a block must match to join a run
 _DTYPE = operator.attrgetter("dtype")
 
 
@@ -126,26 +127,43 @@ class HostSlots:
                     return self._copy_small(pieces, alone, slots, blocks, into_slots=True)
                 except RuntimeError:  # a block of another shape or device than its piece's
                     pass  # first, refused before any copy of that piece: the copies below say which
+        for block in blocks:  # all before any copy: a refusal leaves every slot and block as it was
+            self.check(block)
         plain, devices = [], set()
-        try:
-            for slot, block in zip(slots, blocks):
-                if block.shape != self.shape:  # copy_ would broadcast one that fits (K into V too)
-                    raise ValueError(f"a block of shape {list(block.shape)} for slots of {list(self.shape)}")
-                if self.plain(block):
-                    row, mem = self.row(slot), bytes_of(block)
-                    plain.append((row, mem) if into_slots else (mem, row))
-                    continue
-                queued = block.device.type == "cuda"
-                if queued:
-                    devices.add(block.device)
-                if into_slots:
-                    self.slot_tensor(slot).copy_(block, non_blocking=queued)
-                else:
-                    block.copy_(self.slot_tensor(slot), non_blocking=queued)
-            self.copier.copy(plain)
-        finally:  # also when a copy failed: the caller frees these slots next
-            for device in devices:
-                torch.cuda.current_stream(device).synchronize()
+        # (no autograd: a block that requires grad, or an inference tensor, raised torch's error)
+        with torch.inference_mode():
+            try:
+                self._copy_each(slots, blocks, plain, devices, into_slots)
+            finally:  # also when a copy failed: the caller frees these slots next
+                for device in devices:
+                    torch.cuda.current_stream(device).synchronize()
+
+    def check(self, block: torch.Tensor) -> None:
+        """BlockMismatch unless ``block`` is a dense tensor of our exact shape holding data:
+        ``copy_`` would broadcast one that fits (K into V too), and other shapes and tensors
+        raised torch's RuntimeError into the engine."""
+        if block.shape != self.shape:
+            raise BlockMismatch(f"a block of shape {list(block.shape)} for slots of {list(self.shape)}")
+        if block.is_meta or block.layout != torch.strided:
+            raise BlockMismatch(f"a block on {block.device} ({block.layout}) holds no data to copy")
+
+    def _copy_each(self, slots: Sequence[int], blocks: Sequence[torch.Tensor], plain: list, devices: set,
+                   into_slots: bool) -> None:
+        """:meth:`copy_blocks` a block at a time: plain CPU blocks as one batch of memcpys, the
+        others by ``copy_`` (a device's queued on its current stream, added to ``devices``)."""
+        for slot, block in zip(slots, blocks):
+            if self.plain(block):
+                row, mem = self.row(slot), bytes_of(block)
+                plain.append((row, mem) if into_slots else (mem, row))
+                continue
+            queued = block.device.type == "cuda"
+            if queued:
+                devices.add(block.device)
+            if into_slots:
+                self.slot_tensor(slot).copy_(block, non_blocking=queued)
+            else:
+                block.copy_(self.slot_tensor(slot), non_blocking=queued)
+        self.copier.copy(plain)
 
     def _copy_small(self, pieces: list, alone: list[int], slots: Sequence[int], blocks: Sequence[torch.Tensor],
                     *, into_slots: bool) -> None:
@@ -164,20 +182,20 @@ class HostSlots:
     def stackable(self, blocks: Sequence[torch.Tensor], leads: Sequence[int]) -> bool:
         """Whether a save may copy ``blocks`` a piece at a time: the blocks ``leads`` (each
         piece's first, and every block in no run, which ``_foreach_copy_`` would broadcast) CPU
-        tensors of our dtype and exact shape, every block of our dtype. ``stack`` refuses a
+        dense tensors of our dtype and exact shape, every block of our dtype. ``stack`` refuses a
         block of another shape or device than its piece's first before it copies any of the
         piece (``out`` is then never resized), so only the dtype, which it would convert, is
         asked of the others: ~60 against 285 ns a block for :meth:`canonical`."""
-        kind = (True, self.dtype, self.shape)
+        kind = (True, self.dtype, self.shape, torch.strided)
         return (len(blocks) > 0 and all(_KIND(blocks[i]) == kind for i in leads)
                 and set(map(_DTYPE, blocks)) == {self.dtype})
 
     def canonical(self, blocks: Sequence[torch.Tensor]) -> bool:
-        """Whether every one of ``blocks`` is a CPU tensor of our dtype and exact shape (any
+        """Whether every one of ``blocks`` is a dense CPU tensor of our dtype and exact shape (any
         strides): what ``torch.stack`` / ``unbind_copy`` may take with a slab run as ``out``.
         Checked here because both would silently resize ``out`` to another shape, and a
         resized view of the slab reaches into the slots after it."""
-        return len(blocks) > 0 and set(map(_KIND, blocks)) == {(True, self.dtype, self.shape)}
+        return len(blocks) > 0 and set(map(_KIND, blocks)) == {(True, self.dtype, self.shape, torch.strided)}
 
     def slot_pieces(self, slots: Sequence[int]) -> tuple[list[tuple[int, int, int]], list[int]]:
         """Runs of at least two consecutive slots, cut into pieces of at most RUN_PIECE_BLOCKS,
@@ -219,7 +237,11 @@ class HostSlots:
     def fill(self, slots: Sequence[int], data: torch.Tensor, *, non_blocking: bool = False) -> None:
         """Write ``data`` (``[n, block bytes]`` uint8, on any device) into ``slots``. With
         ``non_blocking`` the copies (one per run of consecutive slots) are queued on the current
-        CUDA stream and the caller waits for its own event before committing the slots."""
+        CUDA stream and the caller waits for its own event before committing the slots.
+        BlockMismatch (nothing written) unless ``data`` is a block's bytes for each slot."""
+        if data.dtype != torch.uint8 or tuple(data.shape) != (len(slots), self.block_nbytes):
+            raise BlockMismatch(f"{tuple(data.shape)} {data.dtype} for {len(slots)} slots of "
+                                f"{self.block_nbytes} bytes each (an engine block of another size?)")
         if not non_blocking:
             self._blocks.index_copy_(0, torch.tensor(list(slots), dtype=torch.long), data.to("cpu"))
             return

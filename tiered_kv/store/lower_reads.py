@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from tiered_kv.store.copies_up import CopiesUp
+from tiered_kv.store.copies_up import CopiesUp, CopyWait
 from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.invalidation import Invalidations
 from tiered_kv.store.metrics import StoreMetrics
@@ -47,6 +47,7 @@ class LowerReader:
         shown: set[int] = set()  # layer-wise: keys with bytes named in place
         keyless: dict[str, set[int]] = {}  # tier -> keys it holds sealed, with no secret here to open them
         served: list[str | None] = [None] * len(keys)
+        waited = CopyWait()  # (one wait for this read's copies up past the budget, into every tier)
         for i, gone in enumerate(self.invalidations.suppressed(keys)):
             if gone:
                 reasons[i] = "invalidated"
@@ -76,11 +77,12 @@ class LowerReader:
                     reasons[i] = reason  # keep the first real failure reason for the report
             up = {i: blob for i, blob in zip(pending, blobs) if blob is not None}
             if up:
-                self._copy_up(keys, counts, tenant, up, above, keyless)
+                self._copy_up(keys, counts, tenant, up, above, keyless, waited)
         return reasons, served
 
     def _copy_up(self, keys: Sequence[bytes], counts: Sequence[int], tenant: bytes,
-                 blobs: dict[int, bytes], above: list[EncodedTier], keyless: dict[str, set[int]]) -> None:
+                 blobs: dict[int, bytes], above: list[EncodedTier], keyless: dict[str, set[int]],
+                 waited: CopyWait) -> None:
         """Queue blocks read from a lower tier (index -> validated stored bytes) for the tiers
         above it that admit them: a remote hit warms the disk tier, as write-behind the load does
         not wait for (:mod:`tiered_kv.store.copies_up`). A key withdrawn before the copy is
@@ -98,4 +100,4 @@ class LowerReader:
                 sealed = keyless.get(tier.name, ())
                 items = [(k, by_key[k]) for k in group if index[k] not in sealed]
                 if items:
-                    self.copies.queue(items, tier, tenant)
+                    self.copies.queue(items, tier, tenant, waited)

@@ -51,6 +51,7 @@ from tiered_kv.store.admission import RequestCounts
 from tiered_kv.store.block_events import BlockEvents
 from tiered_kv.store.cost_records import COSTS_SAVE_S, CostsKeeper
 from tiered_kv.store.encoded_tier import EncodedTier
+from tiered_kv.store.flushing import drain_writes, flush_tiers
 from tiered_kv.store.host_copy import HostCopier
 from tiered_kv.store.host_slots import HostSlots
 from tiered_kv.store.invalidation import Invalidations
@@ -268,20 +269,12 @@ class TieredStore:
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait for queued write-behind, write the cost estimates when they moved and make the
-        lower tiers durable (those that can be)."""
-        done = self.pool.drain(timeout)
+        """Wait for queued write-behind and copies up (:func:`~tiered_kv.store.flushing.drain_writes`),
+        write the cost estimates when they moved and make the lower tiers durable (those that can
+        be); False when a write was still running after ``timeout`` seconds."""
+        done = drain_writes(self.pool, self.loader.reader.copies, timeout)
         self.cost_record.save()
-        failed: Exception | None = None  # the first tier's failure, raised once every tier flushed
-        for tier in self.tiers:  # (it stopped at the first: the tiers after it were never made durable)
-            try:
-                tier.backend.flush()
-            except Exception as exc:
-                if failed is not None:
-                    log.warning("%s tier: flush failed: %s", tier.name, exc)
-                failed = failed or exc
-        if failed is not None:
-            raise failed
+        flush_tiers(self.tiers)
         return done
 
     def stats(self) -> dict:

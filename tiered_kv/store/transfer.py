@@ -121,10 +121,19 @@ class TransferPool:
         self._stand_ins.add(thread)
         return thread
 
-    @staticmethod
-    def _start(thread: threading.Thread | None) -> None:
-        if thread is not None:
+    def _start(self, thread: threading.Thread | None) -> None:
+        """Start a stand-in :meth:`_stand_in_wanted` counted. One the system cannot start
+        ("can't start new thread") is uncounted again, so that the next moment that asks may
+        start one (counted for good, no later load got a stand-in); its loads stay queued for
+        the workers, and no error reaches the submitter (a load already queued, a worker's loop)."""
+        if thread is None:
+            return
+        try:
             thread.start()
+        except RuntimeError as exc:
+            with self._cond:
+                self._stand_ins.discard(thread)
+            log.warning("a stand-in thread for queued loads could not be started: %s", exc)
 
     def _put(self, kind: int, nbytes: int, fn: Callable[[], Any]) -> Future:
         """Queue a job accepted while holding ``_cond``, in the same section as the check that
