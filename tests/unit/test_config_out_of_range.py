@@ -88,3 +88,17 @@ def test_a_redis_url_naming_its_db_once_opens_that_db(url, db):
         assert backend._client.connection_pool.connection_kwargs.get("db", 0) == db
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("value", [["SALTY-secret"], 12345678, {"s": "SALTY-secret"}])
+def test_regression_a_cache_salt_of_the_wrong_type_was_printed_in_its_error(value):
+    with pytest.raises(ConfigError) as err:
+        TieredKVConfig.from_dict({"cache_salt": value})
+    assert "SALTY" not in str(err.value) and "12345678" not in str(err.value)
+    assert "cache_salt" in str(err.value)
+
+
+def test_an_engine_configs_cache_salt_is_not_in_its_repr():
+    from tiered_kv.engine import EngineConfig
+
+    assert "SALTY" not in repr(EngineConfig(cache_salt="SALTY-secret"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from tiered_kv.errors import ConfigError
@@ -237,7 +237,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda ("auto" = cuda when available)
     kv_kernel: str = "auto"  # store_kvcache implementation: auto | triton | torch
     model_id: str = "tiered-kv/reference-llama"  # namespace model id of the KV blocks
-    cache_salt: str = ""  # tenant salt folded into the namespace
+    cache_salt: str = field(default="", repr=False)  # tenant salt folded into the namespace (a secret: in no repr)
     hash_algo: str = "xxh3_128"  # block-key hash (see tiered_kv.keys.HASHES)
     drain_timeout_s: float = 30.0  # generate() waits this long for held blocks to be saved
     # seconds an async load may go unreported before its request recomputes those blocks (on fresh

@@ -153,12 +153,21 @@ def _coerce(key: str, value: Any, target: Any, parse) -> Any:
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise ConfigError(f"{key} must be a number, got {value!r}") from None
+            raise ConfigError(f"{key} must be a number, got {_shown(key, value)}") from None
     if base is str:
         if not isinstance(value, str):
-            raise ConfigError(f"{key} must be a string, got {value!r}")
+            raise ConfigError(f"{key} must be a string, got {_shown(key, value)}")
         return value
     return value
+
+
+SECRET_SETTINGS = ("cache_salt",)  # settings whose value no message shows (encryption_secret: a Secret)
+
+
+def _shown(key: str, value: Any) -> str:
+    """``value`` as a message shows it: a secret setting's never (a cache_salt given as a list
+    was printed in the error, on the CLI's stderr and in engine logs)."""
+    return "a value not shown (a secret)" if key.rsplit(".", 1)[-1] in SECRET_SETTINGS else repr(value)
 
 
 def _blank(text: str) -> bool:
