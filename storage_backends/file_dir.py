@@ -303,8 +303,9 @@ class FileBackend(Backend):
 
     def check(self, fix: bool = False) -> list[str]:
         """Leftover temporary files, tenant files no key links to (both older than
-        ``file_entries.STALE_S``), links to nothing and foreign files; removed with ``fix``.
-        Files renamed or removed by another process during the walk are skipped."""
+        ``file_entries.STALE_S``), links to nothing and foreign files; removed with ``fix`` (but
+        directories, and foreign files beside the buckets: reported only). Files renamed or
+        removed by another process during the walk are skipped."""
         try:
             return check_dir(self.path, fix)
         except OSError as exc:

@@ -189,8 +189,9 @@ def stored_files(root: Path) -> list[Stored]:
 def check_dir(root: Path, fix: bool = False) -> list[str]:
     """Files that do not belong under ``root``: leftover temporary files, tenant files no link
     points to (both when older than STALE_S), links to nothing, foreign files and directories;
-    with ``fix``, the files (never a directory) are removed as they were judged: one replaced
-    meanwhile (a put of the key since) stays."""
+    with ``fix``, the files in the buckets and the marker's leftover temporaries (never a
+    directory, nor a foreign file beside the buckets: an operator's, another program's) are
+    removed as they were judged: one replaced meanwhile (a put of the key since) stays."""
     problems = []
     now = time.time()
     for sub in os.scandir(root):
@@ -203,8 +204,8 @@ def check_dir(root: Path, fix: bool = False) -> list[str]:
             continue
         if problem:
             problems.append(f"{problem}: {sub.name}")
-            if fix and problem != "foreign directory":
-                _drop(Path(sub.path), sub.inode())
+            if fix and problem == "leftover temporary file":  # (the marker's: ours; a foreign file
+                _drop(Path(sub.path), sub.inode())  # beside the buckets is not, and stays)
     return problems
 
 

@@ -139,3 +139,15 @@ def test_a_hit_on_a_file_of_another_user_is_read_though_its_access_time_stays(tm
 
         monkeypatch.setattr(os, "utime", not_the_owner)  # (files of another replica's user)
         assert b.get_many([key(1), key(2)]) == [b"one", b"two"]
+
+
+def test_check_fix_does_not_delete_a_foreign_file_beside_the_buckets(tmp_path):
+    # a file in the store's directory that is not the store's (an operator's notes, another
+    # program's file) is reported, as before; fix removed it since fix walked the top level
+    root = tmp_path / "files"
+    with FileBackend(root) as b:
+        b.put_many([(key(1), b"one")])
+        (root / "NOTES.txt").write_text("an operator's notes")
+        assert b.check(fix=True) == ["foreign file: NOTES.txt"]
+        assert (root / "NOTES.txt").read_text() == "an operator's notes"
+        assert b.get_many([key(1)]) == [b"one"]

@@ -238,3 +238,36 @@ def test_a_record_of_the_previous_format_is_not_read_as_this_machines_estimates(
                                                 "restore": {}, "prefill": {}}}
     assert cost_records.decode_costs(json.dumps(legacy).encode()) is None
     assert cost_records.decode_costs(json.dumps(legacy).encode(), cost_records.ANY) is None
+
+
+def test_a_scheduler_on_other_cpus_and_gpus_of_the_machine_reads_its_workers_estimates(tmp_path, monkeypatch):
+    """vLLM's scheduler and its workers are processes of one machine, the workers often pinned
+    to other CPUs (a NUMA binding) or given another ``CUDA_VISIBLE_DEVICES`` (Ray): one class of
+    machine all the same (each process's own view made the index never read the estimates)."""
+    from tiered_kv.store import machine_class as mc
+
+    def as_process(cpus: set[int], visible: str | None) -> None:
+        monkeypatch.setattr(mc.os, "sched_getaffinity", lambda pid: cpus, raising=False)
+        if visible is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        mc.machine_class.cache_clear()
+
+    monkeypatch.setattr(mc, "_gpus", lambda: ["NVIDIA H200", "NVIDIA H200"])
+    try:
+        as_process({0}, "1")  # a worker
+        with make_store(tmp_path) as store:
+            store.save(keys_for(2), payloads(store, 2))
+            observe(store)
+            written = store.costs.restore_estimate("disk")
+            config = store.config
+        as_process(set(range(64)), None)  # its scheduler
+        index = LowerTierIndex(config, NS)
+        try:
+            assert index.cost_record.loaded.wait(10)
+            assert index.costs.restore_estimate("disk") == written
+        finally:
+            index.close()
+    finally:
+        mc.machine_class.cache_clear()  # (this process's own class again, once the patches go)

@@ -7,7 +7,7 @@ as :class:`BlockEvent` batches. A router, or an engine's own KV-event publisher,
 
     feed = store.events.subscribe()        # or connector.subscribe_block_events()
     for event in feed.take():              # oldest first, since the last take
-        event.kind, event.tier, event.keys  # "stored" / "removed", "host" / "disk" / ..., keys
+        event.kind, event.tier, event.keys  # "stored" / "removed" / "lost", "host" / "disk" / ..., keys
 
 - **stored**: a tier accepted blocks (a host commit: saves and blocks promoted by loads; a lower
   tier's put: write-behind, ``on_evict`` copies, copies between tiers).

@@ -5,10 +5,13 @@ steer each other's restore policy with their figures (a GPU's prefill taken for 
 restore look slower than recomputing).
 
 The class names what sets those costs and stays the same across restarts of the same hardware
-(a container's host name does not): the architecture, the CPUs this process may run on and
-their model, the memory rounded to GiB, and the NVIDIA GPUs the driver lists (read from
-``/proc/driver/nvidia``, so the scheduler half needs no torch), with ``CUDA_VISIBLE_DEVICES``.
-Replicas of one class share estimates, as they should. No torch here.
+(a container's host name does not): the architecture, the machine's CPUs and their model, the
+memory rounded to GiB, and the NVIDIA GPUs the driver lists (read from ``/proc/driver/nvidia``,
+so the scheduler half needs no torch). Only what every process of the machine sees alike: the
+scheduler's lookup index reads the estimates its workers write, and those run in other
+processes, often pinned to other CPUs or given another ``CUDA_VISIBLE_DEVICES`` (a class of
+either made the index never find them). Replicas of one class share estimates, as they should.
+No torch here.
 """
 
 from __future__ import annotations
@@ -29,18 +32,13 @@ def machine_class() -> tuple[str, str]:
     gpus = Counter(_gpus())
     if gpus:
         parts.append(" + ".join(f"{n} x {model}" for model, n in sorted(gpus.items())))
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible is not None:
-            parts.append(f"visible {visible}")
     description = ", ".join(parts)
     return xxhash.xxh64_hexdigest(description.encode()), description
 
 
 def _cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 0
+    """The machine's CPUs (not this process's affinity, which its launcher may narrow)."""
+    return os.cpu_count() or 0
 
 
 def _cpu_model() -> str:
