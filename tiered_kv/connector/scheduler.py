@@ -291,9 +291,9 @@ class ConnectorScheduler:
         self._drop_loads(request_id)
 
     def _new_life(self, request_id: str, state: _Request) -> None:
-        """Keep ``state``'s saves so far for a late failure report; plan saves afresh."""
+        """Keep ``state``'s saves so far for a late failure report; plan saves afresh (from the new life's hit)."""
         self._gone[request_id] = (replace(state), PREEMPTED_PLANS)
-        state.planned, state.first_planned = 0, NOT_YET
+        state.planned, state.first_planned, state.saved = 0, NOT_YET, NOT_YET
 
     def _drop_loads(self, request_id: str) -> None:
         if any(spec.request_id == request_id for spec in self._loads):
