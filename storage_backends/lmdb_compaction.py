@@ -33,7 +33,7 @@ import lmdb
 
 from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
 from storage_backends.lmdb_places import keys_in, place_value, recover_segments, unplace
-from storage_backends.lmdb_segments import Place, SegmentRecord, unpack_place, unpack_segment
+from storage_backends.lmdb_segments import Place, SegmentRecord, segment_key, unpack_place, unpack_segment
 from storage_backends.lmdb_values import SegmentValues
 from storage_backends.segment_owners import owner_alive
 from tiered_kv.errors import BackendError
@@ -182,9 +182,10 @@ class Compactor:
         with self.db.txn() as txn:
             for slot, key in enumerate(keys):
                 record = txn.get(key, db=self.db.tables.places)
-                value = None if record is None else self.values.read(unpack_place(record), slot)
+                place = None if record is None else unpack_place(record)
+                value = None if place is None or not self._inside(txn, place) else self.values.read(place, slot)
                 if value is not None:
-                    olds.append(unpack_place(record))
+                    olds.append(place)
                     copies.append((key, value))
         if not copies:
             return 0, 0
@@ -207,6 +208,14 @@ class Compactor:
         finally:
             self.values.let_go(held)
         return moved, sum(1 for new in news if new is None)
+
+    def _inside(self, txn, place: Place) -> bool:
+        """Whether ``place`` ends within what its segment's record says was appended to it (every
+        place recorded does). A damaged one, naming more bytes than its segment ever held, is not
+        read (a victim none of whose values read is passed over): the buffer for a length of
+        terabytes cannot be had, and every compaction raised OSError at that victim for good."""
+        stored = txn.get(segment_key(place.segment), db=self.db.tables.segments)
+        return stored is not None and place.offset + place.length <= unpack_segment(stored).end
 
     def _swap(self, w, keys: list[bytes], olds: list[Place], news: list[Place | None], drained: list[int],
               held: set[int]) -> int:

@@ -189,16 +189,21 @@ class SegmentFiles:
         with self._rolling:
             segment = int.from_bytes(os.urandom(8), "little") or 1
             register(segment)
-            self.dir.mkdir(exist_ok=True)
-            self.fds.create(segment)
-            self.claims.take(segment, self.path_of(segment))  # (locked before its first write)
-            with self._lock:
-                if self._closed:
-                    raise OSError(errno.EBADF, "segment files closed")
-                if lane.segment is not None:
-                    self._retired[lane.segment] = lane.next
-                lane.segment, lane.next = segment, 0
-                return self._take(lane, length)
+            try:
+                self.dir.mkdir(exist_ok=True)
+                self.fds.create(segment)
+                self.claims.take(segment, self.path_of(segment))  # (locked before its first write)
+                with self._lock:
+                    if self._closed:
+                        raise OSError(errno.EBADF, "segment files closed")
+                    if lane.segment is not None:
+                        self._retired[lane.segment] = lane.next
+                    lane.segment, lane.next = segment, 0
+                    return self._take(lane, length)
+            except BaseException:  # (ENOSPC, EMFILE) registered but never appended to: the next
+                with self._lock:  # settle seals it and it goes (its record stayed for the
+                    self._retired[segment] = 0  # process's life: one more with each refused put)
+                raise
 
     def _needs_new(self, lane: Lane, length: int) -> bool:
         if self._closed:

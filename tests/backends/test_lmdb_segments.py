@@ -785,6 +785,30 @@ def test_dead_bytes_beyond_the_limit_are_compacted_even_when_no_segment_is_under
     b.close()
 
 
+
+def test_a_damaged_place_naming_terabytes_does_not_stop_compaction_for_good(tmp_path):
+    """A place record damaged into a length of a terabyte, in the sparsest sealed segment: the
+    compactor read it into a buffer of that length (ENOMEM), raised at every look, and always
+    picked the same victim again, so no dead bytes were compacted any more. Now that victim is
+    passed over, the next one is compacted, and the healthy values read back."""
+    n = 300 * KiB  # three values per 1 MiB segment
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
+    for i in range(7):
+        assert b.put_many([(key(i), blob(i, n))]) == [True]
+    damaged, healthy = segment_of(b, key(0)), segment_of(b, key(3))
+    assert damaged != healthy and segment_records(b)[damaged].sealed and segment_records(b)[healthy].sealed
+    b.delete_many([key(1), key(2), key(4)])  # the damaged segment is the sparsest, the other next
+    place = place_of(b, key(0))
+    places = b.env.open_db(b"places", create=False)
+    with b.env.begin(write=True) as txn:
+        txn.put(key(0), place._replace(length=1 << 40).pack(), db=places)
+    b.compactor.dead_limit = 100 * KiB
+    assert b.compact() == 0  # the damaged victim: nothing of it reads
+    assert b.compact() == 2  # the healthy one's two values move, and its file goes
+    assert not b.values.files.path_of(healthy).exists()
+    assert_reads(b, {key(i): blob(i, n) for i in (3, 5, 6)})
+    b.close()
+
 # -- 8. readers against writers and compaction ----------------------------------------------------
 @pytest.mark.parametrize("direct_io", [False, True])
 @pytest.mark.parametrize("path", ["visit_many", "get_many", "visit_split"])
@@ -979,6 +1003,33 @@ def test_a_run_the_disk_refuses_is_refused_whole_and_no_place_names_bytes_never_
     assert b.check() == []
     b.close()
 
+
+
+def test_a_segment_file_the_disk_refuses_to_create_does_not_leave_its_record_behind(tmp_path, monkeypatch):
+    """A new segment is registered before its file is made; a full disk then refused the file
+    (ENOSPC at its creation). The put is refused, and the record goes with it: it stayed open,
+    owned by this live process, never sealed nor dropped, so every refused put left one more
+    record in the segments table for the process's life (a reopen by the same process too)."""
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
+    real_open = os.open
+
+    def full_disk(path, flags, *args, **kwargs):  # a new segment file: the disk is full
+        if str(path).endswith(".seg") and flags & os.O_CREAT:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "open", full_disk)
+        for i in range(3):
+            assert b.put_many([(key(i), blob(i, 100 * KiB))]) == [False]
+    assert segment_records(b) == {}
+    assert b.put_many([(key(9), blob(9, 100 * KiB))]) == [True]  # the disk has room again
+    assert len(segment_records(b)) == 1
+    b.close()
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB)
+    assert [r.sealed for r in segment_records(b).values()] == [True] and b.check() == []
+    assert_reads(b, {key(9): blob(9, 100 * KiB), **{key(i): None for i in range(3)}})
+    b.close()
 
 # -- 10. reads split between a head and the caller's buffer ---------------------------------------
 @pytest.mark.parametrize("head_len", [1, 4096, MAX_SPLIT_HEAD])
