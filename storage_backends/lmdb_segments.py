@@ -160,8 +160,9 @@ class SegmentFiles:
             if lane is None:
                 lane = Lane()
                 self._lanes.append(lane)
-        if lane.segment is not None and self.fds.deleted(lane.segment):  # (behind our back)
-            self._retire({lane.segment})  # start another: the next reserve opens one
+        segment = lane.segment  # (read once: a flush on another thread may retire it meanwhile)
+        if segment is not None and self.fds.deleted(segment):  # (behind our back)
+            self._retire({segment})  # start another: the next reserve opens one
         try:
             yield lane
         finally:

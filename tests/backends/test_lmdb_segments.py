@@ -809,6 +809,22 @@ def test_a_damaged_place_naming_terabytes_does_not_stop_compaction_for_good(tmp_
     assert_reads(b, {key(i): blob(i, n) for i in (3, 5, 6)})
     b.close()
 
+@pytest.mark.parametrize("length", [1 << 40, 1 << 62])
+def test_a_damaged_place_naming_terabytes_is_a_miss_for_readers_not_an_oserror(tmp_path, length):
+    """Readers allocated a buffer of the damaged length first (ENOMEM raised out of get_many and
+    every visit, for every batch holding that key, until check(fix) ran)."""
+    b = LmdbBackend(tmp_path / "db", capacity=64 * MiB, segment_bytes="1MiB")
+    assert b.put_many([(key(0), blob(0, 300 * KiB)), (key(1), blob(1, 300 * KiB))]) == [True, True]
+    places = b.env.open_db(b"places", create=False)
+    with b.env.begin(write=True) as txn:
+        txn.put(key(0), place_of(b, key(0))._replace(length=length).pack(), db=places)
+    assert b.get_many([key(0), key(1)]) == [None, blob(1, 300 * KiB)]
+    seen = {}
+    assert b.visit_many([key(0), key(1)], lambda i, v: seen.update({i: bytes(v)})) == [False, True]
+    assert b.visit_split([key(0)], [bytearray(MiB)], lambda i, h, v: None) == [False]
+    b.close()
+
+
 # -- 8. readers against writers and compaction ----------------------------------------------------
 @pytest.mark.parametrize("direct_io", [False, True])
 @pytest.mark.parametrize("path", ["visit_many", "get_many", "visit_split"])
