@@ -28,7 +28,8 @@ sends their pipelines at once (:class:`NodeFanout`): one on the caller's thread,
 up to that many threads the backend owns, so its latency is that of its slowest node, not the
 sum over nodes; a call on one node stays on the caller's thread. Each thread makes its own
 pipeline object (never shared) on the node's connection pool (which is thread-safe), and a call
-returns only once every pipeline it started has answered or failed. Not the default: with client
+returns only once every pipeline it started has answered or failed; each runs in the caller's
+context, so within the call's deadline (:mod:`storage_backends.redis_deadline`). Not the default: with client
 and nodes on one 2-vCPU host it gained nothing for 2 MiB blocks and cost 25% of the GET rate of
 128 KiB ones (threads parsing replies contend for the GIL); it is for round trips that dominate
 (nodes across a network, a slow node).
@@ -36,6 +37,7 @@ and nodes on one 2-vCPU host it gained nothing for 2 MiB blocks and cost 25% of 
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -106,7 +108,7 @@ class NodeFanout:
                 size = max(1, min(self.threads, workers()))
                 self._pool = ThreadPoolExecutor(max_workers=size, thread_name_prefix=THREAD_PREFIX)
                 log.debug("redis cluster pipelines sent on %d threads", size)
-            return self._pool.submit(job)
+            return self._pool.submit(contextvars.copy_context().run, job)  # (the call's deadline with it)
 
     def close(self) -> None:
         """Join the threads (a pipeline still running ends within the socket timeout); a call

@@ -8,7 +8,10 @@ every call for a probe interval whenever more threads than connections called at
 what retries a connection error takes a node for gone (a cluster's node pipelines and admin
 calls, redis-py's cluster pipeline, its cluster client before 6.4), reads the topology again and
 tries again, so a call waited for a busy node's connections three times over, with two topology
-reads between (redis-py before 6.4 also dropped the node's pool)."""
+reads between (redis-py before 6.4 also dropped the node's pool).
+
+Its connections' sockets end their reads and writes by the current call's deadline, and a wait
+for a connection ends by it too (:mod:`storage_backends.redis_deadline`)."""
 
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ from queue import Empty, LifoQueue
 from typing import Any
 
 import redis
-from redis.connection import BlockingConnectionPool
+from redis.connection import BlockingConnectionPool, Connection
 from redis.exceptions import RedisError
+
+from storage_backends.redis_deadline import bounded_wait, guarded_class
 
 
 class ConnectionsBusy(RedisError):
@@ -31,20 +36,22 @@ class _Slots(LifoQueue):
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         try:
-            return super().get(block, timeout)
+            return super().get(block, bounded_wait(timeout))
         except Empty:
             raise ConnectionsBusy(f"all {self.maxsize} connections busy for {timeout} s "
                                   "(the tier's max_connections)") from None
 
 
 class WaitingPool(BlockingConnectionPool):
-    """A blocking pool whose wait is the connections' ``socket_timeout`` unless given."""
+    """A blocking pool whose wait is the connections' ``socket_timeout`` unless given, and
+    whose connections keep the deadline of the call using them."""
 
-    def __init__(self, max_connections: int = 64, timeout: float | None = None, **connection_kwargs: Any) -> None:
+    def __init__(self, max_connections: int = 64, timeout: float | None = None,
+                 connection_class: type = Connection, **connection_kwargs: Any) -> None:
         if timeout is None:
             timeout = connection_kwargs.get("socket_timeout") or 2.0
         super().__init__(max_connections=max_connections, timeout=timeout, queue_class=_Slots,
-                         **connection_kwargs)
+                         connection_class=guarded_class(connection_class), **connection_kwargs)
 
 
 def single_client(target: str, **options: Any) -> redis.Redis:

@@ -22,7 +22,7 @@ INFO are retried as whole calls (:mod:`storage_backends.redis_admin`). ``maxmemo
 that put ``False`` (``put_rejected``), as do ``READONLY`` and ``MISCONF``, which other calls raise as
 :class:`BackendError`. A call finding all ``max_connections`` busy waits for one
 (:mod:`storage_backends.redis_pool`). ``close()`` closes every connection, those a call or probe running
-meanwhile puts back too.
+meanwhile puts back too. Every call ends by a deadline (:mod:`storage_backends.redis_deadline`).
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from storage_backends.quotas import as_tenant
 from storage_backends.redaction import redact_text, redact_url
 from storage_backends.redis_admin import AdminRetry
 from storage_backends.redis_breaker import Breaker
+from storage_backends.redis_deadline import call_deadline
 from storage_backends.redis_figures import server_facts
 from storage_backends.redis_names import RedisNames
 from storage_backends.redis_node_pipelines import NodeFanout, node_pipelines, ping_every_node
@@ -60,8 +61,7 @@ _refusals = LogThrottle(log)  # a read-only replica or a failing RDB save refuse
 
 T = TypeVar("T")
 # (BusyLoadingError, i.e. LOADING, and AuthenticationError are ConnectionErrors)
-DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError,
-               RedisClusterException, OSError)
+DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError, RedisClusterException, OSError)
 PIPELINE_BYTES = 4 << 20  # default: bytes of values per pipeline of SETs or GETs
 VALUE_SIZE_GUESS = 2 << 20  # value size assumed until some are seen (sizes the first GETs)
 KEYS_PER_CALL = 1000  # keys per TYPE pipeline, UNLINK and SCAN page
@@ -146,8 +146,7 @@ class RedisBackend(Backend):
 
     @classmethod
     def open_read_only(cls, url: str, *, timeout: float = 5.0) -> RedisBackend:
-        """``url`` with ``timeout`` seconds per call and no retries (a tool must not hang on a
-        Redis that is away); Redis has nothing to create and records no accesses of ours."""
+        """``url``, ``timeout`` s a call, no retries (a tool must not hang on a Redis away); nothing to create."""
         return cls.from_url(url, timeout=timeout, retries=0)
 
     @property
@@ -177,8 +176,9 @@ class RedisBackend(Backend):
         if self._breaker.open:  # the background probe decides when to close
             self._count(errors=1)
             raise BackendUnavailable(f"redis at {self.url} is down (next probe in {self._breaker.next_probe_s():.1f}s)")
-        try:
-            return self._admin.call(self.client, fn) if admin and self.cluster else fn(self.client)
+        try:  # within a deadline of ``timeout`` + a per-byte allowance (storage_backends.redis_deadline)
+            with call_deadline(self.timeout, paged=admin):  # (admin: per round trip, a SCAN is many)
+                return self._admin.call(self.client, fn) if admin and self.cluster else fn(self.client)
         except (*DOWN_ERRORS, redis.RedisError) as exc:  # (a protocol error too: nothing to talk to)
             self._count(errors=1)
             if isinstance(exc, ResponseError) and not isinstance(exc, DOWN_ERRORS):  # READONLY, MISCONF,

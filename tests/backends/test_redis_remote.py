@@ -78,7 +78,7 @@ def test_bad_urls_are_config_errors():
 def test_rediss_url_configures_tls_without_connecting():
     b = open_backend("rediss://127.0.0.1:1/0?ssl_cert_reqs=none&ssl_check_hostname=false&prefix=t:")
     pool = b.client.connection_pool
-    assert pool.connection_class is redis.SSLConnection and b.prefix == b"t:"
+    assert issubclass(pool.connection_class, redis.SSLConnection) and b.prefix == b"t:"
     assert pool.connection_kwargs["ssl_cert_reqs"] == "none"
     b.close()
     tls_cluster = open_backend("rediss://127.0.0.1:1/0?cluster=true")  # (connects on first use)
