@@ -165,6 +165,7 @@ class TieredKVConfig:
     max_inflight_save: int = size_field(512 << 20)  # write-behind bytes queued before saves drop
     max_inflight_load: int = size_field(512 << 20)  # load bytes in flight; later loads queue behind them
     lookup_timeout: float = duration_field(0.05)  # scheduler-side lookup deadline per tier; unanswered = miss
+    close_timeout: float | None = duration_field(30.0)  # close() waits this long for write-behind, then leaves a hung tier's writes (counted saves_abandoned) and medium to the process's exit; None = wait for ever
     hash_algo: str = "xxh3_128"  # block key hash: xxh3_128, blake2b_128 or sha256_128
     cache_salt: str = field(default="", repr=False)  # tenant salt folded into every key (a secret: in no repr)
     model_revision: str = ""  # weights fingerprint folded into the namespace
@@ -201,6 +202,8 @@ class TieredKVConfig:
             raise ConfigError(f"metrics_port must be a TCP port, got {self.metrics_port}")
         if not 0 < self.lookup_timeout <= MAX_TIMEOUT:  # a scheduler-side wait (huge: every lookup raised)
             raise ConfigError(f"lookup_timeout must be positive and at most 1d, got {self.lookup_timeout}")
+        if self.close_timeout is not None and not 0 < self.close_timeout <= MAX_TIMEOUT:  # (huge: a wait raised)
+            raise ConfigError(f"close_timeout must be positive and at most 1d (or none), got {self.close_timeout}")
         if self.metrics_log_interval is not None and not 0 < self.metrics_log_interval <= MAX_LOG_INTERVAL:
             raise ConfigError(f"metrics_log_interval must be positive and at most 30d, got {self.metrics_log_interval}")
         names = [t.name for t in (self.disk, self.remote, *self.tiers)]

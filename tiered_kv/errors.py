@@ -75,3 +75,9 @@ class BlockMismatch(TieredKVError, ValueError):
     """A block handed to the store (to save, or to load into) is not one its host slots hold:
     another shape or size, or a tensor with no data to copy (``meta``, sparse). Refused before
     any byte of it is copied, never a torch error raised into the engine."""
+
+
+class ThreadsUnavailable(TieredKVError, RuntimeError):
+    """The system would not start a thread a part of the store needs ("can't start new thread":
+    a process or container thread limit). The part is not made, and none of the threads it had
+    started is left running. (A RuntimeError too: what ``Thread.start`` raises.)"""

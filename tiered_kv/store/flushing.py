@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tiered_kv.store.copies_up import CopiesUp
 from tiered_kv.store.encoded_tier import EncodedTier
@@ -25,11 +25,14 @@ def drain_writes(pool: TransferPool, copies: CopiesUp, timeout: float | None) ->
     return copies.drain(None if end is None else max(0.0, end - time.monotonic())) and done
 
 
-def flush_tiers(tiers: Sequence[EncodedTier]) -> None:
+def flush_tiers(tiers: Sequence[EncodedTier], entering: Callable[[EncodedTier], bool] | None = None) -> None:
     """Make every lower tier durable; the first tier's failure is raised once every tier
-    flushed (it stopped at the first: the tiers after it were never made durable)."""
+    flushed (it stopped at the first: the tiers after it were never made durable).
+    ``entering(tier)``: asked before each tier; False stops there (a close gave up waiting)."""
     failed: Exception | None = None
     for tier in tiers:
+        if entering is not None and not entering(tier):
+            break
         try:
             tier.backend.flush()
         except Exception as exc:

@@ -49,6 +49,7 @@ from tiered_kv.keys import Namespace, leading_present
 from tiered_kv.store import codec_choice
 from tiered_kv.store.admission import RequestCounts
 from tiered_kv.store.block_events import BlockEvents
+from tiered_kv.store.closing import close_parts, close_store
 from tiered_kv.store.cost_records import COSTS_SAVE_S, CostsKeeper
 from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.flushing import drain_writes, flush_tiers
@@ -290,6 +291,8 @@ class TieredStore:
         return snap
 
     def close(self) -> None:
+        """Flush and close every part; a tier that does not answer is waited for at most
+        ``config.close_timeout`` (:mod:`~tiered_kv.store.closing`)."""
         with self._close_lock:
             if self._closed:
                 return
@@ -298,34 +301,12 @@ class TieredStore:
             self._stats_log.close()
         self.cost_record.close()  # (flush writes the record once more)
         self.loader.release_leases()
-        try:
-            self.flush()
-        finally:
-            if self._metrics_ports:
-                from tiered_kv.store.prometheus import unexport
-
-                unexport(self)
-            self.presence.close()
-            try:
-                self.invalidations.close()  # (after flush: a failed delete's last retry may have run)
-            finally:
-                self.close_parts()
+        close_store(self, self.config.close_timeout)
 
     def close_parts(self, media: Sequence = ()) -> None:
         """Stop the pool and close every medium (also when starting a later part failed;
         ``media``: those opened before their tiers were made)."""
-        self.pool.close()
-        if hasattr(self, "copier"):
-            self.copier.close()
-        for backend in [t.backend for t in self.tiers] if hasattr(self, "tiers") else media:
-            try:  # (one medium failing to close left the others, the slots and the host open)
-                backend.close()
-            except Exception as exc:
-                log.warning("%s: closing failed: %s", backend.url, exc)
-        if hasattr(self, "slots"):
-            self.slots.close()
-        if hasattr(self, "host"):
-            self.host.close()
+        close_parts(self, media)
 
     def __enter__(self) -> TieredStore:
         return self

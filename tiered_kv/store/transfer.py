@@ -13,6 +13,12 @@ A load queued while every worker runs a save gets a thread of its own (a *stand-
 on a hung tier (a stalled network disk, another process holding LMDB's writer lock) held every
 worker, and an engine's load through the host slots waited behind it as long as it hung (the
 forward pass with it, for a synchronous load). Saves stay on the workers.
+
+``close(timeout)`` waits for the jobs queued at most ``timeout`` seconds: then those not started
+fail (:class:`~tiered_kv.errors.StoreClosed`) and those still running are left to their threads
+(daemons), so a job hung in a tier does not hang the close (an engine's shutdown). A worker the
+system cannot start fails the pool's construction (:class:`~tiered_kv.errors.ThreadsUnavailable`),
+the workers started before it stopped (they were left running).
 """
 
 from __future__ import annotations
@@ -21,16 +27,28 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
-from tiered_kv.errors import StoreClosed
+from tiered_kv.errors import StoreClosed, ThreadsUnavailable
 
 log = logging.getLogger(__name__)
 
 LOAD, SAVE = 0, 1
+
+
+@dataclass(frozen=True)
+class Unfinished:
+    """What :meth:`TransferPool.close` left undone (all zero: every thread ended)."""
+
+    failed: int = 0  # jobs not started by the timeout: failed with StoreClosed, never run
+    failed_save_bytes: int = 0  # the bytes of the saves among them
+    running: int = 0  # jobs still running on their threads (a tier that does not answer)
+    running_save_bytes: int = 0  # the bytes of the saves among them
 
 
 class TransferPool:
@@ -46,10 +64,16 @@ class TransferPool:
         self._saving = 0  # workers running a save now
         self._queued_loads = 0  # loads in the queue (not yet taken by a thread)
         self._stand_ins: set[threading.Thread] = set()  # threads running loads beside workers all saving
-        self._threads = [threading.Thread(target=self._run, name=f"tiered-kv-{i}", daemon=True)
-                         for i in range(workers)]
-        for t in self._threads:
-            t.start()
+        self._threads: list[threading.Thread] = []
+        for i in range(workers):
+            thread = threading.Thread(target=self._run, name=f"tiered-kv-{i}", daemon=True)
+            try:
+                thread.start()
+            except RuntimeError as exc:  # ("can't start new thread"): stop those started
+                self.close()
+                raise ThreadsUnavailable(f"transfer pool: worker {i + 1} of {workers} could not be "
+                                         f"started: {exc}") from exc
+            self._threads.append(thread)
 
     @property
     def closed(self) -> bool:
@@ -228,10 +252,14 @@ class TransferPool:
         with self._cond:
             return self._cond.wait_for(lambda: self.jobs == 0, timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> Unfinished:
+        """Accept nothing more, let the threads run what is queued and end. ``timeout``: wait
+        at most that many seconds; the jobs not started by then fail with StoreClosed, those
+        running are left to their threads; what was left is returned."""
+        end = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             if self._closed:
-                return
+                return Unfinished(running=self.jobs, running_save_bytes=self.inflight[SAVE])
             self._closed = True
             # loads waiting for the budget never start: their callers see the pool closed. One
             # cancelled meanwhile stays in line until its own callback takes it out.
@@ -243,8 +271,46 @@ class TransferPool:
         for _ in self._threads:
             self._queue.put((2, next(self._seq), None, None, 0))
         for t in self._threads:
-            t.join()
+            t.join(_left(end))
+        failed: list[tuple] = []
+        if any(t.is_alive() for t in self._threads):  # (only with a timeout)
+            failed = self._take_queued()
+        for job in failed:
+            job[3].set_exception(StoreClosed("transfer pool closed before the job started"))
         with self._cond:
             stand_ins = list(self._stand_ins)  # (each ends at the stop signals, or the queue's end)
         for t in stand_ins:
-            t.join()
+            t.join(_left(end))
+        with self._cond:
+            return Unfinished(len(failed), sum(j[4] for j in failed if j[0] == SAVE),
+                              self.jobs, self.inflight[SAVE])
+
+    def _take_queued(self) -> list[tuple]:
+        """Take the jobs still queued out of the queue (the stop signals stay), set running:
+        the jobs to fail (a cancelled one gave its bytes back in its callback already)."""
+        taken: list[tuple] = []
+        with self._cond:
+            stops = []
+            while True:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job[2] is None:
+                    stops.append(job)
+                    continue
+                kind, _, _, fut, nbytes = job
+                self._queued_loads -= kind == LOAD
+                if fut.set_running_or_notify_cancel():
+                    self.inflight[kind] -= nbytes
+                    self.jobs -= 1
+                    taken.append(job)
+            for stop in stops:
+                self._queue.put(stop)
+            self._cond.notify_all()
+        return taken
+
+
+def _left(end: float | None) -> float | None:
+    """Seconds left until ``end`` (None: no end)."""
+    return None if end is None else max(0.0, end - time.monotonic())
