@@ -25,6 +25,8 @@ from redis.exceptions import RedisError
 
 from storage_backends.redis_deadline import bounded_wait, guarded_class
 
+READ_SIZE = 1 << 20  # bytes a connection's parser reads per recv (redis-py's 64 KiB: 16 calls for each MiB of a value)
+
 
 class ConnectionsBusy(RedisError):
     """Every connection of a pool stayed busy for the wait (see the module docstring)."""

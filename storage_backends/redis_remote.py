@@ -53,7 +53,7 @@ from storage_backends.redis_names import RedisNames
 from storage_backends.redis_node_pipelines import NodeFanout, node_pipelines, ping_every_node
 from storage_backends.redis_options import check_cluster_options, check_counts, redis_arguments, redis_target
 from storage_backends.redis_packer import PACKER, PackedConnection
-from storage_backends.redis_pool import ConnectionsBusy, WaitingPool, close_client, single_client
+from storage_backends.redis_pool import READ_SIZE, ConnectionsBusy, WaitingPool, close_client, single_client
 from tiered_kv.errors import BackendClosed, BackendError, BackendUnavailable, ConfigError
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ class RedisBackend(Backend):
         retry = Retry(self._backoff, retries, supported_errors=(RedisConnectionError, ConnectionError))
         self._admin = AdminRetry(self._backoff, retries)  # a cluster's SCAN and INFO (its client: no retries)
         self._fanout = NodeFanout(node_threads)  # threads sending a cluster call's nodes at once
-        common: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout,
+        common: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout, socket_read_size=READ_SIZE,
                                       retry=retry, max_connections=max_connections)
         target = redis_target(url)
         # raw blocks come as head + host slot (no copy next to the head) where our packer sends
