@@ -46,7 +46,7 @@ from storage_backends.eviction_lru import LRU
 from storage_backends.file_entries import Stored, check_dir, stored_files, target_of
 from storage_backends.file_layout import FORMAT, MARKER, as_key, file_of, open_store, temp_of, upgrade_marker
 from storage_backends.file_room import FileRoom
-from storage_backends.options import directory_of, split_options
+from storage_backends.options import directory_of, known_options
 from storage_backends.quotas import Quotas, as_tenant
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError
 from tiered_kv.units import as_bool, parse_size
@@ -93,13 +93,7 @@ class FileBackend(Backend):
 
     @classmethod
     def from_url(cls, url: str, **options) -> FileBackend:
-        _, query = split_options(url)
-        query.update({k: v for k, v in options.items() if v is not None})
-        for name in IGNORED:
-            query.pop(name, None)
-        unknown = sorted(set(query) - set(OPTIONS))
-        if unknown:
-            raise ConfigError(f"unknown file option {unknown[0]!r} (known: {', '.join(OPTIONS)})")
+        query = known_options("file", url, options, OPTIONS, IGNORED)
         return cls(directory_of(url, "file"), url=url, **query)
 
     @classmethod

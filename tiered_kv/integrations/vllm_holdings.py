@@ -73,12 +73,7 @@ class Holdings:
             if holding is None or (holding.told is None and not holding.ranks & bit):
                 out.append(hash_of(key))  # never seen stored here: named as it would be now
                 continue
-            if holding.told is not None:
-                out.append(holding.told)
-                holding.told = None
-            holding.ranks &= ~bit
-            if not holding.ranks:
-                del held[key]
+            _drop(held, key, holding, bit, out)
         return out
 
     def trim(self, tier: str) -> list:
@@ -100,12 +95,7 @@ class Holdings:
         bit = 1 << rank
         out = []
         for key, holding in list(held.items()):
-            if holding.told is not None:
-                out.append(holding.told)
-                holding.told = None
-            holding.ranks &= ~bit
-            if not holding.ranks:
-                del held[key]
+            _drop(held, key, holding, bit, out)
         return out
 
     def unannounce(self) -> None:
@@ -117,3 +107,14 @@ class Holdings:
 
     def __len__(self) -> int:
         return sum(len(held) for held in self.tiers.values())
+
+
+def _drop(held: OrderedDict, key: bytes, holding: _Held, bit: int, out: list) -> None:
+    """The shard of rank ``bit`` of ``key`` dropped: its announced hash (once) goes to ``out``,
+    the record with its last rank."""
+    if holding.told is not None:
+        out.append(holding.told)
+        holding.told = None
+    holding.ranks &= ~bit
+    if not holding.ranks:
+        del held[key]
