@@ -81,8 +81,13 @@ def test_a_save_stuck_on_lmdbs_writer_lock_does_not_hang_the_close(tmp_path, wri
     assert disk.contains_many([b"k"]) == [False]  # the one a write is stuck in: left open
     writer_lock.release()  # the tier answers again: the stuck write ends, nothing crashed
     assert store.pool.drain(BOUND_S)
-    disk.close()
-    with make_store(tmp_path) as again:
+    later = [t for t in threading.enumerate() if t.name == "tiered-kv-close-later"]
+    for thread in later:  # then the medium left open is closed: the store can be opened again
+        thread.join(BOUND_S)
+    assert later and not any(t.is_alive() for t in later)
+    with pytest.raises(BackendClosed):
+        disk.contains_many([b"k"])
+    with make_store(tmp_path) as again:  # (py-lmdb refused a second open of an environment left open)
         assert again.lookup(keys) == 4  # the write landed in the environment left open
 
 

@@ -14,9 +14,11 @@ thread of its own, waited for at most ``close_timeout`` seconds; past it the clo
   thread's stack; the flush says which tier it entered) is not closed: closing an LMDB
   environment with a transaction in flight is undefined behaviour in LMDB (the LMDB medium's
   close waits for it, for ever), closing a file store under a write frees the descriptor it uses.
-  Such a medium is left to the process's exit. The others are closed on a thread waited for at
-  most ``close_timeout`` again (so a close returns within about twice ``close_timeout``), and
-  the pool, the host tier and its slots are closed as always.
+  Such a medium is closed by a thread of its own once what was inside it ended (the tier
+  answered again: an LMDB environment left open could not be opened again in this process), or
+  left to the process's exit. The others are closed on a thread waited for at most
+  ``close_timeout`` again (so a close returns within about twice ``close_timeout``), and the
+  pool, the host tier and its slots are closed as always.
 
 When the flush ended in time, the close is the old one: every medium closed, the flush's error
 raised. ``close_timeout = None`` waits for ever. An explicit ``flush()`` keeps its meaning (it
@@ -62,6 +64,7 @@ def close_store(store: Any, timeout: float | None) -> None:
             busy |= tiers_in_use(store.tiers)
             _report(store, timeout, left, copying, busy)
             close_parts(store, keep=busy, wait=timeout)
+            _close_later(store, flush, busy)
     if finished and flush.error is not None:  # (one given up on may still fail later: not ours to raise)
         raise flush.error
 
@@ -104,6 +107,26 @@ def _close_media(backends: Sequence, wait: float | None) -> None:
     if thread.is_alive():
         log.warning("closing the store: a lower tier was still closing after %.3g s; it goes on "
                     "in the background", wait)
+
+
+def _close_later(store: Any, flush: _Flush, kept: set[str]) -> None:
+    """Close the media left open once what was inside them ended (a tier that answers again):
+    left open for good, an LMDB environment could not be opened again in this process (py-lmdb
+    refuses a second open), so an engine re-creating its store after a hang could not."""
+    backends = [t.backend for t in store.tiers if t.name in kept]
+    if not backends:
+        return
+
+    def run() -> None:
+        flush._done.wait()
+        store.pool.drain(None)
+        store.loader.reader.copies.drain(None)
+        _close_media(backends, None)
+
+    try:
+        threading.Thread(target=run, name="tiered-kv-close-later", daemon=True).start()
+    except RuntimeError:  # ("can't start new thread": they stay open until the process exits)
+        log.warning("closing the store: no thread to close the tiers left open later")
 
 
 class _Flush:
