@@ -12,8 +12,8 @@ at most ``timeout`` + 1 s per 4 MiB pipeline at the defaults. A call that moves 
 ``timeout`` (every healthy one) never meets its deadline.
 
 How: each connection's socket is a :class:`GuardedSocket`, whose reads and writes wait at most
-what is left of the current call's deadline (the connect, and a wait for a pooled connection,
-too); past it a read or write raises ``socket.timeout``, which redis-py turns into its
+what is left of the current call's deadline (a wait for a pooled connection too; a connect is
+bounded by its own timeout and does not count); past it a read or write raises ``socket.timeout``, which redis-py turns into its
 ``TimeoutError`` after dropping the connection (a half-read reply is never read by the next
 call; a timeout is not retried), and the tier into ``BackendUnavailable``, opening the breaker.
 No thread, and no system call on the way when the deadline is further than the socket's own
@@ -148,8 +148,8 @@ class GuardedSocket:
 
 
 def guarded_class(connection_class: type) -> type:
-    """``connection_class`` whose sockets are :class:`GuardedSocket` and whose connect waits at
-    most what is left of the current call's deadline (made once per class)."""
+    """``connection_class`` whose sockets are :class:`GuardedSocket` and whose connects do not
+    count against the call's deadline (made once per class)."""
     if issubclass(connection_class, _Guarded):
         return connection_class
     made = _classes.get(connection_class)
@@ -160,17 +160,18 @@ def guarded_class(connection_class: type) -> type:
 
 
 class _Guarded:
-    """The base :func:`guarded_class` puts before a redis-py connection class: its ``_connect``
-    (redis-py's, which reads the class's ``socket_connect_timeout``) under the deadline."""
+    """The base :func:`guarded_class` puts before a redis-py connection class: the time its
+    ``_connect`` takes (bounded by the connect timeout, each attempt) is not the call's (a
+    cluster's first call connects to a startup node, then to the node of its keys: under one
+    budget, a loaded host failed those at a 300 ms timeout), and its socket is guarded."""
 
     def _connect(self) -> Any:
-        deadline, wait = _current.get(), getattr(self, "socket_connect_timeout", None)
-        if deadline is not None:
-            self.socket_connect_timeout = deadline.bound(wait)  # (a connection serves one call at a time)
+        deadline, began = _current.get(), time.monotonic()
         try:
             sock = super()._connect()  # type: ignore[misc]
         finally:
-            self.socket_connect_timeout = wait
+            if deadline is not None:
+                deadline.start += time.monotonic() - began
         return GuardedSocket(sock)
 
 
