@@ -220,8 +220,8 @@ def _report(store: Any, timeout: float, left: Unfinished, copying: bool, busy: s
     if blocks:
         store.metrics.event("saves_abandoned", blocks)
     log.warning("closing the store: its lower tiers did not finish within close_timeout %.3g s: "
-                "%d blocks of write-behind abandoned (%d writes not started, %d still running%s); "
-                "left open until the process exits: %s", timeout, blocks, left.failed,
+                "%d blocks of write-behind abandoned (%d jobs not started, %d still running%s); "
+                "left open until what is inside them ends: %s", timeout, blocks, left.failed,
                 left.running, ", copies up past the budget still running" if copying else "",
                 ", ".join(sorted(busy)) or "none")
 
