@@ -21,6 +21,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from storage_backends.file_entries import link_of
 from storage_backends.file_layout import as_key, file_of, temp_of, tenant_of_link
 from tiered_kv.errors import BackendClosed, BackendUnavailable
 
@@ -50,7 +51,7 @@ def delete_if_unchanged(backend, pairs: Sequence[tuple[bytes, bytes]]) -> list[b
 
 
 def _delete_one(path: Path, expected: bytes) -> bool:
-    link = _link_of(path)
+    link = link_of(path)
     if link is not None and tenant_of_link(link) is None:
         return False  # a link that is not ours (to /etc/passwd): never followed, never renamed
     held = path.parent / link if link is not None else path
@@ -80,7 +81,7 @@ def _drop_link(path: Path, name: str) -> None:
         os.rename(path, tomb)
     except FileNotFoundError:
         return
-    if _link_of(tomb) != name or (path.parent / name).exists():  # rewritten meanwhile
+    if link_of(tomb) != name or (path.parent / name).exists():  # rewritten meanwhile
         _put_back(tomb, path)
         return
     os.unlink(tomb)
@@ -104,10 +105,3 @@ def _put_back(tomb: Path, name: Path) -> None:
 def _read(path: Path) -> bytes:
     with open(path, "rb") as fh:
         return fh.read()
-
-
-def _link_of(path: Path) -> str | None:
-    try:
-        return os.readlink(path)
-    except OSError:
-        return None

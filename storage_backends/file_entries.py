@@ -45,7 +45,7 @@ def target_of(path: Path, tenant: bytes) -> Path:
 def value_of(path: Path) -> Path | None:
     """The file holding the value of the key named ``path``: ``path`` itself, or the tenant file
     its link names; None for a link that is not ours (one to /etc/passwd is never followed)."""
-    target = _link_of(path)
+    target = link_of(path)
     if target is None:
         return path
     return path.parent / target if tenant_of_link(target) is not None else None
@@ -150,13 +150,13 @@ def remove(path: Path) -> int | None:
 
 def _our_link_of(path: Path) -> str | None:
     """Where ``path`` links when it is a link of ours (to a tenant file next to it)."""
-    target = _link_of(path)
+    target = link_of(path)
     return target if target is not None and tenant_of_link(target) is not None else None
 
 
 def tenant_at(path: Path) -> bytes | None:
     """The tenant of the key named ``path`` (b"" for a plain value; None when absent)."""
-    old = _link_of(path)
+    old = link_of(path)
     if old is not None:
         return tenant_of_link(old)
     return b"" if path.exists() else None
@@ -173,7 +173,7 @@ def stored_files(root: Path) -> list[Stored]:
             key = key_of(entry.name)
             if key is None or not entry.name.endswith(sub.name):
                 continue
-            tenant = tenant_of_link(_link_of(Path(entry.path)) or "") if entry.is_symlink() else b""
+            tenant = tenant_of_link(link_of(Path(entry.path)) or "") if entry.is_symlink() else b""
             if tenant is None:
                 continue  # a link that is not ours
             held = value_of(Path(entry.path)) if tenant else Path(entry.path)
@@ -225,7 +225,7 @@ def _check_bucket(bucket: Path, fix: bool, now: float) -> list[str]:
         entries = list(os.scandir(bucket))
     except FileNotFoundError:  # removed since the listing above: nothing of the store's
         return []
-    linked = {_link_of(Path(e.path)) for e in entries if e.is_symlink()}
+    linked = {link_of(Path(e.path)) for e in entries if e.is_symlink()}
     problems = []
     for entry in entries:
         try:
@@ -235,7 +235,7 @@ def _check_bucket(bucket: Path, fix: bool, now: float) -> list[str]:
         if problem:
             problems.append(f"{problem}: {bucket.name}/{entry.name}")
             if fix and problem != "foreign directory":
-                dangling = _link_of(Path(entry.path)) if problem.startswith("link to") else None
+                dangling = link_of(Path(entry.path)) if problem.startswith("link to") else None
                 _drop(Path(entry.path), entry.inode(), dangling)
     return problems
 
@@ -253,7 +253,7 @@ def _problem(entry: os.DirEntry, bucket: str, linked: set, now: float) -> str | 
             return None
         if tenant_of_link(target) is None:
             return "foreign link"
-        if os.path.exists(entry.path) or _link_of(Path(entry.path)) != target:
+        if os.path.exists(entry.path) or link_of(Path(entry.path)) != target:
             return None  # resolves, or was replaced or removed since
         return "link to a missing tenant file"
     recent = now - entry.stat(follow_symlinks=False).st_mtime < STALE_S  # gone: the caller skips it
@@ -287,7 +287,7 @@ def _drop(path: Path, inode: int, dangling: str | None = None) -> None:
         os.unlink(tomb)
 
 
-def _link_of(path: Path) -> str | None:
+def link_of(path: Path) -> str | None:
     """Where the link ``path`` points (None: no link, or nothing there)."""
     try:
         return os.readlink(path)

@@ -60,16 +60,18 @@ def _stored_copy(conn, key: bytes) -> torch.Tensor | None:
     return out if ok[0] else None
 
 
-def _seed_store(tmp_path) -> list[bytes]:
-    """A first engine saved the shared prefix; its keys."""
+def _seed_store(tmp_path, shared: list[int] = SHARED) -> list[bytes]:
+    """A first engine saved the prompt ``shared`` + one token (every full block computed); its keys."""
     conn = _connector(tmp_path)
-    view = RequestView("seed", SHARED + [7], len(SHARED) + 1, None)
+    tokens = shared + [7]
+    blocks = list(range(len(tokens) // BS + 1))
+    view = RequestView("seed", tokens, len(tokens), None)
     conn.scheduler.get_num_new_matched_tokens(view, 0)
-    conn.scheduler.update_state_after_alloc(view, [0, 1, 2, 3, 4], 0)
+    conn.scheduler.update_state_after_alloc(view, blocks, 0)
     pool = _pool()
     conn.register_kv_caches(pool)
-    _fill(pool, [0, 1, 2, 3], 1.0)
-    _step(conn, new=[RequestStep("seed", view.prompt_token_ids, [0, 1, 2, 3, 4], 0, len(view.prompt_token_ids))])
+    _fill(pool, blocks[:-1], 1.0)
+    _step(conn, new=[RequestStep("seed", tokens, blocks, 0, len(tokens))])
     conn.worker.wait_for_save()
     keys = list(conn.scheduler.keys_of("seed"))
     conn.store.flush()

@@ -8,31 +8,22 @@ request matched again, allocated and scheduled as new with its local hit and ext
 
 from __future__ import annotations
 
-from tests.connector.test_failed_load_sharing import BS, _connector, _corrupt_on_disk, _fill, _pool, _step
+from tests.connector.test_failed_load_sharing import (
+    BS,
+    _connector,
+    _corrupt_on_disk,
+    _fill,
+    _pool,
+    _seed_store,
+    _step,
+)
 from tiered_kv.integrations.common import RequestStep, RequestView
 
 SHARED = list(range(1000, 1000 + 6 * BS))  # six full blocks another request stored
 
 
-def _store_shared_prefix(tmp_path) -> list[bytes]:
-    conn = _connector(tmp_path)
-    pool = _pool()
-    conn.register_kv_caches(pool)
-    tokens = SHARED + [7]
-    view = RequestView("S", tokens, len(tokens), None)
-    conn.scheduler.get_num_new_matched_tokens(view, 0)
-    conn.scheduler.update_state_after_alloc(view, list(range(7)), 0)
-    _fill(pool, list(range(6)), 1.0)
-    _step(conn, new=[RequestStep("S", tokens, list(range(7)), 0, len(tokens))])
-    conn.worker.wait_for_save()
-    keys = list(conn.scheduler.keys_of("S"))
-    conn.store.flush()
-    conn.close()
-    return keys
-
-
 def test_a_resumed_request_does_not_store_a_block_that_failed_to_load_nor_kv_computed_over_it(tmp_path):
-    shared_keys = _store_shared_prefix(tmp_path)
+    shared_keys = _seed_store(tmp_path, SHARED)
     _corrupt_on_disk(tmp_path / "db", shared_keys[4])  # the resumed request's load of block 4 fails
     conn = _connector(tmp_path)
     pool = _pool()

@@ -59,12 +59,18 @@ def test_a_failing_subscriber_never_reaches_the_medium():
     events.listener("disk", b"ns")("stored", [b"nsk", b"other"])
 
 
-def test_a_removal_larger_than_the_feed_does_not_leave_its_blocks_announced_stored():
+def three_stored_on_disk(limit: int):
+    """A feed of ``limit`` blocks that heard three blocks stored on disk: (feed, the disk
+    tier's listener, the three keys)."""
     events = BlockEvents()
-    feed = events.subscribe(limit=4)
+    feed = events.subscribe(limit=limit)
     hear = events.listener("disk")
     stored = [bytes([i]) * 16 for i in range(3)]
     hear("stored", stored)
+    return feed, hear, stored
+
+def test_a_removal_larger_than_the_feed_does_not_leave_its_blocks_announced_stored():
+    feed, hear, stored = three_stored_on_disk(limit=4)
     hear("removed", [*stored, b"x" * 16, b"y" * 16])  # one medium call, more blocks than the feed holds
     kept = feed.take()
     assert replay(kept, "disk") == set()  # the older "stored" no longer outlives the removal
@@ -72,11 +78,7 @@ def test_a_removal_larger_than_the_feed_does_not_leave_its_blocks_announced_stor
 
 
 def test_a_router_that_took_stored_events_before_a_removal_was_dropped_is_told_to_forget_the_tier():
-    events = BlockEvents()
-    feed = events.subscribe(limit=4)
-    hear = events.listener("disk")
-    stored = [bytes([i]) * 16 for i in range(3)]
-    hear("stored", stored)
+    feed, hear, stored = three_stored_on_disk(limit=4)
     router = replay(feed.take(), "disk")  # the router knows the three blocks are on disk
     hear("removed", stored)
     hear("stored", [b"x" * 16, b"y" * 16])  # the removal is dropped: the feed is full
