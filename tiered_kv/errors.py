@@ -73,8 +73,9 @@ class UnknownBackend(ConfigError):
 
 class BlockMismatch(TieredKVError, ValueError):
     """A block handed to the store (to save, or to load into) is not one its host slots hold:
-    another shape or size, or a tensor with no data to copy (``meta``, sparse). Refused before
-    any byte of it is copied, never a torch error raised into the engine."""
+    another shape, size or dtype (its values would be converted), a tensor with no data to copy
+    (``meta``, sparse), or a destination that writes one element to several places. Refused
+    before any byte of it is copied, never a torch error raised into the engine."""
 
 
 class ThreadsUnavailable(TieredKVError, RuntimeError):

@@ -50,14 +50,14 @@ def test_a_block_of_another_kind_is_a_typed_refusal_not_a_torch_error(ns, kind):
 def test_blocks_that_require_grad_or_are_inference_tensors_are_copied_not_refused_by_autograd(ns):
     with make_store(None, ns=ns, host="4MiB", disk=None) as store:
         keys, given = keys_for(2, ns), payloads(store, 2, seed=3)
-        store.save(keys, [g.float().requires_grad_() for g in given])  # (converted as they are copied)
+        store.save(keys, [g.clone().requires_grad_() for g in given])
         with torch.inference_mode():  # an engine's buffers are often made in inference mode
-            outs = [torch.zeros(store.shape, dtype=torch.float32) for _ in keys]
+            outs = [torch.zeros(store.shape, dtype=store.dtype) for _ in keys]
         assert store.load_into(keys, outs) == [True, True]  # (outside inference mode here)
-        assert all(torch.equal(o, g.float()) for o, g in zip(outs, given))
-        grads = [torch.zeros(store.shape, dtype=torch.float32, requires_grad=True) for _ in keys]
+        assert all(torch.equal(o, g) for o, g in zip(outs, given))
+        grads = [torch.zeros(store.shape, dtype=store.dtype, requires_grad=True) for _ in keys]
         assert store.load_into(keys, grads) == [True, True]
-        assert all(torch.equal(o.detach(), g.float()) for o, g in zip(grads, given))
+        assert all(torch.equal(o.detach(), g) for o, g in zip(grads, given))
 
 
 @pytest.mark.parametrize("non_blocking", [False, True], ids=["index_copy", "per_run"])

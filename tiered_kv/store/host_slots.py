@@ -25,6 +25,7 @@ RUN_PIECE_BLOCKS = 64  # small blocks in consecutive slots are copied this many 
 # (one share of a batch for the copier's threads)
 _KIND = operator.attrgetter("is_cpu", "dtype", "shape", "layout")  # what a block must match to join a run
 _DTYPE = operator.attrgetter("dtype")
+_FORM = operator.attrgetter("dtype", "shape", "layout", "is_meta")  # what check asks of a source
 
 
 def bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -121,14 +122,19 @@ class HostSlots:
         if self.small and (into_slots or self.canonical(blocks)):
             pieces, alone = self.slot_pieces(slots)
             if not into_slots:
-                return self._copy_small(pieces, alone, slots, blocks, into_slots=False)
+                try:
+                    return self._copy_small(pieces, alone, slots, blocks, into_slots=False)
+                except RuntimeError:  # torch refused a destination (one that overlaps itself):
+                    for block in blocks:  # the typed refusal when it was that, asked only now
+                        self.check(block, dest=True)  # (no per-block work on the normal path)
+                    raise
             if self.stackable(blocks, [pos for pos, _, _ in pieces] + alone):
                 try:
                     return self._copy_small(pieces, alone, slots, blocks, into_slots=True)
                 except RuntimeError:  # a block of another shape or device than its piece's
                     pass  # first, refused before any copy of that piece: the copies below say which
         for block in blocks:  # all before any copy: a refusal leaves every slot and block as it was
-            self.check(block)
+            self.check(block, dest=not into_slots)
         plain, devices = [], set()
         # (no autograd: a block that requires grad, or an inference tensor, raised torch's error)
         with torch.inference_mode():
@@ -138,14 +144,30 @@ class HostSlots:
                 for device in devices:
                     torch.cuda.current_stream(device).synchronize()
 
-    def check(self, block: torch.Tensor) -> None:
-        """BlockMismatch unless ``block`` is a dense tensor of our exact shape holding data:
-        ``copy_`` would broadcast one that fits (K into V too), and other shapes and tensors
-        raised torch's RuntimeError into the engine."""
+    def check(self, block: torch.Tensor, *, dest: bool = False) -> None:
+        """BlockMismatch unless ``block`` is a dense tensor of our exact shape and dtype holding
+        data (and, as a ``dest``ination, no two of its elements at one address): ``copy_`` would
+        broadcast one that fits (K into V too) and convert another dtype's values (a block that
+        is not the KV the engine computed, a misconfigured namespace hidden), and other shapes,
+        tensors and overlapping destinations raised torch's RuntimeError into the engine."""
         if block.shape != self.shape:
             raise BlockMismatch(f"a block of shape {list(block.shape)} for slots of {list(self.shape)}")
         if block.is_meta or block.layout != torch.strided:
             raise BlockMismatch(f"a block on {block.device} ({block.layout}) holds no data to copy")
+        if block.dtype != self.dtype:
+            raise BlockMismatch(f"a block of {block.dtype} for slots of {self.dtype} (its values would "
+                                "be converted: the namespace's dtype is not the engine's?)")
+        if dest and not block.is_contiguous() and any(  # torch's sure sign of an overlap: an
+                n > 1 and st == 0 for n, st in zip(block.shape, block.stride())):  # expanded dim
+            raise BlockMismatch(f"a destination block with strides {block.stride()} writes one "
+                                "element to several places")
+
+    def check_all(self, blocks: Sequence[torch.Tensor]) -> None:
+        """:meth:`check` of each of ``blocks`` as sources, in one pass over the batch (a block at
+        a time only to name the first one refused)."""
+        if set(map(_FORM, blocks)) - {(self.dtype, self.shape, torch.strided, False)}:
+            for block in blocks:
+                self.check(block)
 
     def _copy_each(self, slots: Sequence[int], blocks: Sequence[torch.Tensor], plain: list, devices: set,
                    into_slots: bool) -> None:

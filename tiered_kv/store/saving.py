@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tiered_kv.errors import BlockMismatch
 from tiered_kv.store.admission import RequestCounts
 from tiered_kv.store.encoded_tier import EncodedTier
 from tiered_kv.store.futures import WriteFuture, after, gather, settle
@@ -126,11 +127,19 @@ class Saver:
         the write-behind of earlier ones when their leased slots are all the room there is, at
         most ``wait`` seconds over the call (None: as long as they take); what then finds no room
         is not staged (counted ``saves_no_room``). A hung tier below held such a call for as long
-        as it hung (SGLang's backups: past its thread join)."""
+        as it hung (SGLang's backups: past its thread join). A block of another dtype, shape or
+        kind is refused (BlockMismatch, counted ``saves_failed``), never converted; the chunk it
+        is in is rolled back, and one of a call of several chunks is refused before any is."""
         if len(payloads) != len(keys):  # a block per key, or which block is whose is a guess
             raise ValueError(f"save of {len(keys)} keys with {len(payloads)} blocks")
         index: dict[bytes, int] | None = None  # made when a batch skipped some keys
         chunk = max(1, self.host.num_slots // 2)
+        if len(keys) > chunk:  # (a single chunk is checked by its copy, then rolled back whole)
+            try:
+                self.slots.check_all(payloads)
+            except BlockMismatch:
+                self.metrics.event("saves_failed", len(keys))
+                raise
         futures: list[Future] = []
         deadline = None if wait is None else time.monotonic() + wait
         for start in range(0, len(keys), chunk):
@@ -147,6 +156,8 @@ class Saver:
                 self.slots.copy_blocks(batch.slots, blocks, into_slots=True)
             except Exception:
                 self.commit_save(batch, ok=False)
+                # (with the blocks of the chunks never staged: none of them was stored either)
+                self.metrics.event("saves_failed", len(batch.keys) + len(keys) - start - len(part))
                 raise
             fut = self.commit_save(batch)
             if fut is not None:
