@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import xxhash
@@ -54,8 +54,8 @@ class RequestView:
     request_id: Any
     prompt_token_ids: list[int]
     num_prompt_tokens: int
-    key_extra: str | None  # LoRA, tenant salt, multimodal hashes: folded into the keys
-    tenant: str | None = None  # the request's tenant (its cache_salt): quotas and usage per tenant
+    key_extra: str | None = field(repr=False)  # LoRA, tenant salt, media hashes: folded into the keys
+    tenant: str | None = field(default=None, repr=False)  # its cache_salt: quotas and usage per tenant
 
 
 @dataclass(frozen=True)

@@ -265,7 +265,11 @@ class TieredKVWorker(_WorkerBase):
         self.settings = parse_settings(None, source=SOURCE)
         self.namespace = trtllm_namespace(llm_args, self.settings.config)
         self.store = acquire_store(self.settings.config, self.namespace)
-        self.core = ConnectorWorker(self.store, layout=self.settings.kv_layout)
+        # whole loads, never layer-wise: a layer-wise load the forward does not wait on for every
+        # layer (hooks skipped: a captured graph, a compiled forward) fails all its blocks, and
+        # TensorRT-LLM, which cannot be told, computed over them; the promised blocks are host
+        # slots already (read in the scheduler), so streaming them per layer hides no read
+        self.core = ConnectorWorker(self.store, layout=self.settings.kv_layout, layerwise=False)
         self._saving: set = set()  # requests whose saves ran in wait_for_save, not reported yet
 
     def register_kv_caches(self, kv_cache_tensor) -> None:
