@@ -15,14 +15,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Iterator, Sequence
-from itertools import repeat
 
 import torch
 
 from storage_backends.base import Backend, BackendStats, TenantTotal, Visitor
 from storage_backends.eviction import Eviction, Plan
 from storage_backends.eviction_lru import LRU
-from storage_backends.host_entries import HostEntry
+from storage_backends.host_entries import HostEntry, reserve_free
 from storage_backends.host_evictions import EvictHook, PendingEvictions
 from storage_backends.host_slab import new_slab, no_slab, want_pinned
 from storage_backends.options import split_options
@@ -90,14 +89,19 @@ class HostBackend(Backend):
         None where the key is already here or there is no room (within the tenant's quota)."""
         tenant = as_tenant(tenant)
         out, gone, quota_gone = [], [], 0  # slots handed out, keys evicted (of them by a quota)
-        with self._evicting.handing(self.on_evict, self._lock) as evicted, self._lock:  # hooked, raise or not
-            fast = None if lengths is not None or self._eviction.quotas else self._reserve_free(keys, tenant)
+
+        def undo() -> None:  # the eviction hook raised after this call reserved: its caller never learns of them
+            self.abort_many([k for k, slot in zip(keys, out) if slot is not None])
+
+        with self._evicting.handing(self.on_evict, self._lock, undo) as evicted, self._lock:  # hooked, raise or not
+            fast = None if lengths is not None or self._eviction.quotas else \
+                reserve_free(self._entries, self._free, self._recency, keys, tenant, self.slot_bytes)
             if fast is not None:  # whole slots, all free: nothing evicted, nothing to tell
                 return fast
             try:
                 for i, key in enumerate(keys):
                     length = self.slot_bytes if lengths is None else lengths[i]
-                    if key in self._entries or length > self.slot_bytes:
+                    if key in self._entries or not 0 <= length <= self.slot_bytes:  # (< 0: credited its tenant)
                         slot = None
                     else:
                         slot, by_quota = self._take_slot(tenant, length, evicted, gone)
@@ -109,11 +113,12 @@ class HostBackend(Backend):
             except BaseException:  # none of this call's reservations stays: its caller got the error
                 for key in [k for k, slot in zip(keys, out) if slot is not None]:
                     self._drop(key, self._entries[key])
+                out.clear()  # (nothing left for ``undo``: these keys may be another's by then)
                 raise
             finally:
                 self._tell("removed", gone)  # under the lock: told in the order it happened
-        if gone:
-            self._count(evictions=len(gone), quota_evictions=quota_gone)
+                if gone:  # (also when it raised: they are gone all the same)
+                    self._count(evictions=len(gone), quota_evictions=quota_gone)
         return out
 
     def commit_many(self, keys: Sequence[bytes], *, pin: bool = False) -> None:
@@ -299,20 +304,6 @@ class HostBackend(Backend):
         """Not to be evicted: leased, or reserved and not committed yet."""
         entry = self._entries[key]
         return entry.refs > 0 or not entry.ready
-
-    def _reserve_free(self, keys: Sequence[bytes], tenant: bytes) -> list[int | None] | None:
-        """:meth:`reserve_many` of whole slots from the free ones in one batch; None if too few."""
-        new = [k for k in dict.fromkeys(keys) if k not in self._entries]
-        free = self._free
-        if len(new) > len(free):
-            return None
-        taken = free[len(free) - len(new):][::-1]  # the order pop() hands them out
-        del free[len(free) - len(new):]
-        self._entries.update(zip(new, map(HostEntry, taken, repeat(self.slot_bytes), repeat(tenant))))
-        self._recency.add_new(new, self.slot_bytes, tenant)
-        if len(new) == len(keys):  # every key new, none twice: ``new`` is ``keys``
-            return taken
-        return list(map(dict(zip(new, taken)).pop, keys, repeat(None)))  # a key twice: one slot
 
     def _take_slot(self, tenant: bytes, length: int, evicted: list, gone: list) -> tuple[int | None, int]:
         """A free slot for ``length`` bytes of ``tenant`` (None when there can be none) after

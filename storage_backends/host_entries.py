@@ -1,9 +1,14 @@
 """What the host tier knows of each key it holds: its slot, the bytes charged, its tenant and
-where it stands (reserved, committed, leased, withdrawn, failed)."""
+where it stands (reserved, committed, leased, withdrawn, failed); and the batch reservation of
+free slots that makes them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
+
+from storage_backends.recency import RecencyIndex
 
 
 @dataclass(slots=True)  # slots: one is made per block reserved, and read on every lookup
@@ -35,3 +40,19 @@ class HostEntry:
         """End one lease; 1 when it was the last (the entry is no longer leased), else 0."""
         self.refs -= 1
         return int(self.refs == 0)
+
+
+def reserve_free(entries: dict[bytes, HostEntry], free: list[int], recency: RecencyIndex,
+                 keys: Sequence[bytes], tenant: bytes, slot_bytes: int) -> list[int | None] | None:
+    """The host tier's reservation of whole slots from its ``free`` ones (popped from the end)
+    in one batch, under its lock; None (nothing taken) if too few."""
+    new = [k for k in dict.fromkeys(keys) if k not in entries]
+    if len(new) > len(free):
+        return None
+    taken = free[len(free) - len(new):][::-1]  # the order pop() hands them out
+    del free[len(free) - len(new):]
+    entries.update(zip(new, map(HostEntry, taken, repeat(slot_bytes), repeat(tenant))))
+    recency.add_new(new, slot_bytes, tenant)
+    if len(new) == len(keys):  # every key new, none twice: ``new`` is ``keys``
+        return taken
+    return list(map(dict(zip(new, taken)).pop, keys, repeat(None)))  # a key twice: one slot

@@ -71,21 +71,33 @@ class PendingEvictions:
             self._pending.pop(key, None)
 
     @contextmanager
-    def handing(self, hook: EvictHook | None, lock: AbstractContextManager) -> Iterator[list]:
+    def handing(self, hook: EvictHook | None, lock: AbstractContextManager,
+                undo: Callable[[], None] | None = None) -> Iterator[list]:
         """The list an eviction appends the (key, bytes, tenant, :meth:`taken`) it took to,
         handed to ``hook`` (:meth:`run`) when the block ends, also when it raised: the entries
         are gone from the tier either way, and a key left pending would read as withdrawn for
-        good once withdrawn, its later evicted copies dropped."""
+        good once withdrawn, its later evicted copies dropped. When the hook raises through
+        :meth:`run`, ``undo`` rolls back what the block made: its caller gets that error, never
+        the result (reservations it never learns of were held for good)."""
         evicted: list[tuple[bytes, bytes, bytes, Taken]] = []
         try:
             yield evicted
         finally:
-            self.run(hook, evicted, lock)
+            try:
+                self.run(hook, evicted, lock)
+            except BaseException:
+                if undo is not None:
+                    undo()
+                raise
 
     def run(self, hook: EvictHook | None, evicted: list[tuple[bytes, bytes, bytes, Taken]],
             lock: AbstractContextManager) -> None:
         """Hand ``hook`` the (key, bytes, tenant) of entries this thread evicted (outside the host
-        lock: the hook queues writes), then forget them here (under it)."""
+        lock: the hook queues writes), then forget them here (under it). A hook raising what is
+        no Exception (KeyboardInterrupt, SystemExit) has it raised after the last entry: the
+        ones after it reached no tier and stayed pending for good (read as withdrawn once
+        withdrawn: every later evicted copy of theirs dropped)."""
+        interrupted: BaseException | None = None
         for key, value, tenant, taken in evicted:
             outer = getattr(self._hooking, "now", None)  # (a hook that evicts in turn)
             self._hooking.now = (key, taken)
@@ -93,7 +105,11 @@ class PendingEvictions:
                 hook(key, memoryview(value), tenant)  # type: ignore[misc]
             except Exception:  # a failing hook must not break the tier
                 log.exception("host on_evict hook failed for key %s", key.hex())
+            except BaseException as exc:
+                interrupted = interrupted or exc
             finally:
                 self._hooking.now = outer
                 with lock:
                     self.hooked(key, taken)
+        if interrupted is not None:
+            raise interrupted
