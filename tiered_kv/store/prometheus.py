@@ -8,7 +8,11 @@ that keep them at hand (host: counts kept in memory, no scan of its entries; LMD
 ``tenants`` tables, through ``figures()``); nothing here touches Redis, walks a directory or
 stats a file.
 
-Metric families (labels ``namespace``, ``model`` on all of them):
+Metric families (labels ``namespace``, ``model`` on all of them; a second store of the same
+namespace and model on one exporter, open beside the first, adds ``store="2"`` (``"3"``, ...) to
+each of its series: they repeated the first store's, Prometheus kept the first of each pair (the
+second store's counts were lost), and once the first store closed the same series went on with
+the second's counts, down or up):
 
 - ``tiered_kv_hits_total{tier}``, ``tiered_kv_misses_total{tier,reason}`` — blocks;
 - ``tiered_kv_blocks_total{tier,direction}``, ``tiered_kv_bytes_total{tier,direction}`` (payload
@@ -38,6 +42,7 @@ Metric families (labels ``namespace``, ``model`` on all of them):
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from typing import Protocol
@@ -77,12 +82,18 @@ class StoreCollector(Collector):
     """Collects every registered store's counters at scrape time."""
 
     def __init__(self) -> None:
-        self._stores: dict[int, MetricSource] = {}
+        self._stores: dict[int, tuple[MetricSource, int]] = {}  # id -> (store, its copy number)
         self._lock = threading.Lock()
 
     def add(self, store: MetricSource) -> None:
         with self._lock:
-            self._stores[id(store)] = store
+            if id(store) in self._stores:
+                return
+            # the lowest copy number free among the open stores of its namespace and model, kept
+            # for its life: a number passed on when another closes would join two stores' counts
+            ids = _ids(store)
+            taken = {copy for other, copy in self._stores.values() if _ids(other) == ids}
+            self._stores[id(store)] = (store, next(n for n in itertools.count(1) if n not in taken))
 
     def remove(self, store: MetricSource) -> int:
         with self._lock:
@@ -138,16 +149,26 @@ class StoreCollector(Collector):
                                               "Restores (per tier) and engine steps the estimates rest on",
                                               labels=base + ["source"]),
         }
-        for store in stores:
+        for store, copy in stores:
+            marks = {name: len(family.samples) for name, family in fam.items()}
             try:
                 _collect_store(store, fam)
             except Exception as exc:  # a closing store must not break the scrape
                 log.debug("metrics of a store skipped: %r", exc)
+            if copy > 1:
+                for name, family in fam.items():
+                    family.samples[marks[name]:] = [s._replace(labels={**s.labels, "store": str(copy)})
+                                                    for s in family.samples[marks[name]:]]
         yield from fam.values()
 
 
+def _ids(store: MetricSource) -> list[str]:
+    """The ``namespace`` and ``model`` labels of ``store``'s series."""
+    return [store.namespace.digest().hex()[:16], store.namespace.model_id]
+
+
 def _collect_store(store: MetricSource, fam: dict) -> None:
-    ids = [store.namespace.digest().hex()[:16], store.namespace.model_id]
+    ids = _ids(store)
     snap = store.metrics.snapshot()
     for tier, t in snap["tiers"].items():
         fam["hits"].add_metric(ids + [tier], t["hits"])

@@ -64,15 +64,21 @@ class StatsLogger:
         self._thread.start()
 
     def _run(self) -> None:
-        previous = None
+        previous, said = None, False
         while not self._stop.wait(self.interval):
+            # any failure skips this line only: one raised out of here ended the thread, and with
+            # it every later line (a logging filter or handler of the application that failed once)
             try:
                 snap = traffic(self.store)
-            except Exception as exc:  # a closing store or a failing backend: skip this line
-                log.debug("tiered-kv stats unavailable: %s", exc)
-                continue
-            log.info("tiered-kv %s: %s", self.store.namespace.model_id, summary_line(snap, previous))
-            previous = snap
+                log.info("tiered-kv %s: %s", self.store.namespace.model_id, summary_line(snap, previous))
+                previous = snap  # (a line not logged: the next one covers its interval too)
+            except Exception as exc:
+                try:  # said once at WARNING (a line per interval would flood the log), then at DEBUG
+                    log.log(logging.DEBUG if said else logging.WARNING,
+                            "tiered-kv stats line skipped: %s: %s", type(exc).__name__, exc)
+                except Exception:  # (the same failing filter: nothing more to do about it here)
+                    pass
+                said = True
 
     def close(self) -> None:
         self._stop.set()
