@@ -133,6 +133,9 @@ class TieredStore:
             for part in (getattr(self, "cost_record", None), getattr(self, "presence", None)):
                 if part is not None:
                     part.close()
+            if getattr(self, "_metrics_ports", None):  # (its exporter served a store never made)
+                from tiered_kv.store.prometheus import unexport
+                unexport(self)
             self.close_parts()
             raise
         log.info("tiered store for %s: block %s %s = %s; tiers: host%s", namespace.model_id,
@@ -297,11 +300,13 @@ class TieredStore:
             if self._closed:
                 return
             self._closed = True
-        if self._stats_log is not None:
-            self._stats_log.close()
-        self.cost_record.close()  # (flush writes the record once more)
-        self.loader.release_leases()
-        close_store(self, self.config.close_timeout)
+        try:  # (one of these raising left the pool, the media and the exporter open for good)
+            if self._stats_log is not None:
+                self._stats_log.close()
+            self.cost_record.close()  # (flush writes the record once more)
+            self.loader.release_leases()
+        finally:
+            close_store(self, self.config.close_timeout)
 
     def close_parts(self, media: Sequence = ()) -> None:
         """Stop the pool and close every medium (also when starting a later part failed;
