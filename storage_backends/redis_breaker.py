@@ -1,6 +1,11 @@
 """The Redis tier's circuit breaker: after a failed call every call fails at once, and one
 background probe (every cool-down, doubling from ``COOLDOWN_MIN`` to ``COOLDOWN_MAX`` seconds)
-watches for the server to answer again and closes it. No caller ever waits on a probe."""
+watches for the server to answer again and closes it. No caller ever waits on a probe.
+
+A probe runs under the same whole-call deadline as a call (:mod:`storage_backends.redis_deadline`):
+without one, a server trickling its PONG (each read within the socket timeout) closed the breaker
+after seconds, and every caller then paid a full timeout again. (A cluster probe's topology read
+holds redis-py's topology lock, which a call's own re-read waits on: it is bounded the same way.)"""
 
 from __future__ import annotations
 
@@ -8,6 +13,9 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
+
+from storage_backends.redis_deadline import call_deadline
 
 log = logging.getLogger(__name__)
 
@@ -16,10 +24,12 @@ COOLDOWN_MIN, COOLDOWN_MAX = 0.5, 4.0  # seconds the breaker stays open, doublin
 
 class Breaker:
     """Open after a failure until ``ping`` (run on the probe's thread; raising ``down`` errors
-    while the server is away) succeeds. ``where`` names the server in logs (no secrets)."""
+    while the server is away) succeeds, within a deadline of ``timeout`` (None: the socket's own).
+    ``where`` names the server in logs (no secrets)."""
 
-    def __init__(self, where: str, ping: Callable[[], object], down: tuple[type[BaseException], ...]) -> None:
-        self.where, self._ping, self._down = where, ping, down
+    def __init__(self, where: str, ping: Callable[[], object], down: tuple[type[BaseException], ...],
+                 timeout: float | None = None) -> None:
+        self.where, self._ping, self._down, self._timeout = where, ping, down, timeout
         self._lock = threading.Lock()
         self.failures = 0  # consecutive failed calls and probes; > 0: open
         self._retry_at = 0.0  # when the probe pings next
@@ -59,7 +69,8 @@ class Breaker:
             if self._closed:
                 break
             try:
-                self._ping()
+                with call_deadline(self._timeout) if self._timeout else nullcontext():
+                    self._ping()
             except Exception as exc:  # (any: a probe that died would leave the tier down for good)
                 if not isinstance(exc, self._down):
                     log.warning("redis at %s: probe failed: %r", self.where, exc)

@@ -145,6 +145,11 @@ def _deciding(errors: Sequence[BaseException | None]) -> BaseException | None:
     return deciding
 
 
+def name_of(item: Any) -> bytes:
+    """The key name of a pipelined item: a name, or a (name, value) pair."""
+    return item if isinstance(item, bytes) else item[0]
+
+
 def node_pipelines(client: Any, items: Sequence, name_of: Callable[[Any], bytes],
                    add: Callable[[Any, Any], Any], *, read: bool, retries: int,
                    backoff: Callable[[int], float], fanout: NodeFanout) -> list:

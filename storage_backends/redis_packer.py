@@ -29,6 +29,11 @@ def _as_bytes(arg: Any):
     return arg
 
 
+def nbytes(value: Any) -> int:
+    """Bytes of a value to store (a buffer or bytes)."""
+    return value.nbytes if isinstance(value, memoryview) else len(value)
+
+
 class Packer:
     """RESP command packer that hands large arguments to ``sendall`` without copying them."""
 

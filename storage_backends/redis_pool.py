@@ -11,10 +11,16 @@ tries again, so a call waited for a busy node's connections three times over, wi
 reads between (redis-py before 6.4 also dropped the node's pool).
 
 Its connections' sockets end their reads and writes by the current call's deadline, and a wait
-for a connection ends by it too (:mod:`storage_backends.redis_deadline`)."""
+for a connection ends by it too (:mod:`storage_backends.redis_deadline`).
+
+With hiredis, redis-py gives each connection's parser a read buffer of ``socket_read_size``
+(``READ_SIZE``, 1 MiB) for its lifetime, idle or closed: at ``max_connections`` of 10,000 that
+was up to 10 GiB. Here the buffer is the reading thread's (:class:`ThreadBufferParser`):
+a read fills it and hiredis copies what came at once, so the same 1 MiB reads, one per thread."""
 
 from __future__ import annotations
 
+import threading
 from contextlib import suppress
 from queue import Empty, LifoQueue
 from typing import Any
@@ -22,6 +28,12 @@ from typing import Any
 import redis
 from redis.connection import BlockingConnectionPool, Connection
 from redis.exceptions import RedisError
+from redis.utils import HIREDIS_AVAILABLE
+
+try:  # (redis-py's own module: a version without it keeps its parsers, and their buffers)
+    from redis._parsers.hiredis import _HiredisParser
+except ImportError:  # pragma: no cover
+    _HiredisParser = None
 
 from storage_backends.redis_deadline import bounded_wait, guarded_class
 
@@ -37,11 +49,36 @@ class _Slots(LifoQueue):
     redis-py turns into a ConnectionError: the same error as a server that is away)."""
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        wait = bounded_wait(timeout)
         try:
-            return super().get(block, bounded_wait(timeout))
-        except Empty:
-            raise ConnectionsBusy(f"all {self.maxsize} connections busy for {timeout} s "
+            return super().get(block, wait)
+        except Empty:  # (what was waited: the rest of the call's deadline when less than the pool's wait)
+            cut = " (the rest of the call's deadline)" if wait is not None and wait != timeout else ""
+            raise ConnectionsBusy(f"all {self.maxsize} connections busy for {wait or 0:.3g} s{cut} "
                                   "(the tier's max_connections)") from None
+
+
+_thread = threading.local()  # .buffer: the reading thread's
+
+
+class ThreadBufferParser(_HiredisParser or object):
+    """redis-py's hiredis parser reading into the reading thread's buffer, not one of its own
+    (see the module docstring): ``reader.feed`` copies a read before the thread reads again."""
+
+    def __init__(self, socket_read_size: int) -> None:
+        super().__init__(0)  # (redis-py's own buffer, of this size, is dropped by the setter)
+        self.socket_read_size = socket_read_size
+
+    @property  # type: ignore[override]
+    def _buffer(self) -> bytearray:
+        buffer = getattr(_thread, "buffer", None)
+        if buffer is None or len(buffer) < self.socket_read_size:
+            buffer = _thread.buffer = bytearray(self.socket_read_size)
+        return buffer
+
+    @_buffer.setter
+    def _buffer(self, value: bytearray) -> None:
+        """(redis-py's __init__ allocates one: it is dropped here)"""
 
 
 class WaitingPool(BlockingConnectionPool):
@@ -52,6 +89,8 @@ class WaitingPool(BlockingConnectionPool):
                  connection_class: type = Connection, **connection_kwargs: Any) -> None:
         if timeout is None:
             timeout = connection_kwargs.get("socket_timeout") or 2.0
+        if HIREDIS_AVAILABLE and _HiredisParser is not None and "parser_class" not in connection_kwargs:
+            connection_kwargs["parser_class"] = ThreadBufferParser
         super().__init__(max_connections=max_connections, timeout=timeout, queue_class=_Slots,
                          connection_class=guarded_class(connection_class), **connection_kwargs)
 

@@ -50,9 +50,9 @@ from storage_backends.redis_breaker import Breaker
 from storage_backends.redis_deadline import call_deadline
 from storage_backends.redis_figures import server_facts
 from storage_backends.redis_names import RedisNames
-from storage_backends.redis_node_pipelines import NodeFanout, node_pipelines, ping_every_node
+from storage_backends.redis_node_pipelines import NodeFanout, name_of, node_pipelines, ping_every_node
 from storage_backends.redis_options import check_cluster_options, check_counts, redis_arguments, redis_target
-from storage_backends.redis_packer import PACKER, PackedConnection
+from storage_backends.redis_packer import PACKER, PackedConnection, nbytes
 from storage_backends.redis_pool import READ_SIZE, ConnectionsBusy, WaitingPool, close_client, single_client
 from tiered_kv.errors import BackendClosed, BackendError, BackendUnavailable, ConfigError
 
@@ -65,15 +65,6 @@ DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAga
 PIPELINE_BYTES = 4 << 20  # default: bytes of values per pipeline of SETs or GETs
 VALUE_SIZE_GUESS = 2 << 20  # value size assumed until some are seen (sizes the first GETs)
 KEYS_PER_CALL = 1000  # keys per TYPE pipeline, UNLINK and SCAN page
-
-
-def _name_of(item: Any) -> bytes:
-    """The key name of a pipelined item: a name, or a (name, value) pair."""
-    return item if isinstance(item, bytes) else item[0]
-
-
-def _nbytes(value: Any) -> int:
-    return value.nbytes if isinstance(value, memoryview) else len(value)
 
 
 class RedisBackend(Backend):
@@ -96,8 +87,8 @@ class RedisBackend(Backend):
         self.names = RedisNames(self.prefix, self.cluster)  # key names (no accidental hash tags)
         self._balanced = read_from_replicas  # a cluster's replicas answer reads too
         self._value_size = float(VALUE_SIZE_GUESS)  # running estimate: sizes GET pipelines
-        self._breaker = Breaker(self.url, self._ping, DOWN_ERRORS + (redis.RedisError,))
-        self._closed, self._client, self._client_lock = False, None, threading.Lock()
+        self._breaker = Breaker(self.url, self._ping, DOWN_ERRORS + (redis.RedisError,), timeout)
+        self._closed, self._client, self._client_lock, self._tries = False, None, threading.Lock(), 0
         # connection errors are retried, timeouts are not (see the module docstring)
         self.retries, self._backoff = retries, ExponentialBackoff(cap=min(0.5, timeout), base=0.02)
         retry = Retry(self._backoff, retries, supported_errors=(RedisConnectionError, ConnectionError))
@@ -151,11 +142,18 @@ class RedisBackend(Backend):
 
     @property
     def client(self) -> Any:
-        """The redis-py client (a cluster client is made, and connects, on first use)."""
+        """The redis-py client (a cluster client is made, and connects, on first use). A call that
+        waited while another's try failed fails too: each made one more try, a connect timeout each."""
         if self._client is None:
+            tries = self._tries
             with self._client_lock:
                 if self._client is None:
-                    self._client = self._make_cluster()
+                    if self._tries != tries:
+                        raise RedisClusterException("Redis Cluster not reached by the try this call waited on")
+                    try:
+                        self._client = self._make_cluster()
+                    finally:  # (a try ended: who waited on it and finds no client fails)
+                        self._tries += 1
         return self._client
 
     # -- the breaker -------------------------------------------------------------------------
@@ -245,7 +243,7 @@ class RedisBackend(Backend):
         """One pipeline of ``add(pipe, item)`` per item (a key name, or a (name, value) pair); in
         a cluster one per node (:mod:`storage_backends.redis_node_pipelines`); ``refusals`` raised too."""
         if self.cluster:
-            replies = node_pipelines(client, items, _name_of, add, read=read, retries=self.retries,
+            replies = node_pipelines(client, items, name_of, add, read=read, retries=self.retries,
                                      backoff=self._backoff.compute, fanout=self._fanout)
         else:
             pipe = client.pipeline(transaction=False)
@@ -266,11 +264,11 @@ class RedisBackend(Backend):
         batch: list[tuple[bytes, Any]] = []
         size = 0
         for key, value in items:
-            if batch and size + _nbytes(value) > self.pipeline_bytes:
+            if batch and size + nbytes(value) > self.pipeline_bytes:
                 stored += self._set_batch(batch)
                 batch, size = [], 0
             batch.append((key, value))
-            size += _nbytes(value)
+            size += nbytes(value)
         return stored + self._set_batch(batch)
 
     def _set_batch(self, batch: list[tuple[bytes, Any]]) -> list[bool]:
@@ -285,8 +283,8 @@ class RedisBackend(Backend):
             say = log.debug if isinstance(reply, redis.exceptions.OutOfMemoryError) else _refusals.warning
             say("redis at %s refused a value: %s", self.url, reply)
         self._count(puts=sum(ok), put_rejected=len(ok) - sum(ok),
-                    bytes_in=sum(_nbytes(v) for v, s in zip(values, ok) if s))
-        self._value_size = (self._value_size + max(map(_nbytes, values))) / 2
+                    bytes_in=sum(nbytes(v) for v, s in zip(values, ok) if s))
+        self._value_size = (self._value_size + max(map(nbytes, values))) / 2
         self._tell("stored", [k for (k, _), s in zip(batch, ok) if s])
         return ok
 

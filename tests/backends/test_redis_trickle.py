@@ -93,6 +93,29 @@ def test_trickled_figures_come_back_as_unavailable_not_late(proxy):
         b.close()
 
 
+@pytest.mark.parametrize("cluster", [False, True], ids=["standalone", "cluster"])
+def test_a_probe_answered_by_a_trickle_keeps_the_breaker_open(request, cluster):
+    # the breaker's probe had no deadline: every read of a trickled PONG (and of a cluster's
+    # topology) came within the socket timeout, so after seconds the probe closed the breaker on
+    # a server no call could finish on, and every caller paid a whole timeout again
+    proxy = request.getfixturevalue("cluster_proxy" if cluster else "proxy")
+    b = open_backend(proxy.url, timeout=TIMEOUT, retries=0, cluster=cluster)
+    try:
+        assert b.put_many([(b"k", b"v")]) == [True]
+        proxy.piece, proxy.interval = 1, 0.05  # each read gets a byte well within the 300 ms timeout
+        proxy.start_trickling()
+        with pytest.raises(BackendUnavailable):
+            b.get_many([b"k"] * 2000)  # (a reply longer than the deadline allows)
+        give_up = time.monotonic() + 30  # (a hang guard only)
+        while 0 < b._failures < 4 and time.monotonic() < give_up:
+            time.sleep(0.05)
+        assert b._failures >= 4, "a probe closed the breaker on a server trickling its replies"
+        with pytest.raises(BackendUnavailable, match="is down"):
+            b.get_many([b"k"])  # refused at once, no timeout paid
+    finally:
+        b.close()
+
+
 @pytest.fixture
 def cluster_proxy(tmp_path):
     """A one-node Redis Cluster that announces the proxy's address (every call goes through it)."""
