@@ -33,7 +33,14 @@ import lmdb
 
 from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
 from storage_backends.lmdb_places import keys_in, place_value, recover_segments, unplace
-from storage_backends.lmdb_segments import Place, SegmentRecord, segment_key, unpack_place, unpack_segment
+from storage_backends.lmdb_segments import (
+    Place,
+    SegmentRecord,
+    segment_key,
+    unpack_place,
+    unpack_segment,
+    within,
+)
 from storage_backends.lmdb_values import SegmentValues
 from storage_backends.segment_owners import owner_alive
 from tiered_kv.errors import BackendError
@@ -215,7 +222,7 @@ class Compactor:
         read (a victim none of whose values read is passed over): the buffer for a length of
         terabytes cannot be had, and every compaction raised OSError at that victim for good."""
         stored = txn.get(segment_key(place.segment), db=self.db.tables.segments)
-        return stored is not None and place.offset + place.length <= unpack_segment(stored).end
+        return within(place, None if stored is None else unpack_segment(stored).end)
 
     def _swap(self, w, keys: list[bytes], olds: list[Place], news: list[Place | None], drained: list[int],
               held: set[int]) -> int:

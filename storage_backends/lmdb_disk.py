@@ -266,10 +266,11 @@ class LmdbBackend(Backend):
         self._db.sync()
 
     def close(self) -> None:
-        """Apply buffered accesses, sync and close. Idempotent; waits for running calls."""
+        """Seal, fsync what this process wrote (segment values, then the index naming them) and close:
+        what was stored is durable once it returns. Idempotent; waits for running calls."""
         if not self._db.closed and not self._db.gate.held():
             self.values.seal_own()
-        if self._db.close(after=self.values.files.close):
+        if self._db.close(before=self.values.flush_at_close, after=self.values.files.close):
             log.info("lmdb tier at %s closed", self.path)
 
     # -- totals, stats, check ----------------------------------------------------------------

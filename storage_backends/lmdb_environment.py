@@ -60,6 +60,7 @@ class LmdbEnvironment:
         self.accesses = AccessBuffer(record_access)
         self._failures = LogThrottle(log)  # failed calls repeat while a disk is full: one a minute
         self.closed = False
+        self.unsynced = False  # this process committed since its last sync (a close syncs then)
         self.opener = os.getpid()  # an environment is not to be used after a fork (LMDB's rule)
         self._settling = threading.Lock()  # the first write after a read-only open
         self.env = self._open_env(options)
@@ -258,6 +259,7 @@ class LmdbEnvironment:
                     self._failures.warning("lmdb tier at %s: %d read accesses not recorded: %r", self.path,
                                            len(touches), exc)
                 raise
+            self.unsynced = True
             if telling:
                 try:
                     self.on_changes(w.changes)  # type: ignore[misc]
@@ -318,11 +320,12 @@ class LmdbEnvironment:
         """Apply buffered accesses and make every committed write durable (fsync)."""
         self.apply_pending()
         with self.guard("sync"), self.shared():
+            self.unsynced = False  # (first: a commit during the sync sets it again)
             self.env.sync(True)
 
-    def close(self, after: Callable[[], None] | None = None) -> bool:
-        """Apply buffered accesses, sync and close; waits for running calls. ``after`` runs
-        once the environment is closed. False when it was closed already."""
+    def close(self, before: Callable[[], None] = lambda: None, after: Callable[[], None] = lambda: None) -> bool:
+        """Once running calls end: ``before`` (never raising; no transaction is to come: what the index
+        names made durable first), accesses, a sync of this process's commits, ``after``. False: closed."""
         if self.closed:
             return False
         if self.gate.held():
@@ -331,13 +334,17 @@ class LmdbEnvironment:
             if self.closed:
                 return False
             try:
-                self.apply_pending()
-                self.env.sync(True)
+                if os.getpid() == self.opener:  # (a fork's child touches nothing of its parent's)
+                    before()
+                    try:
+                        self.apply_pending()
+                    finally:  # (what was committed is synced all the same)
+                        if self.unsynced:
+                            self.env.sync(True)
             except (BackendError, lmdb.Error) as exc:
-                log.warning("lmdb tier at %s: closing without the last accesses: %s", self.path, exc)
+                log.warning("lmdb tier at %s: closing without the last accesses or a sync: %s", self.path, exc)
             finally:
                 self.closed = True
                 self.env.close()
-                if after is not None:
-                    after()
+                after()
         return True

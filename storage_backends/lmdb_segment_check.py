@@ -27,6 +27,7 @@ from storage_backends.lmdb_segments import (
     segment_key,
     unpack_place,
     unpack_segment,
+    within,
 )
 from storage_backends.lmdb_tables import Tables, Write
 from storage_backends.segment_fds import being_deleted
@@ -57,7 +58,7 @@ def check_segments(tables: Tables, txn, w: Write | None, files: SegmentFiles,
             broken.append(key)
             continue
         size = sizes.get(place.segment)
-        if size is None or place.offset + place.length > size:
+        if not within(place, size):
             where = "in a missing segment" if size is None else f"beyond the end of segment {place.segment:016x}"
             outside[key] = (bytes(record), place, where)
             continue

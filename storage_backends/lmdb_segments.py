@@ -41,6 +41,7 @@ PLACE = struct.Struct("<QQQ")  # segment id, offset, length
 SEGMENT = struct.Struct("<QQQQQQB")  # live bytes, live entries, end, owner pid, start, pid namespace, sealed
 DAMAGED = {errno.EIO, errno.EUCLEAN, errno.EBADMSG}  # a read's errors that say the file is damaged
 SEGMENT_ID = struct.Struct(">Q")  # the segments table's keys (and segment_keys' prefix)
+CHECKED_LENGTH = 64 << 20  # a place longer than this is checked against its file before a buffer is made
 
 
 class Place(NamedTuple):
@@ -56,6 +57,12 @@ class Place(NamedTuple):
 
 def unpack_place(record) -> Place:
     return Place(*PLACE.unpack_from(record))
+
+
+def within(place: Place, end: int | None) -> bool:
+    """Whether ``place`` lies inside the first ``end`` bytes of its segment (its file's size, or its
+    record's end; None: no such segment): the one bounds check of a place."""
+    return end is not None and place.offset + place.length <= end
 
 
 class SegmentRecord(NamedTuple):
@@ -142,6 +149,11 @@ class SegmentFiles:
             return os.stat(self.path_of(segment)).st_size
         except FileNotFoundError:
             return None
+
+    def plausible(self, place: Place) -> bool:
+        """Whether a buffer of ``place``'s length may be made to read it: a damaged place naming
+        terabytes raised ENOMEM there (one longer than ``CHECKED_LENGTH`` must lie in its file)."""
+        return place.length <= CHECKED_LENGTH or within(place, self.file_size(place.segment))
 
     # -- appending -----------------------------------------------------------------------------
     def new_record(self) -> SegmentRecord:

@@ -36,7 +36,6 @@ PAGE = 4096  # reads land in a buffer at their file offset's place within a page
 # EPYC here) unless destination and source sit a multiple of 32 bytes apart
 # (tools/probe_vm_memory.py)
 MAX_GAP = PAGE  # read_split_run: the most bytes between two values of a run (a direct value's pad)
-CHECKED_LENGTH = 64 << 20  # a place longer than this is checked against its file before a buffer is made
 RUN_SLOT = 1  # the thread buffer holding a run's heads (whole values are read into buffer 0)
 
 
@@ -211,10 +210,8 @@ class SegmentValues:
     def read(self, place: Place, slot: int = 0) -> memoryview | None:
         """The value at ``place`` in this thread's buffer number ``slot`` (valid until the
         thread reads into that buffer again); None when its segment no longer holds it."""
-        if place.length > CHECKED_LENGTH:  # (a damaged place naming terabytes raised ENOMEM here)
-            size = self.files.file_size(place.segment)
-            if size is None or place.offset + place.length > size:
-                return None
+        if not self.files.plausible(place):
+            return None
         view = self._buffer(slot, place.length, place.offset % PAGE)
         return view.toreadonly() if self.files.read_into(place, view) else None
 
@@ -291,6 +288,15 @@ class SegmentValues:
             self.withdraw()
         except NoSpace as exc:
             raise BackendUnavailable(f"lmdb store at {self.db.path}: entries not withdrawn: {exc}") from exc
+
+    def flush_at_close(self) -> None:
+        """A clean close's last word before the index's sync (no transaction to come): what was
+        stored is durable after close, so the places the index names must lie over bytes on the
+        disk. fsync only what this process wrote (a reader fsyncs nothing); logged, never raised."""
+        try:
+            self.flush()
+        except (OSError, lmdb.Error, BackendError) as exc:  # (a segment poisoned: its entries withdrawn)
+            log.warning("lmdb tier at %s: closing with segment values not durable: %s", self.db.path, exc)
 
     def withdraw(self) -> None:
         """Delete the entries recorded in segments whose fsync failed (counted as

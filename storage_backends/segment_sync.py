@@ -30,6 +30,7 @@ class SegmentSync:
         self._syncing = threading.Lock()  # a sync returns only once every earlier write is durable
         self._dirty: set[int] = set()
         self._poisoned: set[int] = set()
+        self._named = False  # the segments directory's own entry in the store's was fsync'd
 
     def wrote(self, segment: int) -> None:
         with self._lock:
@@ -75,6 +76,8 @@ class SegmentSync:
                 self._dirty |= unsynced.keys()  # (the next sync tries again)
             if dirty:
                 _sync_dir(self.dir)
+                if not self._named:  # (made by the first segment: its files' names need its own, once)
+                    self._named = _sync_dir(self.dir.parent)
             with self._lock:
                 errors = {**failed, **unsynced}
                 bad = sorted(errors) if segments is None else sorted(set(segments) & (self._poisoned | unsynced.keys()))
@@ -85,15 +88,16 @@ class SegmentSync:
                           f"fsync of segment {bad[0]:016x}: {reason}")
 
 
-def _sync_dir(path: Path) -> None:
-    """fsync a directory (new segment files' names)."""
+def _sync_dir(path: Path) -> bool:
+    """fsync a directory (new segment files' names); whether it was."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
-        return
+        return False
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        return False
     finally:
         os.close(fd)
+    return True
