@@ -97,8 +97,11 @@ class Eviction:
 
     def beyond_capacity(self, index: EvictionIndex, nbytes: int) -> list[Victim]:
         """As many entries as it takes (or as there are) to hold ``nbytes`` more than the
-        capacity allows (a medium whose own space ran out before its capacity)."""
-        over = index.used() + nbytes - (self.capacity or 0)
+        capacity allows (a medium whose own space ran out before its capacity); none without a
+        capacity (there is nothing to be beyond: measured against 0, everything would go)."""
+        if self.capacity is None:
+            return []
+        over = index.used() + nbytes - self.capacity
         chosen: list[Victim] = []
         for victim in self.policy.candidates(index) if over > 0 else ():
             chosen.append(victim)

@@ -11,14 +11,14 @@ tenant of each key), ``lru`` and ``tenant_lru`` (keys in access order, overall a
 updated in the same write transaction as every put, delete and eviction: right with several processes.
 
 Reopening is the whole warm-up: usage (per tenant too), entry count and LRU order come back from
-these tables without a scan. ``tenant_quota`` / ``tenant_quotas`` bound each tenant's bytes: a put
-over its quota evicts the tenant's own least recently used entries, or is refused
-(:mod:`storage_backends.eviction`). Reads record accesses in memory, applied in the next write
-transaction (or on ``flush``/``close``, or when many are pending), never with a write per read.
-A value that cannot fit is refused (``False``); ``lmdb.MapFullError`` never reaches the caller:
-the map grows (it is sparse) or more is evicted. Remapping (ours, or adopting a map another
-process grew) waits for every transaction of this process to end: zero-copy buffers never
-outlive their mapping."""
+these tables without a scan. ``tenant_quota`` / ``tenant_quotas`` bound each tenant's bytes, with a
+capacity or without one (a tool's open; they used to be ignored there): a put over its quota evicts
+the tenant's own least recently used entries, or is refused (:mod:`storage_backends.eviction`).
+Reads record accesses in memory, applied in the next write transaction (or on ``flush``/``close``,
+or when many are pending), never with a write per read. A value that cannot fit is refused
+(``False``); ``lmdb.MapFullError`` never reaches the caller: the map grows (it is sparse) or more
+is evicted. Remapping (ours, or adopting a map another process grew) waits for every transaction
+of this process to end: zero-copy buffers never outlive their mapping."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ from storage_backends.lmdb_values import SegmentValues
 from storage_backends.lmdb_warmup import warm_index
 from storage_backends.lmdb_writes import LmdbWrites
 from storage_backends.options import as_int, directory_of, existing_directory
-from storage_backends.quotas import NO_QUOTAS, Quotas
+from storage_backends.quotas import Quotas
 from storage_backends.segment_writeback import writeback_mode
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError, InvalidKey
 from tiered_kv.units import as_bool, format_size, parse_size
@@ -73,8 +73,8 @@ def path_of(url: str) -> Path:
 
 class LmdbBackend(Backend):
     """The disk tier's Backend interface over an :class:`LmdbEnvironment`, plus this process's
-    pins (leases) and the capacity they are evicted to. ``capacity=None`` (a tool's open) evicts
-    nothing (quotas only reported): a put that does not fit is refused; the map is the environment's own."""
+    pins (leases) and the capacity they are evicted to. ``capacity=None`` (a tool's open) evicts only
+    for tenant quotas: a put that does not fit is refused; the map is the environment's own."""
 
     name = "lmdb"
     store_signature = "LMDB data.mdb"
@@ -95,7 +95,7 @@ class LmdbBackend(Backend):
             raise ConfigError(f"lmdb capacity must be positive, got {capacity!r}")
         self.quotas = Quotas.from_options("lmdb", tenant_quota, tenant_quotas)
         self.tenant_quota = self.quotas.default
-        self._eviction = Eviction(LRU, self.capacity, self.quotas if self.capacity else NO_QUOTAS)
+        self._eviction = Eviction(LRU, self.capacity, self.quotas)  # (quotas hold with no capacity too)
         # (damaged_meta: lmdb_damage; sync_failed_entries: entries withdrawn, their fsync failed)
         self._counters.extra.update(quota_evictions=0, damaged_meta=0, sync_failed_entries=0)
         self.sync = as_bool(sync, "lmdb sync")
@@ -169,7 +169,7 @@ class LmdbBackend(Backend):
     def open_read_only(cls, url: str, *, timeout: float = 5.0) -> LmdbBackend:
         """The existing environment at ``url``; reads are not recorded (``record_access=False``),
         and opening writes nothing (an older format stays as it is until a write). With no capacity (a tool
-        does not know the engine's): its puts never evict, one that does not fit is refused."""
+        does not know the engine's): its puts evict only for the URL's tenant quotas, or are refused."""
         path = existing_directory(path_of(url))
         if cls.store_url_at(path) is None:
             raise ConfigError(f"{path} is not an LMDB store (no data.mdb)")

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from storage_backends.quotas import Quotas
 from storage_backends.redaction import redact_url
 from storage_backends.redis_options import MAX_TIMEOUT_S as MAX_TIMEOUT  # noqa: F401 (the CLI's bound too)
 from storage_backends.redis_options import PARSERS as REDIS_PARSERS
@@ -64,7 +65,15 @@ class _Settings(dict):
     """A table of medium settings that can be part of a hashable config (never mutated)."""
 
     def __hash__(self) -> int:  # type: ignore[override]
-        return hash(json.dumps(self, sort_keys=True, default=repr))  # nested tables in any order
+        # nested tables in any order; a key JSON cannot hold as its repr (``tenant_quotas`` is
+        # keyed by bytes labels: json.dumps raised TypeError, and the config was no dict key)
+        return hash(json.dumps(_text_keys(self), sort_keys=True, default=repr))
+
+
+def _text_keys(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k if isinstance(k, str) else repr(k): _text_keys(v) for k, v in value.items()}
+    return value
 
 
 @dataclass(frozen=True)
@@ -133,12 +142,18 @@ class TierConfig:
         opened, in an engine's worker. (Checked by the medium's options module, never the medium.)"""
         if self.url is None or not isinstance(self.options, Mapping):
             return
-        from storage_backends.options import check_url_options
+        from storage_backends.options import check_url_options, split_options
 
         try:
             check_url_options(self.url, self.medium_options())
         except ConfigError as exc:
             raise ConfigError(f"{key}: {exc}") from None
+        quotas = {**split_options(self.url)[1], **self.options}.get("tenant_quotas")
+        if quotas is not None:  # its labels and sizes too (a TOML table's labels are text, never bytes)
+            try:
+                Quotas.from_options(self.url.partition(":")[0], None, quotas)
+            except ConfigError as exc:
+                raise ConfigError(f"{key}.options.tenant_quotas: {exc}") from None
 
     def settings(self) -> dict[str, Any]:
         """The settings as written, to build this tier again with some of them changed: a medium

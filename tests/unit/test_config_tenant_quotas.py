@@ -1,0 +1,49 @@
+"""Per-tenant quotas of a lower tier (``options.tenant_quotas``, a mapping of bytes labels to
+sizes: only a Python-built config can hold one) keep the config hashable (the integrations share
+one store per (config, namespace) in a dict), and a table the medium would refuse (text labels,
+as every TOML table has; sizes that are not positive) is refused as the config is built, naming
+the setting, not as the tier opens in an engine's worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from tiered_kv.config import DiskConfig, TierConfig, TieredKVConfig
+from tiered_kv.errors import ConfigError
+
+A = b"tenant-a"
+
+
+def test_a_config_with_per_tenant_quotas_is_hashable(tmp_path):
+    """Its options were hashed as JSON, which has no bytes keys: TypeError."""
+    disk = DiskConfig(url=f"lmdb://{tmp_path}/db", options={"tenant_quotas": {A: "1GiB"}})
+    config = TieredKVConfig(disk=disk)
+    again = TieredKVConfig(disk=DiskConfig(url=f"lmdb://{tmp_path}/db", options={"tenant_quotas": {A: "1GiB"}}))
+    assert {config: 1}[again] == 1
+    other = TieredKVConfig(disk=DiskConfig(url=f"lmdb://{tmp_path}/db", options={"tenant_quotas": {A: "2GiB"}}))
+    assert other != config
+
+
+@pytest.mark.parametrize(("quotas", "match"), [
+    ({"tenant-a": "1GiB"}, "disk.options.tenant_quotas: a tenant label is bytes"),
+    ({A: 0}, "disk.options.tenant_quotas: .*must be positive"),
+    ({A: "lots"}, "disk.options.tenant_quotas"),
+    ("tenant-a=1GiB", "disk.options.tenant_quotas: .*mapping"),
+])
+def test_per_tenant_quotas_the_medium_would_refuse_are_refused_as_the_config_is_built(quotas, match, tmp_path):
+    with pytest.raises(ConfigError, match=match):
+        DiskConfig(url=f"lmdb://{tmp_path}/never-made", options={"tenant_quotas": quotas})
+    assert not (tmp_path / "never-made").exists()
+
+
+def test_a_toml_tenant_quotas_table_is_refused_as_the_config_loads(tmp_path):
+    path = tmp_path / "tkv.toml"
+    path.write_text(f'[[tiers]]\nname = "archive"\nurl = "file://{tmp_path}/files"\n'
+                    'options = { tenant_quotas = { "tenant-a" = "1GiB" } }\n')
+    with pytest.raises(ConfigError, match="archive.options.tenant_quotas: a tenant label is bytes"):
+        TieredKVConfig.from_toml(path)
+
+
+def test_valid_per_tenant_quotas_pass_and_reach_the_medium(tmp_path):
+    tier = TierConfig(name="archive", url=f"file://{tmp_path}/files", options={"tenant_quotas": {A: "1GiB"}})
+    assert tier.medium_options()["tenant_quotas"] == {A: "1GiB"}
