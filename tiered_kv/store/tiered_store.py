@@ -42,6 +42,8 @@ from math import prod
 import torch
 
 from storage_backends.host import HostBackend
+from storage_backends.options import split_options
+from storage_backends.quotas import Quotas
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.dtypes import itemsize
 from tiered_kv.errors import BackendClosed, ConfigError
@@ -80,9 +82,10 @@ class TieredStore:
         self.config = config
         self.namespace = namespace
         block_nbytes = itemsize(namespace.dtype) * prod(namespace.block_shape)
-        for field, size in (("capacity", config.host.capacity), ("tenant_quota", config.host.tenant_quota)):
+        for field, size in (("host.capacity", config.host.capacity), ("host.tenant_quota", config.host.tenant_quota),
+                            *_lower_quotas(config)):
             if size is not None and size < block_nbytes:  # (a quota under it: no tenant's block was kept)
-                raise ConfigError(f"host.{field} {format_size(size)} holds no block of {format_size(block_nbytes)}")
+                raise ConfigError(f"{field} {format_size(size)} holds no block of {format_size(block_nbytes)}")
         self.metrics = StoreMetrics()
         self.pool = TransferPool(config.workers, config.max_inflight_save, config.max_inflight_load)
         # a part that fails to start stops those started before it (a host slab refused left the
@@ -318,6 +321,20 @@ class TieredStore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _lower_quotas(config: TieredKVConfig) -> list[tuple[str, int]]:
+    """(setting, bytes) of every tenant quota of the lower tiers, as their media get them (a put
+    over a quota below one block is refused: that tenant's blocks were refused for good, seen
+    only as ``put_rejected``)."""
+    out = []
+    for tier in config.lower_tiers:
+        options = {**(split_options(tier.url)[1] if tier.url else {}), **tier.medium_options()}
+        quotas = Quotas.from_options(tier.name, options.get("tenant_quota"), options.get("tenant_quotas"))
+        if quotas.default is not None:
+            out.append((f"{tier.name}.tenant_quota", quotas.default))
+        out += [(f"{tier.name}.options.tenant_quotas[{label!r}]", size) for label, size in quotas.per_tenant.items()]
+    return out
 
 
 def _export_metrics(store: TieredStore, port: int) -> None:
