@@ -20,7 +20,8 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -183,6 +184,17 @@ def existing_store(config: TieredKVConfig, namespace: Namespace):
     with _lock:
         entry = _stores.get((config, namespace))
         return entry[0] if entry is not None else None
+
+
+@contextmanager
+def released_on_error(store) -> Iterator:
+    """Release ``store`` (one use of :func:`acquire_store`) when the block raises: an adapter half
+    that failed to start after acquiring it held it open, never closed, for the process's life."""
+    try:
+        yield store
+    except BaseException:
+        release_store(store)
+        raise
 
 
 def release_store(store) -> None:

@@ -59,6 +59,7 @@ from tiered_kv.integrations.common import (
     acquire_store,
     parse_settings,
     release_store,
+    released_on_error,
 )
 from tiered_kv.integrations.trtllm_model import SOURCE, WINDOWED, one_group, pages, trtllm_namespace
 from tiered_kv.integrations.trtllm_requests import beams, unkeyed
@@ -114,12 +115,12 @@ class TieredKVScheduler(_SchedulerBase):
         self.settings = parse_settings(None, source=SOURCE)
         self.namespace = trtllm_namespace(llm_args, self.settings.config)
         self.store = acquire_store(self.settings.config, self.namespace)
-        # a lower tier's blocks are read here, before the step: only host slots reach the forward
-        # layer by layer (the restore policy adds a lower tier's restore to the prefill)
-        restore = RestorePolicy.for_index(self.store, self.namespace, load_async=self.settings.load_async,
-                                          device="cuda", lower_streams=False)  # (TensorRT-LLM runs on GPUs)
-        self.core = ConnectorScheduler(self.store, self.namespace, load_async=self.settings.load_async,
-                                       save=self.settings.save, restore=restore)
+        with released_on_error(self.store):  # (a lower tier's blocks are read here, before the step:
+            # only host slots reach the forward; the restore policy adds a lower tier's read to the prefill)
+            restore = RestorePolicy.for_index(self.store, self.namespace, load_async=self.settings.load_async,
+                                              device="cuda", lower_streams=False)  # (TensorRT-LLM runs on GPUs)
+            self.core = ConnectorScheduler(self.store, self.namespace, load_async=self.settings.load_async,
+                                           save=self.settings.save, restore=restore)
         self._verified: dict[Any, tuple[int, int, Any]] = {}  # request -> (device, external, plan)
         self._device_prefix: dict[Any, int] = {}  # request -> device prefix at allocation
         self._unkeyed: set = set()  # live requests the keys cannot name (never loaded or saved)
@@ -269,7 +270,8 @@ class TieredKVWorker(_WorkerBase):
         # layer (hooks skipped: a captured graph, a compiled forward) fails all its blocks, and
         # TensorRT-LLM, which cannot be told, computed over them; the promised blocks are host
         # slots already (read in the scheduler), so streaming them per layer hides no read
-        self.core = ConnectorWorker(self.store, layout=self.settings.kv_layout, layerwise=False)
+        with released_on_error(self.store):
+            self.core = ConnectorWorker(self.store, layout=self.settings.kv_layout, layerwise=False)
         self._saving: set = set()  # requests whose saves ran in wait_for_save, not reported yet
 
     def register_kv_caches(self, kv_cache_tensor) -> None:
