@@ -36,7 +36,10 @@ def test_regression_a_close_whose_cost_record_raised_left_the_pool_and_media_ope
     keys = keys_for(2)
     store.save(keys, payloads(store, 2))
 
-    def broken() -> None:
+    stop_recording = store.cost_record.close
+
+    def broken() -> None:  # its thread stopped, then the last write of the record failed
+        stop_recording()
         raise OSError("disk gone while the restore costs were written")
 
     store.cost_record.close = broken
