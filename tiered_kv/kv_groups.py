@@ -43,6 +43,7 @@ class KVGroup:
     block_size: int  # tokens per engine block of the group (state groups: the engine's allocation unit)
     window: int = 0  # sliding window or attention chunk in tokens (sliding, chunked); 0 otherwise
     layout: str = ""  # the engine's memory layout of the group's tensors (part of the identity)
+    members: str = ""  # which of the model's layers the group holds, in order (a digest; "": not named)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -86,7 +87,7 @@ class KVGroup:
         try:
             return cls(kind=data["kind"], num_layers=data["layers"], shape=tuple(data["shape"]),
                        dtype=data["dtype"], block_size=data["block_size"], window=data.get("window", 0),
-                       layout=data.get("layout", ""))
+                       layout=data.get("layout", ""), members=data.get("members", ""))
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"a KV group needs kind, layers, shape, dtype and block_size: {exc}") from None
 
@@ -97,6 +98,8 @@ class KVGroup:
             out["window"] = self.window
         if self.layout:
             out["layout"] = self.layout
+        if self.members:
+            out["members"] = self.members
         return out
 
 

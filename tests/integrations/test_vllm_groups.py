@@ -135,3 +135,30 @@ def test_a_corrupt_block_fails_the_whole_request_through_failed_recving_not_bloc
     b, ids_b, results, errors = load(tmp_path, sliding_only)
     assert results.failed_recving == {"b"} and "b" in results.finished_recving
     assert errors == set()  # vLLM raises on block ids from a model with several groups
+
+
+def test_regression_an_engine_grouping_the_layers_otherwise_was_served_blocks_into_other_layers(tmp_path):
+    # same specs, same shapes, the layers grouped the other way round (another vLLM, another
+    # layer pattern): each stored part would land in other layers than the ones that computed it
+    fill(tmp_path)
+    swapped = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=SlidingWindowSpec(), layer_names=["l1", "l3"]),
+        SimpleNamespace(kv_cache_spec=FullAttentionSpec(), layer_names=["l0", "l2"])])
+    config = vllm_config({"disk": {"url": f"lmdb://{tmp_path}/db", "capacity": "64MiB"}, "host": {"capacity": "4MiB"}})
+    sched = TieredKVConnector(config, KVConnectorRole.SCHEDULER, swapped)
+    try:
+        assert sched.get_num_new_matched_tokens(Request("b", PROMPT, 1), 0) == (0, False)
+    finally:
+        sched.shutdown()
+    renamed = SimpleNamespace(kv_cache_groups=[  # a prefix renamed alone keeps the namespace
+        SimpleNamespace(kv_cache_spec=SlidingWindowSpec(), layer_names=["model.layers.0.attn", "model.layers.2.attn"]),
+        SimpleNamespace(kv_cache_spec=FullAttentionSpec(), layer_names=["model.layers.1.attn", "model.layers.3.attn"])])
+    moved = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=SlidingWindowSpec(), layer_names=["lm.model.layers.0.attn", "lm.model.layers.2.attn"]),
+        SimpleNamespace(kv_cache_spec=FullAttentionSpec(), layer_names=["lm.model.layers.1.attn", "lm.model.layers.3.attn"])])
+    namespaces = []
+    for groups in (renamed, moved):
+        sched = TieredKVConnector(config, KVConnectorRole.SCHEDULER, groups)
+        namespaces.append(sched.namespace.digest())
+        sched.shutdown()
+    assert namespaces[0] == namespaces[1]

@@ -15,13 +15,23 @@ window's blocks behind the window, freed right after the step that wrote them). 
 take block-level load errors from a model with several groups: loads are asynchronous there and
 a failure fails the request's whole load (``failed_recving``; it recomputes from token 0); so do
 a single sliding-window group's (resuming at a failed block would read null blocks behind it).
+
+An entry holds each group's layers in the order of its layer names, so which layers a group
+holds, and in what order, is part of the namespace (``members``): an engine whose allocator
+grouped the layers otherwise (another vLLM, another override of the layer pattern) put each part
+of a stored entry into other layers, with nothing to tell. The digest is over the names from
+their layer number on (``model.layers.5.self_attn.attn`` -> ``5.self_attn.attn``), so a prefix
+renamed alone keeps the namespace.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from math import prod
 from typing import Any
+
+import xxhash
 
 from tiered_kv.dtypes import ITEMSIZE, dtype_name
 from tiered_kv.errors import ConfigError
@@ -36,7 +46,7 @@ def kv_groups(groups: list, dtype_of, source: str) -> tuple[tuple[KVGroup, ...],
     out, names = [], []
     for group in groups:
         spec, layers = group.kv_cache_spec, list(group.layer_names)
-        out.append(_group(spec, len(layers), dtype_of, source))
+        out.append(replace(_group(spec, len(layers), dtype_of, source), members=_members(layers)))
         names.append(layers)
     sizes = {g.block_size for g in out if not g.is_state}
     if len(sizes) > 1:
@@ -48,6 +58,16 @@ def kv_groups(groups: list, dtype_of, source: str) -> tuple[tuple[KVGroup, ...],
         raise ConfigError(f"{source}: the model has no attention KV cache group (state only); tiered-kv "
                           "keys token blocks of an attention group")
     return tuple(out), names
+
+
+def _members(names: list[str]) -> str:
+    """The digest of a group's layer names in order, each from its layer number on (the whole
+    name when it has none)."""
+    named = [n[m.start(1):] if (m := _NUMBERED.search(n)) else n for n in names]
+    return xxhash.xxh3_64_hexdigest("\n".join(named).encode())
+
+
+_NUMBERED = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")  # a name's first numeric part (its layer number)
 
 
 def _group(spec: Any, n_layers: int, dtype_of, source: str) -> KVGroup:
