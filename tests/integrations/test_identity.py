@@ -441,3 +441,10 @@ def test_vllm_key_extras_without_a_semicolon_keep_the_text_stored_blocks_were_ke
     assert _key_extra(_vllm_request("tenant-a", [("0f3a", 12), ("9bc1", 40)])) == \
         "salt=tenant-a;mm=0f3a@12;mm=9bc1@40"
     assert _key_extra(_vllm_request()) is None
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_inc", "fp8_ds_mla"])
+def test_regression_fp8_formats_no_dtype_names_got_a_namespace_of_an_unknown_dtype(tmp_path, cache_dtype):
+    # fp8_ds_mla packs scales and a RoPE part into uint8 rows; fp8_inc has scales of its own
+    with pytest.raises(ConfigError, match=f"cache_dtype={cache_dtype} is not supported"):
+        vllm_ns(local_model(tmp_path), cache_dtype=cache_dtype, calculate_kv_scales=False)

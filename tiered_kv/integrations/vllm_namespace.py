@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiered_kv.dtypes import dtype_name
+from tiered_kv.dtypes import ITEMSIZE, dtype_name
 from tiered_kv.errors import ConfigError
 from tiered_kv.fingerprint import fold_weights, model_name
 from tiered_kv.integrations.common import dummy_weights, numerics_suffix, quantized_kv
@@ -129,7 +129,11 @@ def _kv_dtype(vllm_config: Any, spec: Any) -> str:
                               "read with other scales; use the checkpoint's static scales or cache_dtype=auto")
         # static scales come from the checkpoint (k_scale / v_scale next to the weights): the
         # weights fingerprint in the revision covers them, as it covers the weights
-        return name if name.startswith("float8") else dtype_name(cache_dtype)
+        fp8 = name if name.startswith("float8") else dtype_name(cache_dtype)
+        if fp8 not in ITEMSIZE:  # fp8_inc, fp8_ds_mla: scales or a packed layout no dtype names
+            raise ConfigError(f"{SOURCE}: cache_dtype={cache_dtype} is not supported (its KV bytes are no "
+                              "plain fp8 tensor tiered-kv can name); use cache_dtype auto, fp8_e4m3 or fp8_e5m2")
+        return fp8
     if name in ("uint8", "int8"):
         raise ConfigError(f"{SOURCE}: a {name} KV cache (cache_dtype={cache_dtype}) holds quantized values "
                           "tiered-kv cannot name; use cache_dtype auto, fp8_e4m3 or fp8_e5m2")
