@@ -1,8 +1,7 @@
-"""The LMDB environment of the disk tier: opened with its tables, every transaction behind the
-remap gate, map growth and adoption of a map another process grew, room made on a full map, and
-read accesses buffered until the next write transaction. A read-only open (tools) writes nothing:
-it opens the tables that exist (the missing ones read as empty: :mod:`storage_backends.lmdb_missing`)
-and leaves an older format as it is until the process's first write."""
+"""The LMDB environment of the disk tier: its tables, every transaction behind the remap gate, map
+growth (and adoption of a map another process grew), room made on a full map, read accesses buffered
+until the next write. A read-only open (tools) writes nothing: it opens the tables that exist (missing
+ones read as empty: :mod:`storage_backends.lmdb_missing`), an older format left until the first write."""
 
 from __future__ import annotations
 
@@ -39,11 +38,10 @@ class NoSpace(Exception):
 
 
 class LmdbEnvironment:
-    """One environment and its tables. ``count`` takes the backend's counters (``errors=1``,
-    a write's ``puts``, ...); ``evict`` makes room beyond the capacity when the map is full and
-    cannot grow; ``record_access=False`` keeps no read accesses (tools); ``read_only`` opens
-    without writing (no table created, the format left alone until a write). ``max_map`` None
-    (a tool's open, ``map_size=0``: the size the environment has): twice that and 1 GiB more."""
+    """One environment and its tables. ``count`` takes the backend's counters (``errors=1``, a write's
+    ``puts``, ...); ``evict`` makes room beyond the capacity on a full map that cannot grow; ``read_only``
+    opens without writing (no table made, the format left until a write); ``record_access=False`` keeps no
+    accesses (tools). ``max_map`` None (a tool's, ``map_size=0``): twice the map's size and 1 GiB more."""
 
     def __init__(self, path: Path, options: dict, *, max_map: int | None, batch_bytes: int,
                  count: Callable[..., None], evict: Evict, record_access: bool = True,
@@ -53,8 +51,7 @@ class LmdbEnvironment:
         self._count, self._evict = count, evict
         self.on_changes: Callable[[list[tuple[str, bytes]]], None] | None = None  # committed changes
         self.on_drained: Callable[[list[int]], None] | None = None  # segments a commit dropped
-        # segments a transaction drops, before its commit; False: the commit did not come after all
-        self.on_draining: Callable[[list[int], bool], None] | None = None
+        self.on_draining: Callable[[list[int], bool], None] | None = None  # dropped pre-commit (False: none)
         self._in_order = threading.Lock()  # taken inside a write txn, released once its changes are told
         self.gate = RemapGate()
         self.accesses = AccessBuffer(record_access)
@@ -321,11 +318,14 @@ class LmdbEnvironment:
         self.apply_pending()
         with self.guard("sync"), self.shared():
             self.unsynced = False  # (first: a commit during the sync sets it again)
-            self.env.sync(True)
+            try:
+                self.env.sync(True)
+            except BaseException:  # (not durable after all: a clean close syncs again)
+                self.unsynced = True
+                raise
 
     def close(self, before: Callable[[], None] = lambda: None, after: Callable[[], None] = lambda: None) -> bool:
-        """Once running calls end: ``before`` (never raising; no transaction is to come: what the index
-        names made durable first), accesses, a sync of this process's commits, ``after``. False: closed."""
+        """Once calls end: ``before`` (never raising), accesses, a sync of our commits, ``after``; False: closed."""
         if self.closed:
             return False
         if self.gate.held():

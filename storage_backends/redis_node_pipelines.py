@@ -43,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -50,6 +51,7 @@ from redis.exceptions import AskError, MovedError, RedisClusterException, RedisE
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from storage_backends.redis_deadline import call_deadline
 from storage_backends.redis_pool import ConnectionsBusy
 
 log = logging.getLogger(__name__)
@@ -255,8 +257,14 @@ def reinitialize(client: Any) -> None:
         log.debug("redis cluster topology not read: %r", exc)
 
 
-def ping_every_node(client: Any, nodes: str) -> None:
+def ping_every_node(client: Any, nodes: str, timeout: float | None = None) -> None:
     """PING ``nodes`` (``RedisCluster.PRIMARIES`` or ``ALL_NODES``) after reading the topology
-    again; raises when one does not answer."""
-    reinitialize(client)
-    client.ping(target_nodes=nodes)
+    again; raises when one does not answer. With ``timeout``, the read has ``timeout`` per startup
+    node and one more (redis-py before 8 asks them in a fixed order: under one ``timeout`` a hung
+    first node spent it all, the others were never asked, and a cluster healed by a failover kept
+    its breaker open while that node hung), the PINGs one ``timeout`` together."""
+    budget = None if timeout is None else timeout * (len(getattr(client.nodes_manager, "startup_nodes", ())) + 1)
+    with call_deadline(budget) if budget else nullcontext():
+        reinitialize(client)
+    with call_deadline(timeout) if timeout else nullcontext():
+        client.ping(target_nodes=nodes)

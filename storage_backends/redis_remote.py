@@ -194,7 +194,8 @@ class RedisBackend(Backend):
         they answer reads) after reading the topology again, not only the client's default node."""
         try:
             if self.cluster:
-                ping_every_node(self.client, RedisCluster.ALL_NODES if self._balanced else RedisCluster.PRIMARIES)
+                ping_every_node(self.client, RedisCluster.ALL_NODES if self._balanced else RedisCluster.PRIMARIES,
+                                self.timeout)
             else:
                 self.client.ping()
         finally:

@@ -130,3 +130,31 @@ def test_a_close_after_the_store_directory_was_removed_does_not_raise(tmp_path):
     shutil.rmtree(tmp_path / "db")
     b.close()
     b.close()  # (idempotent)
+
+
+class SyncFailsOnce:
+    """An environment (the real one behind it) whose next ``sync`` fails as a full or dying disk
+    makes it fail; the syncs that reached it are counted."""
+
+    def __init__(self, env) -> None:
+        self.env, self.failing, self.synced = env, True, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.env, name)
+
+    def sync(self, force: bool = False) -> None:
+        if self.failing:
+            self.failing = False
+            raise OSError(5, "Input/output error")
+        self.synced += 1
+        self.env.sync(force)
+
+
+def test_regression_a_failed_sync_let_the_next_clean_close_skip_the_index_sync(tmp_path):
+    tier = lmdb_tier(tmp_path / "db")
+    assert tier.put_many([(key(1), blob(1, 4096))]) == [True]
+    env = tier._db.env = SyncFailsOnce(tier._db.env)
+    with pytest.raises(OSError):
+        tier._db.sync()  # nothing was made durable: the commits are still to sync
+    tier.close()
+    assert env.synced == 1, "the close took the failed sync for a done one"
