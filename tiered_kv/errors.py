@@ -74,8 +74,9 @@ class UnknownBackend(ConfigError):
 class BlockMismatch(TieredKVError, ValueError):
     """A block handed to the store (to save, or to load into) is not one its host slots hold:
     another shape, size or dtype (its values would be converted), a tensor with no data to copy
-    (``meta``, sparse), or a destination that writes one element to several places. Refused
-    before any byte of it is copied, never a torch error raised into the engine."""
+    (``meta``, sparse), or a destination that writes one element to several places. Refused,
+    never a torch error raised into the engine: a save stores none of its batch's blocks; a load
+    may have filled other destinations of its batch first (not to be used: the load failed)."""
 
 
 class ThreadsUnavailable(TieredKVError, RuntimeError):
