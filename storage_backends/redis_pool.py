@@ -35,6 +35,7 @@ try:  # (redis-py's own module: a version without it keeps its parsers, and thei
 except ImportError:  # pragma: no cover
     _HiredisParser = None
 
+from storage_backends.heap_reuse import keep_large_allocations_in_heap
 from storage_backends.redis_deadline import bounded_wait, guarded_class
 
 READ_SIZE = 1 << 20  # bytes a connection's parser reads per recv (redis-py's 64 KiB: 16 calls for each MiB of a value)
@@ -89,6 +90,7 @@ class WaitingPool(BlockingConnectionPool):
                  connection_class: type = Connection, **connection_kwargs: Any) -> None:
         if timeout is None:
             timeout = connection_kwargs.get("socket_timeout") or 2.0
+        keep_large_allocations_in_heap()  # (each reply is a new block-sized bytes object)
         if HIREDIS_AVAILABLE and _HiredisParser is not None and "parser_class" not in connection_kwargs:
             connection_kwargs["parser_class"] = ThreadBufferParser
         super().__init__(max_connections=max_connections, timeout=timeout, queue_class=_Slots,
