@@ -20,22 +20,24 @@ def _refuse(*args, **kwargs):
     raise Refused("the connector core could not start")
 
 
+def _started_and_refused(half, llm_args) -> None:
+    """Start ``half``, whose core refuses to start: the shared stores are as they were before."""
+    before = dict(common._stores)
+    with pytest.raises(Refused):
+        half(llm_args)
+    assert common._stores == before, "a store nobody uses stays open, its LMDB environment with it"
+
+
 def test_regression_a_worker_that_failed_to_start_held_its_store_open_for_the_process(tmp_path, monkeypatch):
     llm_args = store_llm_args(tmp_path, monkeypatch)
     monkeypatch.setattr(connector_worker, "ConnectorWorker", _refuse)
-    before = dict(common._stores)
-    with pytest.raises(Refused):
-        TieredKVWorker(llm_args)
-    assert common._stores == before, "a store nobody uses stays open, its LMDB environment with it"
+    _started_and_refused(TieredKVWorker, llm_args)
 
 
 def test_regression_a_scheduler_that_failed_to_start_held_its_store_open_for_the_process(tmp_path, monkeypatch):
     llm_args = store_llm_args(tmp_path, monkeypatch)
     monkeypatch.setattr(trtllm, "ConnectorScheduler", _refuse)
-    before = dict(common._stores)
-    with pytest.raises(Refused):
-        TieredKVScheduler(llm_args)
-    assert common._stores == before
+    _started_and_refused(TieredKVScheduler, llm_args)
     monkeypatch.undo()
     sched = TieredKVScheduler(store_llm_args(tmp_path, monkeypatch))  # opens afresh, and works
     try:
