@@ -20,7 +20,7 @@ A whole entry carries one checksum; a hit therefore either gets every part of it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from math import prod
 
 from tiered_kv.dtypes import itemsize
@@ -63,6 +63,13 @@ class KVGroup:
         if (self.kind in ("sliding", "chunked")) != (self.window > 0):
             raise ConfigError(f"a {self.kind} group {'needs' if self.kind in ('sliding', 'chunked') else 'has no'} "
                               f"window, got {self.window!r}")
+
+    def __repr__(self) -> str:
+        """The dataclass's repr, ``members`` only when set: a namespace's digest is over its groups'
+        reprs, and groups that name no members (SGLang's, TensorRT-LLM's, ours) keep the digest, and
+        so the stored blocks and namespace records, they had before the field."""
+        shown = [f"{f.name}={getattr(self, f.name)!r}" for f in fields(self) if f.name != "members" or self.members]
+        return f"KVGroup({', '.join(shown)})"
 
     @property
     def is_state(self) -> bool:

@@ -443,8 +443,13 @@ def test_vllm_key_extras_without_a_semicolon_keep_the_text_stored_blocks_were_ke
     assert _key_extra(_vllm_request()) is None
 
 
-@pytest.mark.parametrize("cache_dtype", ["fp8_inc", "fp8_ds_mla"])
-def test_regression_fp8_formats_no_dtype_names_got_a_namespace_of_an_unknown_dtype(tmp_path, cache_dtype):
-    # fp8_ds_mla packs scales and a RoPE part into uint8 rows; fp8_inc has scales of its own
+@pytest.mark.parametrize(("cache_dtype", "held_as"), [("fp8_inc", torch.float8_e4m3fn), ("fp8_ds_mla", torch.uint8)])
+def test_regression_fp8_formats_no_dtype_names_got_a_namespace_of_an_unknown_dtype(tmp_path, cache_dtype, held_as):
+    # fp8_ds_mla packs scales and a RoPE part into uint8 rows; fp8_inc keeps float8 tensors (as
+    # vLLM maps it) with scales of its own: its spec's dtype alone looked like plain e4m3
+    cfg = vllm_config({}, model=str(local_model(tmp_path)))
+    cfg.load_config = SimpleNamespace(load_format="safetensors")
+    cfg.cache_config = SimpleNamespace(block_size=BS, cache_dtype=cache_dtype, calculate_kv_scales=False)
+    settings = parse_settings({}, source="x")
     with pytest.raises(ConfigError, match=f"cache_dtype={cache_dtype} is not supported"):
-        vllm_ns(local_model(tmp_path), cache_dtype=cache_dtype, calculate_kv_scales=False)
+        vllm_namespace(cfg, kv_cache_config(FullAttentionSpec(dtype=held_as)), settings.config)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tiered_kv.dtypes import ITEMSIZE, dtype_name
+from tiered_kv.dtypes import dtype_name
 from tiered_kv.errors import ConfigError
 from tiered_kv.fingerprint import fold_weights, model_name
 from tiered_kv.integrations.common import dummy_weights, numerics_suffix, quantized_kv
@@ -16,6 +16,7 @@ from tiered_kv.integrations.vllm_groups import is_replicated, kv_groups
 from tiered_kv.keys import Namespace
 
 SOURCE = "kv_connector_extra_config"
+PLAIN_FP8 = ("fp8", "fp8_e4m3", "fp8_e5m2")  # cache dtypes whose KV is a plain fp8 tensor (in uint8 rows)
 
 
 # (attribute, what it is): each splits a block's KV over ranks in a way one stored block
@@ -123,17 +124,16 @@ def _kv_dtype(vllm_config: Any, spec: Any) -> str:
     cache_dtype = str(getattr(cc, "cache_dtype", None) or "auto")
     name = dtype_name(spec.dtype)
     if cache_dtype.startswith("fp8"):
+        if cache_dtype not in PLAIN_FP8:  # fp8_inc (float8 tensors, scales of its own), fp8_ds_mla (packed rows)
+            raise ConfigError(f"{SOURCE}: cache_dtype={cache_dtype} is not supported (its KV bytes are no "
+                              "plain fp8 tensor tiered-kv can name); use cache_dtype auto, fp8_e4m3 or fp8_e5m2")
         if getattr(cc, "calculate_kv_scales", False):
             raise ConfigError(f"{SOURCE}: cache_dtype={cache_dtype} with calculate_kv_scales=True is not "
                               "supported: the fp8 scales are computed at run time, so stored KV would be "
                               "read with other scales; use the checkpoint's static scales or cache_dtype=auto")
         # static scales come from the checkpoint (k_scale / v_scale next to the weights): the
         # weights fingerprint in the revision covers them, as it covers the weights
-        fp8 = name if name.startswith("float8") else dtype_name(cache_dtype)
-        if fp8 not in ITEMSIZE:  # fp8_inc, fp8_ds_mla: scales or a packed layout no dtype names
-            raise ConfigError(f"{SOURCE}: cache_dtype={cache_dtype} is not supported (its KV bytes are no "
-                              "plain fp8 tensor tiered-kv can name); use cache_dtype auto, fp8_e4m3 or fp8_e5m2")
-        return fp8
+        return name if name.startswith("float8") else dtype_name(cache_dtype)
     if name in ("uint8", "int8"):
         raise ConfigError(f"{SOURCE}: a {name} KV cache (cache_dtype={cache_dtype}) holds quantized values "
                           "tiered-kv cannot name; use cache_dtype auto, fp8_e4m3 or fp8_e5m2")
