@@ -19,8 +19,9 @@ process, allocations from 128 KiB to 32 MiB (torch's CPU tensors of that size am
 allocator calls ``posix_memalign``) then come from the heaps, and each heap keeps at most 64 MiB
 free above its top: a few hundred MiB more resident with many threads (32 threads of 1-3 MiB
 buffers: 298 -> 581 MiB, flat after that), as in any process whose glibc raised the thresholds
-itself. Larger allocations, pinned and device memory are mapped as before. An operator's ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or
-``glibc.malloc`` tunables win. Without glibc (musl, macOS) nothing is done."""
+itself. Larger allocations, pinned and device memory are mapped as before. An operator's
+``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or ``glibc.malloc`` tunables win. Without
+glibc (musl, macOS) nothing is done."""
 
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
 
 from storage_backends.redis_deadline import call_deadline
 
@@ -69,7 +68,7 @@ class Breaker:
             if self._closed:
                 break
             try:
-                with call_deadline(self._timeout) if self._timeout else nullcontext():
+                with call_deadline(self._timeout):
                     self._ping()
             except Exception as exc:  # (any: a probe that died would leave the tier down for good)
                 if not isinstance(exc, self._down):

@@ -70,19 +70,22 @@ _current: ContextVar[Deadline | None] = ContextVar("tiered_kv_redis_deadline", d
 
 
 class call_deadline:  # (lower case: used as a function, ``with call_deadline(timeout):``)
-    """Run the block as one call under a :class:`Deadline` of ``timeout`` (see the module docstring)."""
+    """Run the block as one call under a :class:`Deadline` of ``timeout`` (see the module
+    docstring); ``timeout`` None: the block keeps whatever deadline it runs under."""
 
     __slots__ = ("deadline", "_token")
 
-    def __init__(self, timeout: float, *, paged: bool = False) -> None:
-        self.deadline = Deadline(timeout, paged)
+    def __init__(self, timeout: float | None, *, paged: bool = False) -> None:
+        self.deadline = None if timeout is None else Deadline(timeout, paged)
 
-    def __enter__(self) -> Deadline:
-        self._token = _current.set(self.deadline)
+    def __enter__(self) -> Deadline | None:
+        if self.deadline is not None:
+            self._token = _current.set(self.deadline)
         return self.deadline
 
     def __exit__(self, *exc: object) -> None:
-        _current.reset(self._token)
+        if self.deadline is not None:
+            _current.reset(self._token)
 
 
 def bounded_wait(wait: float | None) -> float | None:

@@ -43,7 +43,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
@@ -264,7 +263,7 @@ def ping_every_node(client: Any, nodes: str, timeout: float | None = None) -> No
     first node spent it all, the others were never asked, and a cluster healed by a failover kept
     its breaker open while that node hung), the PINGs one ``timeout`` together."""
     budget = None if timeout is None else timeout * (len(getattr(client.nodes_manager, "startup_nodes", ())) + 1)
-    with call_deadline(budget) if budget else nullcontext():
+    with call_deadline(budget):
         reinitialize(client)
-    with call_deadline(timeout) if timeout else nullcontext():
+    with call_deadline(timeout):
         client.ping(target_nodes=nodes)

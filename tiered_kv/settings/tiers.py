@@ -168,6 +168,11 @@ class TierConfig:
         shown["url"] = None if self.url is None else redact_url(self.url)
         return f"{type(self).__qualname__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
+    def quotas(self) -> Quotas:
+        """The tenant quotas its medium is opened with (``tenant_quota``, written anywhere, is the
+        field; ``tenant_quotas`` comes from ``options`` only)."""
+        return Quotas.from_options(self.name, self.tenant_quota, self.options.get("tenant_quotas"))
+
     def medium_options(self) -> dict[str, Any]:
         """What the medium is opened with: its own settings, the capacity and the quota."""
         out = dict(self.options)

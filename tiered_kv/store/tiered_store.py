@@ -42,8 +42,6 @@ from math import prod
 import torch
 
 from storage_backends.host import HostBackend
-from storage_backends.options import split_options
-from storage_backends.quotas import Quotas
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.dtypes import itemsize
 from tiered_kv.errors import BackendClosed, ConfigError
@@ -329,8 +327,7 @@ def _lower_quotas(config: TieredKVConfig) -> list[tuple[str, int]]:
     only as ``put_rejected``)."""
     out = []
     for tier in config.lower_tiers:
-        options = {**(split_options(tier.url)[1] if tier.url else {}), **tier.medium_options()}
-        quotas = Quotas.from_options(tier.name, options.get("tenant_quota"), options.get("tenant_quotas"))
+        quotas = tier.quotas()
         if quotas.default is not None:
             out.append((f"{tier.name}.tenant_quota", quotas.default))
         out += [(f"{tier.name}.options.tenant_quotas[{label!r}]", size) for label, size in quotas.per_tenant.items()]
