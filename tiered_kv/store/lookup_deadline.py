@@ -95,9 +95,11 @@ class DeadlineLookup:
 
     def _start_thread(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=f"tiered-kv-lookup-{self.name}",
-                                            daemon=True)
-            self._thread.start()
+            thread = threading.Thread(target=self._serve, name=f"tiered-kv-lookup-{self.name}", daemon=True)
+            # kept only once started: a thread refused ("can't start new thread") and kept anyway
+            # left every later job unserved, and the tier skipped as late for good
+            thread.start()
+            self._thread = thread
 
     def _serve(self) -> None:
         while True:

@@ -42,6 +42,8 @@ class LowerTierIndex:
         self.skipped: Counter[str] = Counter()  # tier -> blocks the restore policy did not load
         self.skipped_tokens = 0  # tokens it did not load
         self.probes = 0  # loads it made although predicted slower (to refresh the estimates)
+        self.lookups_after_close = 0  # keys asked for once closed (answered: nowhere)
+        self._closed = False
         self.tiers = [(tier.name, backend) for tier, backend in open_media(config)]
         self.presence = RankedPresence(namespace, self.tiers, config.lookup_timeout, self._count)
         self.costs = RestoreCosts(config.restore_min_samples)
@@ -59,22 +61,30 @@ class LowerTierIndex:
     def _count(self, tier: str, reason: str, blocks: int) -> None:
         self.misses[reason] += blocks
 
+    def _after_close(self, keys: Sequence[bytes]) -> bool:
+        """Whether the index is closed: its media are, and a scheduler still stepping as its
+        engine shuts down is told nothing is stored (its gates used to refuse the keys as
+        ``lookup_timeout`` misses: tiers that had not timed out at all)."""
+        if self._closed:
+            self.lookups_after_close += len(keys)
+        return self._closed
+
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` every rank can load from a lower tier."""
-        if not keys:
+        if not keys or self._after_close(keys):
             return 0
         return self.presence.lookup(keys)
 
     def present(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether every rank can load each of ``keys`` from a lower tier (not a leading run)."""
-        if not keys:
-            return []
+        if not keys or self._after_close(keys):
+            return [False] * len(keys)
         return self.presence.locate(keys)[1]
 
     def locate(self, keys: Sequence[bytes]) -> list[str | None]:
         """The first lower tier holding this rank's copy of each key (None: nowhere)."""
-        if not keys:
-            return []
+        if not keys or self._after_close(keys):
+            return [None] * len(keys)
         return self.presence.locate(keys)[0]
 
     def count_restore_skips(self, blocks: dict[str, int], tokens: int, probe: bool = False) -> None:
@@ -90,6 +100,7 @@ class LowerTierIndex:
         """See :meth:`lease`."""
 
     def close(self) -> None:
+        self._closed = True
         self.cost_record.close()
         self.presence.close()
         for _, backend in self.tiers:
