@@ -63,3 +63,16 @@ class RequestCounts:
             out = [n for n in names if n not in done] if fresh_only else list(names)
             entry[1] = done | frozenset(out)
             return out
+
+    def release(self, keys: Sequence[bytes], names: Sequence[str]) -> None:
+        """Forget that ``keys`` were queued for the tiers ``names``: their write was dropped or
+        refused, and a later request must be able to queue them again (a claim kept would keep a
+        block that is requested again and again out of the tier for as long as the host holds it)."""
+        if not self.active or not names or not keys:
+            return
+        gone = frozenset(names)
+        with self._lock:
+            for key in keys:
+                entry = self._table.get(key)
+                if entry is not None:
+                    entry[1] = entry[1] - gone

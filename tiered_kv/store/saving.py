@@ -231,7 +231,7 @@ class Saver:
         """Queue the write of the host slots ``pinned`` to ``targets``; None when dropped."""
         keys = [k for k, _ in pinned]
         return self.submit_write(keys, lambda kept: self._write_job(pinned, targets, tenant),
-                                 lambda kept: self._drop_write(keys), replacement=True)
+                                 lambda kept: self._drop_write(keys, targets), replacement=True)
 
     def submit_write(self, keys: list[bytes], job, dropped, *, replacement: bool) -> Future | None:
         """Queue the write ``job(kept)`` of the ``kept`` of ``keys`` the withdrawals leave
@@ -261,9 +261,14 @@ class Saver:
             return out
         return out if start() else None
 
-    def _drop_write(self, keys: list[bytes]) -> None:
+    def _drop_write(self, keys: list[bytes], targets: Sequence[EncodedTier]) -> None:
         self.host.unpin_many(keys)
+        self._dropped(keys, targets)
+
+    def _dropped(self, keys: list[bytes], targets: Sequence[EncodedTier]) -> None:
+        """A write the save budget refused: counted, and its tiers' admission claims let go."""
         self.metrics.event("saves_dropped", len(keys))
+        self.requests.release(keys, [t.name for t in targets])
 
     def _write_job(self, pinned: list[tuple[bytes, int]], targets: list[EncodedTier], tenant: bytes) -> int:
         """Write the leased slots ``pinned``, but those whose host copy was retired meanwhile
@@ -305,8 +310,9 @@ class Saver:
             for k, p in todo:
                 if k not in cache:
                     cache[k] = tier.encode(k, p, into=None if base is None else room[base + position[k]])
-            stored += sum(tier.put_blobs([(k, cache[k]) for k, _ in todo], len(todo) * self.block_nbytes,
-                                         start, tenant))
+            ok = tier.put_blobs([(k, cache[k]) for k, _ in todo], len(todo) * self.block_nbytes, start, tenant)
+            self.requests.release([k for (k, _), s in zip(todo, ok) if not s], [tier.name])  # (refused: may retry)
+            stored += sum(ok)
         return stored
 
     def write_earned_copies(self, requested: Sequence[tuple[bytes, int, object]], tenant: bytes) -> None:
