@@ -5,12 +5,17 @@ by any client lands before it (compared, and differs) or after it (kept).
 One EVAL per batch of keys (at most ``KEYS_PER_CALL`` keys and the backend's ``pipeline_bytes``
 of values, or one larger value alone). In a cluster a script's keys must share a slot: a batch
 is split by slot, and its scripts go one pipeline per node as the backend routes its GETs and
-SETs (:func:`storage_backends.redis_node_pipelines.node_pipelines`, redirections followed). A
+SETs (:func:`storage_backends.redis_node_pipelines.node_pipelines`, redirections followed). A slot
+mid-migration whose keys are split between its two nodes answers a script of several of them
+TRYAGAIN (run nowhere): that script's keys go again one script each, which a node serves or
+redirects (ASK, followed), so a resharding neither fails the call nor opens the tier's breaker. A
 refusal (READONLY, NOSCRIPT, NOPERM) raises BackendError; Redis away BackendUnavailable."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from redis.exceptions import TryAgainError
 
 SCRIPT = """
 local out = {}
@@ -65,7 +70,14 @@ def _run(backend, batch: list[tuple[bytes, bytes]]) -> list[bool]:
             groups.setdefault(client.keyslot(name) if backend.cluster else 0, []).append(i)
         # (routing name, names, values): the backend's pipelines route an item by its first field
         items = [(names[m[0]], [names[i] for i in m], [batch[i][1] for i in m]) for m in groups.values()]
-        return backend._pipelined(client, items, add, read=False, refusals=True)
+        replies = backend._pipelined(client, items, add, read=False, refusals=True, passed=(TryAgainError,))
+        split = [j for j, reply in enumerate(replies) if isinstance(reply, TryAgainError)]
+        if split:  # (one key a script: never TRYAGAIN; what still fails raises, as any reply)
+            singles = [(name, [name], [value]) for j in split for name, value in zip(items[j][1], items[j][2])]
+            answers = iter(backend._pipelined(client, singles, add, read=False, refusals=True))
+            for j in split:
+                replies[j] = [(next(answers) or [0])[0] for _ in items[j][1]]
+        return replies
 
     def add(pipe, item) -> None:
         pipe.eval(SCRIPT, len(item[1]), *item[1], *item[2])

@@ -109,6 +109,14 @@ def single_client(target: str, **options: Any) -> redis.Redis:
 
 def close_client(client: Any) -> None:
     """Close every connection of ``client`` (a single server's pool, each cluster node's), if any."""
-    if client is not None:
-        with suppress(RedisError, OSError):
-            client.close()  # (a single_client disconnects its pool)
+    if client is None:
+        return
+    with suppress(RedisError, OSError):
+        client.close()  # (a single_client disconnects its pool)
+    manager = getattr(client, "nodes_manager", None)
+    if manager is not None:  # a cluster's close() only closes each node's client, whose pool
+        # (made by from_url) it does not own: every node's connections stayed open
+        for node in [*manager.startup_nodes.values(), *manager.nodes_cache.values()]:
+            if node.redis_connection is not None:
+                with suppress(RedisError, OSError):
+                    node.redis_connection.connection_pool.disconnect()

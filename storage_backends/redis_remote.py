@@ -240,9 +240,9 @@ class RedisBackend(Backend):
         return out
 
     def _pipelined(self, client: Any, items: Sequence, add: Callable[[Any, Any], Any], *, read: bool = True,
-                   refusals: bool = False) -> list:
-        """One pipeline of ``add(pipe, item)`` per item (a key name, or a (name, value) pair); in
-        a cluster one per node (:mod:`storage_backends.redis_node_pipelines`); ``refusals`` raised too."""
+                   refusals: bool = False, passed: tuple[type[Exception], ...] = ()) -> list:
+        """One pipeline of ``add(pipe, item)`` per item (a key name, or a (name, value) pair); in a cluster
+        one per node (:mod:`storage_backends.redis_node_pipelines`); ``refusals`` raised too, ``passed`` not."""
         if self.cluster:
             replies = node_pipelines(client, items, name_of, add, read=read, retries=self.retries,
                                      backoff=self._backoff.compute, fanout=self._fanout)
@@ -251,7 +251,8 @@ class RedisBackend(Backend):
             for item in items:
                 add(pipe, item)
             replies = pipe.execute(raise_on_error=False)
-        down = next((r for r in replies if isinstance(r, DOWN_ERRORS + (ResponseError,) * refusals)), None)
+        down = next((r for r in replies if isinstance(r, DOWN_ERRORS + (ResponseError,) * refusals)
+                     and not isinstance(r, passed)), None)
         if down is not None:  # e.g. CLUSTERDOWN answered per command; with ``refusals`` READONLY too
             raise down
         return replies
