@@ -55,8 +55,15 @@ def _no_quota(value: Any, name: str) -> None:
                       f"maxmemory-policy (set maxmemory on the server, or a ttl here)")
 
 
+def _prefix(value: Any, name: str) -> str | bytes:
+    # (a TOML ``prefix = 5`` became bytes(5), five NUL bytes: a namespace no tool was told of)
+    if not isinstance(value, (str, bytes)):
+        raise ConfigError(f"{name} must be a string, got {value!r}")
+    return value
+
+
 PARSERS: dict[str, Callable[[Any, str], Any]] = {
-    "prefix": lambda v, name: v, "retries": lambda v, name: count(v, name, 0, MAX_RETRIES),
+    "prefix": _prefix, "retries": lambda v, name: count(v, name, 0, MAX_RETRIES),
     "max_connections": lambda v, name: count(v, name, 1, MAX_CONNECTIONS), "cluster": as_bool,
     "read_from_replicas": as_bool, "node_threads": lambda v, name: count(v, name, 0, MAX_NODE_THREADS),
     "ttl": lambda v, name: None if str(v).lower() in ("none", "", "0") else ttl_seconds(parse_duration(v, name=name), name),
@@ -85,19 +92,25 @@ def redis_arguments(url: str, options: dict[str, Any]) -> tuple[str, dict[str, A
 
 def check_options(url: str, options: dict[str, Any]) -> None:
     """The option names of a Redis tier checked as its config is built, without connecting:
-    ours, and the rest of the query as redis-py's connections take it (``?bogus=2`` was refused
-    only when the tier opened, in the engine's worker; a cluster's connections drop it unsaid).
-    Our options' values are read as the tier opens."""
+    ours (names and values), and the rest of the query as redis-py's connections take it
+    (``?bogus=2`` was refused only when the tier opened, in the engine's worker; a cluster's
+    connections drop it unsaid)."""
     _, query = split_options(url)
     given = {k for k in query if k in PARSERS} | {k for k, v in options.items() if v is not None}
     unknown = sorted(given - set(PARSERS))
     if unknown:
         raise ConfigError(f"unknown redis option {unknown[0]!r}")
+    for name in sorted(given):  # their values too: ``max_connections = 0``, a ``tenant_quota`` were
+        # configs until the tier opened, in the engine's worker (reading one connects nowhere)
+        PARSERS[name](query[name] if options.get(name) is None else options[name], f"redis {name}")
     head, _, text = url.partition("?")
     rest = "&".join(p for p in text.split("&") if p and p.split("=")[0] not in PARSERS)
     target = redis_target(f"{head}?{rest}" if rest else head)
+    cluster = url.startswith("redis+cluster://") or _flag({**query, **options}.get("cluster"))
+    if not cluster and _flag({**query, **options}.get("read_from_replicas")):
+        raise ConfigError("redis read_from_replicas is for a Redis Cluster (redis+cluster://)")
     try:
-        if url.startswith("redis+cluster://") or _flag({**query, **options}.get("cluster")):
+        if cluster:
             check_cluster_options(target, {})
             parsed = parse_url(target)
             unknown = sorted(set(parsed) - set(cleanup_kwargs(**parsed)) - {"host", "port"})

@@ -9,7 +9,7 @@ import functools
 import os
 import typing
 from collections.abc import Mapping
-from dataclasses import fields, is_dataclass
+from dataclasses import MISSING, fields, is_dataclass
 from typing import Any
 
 try:
@@ -113,6 +113,11 @@ def build(cls: type, data: dict, prefix: str):
             if f.metadata.get("blank") == "refused" and isinstance(value, str) and _blank(value):
                 # (an unset shell variable expands to ""; a secret that means "off" fails open)
                 raise ConfigError(f"{key} is empty: leave it out to store plain blocks")
+            if (isinstance(value, str) and not value.strip() and type(None) in typing.get_args(target)
+                    and f.default not in (None, MISSING)):
+                # ("" is what ``TIERED_KV_CLOSE_TIMEOUT=$UNSET`` gives: it meant None, wait for
+                # ever, not the default; "none" still says None where None is allowed)
+                raise ConfigError(f"{key} is empty: leave it out for its default ({f.default!r})")
             kwargs[name] = _coerce(key, value, target, f.metadata.get("parse"))
     try:
         return cls(**kwargs)

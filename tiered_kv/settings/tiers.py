@@ -107,6 +107,7 @@ class TierConfig:
         if not isinstance(self.options, Mapping):
             raise ConfigError(f"{key}.options must be a table of settings, got {self.options!r}")
         self._adopt_medium_settings(key)
+        self._check_fields()  # (before the medium's check: its words name no field)
         self._check_medium_options(key)
         check_choice(f"{key}.policy", self.policy, POLICIES)
         check_choice(f"{key}.codec", self.codec, ("auto", "raw", "zstd", "zstd+shuffle"))
@@ -118,6 +119,9 @@ class TierConfig:
         if self.tenant_quota is not None and self.tenant_quota <= 0:
             raise ConfigError(f"{key}.tenant_quota must be positive, got {self.tenant_quota}")
         object.__setattr__(self, "options", _Settings(self.options))  # configs are dict keys
+
+    def _check_fields(self) -> None:
+        """A medium's own bounds on its fields, once the URL and ``options`` decided them."""
 
     def _adopt_medium_settings(self, key: str) -> None:
         """Fields not written (None) take what the URL's query or ``options`` say (those win, as
@@ -214,8 +218,7 @@ class RemoteConfig(TierConfig):
         "retries": REDIS_PARSERS["retries"]}  # (as the Redis medium reads them)
     MEDIUM_DEFAULTS: ClassVar[dict[str, Any]] = {"timeout": 2.0, "retries": 2}
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
+    def _check_fields(self) -> None:
         if self.retries < 0:
             raise ConfigError(f"remote.retries must not be negative, got {self.retries}")
         if not 0 < self.timeout <= MAX_TIMEOUT:  # 0: TensorRT-LLM's matched reads, waited for this
