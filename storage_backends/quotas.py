@@ -2,8 +2,9 @@
 
 A tenant label is bytes of at most 16 (tiered-kv uses 8 bytes of a hash of the ``cache_salt``);
 ``b""`` is no tenant. ``tenant_quota`` (bytes, or a size string such as ``"1GiB"`` from a URL)
-is the quota of every labelled tenant; ``tenant_quotas`` (a Python mapping of label to bytes)
-overrides it per tenant, and is the only way to give unlabelled data (``b""``) a quota.
+is the quota of every labelled tenant; ``tenant_quotas`` (a mapping of label to bytes) overrides
+it per tenant, and is the only way to give unlabelled data (``b""``) a quota. There a label written
+as text (a TOML table's keys are) is its hex, as ``tiered-kv inspect`` shows it; ``""`` is no tenant.
 """
 
 from __future__ import annotations
@@ -48,14 +49,24 @@ class Quotas:
         if tenant_quotas is None:
             return cls(default)
         if not isinstance(tenant_quotas, Mapping):
-            raise ConfigError(f"{medium} tenant_quotas is a Python mapping of tenant label (bytes) to "
-                              f"bytes, given as a keyword (not in a URL); got {tenant_quotas!r}")
-        per_tenant = {as_tenant(t): _positive(q, f"{medium} tenant_quotas[{bytes(t)!r}]")
-                      for t, q in tenant_quotas.items()}
+            raise ConfigError(f"{medium} tenant_quotas is a mapping of tenant label (bytes, or their hex) to "
+                              f"a size, given in options (not in a URL); got {tenant_quotas!r}")
+        per_tenant = {}
+        for t, q in tenant_quotas.items():
+            label = as_tenant(_from_hex(t) if isinstance(t, str) else t)
+            per_tenant[label] = _positive(q, f"{medium} tenant_quotas[{t!r}]")
         return cls(default, per_tenant)
 
 
 NO_QUOTAS = Quotas()
+
+
+def _from_hex(text: str) -> bytes:
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        raise ConfigError(f"a tenant label written as text is its hex, as `tiered-kv inspect` shows it "
+                          f"(\"\": no tenant); got {text!r}") from None
 
 
 def _positive(value, name: str) -> int:
