@@ -153,6 +153,12 @@ class SchedulerSide:
             if rid not in self.allocated:
                 core.request_preempted(rid)
         self.allocated.clear()
+        # A request id reused at once: the previous request of that id finished unheld, and this
+        # step hands its id to the workers in finished_req_ids. A save of the new one planned in
+        # this step made the worker report the id in finished_sending, and vLLM freed the new,
+        # running request's blocks (asserting it finished). Its first step plans no save: the
+        # next step saves those blocks (they stay planned from the same prefix).
+        reborn = set(getattr(so, "finished_req_ids", None) or ())
         new, cached = [], []
         for nr in so.scheduled_new_reqs:
             request = self.requests.get(nr.req_id)
@@ -161,7 +167,7 @@ class SchedulerSide:
             tokens = list(request.all_token_ids)
             new.append(RequestStep(nr.req_id, tokens, self._ids(nr.block_ids),
                              nr.num_computed_tokens - core.external_tokens(nr.req_id),
-                             so.num_scheduled_tokens.get(nr.req_id, 0)))
+                             0 if nr.req_id in reborn else so.num_scheduled_tokens.get(nr.req_id, 0)))
             self.reported[nr.req_id] = len(tokens)
         cr = so.scheduled_cached_reqs
         resumed = set(getattr(cr, "resumed_req_ids", None) or ())
