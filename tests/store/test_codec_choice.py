@@ -29,6 +29,23 @@ def test_the_measured_compress_rate_is_positive_and_taken_once():
     assert first > 0 and codec_choice.compress_rate() == first
 
 
+def test_the_rate_is_taken_once_per_frame_size():
+    small, large = codec_choice.compress_rate(16 << 10), codec_choice.compress_rate(1 << 20)
+    assert small > 0 and codec_choice.compress_rate(16 << 10) == small
+    assert codec_choice.compress_rate(4 << 20) == large, "frames beyond the sample are measured as the sample"
+    assert {16 << 10, 1 << 20} <= set(codec_choice._rates)
+
+
+def test_regression_auto_was_measured_on_1_mib_whatever_frames_the_tier_compresses(tmp_path, monkeypatch):
+    """Each frame has fixed work, so small frames compress slower: a store of small blocks (or of
+    many layer groups) was told the 1 MiB rate, and could compress where it cannot keep up."""
+    asked: list[int] = []
+    monkeypatch.setattr(codec_choice, "compress_rate", lambda frame_bytes=1 << 20: asked.append(frame_bytes) or 0.5)
+    with make_store(tmp_path, disk={"codec": "auto"}) as store:  # 16 KiB blocks, one frame each
+        assert store.tier("disk").segments is None
+    assert asked == [16 << 10]
+
+
 def test_the_sample_the_rate_is_measured_on_compresses_like_kv_data():
     sample = codec_choice.sample_block()
     blob = BlockCodec("zstd+shuffle").encode(sample, dtype="bfloat16", shape=(sample.size,),

@@ -54,14 +54,15 @@ class EncodedTier:
         self.name = config.name
         self.policy = config.policy
         self.backend = backend
-        # the codec this tier writes ("auto" resolved by the store for its workers; alone, for one)
-        self.codec = BlockCodec(codec or codec_choice.choose(config.codec, 1), config.level)
         self.namespace = namespace
         self.ns = namespace.digest()
         self.shape = namespace.block_shape
         self.layout = BlockLayout(namespace.dtype, self.shape)  # what every block here must be
         # raw byte length of each layer group a block is framed in (None: one frame)
         self.segments = layer_segments(namespace, self.layout.raw_len, layer_groups)
+        # the codec this tier writes ("auto" resolved by the store for its workers; alone, for one)
+        self.codec = BlockCodec(codec or codec_choice.choose(
+            config.codec, 1, frame_bytes=min(self.segments or (self.layout.raw_len,))), config.level)
         # the largest stored block (every frame raw)
         self.stored_max = max_stored_len(self.layout.raw_len, len(self.segments or (0,)))
         # a plain block's header and segment table (exactly, for one this tier framed): what a

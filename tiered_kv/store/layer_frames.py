@@ -26,6 +26,11 @@ def layer_segments(namespace: Namespace, raw_len: int, groups: int) -> list[int]
     return [per_layer * (layers * (g + 1) // groups - layers * g // groups) for g in range(groups)]
 
 
+def smallest_frame(namespace: Namespace, raw_len: int, groups: int) -> int:
+    """Payload bytes of the smallest frame a block of ``raw_len`` bytes is stored in."""
+    return min(layer_segments(namespace, raw_len, groups) or (raw_len,))
+
+
 def frame_count(namespace: Namespace, raw_len: int, groups: int) -> int:
     """Frames a block of ``raw_len`` payload bytes is stored in (1: it arrives whole)."""
     return len(layer_segments(namespace, raw_len, groups) or (0,))

@@ -56,6 +56,7 @@ from tiered_kv.store.flushing import drain_writes, flush_tiers
 from tiered_kv.store.host_copy import HostCopier
 from tiered_kv.store.host_slots import HostSlots
 from tiered_kv.store.invalidation import Invalidations
+from tiered_kv.store.layer_frames import smallest_frame
 from tiered_kv.store.loading import Loader, LoadPlan
 from tiered_kv.store.lower_reads import LowerReader
 from tiered_kv.store.lower_tiers import open_media
@@ -98,9 +99,10 @@ class TieredStore:
                                     on_evict=self._on_host_evict if evicting else None, **quota)
             self.slots = HostSlots(self.host, namespace, self.copier)
             media = open_media(config)
+            frame = smallest_frame(namespace, block_nbytes, config.layer_groups)  # what "auto" is measured on
             self.tiers = [EncodedTier(tier, backend, namespace, self.metrics,
-                                      codec_choice.choose(tier.codec, config.workers), config.layer_groups,
-                                      config.encryption_secret)
+                                      codec_choice.choose(tier.codec, config.workers, frame_bytes=frame),
+                                      config.layer_groups, config.encryption_secret)
                           for tier, backend in media]
         except BaseException:
             self.close_parts([backend for _, backend in media])

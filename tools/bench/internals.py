@@ -1,8 +1,8 @@
 """Every internal tiered_kv / storage_backends name the benchmarks import (beyond the public
 ``TieredStore``, ``TieredKVConfig``, ``Namespace`` / ``block_keys`` and the ``tiered_kv.engine`` /
 ``tiered_kv.connector`` package APIs), gathered here so a move of the store's modules is fixed in
-one place: ``BlockCodec``, its ``HEADER_BYTES`` and ``codec_choice`` (what ``auto`` resolves to) for
-bench_tiers' codec limits, and the methods bench_e2e's probe wraps
+one place: ``BlockCodec``, its ``HEADER_BYTES``, ``codec_choice`` (what ``auto`` resolves to) and
+``smallest_frame`` (the frames it is measured on) for bench_tiers' codec limits, and the methods bench_e2e's probe wraps
 to say where TTFT goes (imported only in the e2e child that installs the probe)."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from typing import Any
 
 from tiered_kv.store import codec_choice
 from tiered_kv.store.codec import HEADER_BYTES, BlockCodec
+from tiered_kv.store.layer_frames import smallest_frame
 
-__all__ = ["HEADER_BYTES", "BlockCodec", "codec_choice", "probe_points"]
+__all__ = ["HEADER_BYTES", "BlockCodec", "codec_choice", "probe_points", "smallest_frame"]
 
 
 def probe_points() -> list[tuple[Any, str, str]]:

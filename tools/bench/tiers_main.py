@@ -22,9 +22,9 @@ from tiered_kv.config import TieredKVConfig
 
 from . import limits, tiers
 from .common import MiB, Stopwatch, log
-from .data import SIZES, kv_like_blocks, shape_of
+from .data import SIZES, kv_like_blocks, namespace, shape_of
 from .figures import Figures
-from .internals import codec_choice
+from .internals import codec_choice, smallest_frame
 from .pagecache import Evictor
 from .redis_server import OwnRedis
 from .targets import derive
@@ -51,9 +51,12 @@ class Bench:
         # when it opens (measured once per process, so the limits and the stores agree)
         cfg = TieredKVConfig()
         self.codec_setting = {"disk": cfg.disk.codec, "remote": cfg.remote.codec}
-        self.codec_name = codec_choice.choose(cfg.disk.codec, tiers.WORKERS)
+        # (measured on the 2 MiB blocks' frames; a store of the 64 KiB blocks measures its own)
+        frame = smallest_frame(namespace("2MiB", "codec"), 2 * MiB, cfg.layer_groups)
+        self.codec_name = codec_choice.choose(cfg.disk.codec, tiers.WORKERS, frame_bytes=frame)
         self.codec_level = cfg.disk.level
-        self.remote_codec = (codec_choice.choose(cfg.remote.codec, tiers.WORKERS), cfg.remote.level)
+        self.remote_codec = (codec_choice.choose(cfg.remote.codec, tiers.WORKERS, frame_bytes=frame),
+                             cfg.remote.level)
         self.data: dict[str, list[torch.Tensor]] = {}
 
     # -- setup / teardown ------------------------------------------------------------------------
