@@ -52,8 +52,9 @@ def recomputed(config: ModelConfig, prompt, params=PARAMS):
 
 def same(a, b, config: ModelConfig) -> bool:
     """Same tokens; logits bit-identical for the hybrid (both runs compute the tail in the same
-    chunk from the same bytes), within float noise for MLA (a resumed chunk attends with
-    kv_b_proj absorbed, a prefill from token 0 rebuilds K/V: the same math, summed otherwise)."""
+    chunk from the same bytes), within float noise for MLA (a resumed chunk attends over the
+    loaded latents in other chunk shapes than a prefill from token 0: the same math, summed
+    otherwise; only decodes absorb kv_b_proj)."""
     if a.output_token_ids != b.output_token_ids:
         return False
     if config is MLA:

@@ -28,6 +28,7 @@ class AttentionMetadata:
     block_tables: list[torch.Tensor]  # request i's device block ids (long, on the device)
     hooks: object | None = None  # connector worker half: wait_for_layer_load / save_kv_layer
     state_slots: list[int] = field(default_factory=list)  # request i's state slot (models with state)
+    decoding: list[bool] = field(default_factory=list)  # request i computes generated tokens only (no prompt token)
 
 
 class Attention(nn.Module):

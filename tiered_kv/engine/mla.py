@@ -5,10 +5,12 @@ part ``k_rope`` (``qk_rope_head_dim``) shared by every head. The cache keeps
 ``[rmsnorm(c_kv), rope(k_rope)]`` (:class:`~.cache_resources.LatentHandler`), in the engine's
 blocks like K/V (``[num_blocks, block_size, latent_dim]``). Attention rebuilds each head's key
 (``k_nope`` from ``kv_b_proj(c_kv)``, then ``k_rope``) and value (from ``kv_b_proj(c_kv)``) from
-the cached vectors, so every cached value reaches the output; a chunk that continues a cached
-context (decode, a resumed prefill) absorbs ``kv_b_proj`` into its queries and output instead
-and attends over the cached vectors directly (the same math). The vector is the same on every
-tensor-parallel rank (heads split ``kv_b_proj``, not the latent): stored once.
+the cached vectors, so every cached value reaches the output; a decode step absorbs
+``kv_b_proj`` into its queries and output instead and attends over the cached vectors directly
+(the same math, rounded otherwise). Prompt tokens are always computed the first way, also in a
+chunk that resumes a loaded prefix: in bf16 the absorbed path's rounding flips greedy tokens, and
+a restored prompt must give the tokens of the same prompt computed from token 0. The vector is the
+same on every tensor-parallel rank (heads split ``kv_b_proj``, not the latent): stored once.
 """
 
 from __future__ import annotations
@@ -74,7 +76,10 @@ class MLAttention(nn.Module):
                 context = meta.context_lens[i]
                 cached = self.latent_cache[block_table].flatten(0, 1)[:context]
                 past = context - (last - first)
-                attend = self._attend_absorbed if past else self._attend
+                # absorbed only for decodes: a prompt chunk's path must not depend on where its
+                # context came from (computed in this run or loaded from a store)
+                decoding = i < len(meta.decoding) and meta.decoding[i]
+                attend = self._attend_absorbed if past and decoding else self._attend
                 out[first:last] = attend(q[first:last], cached, past=past)
             if hooks is not None:
                 hooks.save_kv_layer(self.layer_idx)

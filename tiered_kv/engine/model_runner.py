@@ -78,6 +78,7 @@ class ModelRunner:
             block_tables=tables,
             hooks=hooks,
             state_slots=[self.kv.state_slot(r.request_id) for r in batch.requests] if self.kv.has_state else [],
+            decoding=[r.num_computed_tokens >= r.num_prompt_tokens for r in batch.requests],
         )
         return input_ids, torch.cat(positions).to(device, non_blocking=True), meta, last_rows, sampling
 
