@@ -101,9 +101,9 @@ def _secret(key: str, value: Any, environ: Mapping[str, str] | None = None) -> S
     process's by default) or ``file:PATH`` (that file, ``~`` expanded, a trailing newline
     dropped); never quoted in an error."""
     environ = os.environ if environ is None else environ
-    if isinstance(value, Secret):
-        return value
-    if isinstance(value, str) and value.startswith("env:"):
+    if isinstance(value, Secret):  # (its length checked too: an object skipped the check below)
+        value = value.reveal()
+    elif isinstance(value, str) and value.startswith("env:"):
         if not environ.get(value[4:]):
             raise ConfigError(f"{key}: the environment variable {value[4:]} is not set")
         value = environ[value[4:]]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
+from tiered_kv.config import MIN_SECRET_BYTES
 from tiered_kv.errors import ConfigError
 from tiered_kv.store.codec_sealed import Sealing
 
@@ -38,10 +39,13 @@ class TenantCipher:
         except ImportError:
             raise ConfigError("encryption_secret needs the cryptography library: "
                               "pip install 'tiered-kv[crypto]'") from None
-        if not secret:
-            raise ConfigError("encryption_secret must not be empty")
+        # checked here too, not only where the config parses its text: a Secret handed to the
+        # config as an object skips that parse, and a 1-byte secret sealed every block under a
+        # key anyone could guess (the value itself is never quoted)
+        if not isinstance(secret, (bytes, bytearray, memoryview)) or len(bytes(secret)) < MIN_SECRET_BYTES:
+            raise ConfigError(f"encryption_secret must be a secret of at least {MIN_SECRET_BYTES} bytes")
         self._aesgcm = AESGCM
-        self._secret = secret
+        self._secret = bytes(secret)
         self._lock = threading.Lock()
         self._cache: OrderedDict[bytes, Sealing] = OrderedDict()
 
