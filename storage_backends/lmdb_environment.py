@@ -16,6 +16,7 @@ from typing import NoReturn
 import lmdb
 
 from storage_backends.lmdb_accesses import AccessBuffer
+from storage_backends.lmdb_diskfull import commit
 from storage_backends.lmdb_entries import apply_accesses
 from storage_backends.lmdb_format import READABLE, foreign, format_refusal, settle_format, stored_format
 from storage_backends.lmdb_gate import RemapGate
@@ -144,9 +145,7 @@ class LmdbEnvironment:
                           for t in vars(self.tables).values()])
         return tables, settle_format(tables, Write(txn, tables))
 
-    @property
-    def map_size(self) -> int:
-        return self.env.info()["map_size"]
+    map_size = property(lambda self: self.env.info()["map_size"])
 
     def file_bytes(self) -> tuple[int, int]:
         """(apparent size, allocated bytes) of data.mdb (the map is sparse)."""
@@ -194,7 +193,7 @@ class LmdbEnvironment:
                         with self.gate.paused():  # else readers can starve the abort
                             txn.abort()
                         raise
-                    txn.commit()
+                    commit(txn, self.path)  # (a full disk's EIO read as ENOSPC)
                     return
             if not self.remap(0):
                 break

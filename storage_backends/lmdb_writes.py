@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from storage_backends.eviction import Eviction
 from storage_backends.gathered import joined, nbytes_of
 from storage_backends.lmdb_compaction import Compactor
+from storage_backends.lmdb_diskfull import Reserve
 from storage_backends.lmdb_entries import delete_entry, put_entry
 from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
 from storage_backends.lmdb_tables import MAX_KEY, as_key, fits
@@ -29,6 +30,7 @@ class LmdbWrites:
                  pinned: Callable[[], set[bytes]], count: Callable[..., None], compactor: Compactor) -> None:
         self.db, self.values, self.eviction, self.pinned, self._count = db, values, eviction, pinned, count
         self.compactor = compactor
+        self.reserve = Reserve(db.path)  # (room for deletes on a disk the store filled)
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]], tenant: bytes = b"") -> list[bool]:
         """Grouped into write transactions of about ``batch_bytes`` (one per large value)."""
@@ -84,8 +86,10 @@ class LmdbWrites:
     def _put_batch(self, batch: list[tuple[bytes, object, int]], tenant: bytes) -> list[bool]:
         try:  # (w.tables: a read-only open's first write creates the missing tables)
             with self.db.guard("put"):
-                return self.db.write(lambda w: [put_entry(w.tables, w, *item, tenant, self.eviction, self.pinned)
-                                                 for item in batch], nbytes=sum(n for _, _, n in batch))
+                stored = self.db.write(lambda w: [put_entry(w.tables, w, *item, tenant, self.eviction, self.pinned)
+                                                   for item in batch], nbytes=sum(n for _, _, n in batch))
+            self.reserve.ensure()  # (a put found room: the reserve a full disk gave up is taken back)
+            return stored
         except NoSpace as exc:
             log.warning("lmdb tier at %s: %d values refused: %s", self.db.path, len(batch), exc)
             self._count(put_rejected=len(batch))
@@ -95,11 +99,22 @@ class LmdbWrites:
         keys = [k for k in map(as_key, keys) if fits(k)]
         if not keys:
             return 0
-        try:
-            with self.db.guard("delete"):
-                n = self.db.write(lambda w: sum(delete_entry(self.db.tables, w, k) for k in keys))
-        except NoSpace as exc:
-            raise BackendUnavailable(f"lmdb store at {self.db.path} is full: {exc}") from None
+        n = self._delete(keys)
         self._count(deletes=n)
         return n
+
+    def _delete(self, keys: list[bytes]) -> int:
+        """One transaction; on a full disk, halves of it in turn: a delete's copied pages need room
+        the disk may not have for all at once, and the first half's commit frees pages for the rest
+        (else a store that filled its disk could never delete, nor write again)."""
+        try:
+            with self.db.guard("delete"):
+                return self.db.write(lambda w: sum(delete_entry(self.db.tables, w, k) for k in keys))
+        except NoSpace as exc:
+            if self.reserve.release():  # the room held for this: the same delete again
+                return self._delete(keys)
+            if len(keys) == 1:
+                raise BackendUnavailable(f"lmdb store at {self.db.path} is full: {exc}") from None
+        half = len(keys) // 2
+        return self._delete(keys[:half]) + self._delete(keys[half:])
 
