@@ -16,10 +16,12 @@ Every mistake is one :class:`ConfigError` line that names the key.
 from __future__ import annotations
 
 import atexit
+import functools
 import json
 import logging
 import os
 import threading
+import types
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ log = logging.getLogger(__name__)
 ADAPTER_KEYS = ("config_file", "load_async", "save", "kv_layout")
 LAYOUTS = ("engine", "block_major", "layers_nb2", "layers_2nb", "layers_head_major")
 UNSET = (None, "", {}, "auto")  # an engine setting left at its default
+PLAIN = (bool, int, float, str, bytes, tuple, list, dict, type(None))  # values read by a callable setting
 
 
 @dataclass(frozen=True)
@@ -151,12 +154,48 @@ def stable_value(value: Any) -> Any:
     callable ``hf_overrides``) by its qualified name, a torch dtype by its name."""
     if isinstance(value, (set, frozenset)):  # (str() of a set follows the hash seed)
         return sorted(map(str, value))
+    if isinstance(value, types.ModuleType):  # (a module's fields are all of it)
+        return value.__name__
+    if isinstance(value, functools.partial):  # (its repr holds an address: other in every process)
+        return {"partial": value.func, "args": list(value.args), "keywords": value.keywords}
     if callable(value) and hasattr(value, "__qualname__"):
-        return f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+        # by its name *and* its code and captured values: two lambdas (``__main__.<lambda>``) or
+        # one factory's closures setting other RoPE thetas were one name, so one namespace
+        name = f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+        code = getattr(value, "__code__", None)
+        if code is None:
+            return name
+        cells = [_cell(c) for c in getattr(value, "__closure__", None) or ()]
+        known = getattr(value, "__globals__", None) or {}  # (module constants it reads: THETA = 1e6)
+        plain = {n: known[n] for n in _names(code) if n in known and isinstance(known[n], PLAIN)}
+        return {"callable": name, "code": _code(code), "closure": cells, "globals": plain,
+                "defaults": list(getattr(value, "__defaults__", None) or ()),
+                "kwdefaults": getattr(value, "__kwdefaults__", None) or {}}
     fields = getattr(value, "__dict__", None)
     if isinstance(fields, dict) and fields:
         return {k: v for k, v in fields.items() if not k.startswith("_")}
     return str(value)
+
+
+def _code(code: Any) -> dict:
+    """A code object's bytecode, constants (nested code objects alike) and names: the same in
+    every process of one Python version (a code object's repr holds an address)."""
+    consts = [_code(c) if hasattr(c, "co_code") else sorted(map(repr, c)) if isinstance(c, frozenset)
+              else repr(c) for c in code.co_consts]  # (a frozenset's repr follows the hash seed)
+    return {"bytecode": code.co_code.hex(), "consts": consts, "names": list(code.co_names)}
+
+
+def _names(code: Any) -> list[str]:
+    """The global names a code object and its nested ones read."""
+    nested = [n for c in code.co_consts if hasattr(c, "co_code") for n in _names(c)]
+    return sorted(set(code.co_names) | set(nested))
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # (an empty cell: a closure over a name not yet bound)
+        return None
 
 
 # -- one store per (config, namespace) in a process ---------------------------------------------

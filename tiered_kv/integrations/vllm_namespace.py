@@ -10,7 +10,7 @@ from typing import Any
 
 from tiered_kv.dtypes import dtype_name
 from tiered_kv.errors import ConfigError
-from tiered_kv.fingerprint import fold_weights, model_name
+from tiered_kv.fingerprint import files_fingerprint, fold_weights, local_model, model_name
 from tiered_kv.integrations.common import dummy_weights, numerics_suffix, quantized_kv
 from tiered_kv.integrations.vllm_groups import is_replicated, kv_groups
 from tiered_kv.keys import Namespace
@@ -34,7 +34,10 @@ UNSUPPORTED_PARALLELISM = (
 # weight files and KV dtype: weights quantized as they load (``--quantization fp8`` of a bf16
 # checkpoint), config overrides (RoPE scaling is applied to K before it is cached), another
 # config or weights path. Folded into the revision when set (unset: the namespace is as before).
-NUMERICS = ("quantization", "quantization_config", "hf_overrides", "hf_config_path", "model_weights")
+# ``model_class_overrides`` runs another class (other code) on the checkpoint; ``code_revision``
+# names the hub revision of a trust_remote_code model's code apart from its weights'.
+NUMERICS = ("quantization", "quantization_config", "hf_overrides", "hf_config_path", "model_weights",
+            "model_class_overrides", "code_revision")
 
 
 def vllm_namespace(vllm_config: Any, kv_cache_config: Any, settings_config: Any, *,
@@ -160,10 +163,32 @@ def _numerics(vllm_config: Any) -> str:
     dtype under an fp8 KV cache, which the KV dtype does not name), or "" when none is."""
     mc = vllm_config.model_config
     fields = {name: getattr(mc, name, None) for name in NUMERICS}
-    if quantized_kv(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)):
+    config_dir = local_model(fields["hf_config_path"])
+    if config_dir is not None:  # (its path names it, not its config.json: one edited in place did not count)
+        fields["hf_config_files"] = files_fingerprint(config_dir)
+    cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", None)
+    if quantized_kv(cache_dtype) or (cache_dtype not in (None, "", "auto")
+                                     and dtype_name(cache_dtype) != dtype_name(getattr(mc, "dtype", None))):
+        # a KV cache of another dtype than the activations (float32 or float16 computed, bfloat16
+        # cached) holds other bytes than one of that dtype computed natively
         fields["dtype"] = getattr(mc, "dtype", None)
     fields["longrope"] = _long_rope(mc)
+    fields["draft"] = _draft(vllm_config)
     return numerics_suffix(fields)
+
+
+def _draft(vllm_config: Any) -> dict | None:
+    """A speculative decoder's own checkpoint (EAGLE heads, a draft model): its attention layers
+    page their KV in the target's groups, so its weights are part of what a block holds. None
+    without one, or when the draft layers come from the target's checkpoint (MTP)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "draft_model_config", None)
+    target = getattr(vllm_config.model_config, "model", None)
+    if draft is None or getattr(draft, "model", None) in (None, target):
+        return None
+    return {"method": getattr(spec, "method", None), "model": model_name(draft.model),
+            "weights": fold_weights(str(getattr(draft, "revision", None) or ""), draft.model),
+            "quantization": getattr(draft, "quantization", None)}
 
 
 def _long_rope(mc: Any) -> str | None:
