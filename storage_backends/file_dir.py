@@ -13,14 +13,14 @@ A value is written to a temporary name in the same directory and renamed over th
 so readers on any host see the old value or the new one, never a torn one. Reads and writes
 go through aiofiles on one event loop thread per backend; the sync interface submits to it.
 
-Options: ``capacity`` (bytes; default none: the filesystem decides) evicts least recently
-used files when a put would go over it; ``tenant_quota`` / ``tenant_quotas`` bound each tenant's
-bytes (a tenant over its quota evicts its own files first: :mod:`storage_backends.eviction`).
-Both work on an approximate view of the directory (:mod:`storage_backends.file_room`).
-``sync`` fsyncs each file before the rename and its directories after it; ``touch=false``
-leaves access times alone (tools: no ``utime``, files opened with O_NOATIME where allowed);
-``create=false`` refuses to make a store where there is none. Usage per tenant comes from a
-listing, so it counts every process's files.
+Options (read in :mod:`storage_backends.file_options`): ``capacity`` (bytes; default none: the
+filesystem decides) evicts least recently used files when a put would go over it;
+``tenant_quota`` / ``tenant_quotas`` bound each tenant's bytes (a tenant over its quota evicts
+its own files first: :mod:`storage_backends.eviction`). Both work on an approximate view of the
+directory (:mod:`storage_backends.file_room`). ``sync`` fsyncs each file before the rename and
+its directories after it; ``touch=false`` leaves access times alone (tools: no ``utime``, files
+opened with O_NOATIME where allowed); ``create=false`` refuses to make a store where there is
+none. Usage per tenant comes from a listing, so it counts every process's files.
 """
 
 from __future__ import annotations
@@ -45,37 +45,30 @@ from storage_backends.eviction import Eviction
 from storage_backends.eviction_lru import LRU
 from storage_backends.file_entries import Stored, check_dir, stored_files, target_of
 from storage_backends.file_layout import FORMAT, MARKER, as_key, file_of, open_store, temp_of, upgrade_marker
+from storage_backends.file_options import file_settings, url_options
 from storage_backends.file_room import FileRoom
-from storage_backends.options import directory_of, known_options
-from storage_backends.quotas import Quotas, as_tenant
-from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError
-from tiered_kv.units import as_bool, parse_size
+from storage_backends.options import directory_of
+from storage_backends.quotas import as_tenant
+from tiered_kv.errors import BackendClosed, BackendUnavailable
 
 log = logging.getLogger(__name__)
 
 CONCURRENCY = 16  # files read or written at once per call
 CLOSE_WAIT_S = 30.0  # how long a close waits for running calls before it cancels them
-OPTIONS = ("capacity", "sync", "touch", "create", "tenant_quota", "tenant_quotas")
-IGNORED = ("timeout", "retries")  # remote-tier settings with no meaning for a local path
 
 
 class FileBackend(Backend):
     name = "file"
     store_signature = "file-store marker"
 
-    def __init__(self, path: str | os.PathLike, *, capacity: int | str | None = None,
-                 sync: bool | str = False, touch: bool | str = True, create: bool | str = True,
-                 tenant_quota: int | str | None = None, tenant_quotas=None, url: str | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, *, url: str | None = None, **options) -> None:
+        """``options``: those of :func:`~storage_backends.file_options.file_settings`, read there."""
         self.path = Path(path)
         super().__init__(url or f"file://{self.path.resolve()}")
-        self.capacity = None if capacity in (None, "") else parse_size(capacity, name="file capacity")
-        if self.capacity is not None and self.capacity <= 0:
-            raise ConfigError(f"file capacity must be positive, got {capacity!r}")
-        self.quotas = Quotas.from_options("file", tenant_quota, tenant_quotas)
+        settings = file_settings(**options)
+        self.capacity, self.quotas, self.sync, self.touch = settings.capacity, settings.quotas, settings.sync, settings.touch
         self.tenant_quota = self.quotas.default
-        self.sync = as_bool(sync, "file sync")
-        self.touch = as_bool(touch, "file touch")
-        self._format = open_store(self.path, as_bool(create, "file create"))
+        self._format = open_store(self.path, settings.create)
         self._lock = threading.Lock()
         self._pins: Counter = Counter()
         bounded = self.capacity is not None or self.quotas
@@ -93,8 +86,7 @@ class FileBackend(Backend):
 
     @classmethod
     def from_url(cls, url: str, **options) -> FileBackend:
-        query = known_options("file", url, options, OPTIONS, IGNORED)
-        return cls(directory_of(url, "file"), url=url, **query)
+        return cls(directory_of(url, "file"), url=url, **url_options(url, options))
 
     @classmethod
     def store_url_at(cls, path: Path) -> str | None:

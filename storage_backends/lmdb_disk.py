@@ -38,7 +38,7 @@ from storage_backends.lmdb_compaction import Compactor
 from storage_backends.lmdb_diskfull import RESERVE_NAME
 from storage_backends.lmdb_entries import evict_beyond
 from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
-from storage_backends.lmdb_options import store_directory, url_options
+from storage_backends.lmdb_options import lmdb_settings, store_directory, url_options
 from storage_backends.lmdb_reads import LmdbReads
 from storage_backends.lmdb_segment_check import check_segments
 from storage_backends.lmdb_segments import SegmentFiles
@@ -54,11 +54,9 @@ from storage_backends.lmdb_tables import (
 from storage_backends.lmdb_values import SegmentValues
 from storage_backends.lmdb_warmup import warm_index
 from storage_backends.lmdb_writes import LmdbWrites
-from storage_backends.options import as_int, directory_of, existing_directory
-from storage_backends.quotas import Quotas
-from storage_backends.segment_writeback import writeback_mode
+from storage_backends.options import directory_of, existing_directory
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError, InvalidKey
-from tiered_kv.units import as_bool, format_size, parse_size
+from tiered_kv.units import format_size
 
 __all__ = ["BackendClosed", "InvalidKey", "LmdbBackend", "path_of"]
 
@@ -81,48 +79,28 @@ class LmdbBackend(Backend):
     store_signature = "LMDB data.mdb"
     takes_gathered = True  # a segment value is written from its parts (LMDB's pages get them joined)
 
-    def __init__(self, path: str | os.PathLike, *, capacity: int | str | None, sync: bool | str = False,
-                 map_size: int | str | None = None, readahead: bool | str = True,
-                 writemap: bool | str = False, max_readers: int | str = 512,
-                 batch_bytes: int | str = 2 << 20, record_access: bool | str = True,
-                 tenant_quota: int | str | None = None, tenant_quotas=None, segment_min: int | str = 64 << 10,
-                 segment_bytes: int | str = 128 << 20, writeback: str | None = None,
-                 eager_writeback: bool | str = False, direct_io: bool | str = False, url: str | None = None,
-                 read_only: bool = False) -> None:
+    def __init__(self, path: str | os.PathLike, *, capacity: int | str | None, url: str | None = None,
+                 read_only: bool = False, **options) -> None:
+        """``options``: those of :func:`~storage_backends.lmdb_options.lmdb_settings`, read there."""
         self.path = Path(path)
         super().__init__(url or f"lmdb://{self.path.resolve()}")
-        self.capacity = None if capacity is None else parse_size(capacity, name="lmdb capacity")
-        if self.capacity is not None and self.capacity <= 0:
-            raise ConfigError(f"lmdb capacity must be positive, got {capacity!r}")
-        self.quotas = Quotas.from_options("lmdb", tenant_quota, tenant_quotas)
+        settings = lmdb_settings(capacity, **options)
+        self.capacity, self.quotas, self.sync = settings.capacity, settings.quotas, settings.sync
         self.tenant_quota = self.quotas.default
         self._eviction = Eviction(LRU, self.capacity, self.quotas)  # (quotas hold with no capacity too)
         # (damaged_meta: lmdb_damage; sync_failed_entries: entries withdrawn, their fsync failed)
         self._counters.extra.update(quota_evictions=0, damaged_meta=0, sync_failed_entries=0)
-        self.sync = as_bool(sync, "lmdb sync")
-        self.record_access = as_bool(record_access, "lmdb record_access")  # False: tools' reads
-        # 1-2 MiB per write transaction amortises the commit; 4+ MiB faults fresh pages
-        self.batch_bytes = parse_size(batch_bytes, name="lmdb batch_bytes")
-        wanted = parse_size(map_size, name="lmdb map_size") if map_size is not None else \
-            0 if self.capacity is None else max(2 * self.capacity, self.capacity + (1 << 30))  # 0: the env's own
-        # values of at least segment_min bytes go to segment files of segment_bytes each
-        minimum, per_file = parse_size(segment_min, name="lmdb segment_min"), parse_size(segment_bytes, name="lmdb segment_bytes")
-        if minimum < 1 or per_file < (1 << 20):
-            raise ConfigError(f"lmdb segment_min must be >= 1 and segment_bytes >= 1 MiB, got {segment_min!r}, "
-                              f"{segment_bytes!r}")
-        # when the disk is written behind the page cache (eager_writeback: the older spelling)
-        writeback = writeback_mode(writeback, as_bool(eager_writeback, "lmdb eager_writeback"))
-        direct = as_bool(direct_io, "lmdb direct_io")  # segment values written with O_DIRECT
+        self.record_access, self.batch_bytes = settings.record_access, settings.batch_bytes
+        wanted, per_file = settings.map_size, settings.segment_bytes
         store_directory(self.path)
         # writemap: puts into reused pages ~1.5x faster, but without sync a machine crash may
         # corrupt the environment (not only lose the last commits); every process must agree
-        writemap = as_bool(writemap, "lmdb writemap")
-        if writemap and not self.sync:
+        if settings.writemap and not self.sync:
             log.warning("lmdb tier at %s: writemap without sync: a machine crash may corrupt it",
                         self.path)
         options = dict(map_size=wanted, max_dbs=16, sync=self.sync, metasync=self.sync,
-                       readahead=as_bool(readahead, "lmdb readahead"), writemap=writemap,
-                       max_readers=as_int(max_readers, "lmdb max_readers"), lock=True)
+                       readahead=settings.readahead, writemap=settings.writemap,
+                       max_readers=settings.max_readers, lock=True)
         self._lock = threading.Lock()  # pins
         self._pins: Counter = Counter()
         self._db = LmdbEnvironment(self.path, options, max_map=self.capacity and max(wanted, 4 * self.capacity + (1 << 30)),
@@ -130,7 +108,8 @@ class LmdbBackend(Backend):
                                    evict=self._evict_beyond_capacity, record_access=self.record_access,
                                    read_only=read_only)
         self._db.on_changes = self._tell_in_order  # committed puts, evictions and deletes
-        self.values = SegmentValues(self._db, SegmentFiles(self.path, per_file, writeback, direct), minimum, self.sync)
+        self.values = SegmentValues(self._db, SegmentFiles(self.path, per_file, settings.writeback, settings.direct_io),
+                                    settings.segment_min, self.sync)
         self._reads = LmdbReads(self._db, self.values, self._count)
         bound = self.capacity or self._db.map_size // 2  # (a tool's open: the map's usual capacity)
         self.compactor = Compactor(self._db, self.values, dead_limit=max(bound // 4, 2 * per_file))

@@ -83,9 +83,14 @@ def existing_directory(path: Path) -> Path:
 # an options table) that medium would refuse as it opens: checked when a config is built, with
 # no medium opened or imported (a medium registered with no check here is checked as it opens)
 OPTION_CHECKS = {"lmdb": "storage_backends.lmdb_options:check_options",
-                 "file": "storage_backends.options:check_file_options",
+                 "file": "storage_backends.file_options:check_options",
                  **dict.fromkeys(("redis", "rediss", "unix", "redis+cluster"),
                                  "storage_backends.redis_options:check_options")}
+
+
+# settings a tier's config reads itself (its fields, the quotas table) and refuses in its own words
+# ("disk.capacity must be positive"): a medium's check_options leaves them to it
+CONFIG_CHECKED = ("capacity", "tenant_quota", "tenant_quotas")
 
 
 def check_url_options(url: str, options: Mapping) -> None:
@@ -115,8 +120,3 @@ def known_options(medium: str, url: str, options: Mapping, known: Collection[str
         raise ConfigError(f"unknown {medium} option {unknown[0]!r} (known: {', '.join(known)})")
     return query
 
-
-def check_file_options(url: str, options: Mapping) -> None:
-    """:data:`OPTION_CHECKS` of ``file:`` URLs: the names its medium reads."""
-    medium = importlib.import_module("storage_backends.file_dir")  # (it imports this module)
-    known_options("file", url, options, medium.OPTIONS, medium.IGNORED)
