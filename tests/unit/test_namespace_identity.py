@@ -150,3 +150,44 @@ def test_what_does_not_change_kv_keeps_the_namespace(tmp_path):
     base = vllm_ns_with(model)
     assert vllm_ns_with(model, served_model_name=["alias"], max_model_len=4096, gpu_memory_utilization=0.5,
                         hf_token="hf_secret", tokenizer="/elsewhere/tokenizer", seed=7) == base
+
+
+def recursive_theta(theta: float):
+    def overrides(config, depth: int = 0):  # (its closure holds itself)
+        return overrides(config, depth + 1) if depth < 0 else setattr(config, "rope_theta", theta) or config
+    return overrides
+
+
+class Scaled:
+    def __init__(self, theta: float) -> None:
+        self.theta, self.me = theta, self  # (an object that refers to itself)
+
+    def overrides(self, config):
+        config.rope_theta = self.theta
+        return config
+
+
+def test_regression_callable_overrides_holding_cycles_or_tuple_keys_failed_the_engines_start(tmp_path):
+    """Their captured values were dumped as JSON: a closure over itself or a self-referring object
+    raised ValueError, a dict with tuple keys TypeError, out of the connector's start."""
+    model = local_model(tmp_path)
+    by_model = {("llama", 1): 1e6}
+    digests = {vllm_ns_with(model, hf_overrides=recursive_theta(t)).digest() for t in (1e4, 1e6)}
+    digests |= {vllm_ns_with(model, hf_overrides=Scaled(t).overrides).digest() for t in (1e4, 1e6)}
+    digests.add(vllm_ns_with(model, hf_overrides=lambda c: setattr(c, "rope_theta", by_model[("llama", 1)]) or c).digest())
+    assert len(digests) == 5, "each a namespace of its own"
+
+
+def test_a_closure_over_a_tensor_is_named_by_all_of_its_values(tmp_path):
+    import torch
+
+    model = local_model(tmp_path)
+    factors = torch.ones(10_000)
+    other = factors.clone()
+    other[5_000] = 2.0  # (str() of either elides the middle)
+
+    def scaled(values):
+        return lambda c: setattr(c, "rope_factors", values) or c
+
+    assert vllm_ns_with(model, hf_overrides=scaled(factors)) != vllm_ns_with(model, hf_overrides=scaled(other))
+    assert vllm_ns_with(model, hf_overrides=scaled(factors)) == vllm_ns_with(model, hf_overrides=scaled(factors.clone()))

@@ -41,6 +41,7 @@ ADAPTER_KEYS = ("config_file", "load_async", "save", "kv_layout")
 LAYOUTS = ("engine", "block_major", "layers_nb2", "layers_2nb", "layers_head_major")
 UNSET = (None, "", {}, "auto")  # an engine setting left at its default
 PLAIN = (bool, int, float, str, bytes, tuple, list, dict, type(None))  # values read by a callable setting
+MAX_DEPTH = 16  # levels of nested values named by plain_form (deeper: "<deep>")
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,11 @@ def numerics_suffix(fields: Mapping[str, Any]) -> str:
     fields = {name: value for name, value in fields.items() if value not in UNSET}
     if not fields:
         return ""
-    text = json.dumps(fields, sort_keys=True, default=stable_value)
+    try:
+        text = json.dumps(fields, sort_keys=True, default=stable_value)
+    except (TypeError, ValueError, RecursionError):  # a cycle, keys no JSON holds: named by plain_form
+        # (such values raised out of the engine's start; values that never did keep their digests)
+        text = json.dumps(plain_form(fields), sort_keys=True)
     return "+numerics-" + xxhash.xxh3_64_hexdigest(text.encode())
 
 
@@ -151,30 +156,68 @@ def dummy_weights(load_format: Any) -> str:
 
 def stable_value(value: Any) -> Any:
     """A JSON-able form of a config value: a dataclass or object by its fields, a function (a
-    callable ``hf_overrides``) by its qualified name, a torch dtype by its name."""
+    callable ``hf_overrides``) by its name, code and captured values, a torch dtype by its name."""
     if isinstance(value, (set, frozenset)):  # (str() of a set follows the hash seed)
         return sorted(map(str, value))
     if isinstance(value, types.ModuleType):  # (a module's fields are all of it)
         return value.__name__
     if isinstance(value, functools.partial):  # (its repr holds an address: other in every process)
         return {"partial": value.func, "args": list(value.args), "keywords": value.keywords}
-    if callable(value) and hasattr(value, "__qualname__"):
-        # by its name *and* its code and captured values: two lambdas (``__main__.<lambda>``) or
-        # one factory's closures setting other RoPE thetas were one name, so one namespace
-        name = f"{getattr(value, '__module__', '')}.{value.__qualname__}"
-        code = getattr(value, "__code__", None)
-        if code is None:
-            return name
-        cells = [_cell(c) for c in getattr(value, "__closure__", None) or ()]
-        known = getattr(value, "__globals__", None) or {}  # (module constants it reads: THETA = 1e6)
-        plain = {n: known[n] for n in _names(code) if n in known and isinstance(known[n], PLAIN)}
-        return {"callable": name, "code": _code(code), "closure": cells, "globals": plain,
-                "defaults": list(getattr(value, "__defaults__", None) or ()),
-                "kwdefaults": getattr(value, "__kwdefaults__", None) or {}}
+    if isinstance(value, types.MethodType) or (callable(value) and hasattr(value, "__qualname__")):
+        return plain_form(value)  # (by its name, code and captured values: see _described)
     fields = getattr(value, "__dict__", None)
     if isinstance(fields, dict) and fields:
         return {k: v for k, v in fields.items() if not k.startswith("_")}
     return str(value)
+
+
+def plain_form(value: Any, seen: frozenset = frozenset(), depth: int = 0) -> Any:
+    """``value`` as JSON data the same in every process, whatever it holds: a value met again
+    inside itself is ``"<cycle>"``, keys are text (others by repr), an array or tensor is named by
+    a hash of its bytes (its str() elides the middle), anything else as :func:`stable_value` names it."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if id(value) in seen or depth > MAX_DEPTH:
+        return "<cycle>" if id(value) in seen else "<deep>"
+    seen, depth = seen | {id(value)}, depth + 1
+    if isinstance(value, Mapping):
+        return {k if isinstance(k, str) else repr(k): plain_form(v, seen, depth) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain_form(v, seen, depth) for v in value]
+    if isinstance(value, (bytes, bytearray)):
+        return repr(bytes(value))
+    if hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, type):
+        try:  # (a tensor or an array: no torch import here, the scheduler's side)
+            array = value.detach().cpu().numpy() if hasattr(value, "detach") else value
+            return {"array": xxhash.xxh3_64_hexdigest(array.tobytes()), "shape": list(value.shape),
+                    "dtype": str(value.dtype)}
+        except Exception:  # (a meta tensor, an object only shaped like one)
+            return str(value)
+    named = _described(value)
+    if named is None:
+        named = stable_value(value)
+    return named if isinstance(named, str) else plain_form(named, seen, depth)
+
+
+def _described(value: Any) -> Any:
+    """A function by its name *and* its code and captured values (two lambdas, ``__main__.<lambda>``,
+    or one factory's closures setting other RoPE thetas were one name, so one namespace); a bound
+    method with its object (``C(1).m`` and ``C(2).m`` differ); a class or builtin by its name; None
+    for anything else."""
+    if isinstance(value, types.MethodType):
+        return {"method": value.__func__, "self": value.__self__}
+    if not (callable(value) and hasattr(value, "__qualname__")):
+        return None
+    name = f"{getattr(value, '__module__', '')}.{value.__qualname__}"
+    code = getattr(value, "__code__", None)
+    if code is None:
+        return name
+    known = getattr(value, "__globals__", None) or {}  # (module constants it reads: THETA = 1e6)
+    return {"callable": name, "code": _code(code),
+            "closure": [_cell(c) for c in getattr(value, "__closure__", None) or ()],
+            "globals": {n: known[n] for n in _names(code) if n in known and isinstance(known[n], PLAIN)},
+            "defaults": list(getattr(value, "__defaults__", None) or ()),
+            "kwdefaults": getattr(value, "__kwdefaults__", None) or {}}
 
 
 def _code(code: Any) -> dict:
