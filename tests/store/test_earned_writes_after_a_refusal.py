@@ -6,7 +6,7 @@ eviction."""
 
 from __future__ import annotations
 
-from tests.store.helpers import keys_for, make_store, payloads
+from tests.store.helpers import keys_for, load, make_store, payloads
 
 
 def _refusing(obj, name: str, refusal):
@@ -62,3 +62,22 @@ def test_regression_an_earned_write_the_save_budget_dropped_kept_the_block_off_t
         store.flush()
         assert store.tier("disk").contains(keys) == [True, True]
         assert store.host.stats().extra["leased"] == 0
+
+
+def test_regression_an_earned_copy_of_a_block_loaded_from_below_the_budget_dropped_kept_its_claim(tmp_path):
+    keys = keys_for(2)
+    tiers = [{"name": "ssd2", "url": f"file://{tmp_path}/f", "admit_after_hits": 2}]
+    with make_store(tmp_path, disk={"codec": "raw"}, tiers=tiers) as store:
+        blocks = payloads(store, 2)
+        store.save(keys, blocks)  # the disk admits at once; ssd2 on a second request
+        store.flush()
+    with make_store(tmp_path, host="64KiB", disk={"codec": "raw"}, tiers=tiers) as store:  # a restart
+        assert load(store, keys)[0] == [True, True]  # first request (this process): from the disk
+        budget_spent = _refusing(store.pool, "try_submit_save", lambda *a, **kw: None)
+        assert load(store, keys)[0] == [True, True]  # second: earns ssd2, its copy dropped
+        store.flush()
+        budget_spent[0] = False
+        assert store.tier("ssd2").contains(keys) == [False, False]
+        assert load(store, keys)[0] == [True, True]  # third: copied this time
+        store.flush()
+        assert store.tier("ssd2").contains(keys) == [True, True]

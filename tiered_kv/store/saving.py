@@ -341,4 +341,4 @@ class Saver:
         payloads = dict(items)
         self.submit_write([k for k, _ in items],
                           lambda kept: self.write_lower([(k, payloads[k]) for k in kept], list(tiers), tenant),
-                          lambda kept: self.metrics.event("saves_dropped", len(kept)), replacement=False)
+                          lambda kept: self._dropped(kept, tiers), replacement=False)
