@@ -35,7 +35,6 @@ from storage_backends.eviction import Eviction
 from storage_backends.eviction_lru import LRU
 from storage_backends.lmdb_check import check_tables
 from storage_backends.lmdb_compaction import Compactor
-from storage_backends.lmdb_diskfull import RESERVE_NAME
 from storage_backends.lmdb_entries import evict_beyond
 from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
 from storage_backends.lmdb_options import lmdb_settings, store_directory, url_options
@@ -141,8 +140,8 @@ class LmdbBackend(Backend):
 
     @classmethod
     def store_files(cls, path: Path) -> list[Path]:
-        """The environment's files, the room it holds for deletes on a full disk, its segment files."""
-        found = [path / name for name in ("data.mdb", "lock.mdb", RESERVE_NAME) if (path / name).is_file()]
+        """The environment's files and its segment files (not ``reserve.space``: room held, no data)."""
+        found = [path / name for name in ("data.mdb", "lock.mdb") if (path / name).is_file()]
         return found + sorted(SegmentFiles(path, 1 << 20).files().values())
 
     @classmethod

@@ -53,7 +53,7 @@ class Reserve:
 
     def ensure(self) -> None:
         """Hold the reserve (after a put that found room); nothing when the disk has none."""
-        if self.held or self.unsupported:
+        if self.unsupported or (self.held and self.path.exists()):  # (another process may have given it up)
             return
         try:
             fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)

@@ -99,22 +99,28 @@ class LmdbWrites:
         keys = [k for k in map(as_key, keys) if fits(k)]
         if not keys:
             return 0
-        n = self._delete(keys)
-        self._count(deletes=n)
-        return n
+        done = [0]
+        try:
+            self._delete(keys, done)
+        finally:  # (a split delete that fails part way has deleted the rest: counted)
+            self._count(deletes=done[0])
+        return done[0]
 
-    def _delete(self, keys: list[bytes]) -> int:
+    def _delete(self, keys: list[bytes], done: list[int]) -> None:
         """One transaction; on a full disk, halves of it in turn: a delete's copied pages need room
         the disk may not have for all at once, and the first half's commit frees pages for the rest
-        (else a store that filled its disk could never delete, nor write again)."""
+        (else a store that filled its disk could never delete, nor write again). ``done[0]``: keys
+        deleted so far."""
         try:
             with self.db.guard("delete"):
-                return self.db.write(lambda w: sum(delete_entry(self.db.tables, w, k) for k in keys))
+                done[0] += self.db.write(lambda w: sum(delete_entry(self.db.tables, w, k) for k in keys))
+                return
         except NoSpace as exc:
             if self.reserve.release():  # the room held for this: the same delete again
-                return self._delete(keys)
+                return self._delete(keys, done)
             if len(keys) == 1:
                 raise BackendUnavailable(f"lmdb store at {self.db.path} is full: {exc}") from None
         half = len(keys) // 2
-        return self._delete(keys[:half]) + self._delete(keys[half:])
+        self._delete(keys[:half], done)
+        self._delete(keys[half:], done)
 

@@ -54,6 +54,8 @@ class Quotas:
         per_tenant = {}
         for t, q in tenant_quotas.items():
             label = as_tenant(_from_hex(t) if isinstance(t, str) else t)
+            if label in per_tenant:  # (bytes and their hex, or "AB" and "ab": the last one won, unsaid)
+                raise ConfigError(f"{medium} tenant_quotas names the tenant {label.hex() or '(none)'} twice")
             per_tenant[label] = _positive(q, f"{medium} tenant_quotas[{t!r}]")
         return cls(default, per_tenant)
 

@@ -28,6 +28,8 @@ def test_a_config_with_per_tenant_quotas_is_hashable(tmp_path):
 @pytest.mark.parametrize(("quotas", "match"), [
     ({"tenant-a": "1GiB"}, "disk.options.tenant_quotas: a tenant label written as text is its hex"),
     ({"00" * 17: "1GiB"}, "disk.options.tenant_quotas: a tenant label has at most 16 bytes"),
+    ({b"\xab": "1GiB", "ab": "2GiB"}, "names the tenant ab twice"),
+    ({"AB": "1GiB", "ab": "2GiB"}, "names the tenant ab twice"),
     ({A: 0}, "disk.options.tenant_quotas: .*must be positive"),
     ({A: "lots"}, "disk.options.tenant_quotas"),
     ("tenant-a=1GiB", "disk.options.tenant_quotas: .*mapping"),
