@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.engine", "*.index.json",
                    "config.json", "adapter_config.json", "hf_quant_config.json", "quantize_config.json",
+                   "params.json",  # (a Mistral-format checkpoint's config: vLLM reads it for config.json)
+                   "preprocessor_config.json", "processor_config.json",  # (how media become embeddings)
                    "*.py")  # (a model's own code, run with trust_remote_code: it computes the K/V)
 CONTENT_HASHED = (".json", ".py")  # small files of these kinds are fingerprinted by content
 CONTENT_HASHED_BYTES = 1 << 20  # files of those kinds up to this size are fingerprinted by content

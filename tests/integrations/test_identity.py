@@ -77,6 +77,17 @@ def test_replacing_a_local_models_weights_in_place_changes_the_vllm_namespace(tm
     assert vllm_ns(model).digest() != before.digest()
 
 
+@pytest.mark.parametrize("name", ["params.json", "preprocessor_config.json"])
+def test_regression_a_mistral_params_or_a_media_processor_config_edited_in_place_kept_its_namespace(tmp_path, name):
+    # a Mistral-format checkpoint's RoPE theta and window live in params.json, which vLLM reads
+    # instead of config.json; a processor's image size changes the embeddings image tokens attend to
+    model = local_model(tmp_path)
+    (model / name).write_text('{"rope_theta": 1000000.0}')
+    before = vllm_ns(model)
+    (model / name).write_text('{"rope_theta": 100000000.0}')
+    assert vllm_ns(model).digest() != before.digest()
+
+
 def test_regression_a_models_own_code_edited_in_place_kept_its_namespace(tmp_path):
     # trust_remote_code runs the model directory's modeling_*.py: a fix to its RoPE changes every
     # K, but only weight and JSON files were fingerprinted, so the old KV was served
