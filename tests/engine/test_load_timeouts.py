@@ -156,7 +156,10 @@ def test_a_late_hybrid_load_does_not_overwrite_the_running_state(tmp_path):
         conn.held = False  # the load completes now: blocks and state into what was set aside
         out = step_until_done(engine, request_id)
         assert engine.load_timeouts.num_blocks == 0
-        assert conn.worker.load_stats[request_id] == {"disk": 7}  # it did write, late
+        # it did write, late: 7 blocks, read from the disk, or from the host tier where the job ran
+        # after the recomputed prefill's saves landed there (a loaded CI machine: both are right)
+        loaded = conn.worker.load_stats[request_id]
+        assert sum(loaded.values()) == 7 and set(loaded) <= {"disk", "host"}, loaded
     finally:
         conn.close()
     assert out.output_token_ids == reference.output_token_ids  # (prefilled in other chunks: float noise)
