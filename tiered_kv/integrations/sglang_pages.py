@@ -42,7 +42,7 @@ from typing import Any
 
 from tiered_kv.dtypes import dtype_name, itemsize
 from tiered_kv.errors import ConfigError
-from tiered_kv.fingerprint import fold_weights, model_name
+from tiered_kv.fingerprint import files_fingerprint, fold_weights, local_model, model_name
 from tiered_kv.integrations.common import dummy_weights, numerics_suffix, quantized_kv
 from tiered_kv.keys import Namespace
 
@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 NUMERICS = ("quantization", "modelopt_quant", "modelopt_checkpoint_restore_path", "rl_quant_profile",
             "json_model_override_args", "kv_cache_dtype", "quantization_param_path")
 QUANTIZING_LOADS = ("bitsandbytes",)  # load formats that quantize the weights as they load
+# speculative algorithms without a draft model (no draft layers in the pages)
+DRAFTLESS = ("NGRAM", "NONE")
 # where a running server publishes its ServerArgs: SGLang 0.5.23, then earlier releases
 SERVER_ARGS_SOURCES = (("sglang.srt.runtime_context", "get_server_args"),
                        ("sglang.srt.server_args", "get_global_server_args"))
@@ -109,6 +111,9 @@ def geometry_of(pool: Any, *, mla: bool) -> PageGeometry:
         kind = "mha"
         detail = (f"heads={getattr(pool, 'head_num', None)},head_dim={getattr(pool, 'head_dim', None)},"
                   f"v_head_dim={getattr(pool, 'v_head_dim', None)}")
+    tag = getattr(pool, "storage_format_tag", None)
+    if tag:  # a pool with a page format of its own (SGLang keys its storage by it too)
+        detail += f",format={tag}"
     first = getattr(pool, "start_layer", None)
     return PageGeometry(kind, layout, dtype, page_size, layer_num, elements, detail,
                         None if first is None else int(first))
@@ -195,7 +200,8 @@ def page_revision(revision: str, server_args: Any, model: Any = None) -> str:
     server's ``--revision`` plus a fingerprint of the weight files when the model (``--model-path``,
     else ``model``: SGLang's storage model name) is a local directory (weights replaced in place
     change it, as for vLLM and TensorRT-LLM); then dummy weights and the :data:`NUMERICS` that
-    are set (none set, or no server args: nothing more)."""
+    are set, the activation dtype under a KV dtype of its own, a decrypted config file by its
+    content and a speculative draft (:func:`_draft`) (none set, or no server args: nothing more)."""
     if not revision:
         local = getattr(server_args, "model_path", None) or model
         revision = fold_weights(str(getattr(server_args, "revision", None) or ""), local,
@@ -207,9 +213,52 @@ def page_revision(revision: str, server_args: Any, model: Any = None) -> str:
     load_format = getattr(server_args, "load_format", None)
     if load_format in QUANTIZING_LOADS:
         fields["load_format"] = load_format
+    dtype = getattr(server_args, "dtype", None)
     if quantized_kv(fields["kv_cache_dtype"]):  # the activation dtype the KV was quantized from
-        fields["dtype"] = getattr(server_args, "dtype", None)
+        fields["dtype"] = dtype
+    elif _float_kv_of_other_dtype(fields["kv_cache_dtype"], dtype):  # ("auto" would count as unset)
+        fields["dtype"] = "checkpoint" if dtype in (None, "", "auto") else dtype
+    fields["decrypted_config"] = _file_named(getattr(server_args, "decrypted_config_file", None))
+    fields["draft"] = _draft(server_args)
     return revision + dummy_weights(load_format) + numerics_suffix(fields)
+
+
+def _float_kv_of_other_dtype(cache_dtype: Any, dtype: Any) -> bool:
+    """Whether a float KV dtype is set other than the activations' (``--dtype float16
+    --kv-cache-dtype bf16`` rounds fp16 K/V into a bf16 pool: other bytes than a bf16 server's
+    in the same pool; ``auto`` activations, the checkpoint's dtype, may be either)."""
+    if cache_dtype in (None, "", "auto"):
+        return False
+    return dtype_name(str(cache_dtype)) != dtype_name(str(dtype or "auto"))
+
+
+def _file_named(path: Any) -> Any:
+    """A config file by its content (a local file edited in place is another config), else by
+    its path."""
+    local = local_model(path)
+    return (files_fingerprint(local) or str(path)) if local is not None else path
+
+
+def _draft(server_args: Any) -> dict | None:
+    """A speculative draft's settings when the server runs one: SGLang 0.5.23 packs MTP draft
+    layers into the target's host pages (``HiCacheDraftMode.PACKED``, and page envelopes that
+    carry every draft layer), so the draft checkpoint's weights (a local directory's files, a
+    hub id's cached commit), its quantization and KV dtype are part of what a page holds. None
+    without a speculative algorithm, or one without a draft model (NGRAM)."""
+    algorithm = getattr(server_args, "speculative_algorithm", None)
+    if not algorithm or str(algorithm).upper() in DRAFTLESS:
+        return None
+    path = getattr(server_args, "speculative_draft_model_path", None)
+    revision = str(getattr(server_args, "speculative_draft_model_revision", None) or "")
+    own = path and path != getattr(server_args, "model_path", None)  # (else the target's files name it)
+    return {"algorithm": str(algorithm).upper(),
+            "model": model_name(path) if own else None,
+            "weights": fold_weights(revision, path, cache_dir=getattr(server_args, "download_dir", None))
+            if own else revision or None,
+            "quantization": getattr(server_args, "speculative_draft_model_quantization", None),
+            "kv_cache_dtype": getattr(server_args, "speculative_draft_kv_cache_dtype", None),
+            "load_format": dummy_weights(getattr(server_args, "speculative_draft_load_format", None)) or None,
+            "config": _file_named(getattr(server_args, "decrypted_draft_config_file", None))}
 
 
 def _json_value(value: Any) -> Any:

@@ -16,9 +16,10 @@ The KV dtype follows what TensorRT-LLM's PyTorch backend (the one with connector
 ``hf_quant_config.json`` or config.json ``quantization_config``): FP8 pages are
 ``float8_e4m3fn``, INT8 ones ``int8``; else the model's dtype. Folded into the revision, when
 set: random weights (``load_format`` dummy), ``model_kwargs``, ``force_dynamic_quantization``, a
-``quant_config`` that quantizes (that backend takes quantization from the checkpoint, whose files
-are fingerprinted, and ignores one set by hand: folding it only keeps such engines apart), and
-the activation dtype under a quantized KV cache.
+``sparse_attention_config`` (RocketKV, DSA: later layers' K/V follow the tokens attended), a
+``quant_config`` that quantizes (that backend takes quantization from the checkpoint, whose
+files are fingerprinted, and ignores one set by hand: folding it only keeps such engines
+apart), and the activation dtype under a quantized KV cache.
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ def quantization_suffix(llm_args: Any, dtype: str) -> str:
     ``+numerics-<hex>`` over what changes the K/V of the same checkpoint files when set: a
     ``quant_config`` that quantizes weights or KV (its declared fields that are set),
     ``model_kwargs`` (config overrides), ``force_dynamic_quantization`` and, when the KV pages
-    (``dtype``) are quantized, the activation dtype they were quantized from; "" for a plain
+    (``dtype``) are quantized, the activation dtype they were quantized from, and a
+    ``sparse_attention_config`` (its kind and declared fields that are set); "" for a plain
     engine."""
     quant = getattr(llm_args, "quant_config", None)
     fields: dict[str, Any] = {"model_kwargs": _declared(getattr(llm_args, "model_kwargs", None)),
@@ -163,6 +165,9 @@ def quantization_suffix(llm_args: Any, dtype: str) -> str:
         fields["quant_config"] = _declared(quant)
     if dtype in QUANTIZED_KV:
         fields["dtype"] = getattr(llm_args, "dtype", None)
+    sparse = getattr(llm_args, "sparse_attention_config", None)
+    if sparse is not None:  # (attention over chosen tokens: the K/V of every later layer follow it)
+        fields["sparse_attention"] = {"kind": type(sparse).__name__, "fields": _declared(sparse)}
     return dummy_weights(getattr(llm_args, "load_format", None)) + numerics_suffix(fields)
 
 
