@@ -14,7 +14,7 @@ import pytest
 from tests.integrations.sglang_standins import MHAPool, ServerArgs, StorageConfig
 from tests.integrations.test_sglang_adapter import pages_of, sglang_keys
 from tests.integrations.test_sglang_identity import namespace_of, plain_namespace, server
-from tiered_kv.integrations.common import numerics_suffix
+from tiered_kv.integrations.numerics import numerics_suffix
 from tiered_kv.integrations.sglang_pages import geometry_of, page_namespace
 
 DRAFT_LAYERS = 4  # 3 target layers + 1 packed MTP draft layer per page

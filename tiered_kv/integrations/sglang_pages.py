@@ -43,7 +43,7 @@ from typing import Any
 from tiered_kv.dtypes import dtype_name, itemsize
 from tiered_kv.errors import ConfigError
 from tiered_kv.fingerprint import files_fingerprint, fold_weights, local_model, model_name
-from tiered_kv.integrations.common import dummy_weights, numerics_suffix, quantized_kv
+from tiered_kv.integrations.numerics import dummy_weights, numerics_suffix, quantized_kv
 from tiered_kv.keys import Namespace
 
 log = logging.getLogger(__name__)

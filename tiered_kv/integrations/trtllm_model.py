@@ -35,7 +35,7 @@ from tiered_kv.config import TieredKVConfig
 from tiered_kv.dtypes import dtype_name
 from tiered_kv.errors import ConfigError
 from tiered_kv.fingerprint import fold_weights, model_name
-from tiered_kv.integrations.common import dummy_weights, numerics_suffix
+from tiered_kv.integrations.numerics import dummy_weights, numerics_suffix
 from tiered_kv.keys import Namespace
 
 SOURCE = "TensorRT-LLM tiered-kv settings (TIERED_KV_*)"
