@@ -59,7 +59,7 @@ def test_a_run_ends_where_the_slots_stop_being_consecutive(tmp_path):
         out = [torch.zeros(store.shape, dtype=store.dtype) for _ in given]
         assert store.load_into(keys, out) == [True] * 15
         assert all(torch.equal(o, g) for o, g in zip(out, given))
-        assert store.load_into(first[20:40], [torch.zeros(store.shape, dtype=store.dtype)] * 20) == [True] * 20
+        assert store.load_into(first[20:40], [torch.zeros(store.shape, dtype=store.dtype) for _ in range(20)]) == [True] * 20
 
 
 def test_slots_larger_than_a_block_are_filled_a_run_at_a_time_and_read_back_right():

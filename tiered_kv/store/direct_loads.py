@@ -13,7 +13,7 @@ from concurrent.futures import Future
 
 import torch
 
-from tiered_kv.errors import StoreClosed, TieredKVError
+from tiered_kv.errors import BlockMismatch, StoreClosed, TieredKVError
 from tiered_kv.store.host_slots import bytes_of_each
 from tiered_kv.store.shared_pieces import SharedPieces
 
@@ -43,6 +43,7 @@ class DirectLoads:
         tier."""
         if len(outs) != len(keys):  # a destination per key, or a True would name no bytes
             raise ValueError(f"load_into of {len(keys)} keys into {len(outs)} blocks")
+        _check_destinations(keys, outs)
         if self.loader.pool.closed:
             raise StoreClosed("load_into after the store was closed")
         ok: list[bool] = []
@@ -162,3 +163,20 @@ class DirectLoads:
         if failed:
             self.loader.metrics.event("loads_failed", failed)
         return loaded
+
+
+def _check_destinations(keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> None:
+    """BlockMismatch for a destination that is no tensor (an array raised AttributeError deep in
+    the copy), and for one buffer given for two different keys: both were reported loaded, and
+    jobs writing both at once could leave a mix of two blocks in it. (Views that only interleave,
+    such as one block's slice of each layer of a pool, are other elements: left alone.)"""
+    if not all(isinstance(o, torch.Tensor) for o in outs):
+        kinds = sorted({type(o).__name__ for o in outs if not isinstance(o, torch.Tensor)})
+        raise BlockMismatch(f"load_into destinations must be torch tensors, got {', '.join(kinds)}")
+    first: dict[tuple, bytes] = {}
+    for o, key in zip(outs, keys):
+        if o.device.type == "meta" or o.layout != torch.strided or o.numel() == 0:
+            continue  # (refused further on, as blocks of another kind)
+        seen = first.setdefault((o.device, o.data_ptr(), tuple(o.shape), o.stride()), key)
+        if seen != key:
+            raise BlockMismatch("load_into was given one destination for two different keys")
