@@ -6,12 +6,16 @@ empty) directory."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 from storage_backends.base import Backend
 from storage_backends.options import directory_of, with_options
+from storage_backends.quotas import Quotas
 from storage_backends.redaction import redact_url
 from storage_backends.registry import (
     backend_class,
@@ -22,6 +26,7 @@ from storage_backends.registry import (
 )
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import ConfigError
+from tiered_kv.settings.tiers import TierConfig
 from tiered_kv.store.records import namespace_key
 from tiered_kv.units import parse_size
 
@@ -34,6 +39,7 @@ class Tier:
     backend: Backend
     capacity: int | None = None  # the configured byte capacity, when one was given
     tenant_quota: int | None = None  # the configured bytes per tenant, when one was given
+    quotas: Quotas | None = None  # a config's tenant quotas as its engine's medium reads them (None: the medium's)
 
     @property
     def shown_url(self) -> str:
@@ -81,16 +87,29 @@ def _new_directory(url: str) -> bool:
 def _reachable(name: str, backend: Backend, url: str, capacity: int | None) -> Tier:
     """``backend`` as a tier, once it answered a first call (Redis connects here); its capacity
     from the URL's ``capacity`` when none is given."""
-    if capacity is None and is_url(url):
-        _, query = split_options(url)
-        capacity = parse_size(query["capacity"], name="capacity") if "capacity" in query else None
     tier = Tier(name, backend, capacity)
     try:
+        if capacity is None and is_url(url):
+            tier.capacity = _url_capacity(url)
         backend.contains_many([namespace_key(bytes(16))])
     except BaseException:
         tier.close()
         raise
     return tier
+
+
+def _url_capacity(url: str) -> int | None:
+    """The URL's ``capacity`` read as its medium reads it, in its words (a tool's open of an
+    lmdb store leaves it out: ``?capacity=0``, refused by the engine, was a tool's tier of no
+    capacity, and a bad one was refused as "capacity", a name of no medium)."""
+    _, query = split_options(url)
+    if "capacity" not in query:
+        return None
+    medium = scheme_of(url)
+    size = parse_size(query["capacity"], name=f"{medium} capacity")
+    if size <= 0:
+        raise ConfigError(f"{medium} capacity must be positive, got {query['capacity']!r}")
+    return size
 
 
 def open_config(path: str, *, timeout: float = 5.0, only: str | None = None) -> list[Tier]:
@@ -104,13 +123,30 @@ def open_config(path: str, *, timeout: float = 5.0, only: str | None = None) -> 
     tiers: list[Tier] = []
     try:
         for section in wanted:
-            # (its options table too: a Redis prefix written there was read as the default one)
-            url = with_options(section.url, section.options)
-            tier = open_tier(url, name=section.name, timeout=timeout, capacity=section.capacity)
-            tier.tenant_quota = section.tenant_quota
+            tier = open_tier(tool_url(section), name=section.name, timeout=timeout, capacity=section.capacity)
+            tier.tenant_quota, tier.quotas = section.tenant_quota, section.quotas()
             tiers.append(tier)
     except BaseException:
         for tier in tiers:
             tier.close()
         raise
     return tiers
+
+
+def tool_url(section: TierConfig) -> str:
+    """The URL a tool opens ``section``'s medium with: its options table in the query (a Redis
+    prefix written there was read as the default one), each value read as the engine's medium
+    reads the table. The config was built, so every value is one the engine takes (the same
+    checks refused the rest, in the same words). Left out: ``tenant_quotas``, a table no URL
+    carries (the medium refuses it there: every tool refused a config the engine serves with);
+    :attr:`Tier.quotas` has it."""
+    options = {k: _spelled(v) for k, v in section.options.items() if k != "tenant_quotas"}
+    return with_options(section.url, options)
+
+
+def _spelled(value: Any) -> Any:
+    """A float with a fraction written out in digits: ``str(0.00005)`` is "5e-05", which no
+    duration or size in a query reads (``ttl = 0.00005``, taken by the engine, was refused)."""
+    if isinstance(value, float) and math.isfinite(value) and not value.is_integer():
+        return format(Decimal(repr(value)), "f")
+    return value

@@ -42,5 +42,7 @@ def tenant_usage(tier: Tier) -> dict[str, dict] | None:
 
 
 def _quotas(tier: Tier) -> Quotas:
-    """The quotas the medium keeps (media that keep none, such as Redis: none)."""
-    return getattr(tier.backend, "quotas", NO_QUOTAS)
+    """A config's quotas, as its engine's medium keeps them (a ``tenant_quotas`` table never
+    reaches a tool's medium: no URL carries it); else those the medium keeps (media that keep
+    none, such as Redis: none)."""
+    return tier.quotas if tier.quotas is not None else getattr(tier.backend, "quotas", NO_QUOTAS)
