@@ -84,22 +84,31 @@ def test_media_with_hashes_key_the_request_and_a_text_only_request_keeps_its_key
     assert request_view(req).key_extra == "mm=7-7-7-7-7-7-7-7@2+4"
 
 
-def test_regression_key_extra_parts_joined_bare_gave_two_requests_one_key():
+def _adapter(directory) -> str:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_model.safetensors").write_bytes(b"L" * 64)
+    return str(directory)
+
+
+def test_regression_key_extra_parts_joined_bare_gave_two_requests_one_key(tmp_path):
     """A ';' inside one part read as the join between two: a LoRA id and an image named the
     same keys as a LoRA id that spelled out that image."""
     spelled = LlmRequest(1, prompt(8, 1), 8, 1)
-    spelled.lora_task_id = "7;mm=1-1-1-1-1-1-1-1@0+4"
+    spelled.lora_task_id, spelled.py_lora_path = "7;mm=1-1-1-1-1-1-1-1@0+4", _adapter(tmp_path)
     imaged = LlmRequest(2, prompt(8, 1), 8, 1)
-    imaged.lora_task_id = "7"
+    imaged.lora_task_id, imaged.py_lora_path = "7", _adapter(tmp_path)
     imaged.multimodal_hashes, imaged.multimodal_positions, imaged.multimodal_lengths = [[1] * 8], [0], [4]
     assert request_view(spelled).key_extra != request_view(imaged).key_extra
 
 
-def test_the_key_extra_of_engine_typed_values_is_the_text_stored_blocks_were_keyed_with():
+def test_the_key_extra_of_engine_typed_values_is_the_text_stored_blocks_were_keyed_with(tmp_path):
+    from tiered_kv.fingerprint import files_fingerprint
+
     req = LlmRequest(1, prompt(8, 1), 8, 1)
-    req.cache_salt_id, req.lora_task_id = 1234567890123, 7
+    req.cache_salt_id, req.lora_task_id, req.py_lora_path = 1234567890123, 7, _adapter(tmp_path)
     req.multimodal_hashes, req.multimodal_positions, req.multimodal_lengths = [[1, -2] * 4, [3] * 8], [0, 9], [4, 5]
-    assert request_view(req).key_extra == ("cache_salt_id=1234567890123;lora_task_id=7;"
+    assert request_view(req).key_extra == (f"cache_salt_id=1234567890123;lora_task_id=7;"
+                                           f"lora_files={files_fingerprint(req.py_lora_path)};"
                                            "mm=1--2-1--2-1--2-1--2@0+4,3-3-3-3-3-3-3-3@9+5")
 
 

@@ -15,9 +15,9 @@ def test_importing_the_adapter_and_reading_a_request_loads_no_torch():
         "import tiered_kv.integrations.trtllm\n"
         "from tiered_kv.integrations.trtllm_requests import request_view\n"
         "view = request_view(SimpleNamespace(request_id=1, prompt_len=2, get_tokens=lambda b: [5, 6],\n"
-        "                                    lora_task_id=3, multimodal_hashes=[[1] * 8],\n"
+        "                                    cache_salt_id=3, multimodal_hashes=[[1] * 8],\n"
         "                                    multimodal_positions=[0], multimodal_lengths=[2]))\n"
-        "assert view.key_extra == 'lora_task_id=3;mm=1-1-1-1-1-1-1-1@0+2', view\n"
+        "assert view.key_extra == 'cache_salt_id=3;mm=1-1-1-1-1-1-1-1@0+2', view\n"
         "print('torch' in sys.modules)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -24,9 +24,8 @@ keys cannot name (media without hashes, a prompt-tuning table, ...) is neither l
 counted as ``requests_not_keyed``; one searching several beams has only its prompt saved.
 
 The executor's order per step: schedule -> ``get_num_new_matched_tokens`` / allocation /
-``update_state_after_alloc`` -> ``build_connector_meta`` -> ``start_load_kv`` -> forward
-(``wait_for_layer_load`` / ``save_kv_layer`` per layer) -> ``wait_for_save`` -> sample ->
-``request_finished`` -> ``get_finished``.
+``update_state_after_alloc`` -> ``build_connector_meta`` -> ``start_load_kv`` -> forward (per layer
+``wait_for_layer_load`` / ``save_kv_layer``) -> ``wait_for_save`` -> sample -> ``request_finished`` -> ``get_finished``.
 
 Layer groups: TensorRT-LLM keeps one KV layer group per attention window size and, with
 ``KVCacheManagerV2``, registers a ``KvCacheLayout`` (``register_kv_cache_layout``) and may pass
@@ -35,8 +34,8 @@ block ids per group (``update_state_after_alloc_by_layer_group``,
 full-attention group is followed (its list is the flat call's; its single pool the tensor
 ``register_kv_caches`` takes). Several groups or a window are refused: at construction when
 ``llm_args`` or config.json show a window (:mod:`tiered_kv.integrations.trtllm_model`), else when a
-windowed layout is registered, a call carries several groups, or a block has no page (``-1``,
-which would otherwise index the pool's last page).
+windowed layout is registered, a call carries several groups, or a block has no page (``-1``). A
+pool with draft layers (one-model speculative decoding) is refused at registration.
 """
 
 from __future__ import annotations
@@ -62,6 +61,7 @@ from tiered_kv.integrations.common import (
     released_on_error,
 )
 from tiered_kv.integrations.trtllm_model import SOURCE, WINDOWED, one_group, pages, trtllm_namespace
+from tiered_kv.integrations.trtllm_model import target_pool as _target
 from tiered_kv.integrations.trtllm_requests import beams, unkeyed
 from tiered_kv.integrations.trtllm_requests import request_view as _view
 from tiered_kv.keys import tenant_label
@@ -276,7 +276,7 @@ class TieredKVWorker(_WorkerBase):
 
     def register_kv_caches(self, kv_cache_tensor) -> None:
         """One pool tensor, block id on dim 0: ``[blocks, layers, 2, block elements]``."""
-        self.core.register_kv_caches(kv_cache_tensor)
+        self.core.register_kv_caches(_target(self._llm_args, kv_cache_tensor, self.namespace))
 
     def register_kv_cache_layout(self, layout) -> None:
         """``KVCacheManagerV2`` describes its pools (``KvCacheLayout``) instead of handing over one
@@ -291,7 +291,7 @@ class TieredKVWorker(_WorkerBase):
         if pool is None:
             raise ConfigError(f"{SOURCE}: the KV cache's pages are not one pool [blocks, layers, 2, "
                               "block] (block scales, or layers of differing size): unsupported KV layout")
-        self.core.register_kv_caches(pool)
+        self.core.register_kv_caches(_target(self._llm_args, pool, self.namespace))
 
     def bind_connector_meta(self, metadata: object) -> None:
         super().bind_connector_meta(metadata)

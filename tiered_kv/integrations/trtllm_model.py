@@ -261,3 +261,20 @@ def pages(block_ids: Sequence[int], request_id: Any, call: str) -> None:
     if missing:
         raise ConfigError(f"{SOURCE}: {call} for request {request_id}: blocks {missing} have no page "
                           f"(-1), so the KV cache runs an attention window: {WINDOWED}")
+
+
+def target_pool(llm_args: Any, pool: Any, namespace: Namespace) -> Any:
+    """``pool`` (``[blocks, layers, 2, block elements]``), checked; a pool with more layers than
+    the model under a ``speculative_config`` is refused by name: one-model speculative decoding (MTP, EAGLE3 one-model) puts its
+    draft layers in the target's KV pool, whose blocks then hold KV no config.json layer count
+    names (keyed as the model's, other engines would read the draft's layers as its own)."""
+    shape = tuple(getattr(pool, "shape", ()))
+    spec = getattr(llm_args, "speculative_config", None)
+    if spec is None or len(shape) < 2 or shape[1] <= namespace.num_layers:
+        return pool  # (any other shape mismatch is named by the layout check)
+    kind = getattr(spec, "decoding_type", None) or type(spec).__name__
+    raise ConfigError(f"{SOURCE}: the KV pool has {shape[1]} layers, the model {namespace.num_layers}: the "
+                      f"{shape[1] - namespace.num_layers} more are draft layers of one-model speculative "
+                      f"decoding (speculative_config: {kind}; MTP or EAGLE3 one-model keep them in the "
+                      "target's pool), which the adapter does not store: run the engine without that "
+                      "speculative_config to use tiered-kv, or without the tiered-kv connector")

@@ -2,7 +2,8 @@
 token ids, changes the KV they compute (folded into every key of the request).
 
 - ``cache_salt_id``: the tenant's salt (also the request's tenant, for quotas and usage);
-- ``lora_task_id`` and the fingerprint of the adapter's files (:func:`lora_fingerprint`);
+- ``lora_task_id`` and the fingerprint of the adapter's files (:func:`lora_fingerprint`): a LoRA
+  request nothing names the weights of (no path, or weights handed as tensors) has no view;
 - multimodal inputs: TensorRT-LLM puts placeholder ids in the prompt where an image's
   embeddings go (the same ids for every image), and names the images by
   ``multimodal_hashes`` (one per item, over its content and any UUID, at
@@ -15,18 +16,24 @@ across beams, so keys of beam 0's tokens would name KV no single sequence comput
 
 The parts are joined unambiguously (:func:`tiered_kv.keys.key_extra`). A request whose KV its
 token ids and these parts do not name (:func:`unkeyed`: media without hashes, a prompt-tuning
-table, an encoder input, position ids of its own) has no view: it is neither loaded nor saved.
+table, an encoder input, position ids of its own, a LoRA adapter without files) has no view: it
+is neither loaded nor saved.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from tiered_kv.errors import TokenError
 from tiered_kv.fingerprint import LORA_FINGERPRINTS
 from tiered_kv.integrations.common import RequestView
 from tiered_kv.keys import key_extra
 
-_lora_files: dict[Any, str] = {}  # lora_task_id -> fingerprint of the files it was loaded from
+log = logging.getLogger(__name__)
+
+_lora_files: dict[Any, str] = {}  # lora_task_id -> fingerprint of the files this process loaded it from
+_lora_refused: set = set()  # task ids warned about (one warning each, not one per request)
 
 
 def request_view(request: Any) -> RequestView | None:
@@ -41,7 +48,10 @@ def request_view(request: Any) -> RequestView | None:
         value = getattr(request, name, None)
         if value is not None:
             parts.append((name, value))
-    files = lora_fingerprint(request)
+    try:
+        files = lora_fingerprint(request)
+    except TokenError:  # (unkeyed found it named; a memo cleared since is no name either)
+        return None
     if files:
         parts.append(("lora_files", files))
     media = multimodal(request)
@@ -68,6 +78,10 @@ def unkeyed(request: Any) -> str | None:
         return "its decoder KV attends to an encoder input"
     if _given(request, "position_ids"):
         return "it has position ids of its own"
+    try:
+        lora_fingerprint(request)
+    except TokenError as exc:
+        return str(exc)
     return None
 
 
@@ -96,15 +110,38 @@ def multimodal(request: Any) -> str | None:
 
 
 def lora_fingerprint(request: Any) -> str | None:
-    """Fingerprint of a LoRA adapter's files. TensorRT-LLM's PyTorch backend sets
-    ``py_lora_path`` only on the requests that load an adapter (the first ones for a task id in
-    a process); later requests of that task id reuse what was remembered then. An adapter given
-    as tensors (no path) is named by its task id alone."""
+    """Fingerprint of the files of the LoRA adapter of ``request`` (None without one).
+
+    The task id alone names nothing outside this process: another process (another replica, a
+    restart) may load other weights under the same id, and keyed by it they shared blocks. So
+    the adapter is named by its files: ``py_lora_path``, which TensorRT-LLM's LLM API sets on
+    every request of a ``LoRARequest`` (its ``lora_path``; ``lora_name`` never reaches the
+    request), or, for a request without one, the files this process loaded that task id from
+    (a request sent to the executor with a bare task id reuses the adapter loaded then). Raises
+    TokenError (warned once per task id) when nothing names the weights: no path, a path with
+    no weight files, or weights handed as tensors."""
     task = getattr(request, "lora_task_id", None)
     if task is None:
         return None
     path = getattr(request, "py_lora_path", None)
-    files = LORA_FINGERPRINTS.get(path) if path else None
-    if files:
-        _lora_files[task] = files
-    return _lora_files.get(task)
+    if path:
+        files = LORA_FINGERPRINTS.get(path)
+        if files:
+            if len(_lora_files) > 4096:  # adapters come and go: keep the memo bounded
+                _lora_files.clear()
+            _lora_files[task] = files
+            return files
+        why = f"its path {path!r} holds no weight files to fingerprint"
+    elif _given(request, "lora_weights"):
+        why = "its weights came as tensors, without a path"
+    elif task in _lora_files:
+        return _lora_files[task]
+    else:
+        why = "it came without a path and this process loaded no files for that task id"
+    reason = f"LoRA task {task}: {why}, so nothing names its weights beyond the task id"
+    if task not in _lora_refused:
+        _lora_refused.add(task)
+        log.warning("tiered-kv: %s (another process's adapter under that id would share its blocks); "
+                    "its requests are neither loaded nor saved: give the adapter by a local path "
+                    "(LoRARequest.lora_path)", reason)
+    raise TokenError(reason)
