@@ -64,3 +64,21 @@ def failed_over(cluster: RedisClusterServers, victim: Node, deadline_s: float = 
               for _, _, owner, *_ in node.client().execute_command("CLUSTER", "SLOTS")):
         assert time.monotonic() < stop, "a node's slot map still names the killed master"
         time.sleep(0.05)
+
+
+def put_all(backend, items: list[tuple[bytes, bytes]], guard_s: float = 30.0) -> None:
+    """Store ``items`` through ``backend`` (a scenario's setup), again while its first calls time
+    out: a backend under test has a timeout of a few hundred ms, and a first connect to a new
+    cluster on a loaded CI machine took longer ("Timeout writing to socket"), failing the setup
+    of scenarios about something else. Waits for the breaker to close between tries."""
+    from tiered_kv.errors import BackendUnavailable
+
+    deadline = time.monotonic() + guard_s  # (a hang guard only)
+    while True:
+        try:
+            assert all(backend.put_many(items))
+            return
+        except BackendUnavailable:
+            assert time.monotonic() < deadline, "the cluster never took the setup's keys"
+        while not backend.available and time.monotonic() < deadline:
+            time.sleep(0.05)

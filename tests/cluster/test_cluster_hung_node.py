@@ -11,6 +11,7 @@ import time
 import pytest
 
 from storage_backends.redis_remote import RedisBackend
+from tests.cluster.helpers import put_all
 from tiered_kv.errors import BackendUnavailable
 
 TIMEOUT_S = 0.2
@@ -33,7 +34,7 @@ def test_regression_a_hung_cluster_master_cost_a_get_pipeline_a_timeout_per_key_
     cluster = own_redis_cluster
     backend = RedisBackend.from_url(cluster.url, timeout=f"{int(TIMEOUT_S * 1000)}ms", retries=retries)
     keys = [b"k%d" % i for i in range(300)]
-    assert all(backend.put_many([(k, b"v") for k in keys]))
+    put_all(backend, [(k, b"v") for k in keys])
     node, mine = _stopped(cluster, backend, keys, 16)
     others = [k for k in keys if cluster.node_of_key(backend.names.name(k)) is not node][:16]
     node.proc.send_signal(signal.SIGSTOP)
@@ -56,7 +57,7 @@ def test_regression_the_breakers_probe_pinged_a_healthy_node_and_closed_while_th
     cluster = own_redis_cluster
     backend = RedisBackend.from_url(cluster.url, timeout=f"{int(TIMEOUT_S * 1000)}ms", retries=0)
     keys = [b"k%d" % i for i in range(50)]
-    assert all(backend.put_many([(k, b"v") for k in keys]))
+    put_all(backend, [(k, b"v") for k in keys])
     node, mine = _stopped(cluster, backend, keys, 1)
     node.proc.send_signal(signal.SIGSTOP)
     try:

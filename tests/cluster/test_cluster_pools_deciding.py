@@ -17,6 +17,7 @@ import pytest
 
 from storage_backends.redis_pool import WaitingPool
 from storage_backends.redis_remote import RedisBackend
+from tests.cluster.helpers import put_all
 from tests.redis_cluster import Node, RedisClusterServers
 from tiered_kv.errors import BackendUnavailable
 
@@ -41,7 +42,7 @@ def two_masters_stored(cluster: RedisClusterServers, retries: int):
                                     pipeline_bytes=BIG, node_threads=4)
     first, second = [m for m in cluster.masters() if m is not cluster.nodes[0]][:2]
     first_keys, second_keys = keys_on(cluster, backend, first), keys_on(cluster, backend, second)
-    assert all(backend.put_many([(k, b"v") for k in first_keys + second_keys]))
+    put_all(backend, [(k, b"v") for k in first_keys + second_keys])
     return backend, first, second, first_keys, second_keys
 
 

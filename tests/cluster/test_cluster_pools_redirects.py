@@ -18,6 +18,7 @@ from redis.crc import key_slot
 
 from storage_backends.redis_pool import WaitingPool
 from storage_backends.redis_remote import RedisBackend
+from tests.cluster.helpers import put_all
 from tests.redis_cluster import Node, RedisClusterServers
 from tiered_kv.errors import BackendUnavailable
 
@@ -153,7 +154,7 @@ def test_regression_keys_asked_to_a_hung_importing_node_cost_a_timeout_each(own_
     source, target = [m for m in cluster.masters() if m is not cluster.nodes[0]][:2]
     slot = key_slot(backend.names.name(key_on(cluster, backend, source, b"hung-")))
     keys = [k for k in (b"hung-%d" % i for i in range(1_000_000)) if key_slot(backend.names.name(k)) == slot][:8]
-    assert all(backend.put_many([(k, b"v" + k) for k in keys]))
+    put_all(backend, [(k, b"v" + k) for k in keys])
     cluster.begin_migration(slot, source, target)
     cluster.migrate_keys(slot, source, target)
     assert backend.get_many(keys) == [b"v" + k for k in keys]  # (ASK followed while it answers)

@@ -20,7 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from storage_backends.redis_node_pipelines import THREAD_PREFIX, NodeFanout, node_pipelines
 from storage_backends.redis_remote import RedisBackend
-from tests.cluster.helpers import failed_over
+from tests.cluster.helpers import failed_over, put_all
 from tests.redis_cluster import Node, RedisClusterServers
 from tiered_kv.errors import BackendUnavailable
 
@@ -155,7 +155,7 @@ def test_regression_a_hung_master_first_in_a_call_kept_the_other_masters_from_be
     backend = RedisBackend.from_url(cluster.url, timeout="200ms", retries=2, pipeline_bytes=BIG,
                                     node_threads=8)
     hung, keys, others = _one_first(cluster, backend)
-    assert all(backend.put_many([(k, b"v") for k in keys]))
+    put_all(backend, [(k, b"v") for k in keys])
     spy = PipelineSpy(monkeypatch, meet=len(others) + 1)
     hung.proc.send_signal(signal.SIGSTOP)
     try:
