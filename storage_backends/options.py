@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Collection, Mapping
+from decimal import Decimal
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
@@ -29,7 +31,7 @@ def with_options(url: str, options) -> str:
     """``url`` with the settings of an ``options`` table in its query, over those the query
     names (a medium given both takes the table's: the engine's tier is opened so), each spelled
     as the medium reads it from a query (a float with no fraction as a whole number: "600.0" is
-    no integer); None is no setting. The URL's own form is kept (``lmdb:///dir`` stays that)."""
+    no integer; one with a fraction in plain digits); None is no setting. The URL's own form is kept (``lmdb:///dir`` stays that)."""
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
     given = {k: _query_text(v) for k, v in options.items() if v is not None}
@@ -47,6 +49,8 @@ def _query_text(value) -> str:
         return str(value).lower()
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
+    if isinstance(value, float) and math.isfinite(value):  # ("5e-05", str()'s, no duration or size reads)
+        return format(Decimal(repr(value)), "f")
     return str(value)
 
 

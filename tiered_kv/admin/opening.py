@@ -6,12 +6,9 @@ empty) directory."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from decimal import Decimal
 from pathlib import Path
-from typing import Any
 
 from storage_backends.base import Backend
 from storage_backends.options import directory_of, with_options
@@ -135,18 +132,9 @@ def open_config(path: str, *, timeout: float = 5.0, only: str | None = None) -> 
 
 def tool_url(section: TierConfig) -> str:
     """The URL a tool opens ``section``'s medium with: its options table in the query (a Redis
-    prefix written there was read as the default one), each value read as the engine's medium
-    reads the table. The config was built, so every value is one the engine takes (the same
-    checks refused the rest, in the same words). Left out: ``tenant_quotas``, a table no URL
-    carries (the medium refuses it there: every tool refused a config the engine serves with);
-    :attr:`Tier.quotas` has it."""
-    options = {k: _spelled(v) for k, v in section.options.items() if k != "tenant_quotas"}
-    return with_options(section.url, options)
-
-
-def _spelled(value: Any) -> Any:
-    """A float with a fraction written out in digits: ``str(0.00005)`` is "5e-05", which no
-    duration or size in a query reads (``ttl = 0.00005``, taken by the engine, was refused)."""
-    if isinstance(value, float) and math.isfinite(value) and not value.is_integer():
-        return format(Decimal(repr(value)), "f")
-    return value
+    prefix written there was read as the default one), each value spelled so the medium reads it
+    from the query as the engine's reads the table (:func:`~storage_backends.options.with_options`).
+    The config was built, so every value is one the engine takes. Left out: ``tenant_quotas``, a
+    table no URL carries (the medium refuses it there: every tool refused a config the engine
+    serves with); :attr:`Tier.quotas` has it."""
+    return with_options(section.url, {k: v for k, v in section.options.items() if k != "tenant_quotas"})

@@ -265,9 +265,10 @@ def pages(block_ids: Sequence[int], request_id: Any, call: str) -> None:
 
 def target_pool(llm_args: Any, pool: Any, namespace: Namespace) -> Any:
     """``pool`` (``[blocks, layers, 2, block elements]``), checked; a pool with more layers than
-    the model under a ``speculative_config`` is refused by name: one-model speculative decoding (MTP, EAGLE3 one-model) puts its
-    draft layers in the target's KV pool, whose blocks then hold KV no config.json layer count
-    names (keyed as the model's, other engines would read the draft's layers as its own)."""
+    the model under a ``speculative_config`` is refused by name: one-model speculative decoding
+    (MTP, EAGLE3 one-model) puts its draft layers in the target's KV pool, whose blocks then hold
+    KV no config.json layer count names (keyed as the model's, other engines would read the
+    draft's layers as its own)."""
     shape = tuple(getattr(pool, "shape", ()))
     spec = getattr(llm_args, "speculative_config", None)
     if spec is None or len(shape) < 2 or shape[1] <= namespace.num_layers:

@@ -31,7 +31,7 @@ from tiered_kv.store.codec_body import clear
 from tiered_kv.store.codec_header import HEADER_BYTES
 from tiered_kv.store.codec_segments import table_len
 from tiered_kv.store.codec_split import check_split
-from tiered_kv.store.layer_frames import layer_segments
+from tiered_kv.store.layer_frames import layer_segments, smallest_frame
 from tiered_kv.store.layered_reads import LayeredBlocks
 from tiered_kv.store.metrics import StoreMetrics
 from tiered_kv.store.tenant_cipher import TenantCipher
@@ -62,7 +62,7 @@ class EncodedTier:
         self.segments = layer_segments(namespace, self.layout.raw_len, layer_groups)
         # the codec this tier writes ("auto" resolved by the store for its workers; alone, for one)
         self.codec = BlockCodec(codec or codec_choice.choose(
-            config.codec, 1, frame_bytes=min(self.segments or (self.layout.raw_len,))), config.level)
+            config.codec, 1, frame_bytes=smallest_frame(namespace, self.layout.raw_len, layer_groups)), config.level)
         # the largest stored block (every frame raw)
         self.stored_max = max_stored_len(self.layout.raw_len, len(self.segments or (0,)))
         # a plain block's header and segment table (exactly, for one this tier framed): what a
