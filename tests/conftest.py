@@ -25,6 +25,21 @@ def _loads_never_depend_on_timing(request, monkeypatch):
     monkeypatch.setattr(RestorePolicy, "for_index", classmethod(always))
 
 
+@pytest.fixture(autouse=True)
+def _each_test_is_a_new_trtllm_process(monkeypatch):
+    """TensorRT-LLM binds a LoRA task id to the adapter it first loaded for the life of the
+    process, and the adapter keeps that memo per process: tests that reuse a task id with other
+    adapter files are other processes, not one process refusing the second adapter."""
+    import sys
+
+    module = sys.modules.get("tiered_kv.integrations.trtllm_requests")
+    if module is None:  # (imported afresh by the test that needs it)
+        return
+    for name in ("_lora_files", "_lora_refused"):
+        monkeypatch.setattr(module, name, type(getattr(module, name))())
+    monkeypatch.setattr(module, "_forgotten", bytearray(len(module._forgotten)))
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     """One real redis-server for the session; tests that kill it must restart it."""

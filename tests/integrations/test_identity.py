@@ -331,7 +331,10 @@ def test_lora_lookups_do_not_stat_the_adapter_every_time(tmp_path):
     assert _key_extra(lora_request(adapter)) == first  # served from the cache, no filesystem call
 
 
-def test_trtllm_lora_adapter_replaced_under_the_same_task_id_gets_other_keys(tmp_path):
+def test_trtllm_lora_adapter_rewritten_under_its_task_id_is_refused_while_the_engine_keeps_the_first(tmp_path):
+    """TensorRT-LLM computes a task id with the weights it first loaded for the life of the
+    process: files rewritten in place name weights it never loads, so their requests are refused;
+    requests by the bare task id keep the first files' keys."""
     adapter = lora_adapter(tmp_path)
 
     def request(rid: int, path):
@@ -343,8 +346,8 @@ def test_trtllm_lora_adapter_replaced_under_the_same_task_id_gets_other_keys(tmp
     assert _view(request(2, None)).key_extra == loading  # later requests reuse the loaded adapter
     rewrite_same_size(adapter / "adapter_model.safetensors")
     time.sleep(LORA_RECHECK_S + 0.1)
-    reloaded = _view(request(3, str(adapter))).key_extra
-    assert reloaded != loading and _view(request(4, None)).key_extra == reloaded
+    assert _view(request(3, str(adapter))) is None
+    assert _view(request(4, None)).key_extra == loading
 
 
 def test_fp8_kv_namespaces_name_the_fp8_format_not_the_uint8_container(tmp_path):

@@ -3,7 +3,8 @@ token ids, changes the KV they compute (folded into every key of the request).
 
 - ``cache_salt_id``: the tenant's salt (also the request's tenant, for quotas and usage);
 - ``lora_task_id`` and the fingerprint of the adapter's files (:func:`lora_fingerprint`): a LoRA
-  request nothing names the weights of (no path, or weights handed as tensors) has no view;
+  request nothing names the weights of (no path, weights handed as tensors, or files other than
+  those its task id was first loaded from: the engine computes with the first) has no view;
 - multimodal inputs: TensorRT-LLM puts placeholder ids in the prompt where an image's
   embeddings go (the same ids for every image), and names the images by
   ``multimodal_hashes`` (one per item, over its content and any UUID, at
@@ -23,6 +24,8 @@ is neither loaded nor saved.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from tiered_kv.errors import TokenError
@@ -32,8 +35,18 @@ from tiered_kv.keys import key_extra
 
 log = logging.getLogger(__name__)
 
-_lora_files: dict[Any, str] = {}  # lora_task_id -> fingerprint of the files this process loaded it from
-_lora_refused: set = set()  # task ids warned about (one warning each, not one per request)
+# TensorRT-LLM keeps the FIRST weights it loaded for a task id for the life of the process:
+# ``LoraManager.load_from_hf`` skips a uid it already holds, and ``PeftCacheManager.add_request_peft``
+# reloads an adapter its cache evicted from that same memo (never from the request's new path), while
+# a request sent with tensors is served the cached weights when its task is cached. So a task id is
+# bound here to what its first request named, for the life of the process (a restart starts afresh).
+_LORA_BOUND = 8192  # task ids remembered (an LRU: the engine holds every adapter's weights, far fewer)
+_FORGOTTEN_BITS = 1 << 20  # marks of task ids the LRU dropped (128 KiB; a collision only refuses)
+_lora_files: OrderedDict[Any, str | None] = OrderedDict()  # task id -> fingerprint of its first files
+# (None: its first weights were named by nothing: tensors, no path, a path without weight files)
+_forgotten = bytearray(_FORGOTTEN_BITS // 8)  # task ids dropped from _lora_files, by hash
+_lora_refused: OrderedDict[Any, None] = OrderedDict()  # task ids warned about (once each; bounded)
+_lora_lock = threading.Lock()
 
 
 def request_view(request: Any) -> RequestView | None:
@@ -50,7 +63,7 @@ def request_view(request: Any) -> RequestView | None:
             parts.append((name, value))
     try:
         files = lora_fingerprint(request)
-    except TokenError:  # (unkeyed found it named; a memo cleared since is no name either)
+    except TokenError:  # (unkeyed found it named; its files were rewritten since)
         return None
     if files:
         parts.append(("lora_files", files))
@@ -116,32 +129,69 @@ def lora_fingerprint(request: Any) -> str | None:
     restart) may load other weights under the same id, and keyed by it they shared blocks. So
     the adapter is named by its files: ``py_lora_path``, which TensorRT-LLM's LLM API sets on
     every request of a ``LoRARequest`` (its ``lora_path``; ``lora_name`` never reaches the
-    request), or, for a request without one, the files this process loaded that task id from
-    (a request sent to the executor with a bare task id reuses the adapter loaded then). Raises
-    TokenError (warned once per task id) when nothing names the weights: no path, a path with
-    no weight files, or weights handed as tensors."""
+    request), or, for a request without one, the files this process first loaded that task id
+    from (a request sent to the executor with a bare task id reuses the adapter loaded then).
+    Raises TokenError (warned once per task id) when nothing names the weights the engine
+    computes with: no path, a path with no weight files, weights handed as tensors, or files
+    other than those the task id was first loaded from (the engine still computes with those)."""
     task = getattr(request, "lora_task_id", None)
     if task is None:
         return None
     path = getattr(request, "py_lora_path", None)
-    if path:
-        files = LORA_FINGERPRINTS.get(path)
-        if files:
-            if len(_lora_files) > 4096:  # adapters come and go: keep the memo bounded
-                _lora_files.clear()
-            _lora_files[task] = files
-            return files
+    files = LORA_FINGERPRINTS.get(path) if path else None
+    with _lora_lock:
+        forgot = False
+        if task in _lora_files:
+            first = _lora_files[task]
+            _lora_files.move_to_end(task)
+        else:
+            # Dropped from the memo: what the engine holds for it is unknown now, so it is refused
+            # rather than bound afresh to whatever this request names.
+            forgot = _forgotten_mark(task)
+            first = files if path and not forgot else None  # (the engine loads what this one names)
+            _bind(task, first)
+        if first is not None and (files == first if path else not _given(request, "lora_weights")):
+            return first
+        warn = task not in _lora_refused
+        _remember(_lora_refused, task, None)
+    if forgot:
+        why = "this process no longer remembers what it first loaded that task id from"
+    elif path and files is None:
         why = f"its path {path!r} holds no weight files to fingerprint"
+    elif path:
+        # Refused, not keyed by the first files: those are what the engine computes with today,
+        # but that rests on our first sighting being its first load (the LLM API loads at
+        # submission, requests reach us in scheduling order) and on its memo never reloading
+        # from a new path; refusing is never wrong and costs only a misconfigured task id's hits.
+        why = (f"its files at {path!r} are not what this process first loaded that task id from, and "
+               "TensorRT-LLM keeps computing with those (restart, or use a new task id, to serve these)")
     elif _given(request, "lora_weights"):
         why = "its weights came as tensors, without a path"
-    elif task in _lora_files:
-        return _lora_files[task]
     else:
         why = "it came without a path and this process loaded no files for that task id"
     reason = f"LoRA task {task}: {why}, so nothing names its weights beyond the task id"
-    if task not in _lora_refused:
-        _lora_refused.add(task)
+    if warn:
         log.warning("tiered-kv: %s (another process's adapter under that id would share its blocks); "
                     "its requests are neither loaded nor saved: give the adapter by a local path "
                     "(LoRARequest.lora_path)", reason)
     raise TokenError(reason)
+
+
+def _bind(task: Any, files: str | None) -> None:
+    """Binds ``task`` to the files it was first loaded from (under ``_lora_lock``)."""
+    dropped = _remember(_lora_files, task, files)
+    if dropped is not None:
+        h = hash(dropped[0]) % _FORGOTTEN_BITS
+        _forgotten[h >> 3] |= 1 << (h & 7)
+
+
+def _forgotten_mark(task: Any) -> bool:
+    h = hash(task) % _FORGOTTEN_BITS
+    return bool(_forgotten[h >> 3] & (1 << (h & 7)))
+
+
+def _remember(memo: OrderedDict, key: Any, value: Any) -> tuple | None:
+    """Puts ``key`` last in the bounded LRU ``memo``; the entry it dropped, if any."""
+    memo[key] = value
+    memo.move_to_end(key)
+    return memo.popitem(last=False) if len(memo) > _LORA_BOUND else None
