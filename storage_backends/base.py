@@ -118,6 +118,8 @@ class Backend(ABC):
     store_signature: str | None = None  # what marks a store of this medium in a directory (messages)
     listener: Listener | None = None  # told of stored and removed keys (:meth:`listen`)
     takes_gathered: bool = False  # put_many takes storage_backends.gathered.Gathered values
+    told_capacity: int | None = None  # a tool's open of a medium that then evicts to no capacity
+    #                                   (lmdb's): the capacity it was given, read as the medium reads it
 
     def __init__(self, url: str) -> None:
         self.url = url
@@ -137,11 +139,14 @@ class Backend(ABC):
         return []
 
     @classmethod
-    def open_read_only(cls, url: str, *, timeout: float = 5.0) -> Backend:
+    def open_read_only(cls, url: str, *, options: dict | None = None, timeout: float = 5.0) -> Backend:
         """Open the existing store at ``url`` for tools: never create one, never record accesses
         (no LRU order or hit count changes), and for remote media no retries and ``timeout``
-        seconds per call. What the tool itself asks for (a delete) still happens. ConfigError
-        when ``url`` names no store of this medium."""
+        seconds per call. What the tool itself asks for (a delete) still happens. ``options``:
+        the engine's settings for the medium (as :meth:`from_url`'s keywords, over the query),
+        read and refused by the medium; the settings the rules above fix (recording accesses,
+        creating, timeout, retries) are the tool's. ConfigError when ``url`` names no store of
+        this medium."""
         raise ConfigError(f"{cls.name} stores cannot be opened by tools")
 
     @classmethod

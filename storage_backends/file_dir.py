@@ -93,9 +93,10 @@ class FileBackend(Backend):
         return f"file://{quote(str(path.resolve()))}" if (path / MARKER).is_file() else None
 
     @classmethod
-    def open_read_only(cls, url: str, *, timeout: float = 5.0) -> FileBackend:
-        """The existing store at ``url``; reads leave access times alone (``touch=False``)."""
-        return cls.from_url(url, touch=False, create=False)
+    def open_read_only(cls, url: str, *, options: dict | None = None, timeout: float = 5.0) -> FileBackend:
+        """The existing store at ``url`` with ``options`` (the engine's: its quotas, capacity and
+        sync bound and sync a tool's writes too); reads leave access times alone (``touch=False``)."""
+        return cls.from_url(url, **{**(options or {}), "touch": False, "create": False})
 
     # -- names and the event loop ------------------------------------------------------------
     def _file(self, key: bytes) -> Path:

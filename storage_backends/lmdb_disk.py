@@ -145,15 +145,19 @@ class LmdbBackend(Backend):
         return found + sorted(SegmentFiles(path, 1 << 20).files().values())
 
     @classmethod
-    def open_read_only(cls, url: str, *, timeout: float = 5.0) -> LmdbBackend:
-        """The existing environment at ``url``; reads are not recorded (``record_access=False``),
-        and opening writes nothing (an older format stays as it is until a write). With no capacity (a tool
-        does not know the engine's): its puts evict only for the URL's tenant quotas, or are refused."""
+    def open_read_only(cls, url: str, *, options: dict | None = None, timeout: float = 5.0) -> LmdbBackend:
+        """The existing environment at ``url`` with ``options`` (the engine's, over the query); reads
+        are not recorded (``record_access=False``), and opening writes nothing (an older format stays
+        as it is until a write). The capacity is read (refused in the medium's words) and kept as
+        ``told_capacity``, not evicted to: its puts evict only for the tenant quotas, or are refused."""
         path = existing_directory(path_of(url))
         if cls.store_url_at(path) is None:
             raise ConfigError(f"{path} is not an LMDB store (no data.mdb)")
-        query = {k: v for k, v in url_options(url, {"record_access": False}).items() if k != "capacity"}
-        return cls(path, url=url, read_only=True, capacity=None, **query)
+        query = url_options(url, {**(options or {}), "record_access": False})
+        told = lmdb_settings(query.pop("capacity", None)).capacity  # (before anything is opened)
+        backend = cls(path, url=url, read_only=True, capacity=None, **query)
+        backend.told_capacity = told
+        return backend
 
     @classmethod
     def create_for_tool(cls, url: str, *, room: int = 0) -> LmdbBackend:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import importlib
-import math
 from collections.abc import Collection, Mapping
-from decimal import Decimal
 from pathlib import Path
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from storage_backends.redaction import redact_url
 from tiered_kv.errors import ConfigError
@@ -25,33 +23,6 @@ def split_options(url: str) -> tuple[str, dict[str, str]]:
         if query.setdefault(name, value) != value:
             raise ConfigError(f"the URL {redact_url(url)!r} sets {name!r} twice, to different values")
     return base, query
-
-
-def with_options(url: str, options) -> str:
-    """``url`` with the settings of an ``options`` table in its query, over those the query
-    names (a medium given both takes the table's: the engine's tier is opened so), each spelled
-    as the medium reads it from a query (a float with no fraction as a whole number: "600.0" is
-    no integer; one with a fraction in plain digits); None is no setting. The URL's own form is kept (``lmdb:///dir`` stays that)."""
-    parts = urlsplit(url)
-    query = dict(parse_qsl(parts.query, keep_blank_values=True))
-    given = {k: _query_text(v) for k, v in options.items() if v is not None}
-    if all(query.get(k) == v for k, v in given.items()):
-        return url
-    out = parts._replace(query=urlencode({**query, **given})).geturl()
-    head = url[: len(parts.scheme) + 3]  # (geturl drops the "//" of an empty host: lmdb:/dir)
-    if head.lower() == f"{parts.scheme}://" and not out.startswith(f"{parts.scheme}://"):
-        out = head + out[len(parts.scheme) + 1 :]
-    return out
-
-
-def _query_text(value) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    if isinstance(value, float) and math.isfinite(value):  # ("5e-05", str()'s, no duration or size reads)
-        return format(Decimal(repr(value)), "f")
-    return str(value)
 
 
 def as_int(value, name: str, minimum: int = 1) -> int:

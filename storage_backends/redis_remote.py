@@ -136,9 +136,9 @@ class RedisBackend(Backend):
         return cls(target, **kwargs)
 
     @classmethod
-    def open_read_only(cls, url: str, *, timeout: float = 5.0) -> RedisBackend:
-        """``url``, ``timeout`` s a call, no retries (a tool must not hang on a Redis away); nothing to create."""
-        return cls.from_url(url, timeout=timeout, retries=0)
+    def open_read_only(cls, url: str, *, options: dict | None = None, timeout: float = 5.0) -> RedisBackend:
+        """``url`` with ``options`` (the engine's: a tool's SETs get its ttl), but ``timeout`` s a call, no retries."""
+        return cls.from_url(url, **{**(options or {}), "timeout": timeout, "retries": 0})
 
     @property
     def client(self) -> Any:

@@ -4,7 +4,7 @@
 ``open_backend("host://?capacity=1GiB&slot=2MiB")``, ``open_backend("file:///mnt/shared/tkv")``.
 Query parameters become keyword arguments of the backend's ``from_url`` (strings; the backend
 converts them). For tools: ``url_for_path(dir)`` asks every medium whether ``dir`` holds one of
-its stores, and ``open_read_only(url)`` opens an existing store without changing it.
+its stores, and ``open_read_only(url, options=...)`` opens an existing store without changing it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import importlib
 import logging
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -112,11 +113,14 @@ def _media() -> list[type]:
     return classes
 
 
-def open_read_only(url: str, *, timeout: float = 5.0):
+def open_read_only(url: str, *, options: Mapping[str, Any] | None = None, timeout: float = 5.0):
     """Open the existing store at ``url`` (or at a store directory's path) for tools: nothing
     is created, tools' reads are not recorded as accesses, remote media answer within
-    ``timeout`` seconds without retries. ConfigError when there is no store there (and for
-    ``host://``, which lives inside a serving process)."""
+    ``timeout`` seconds without retries. ``options``: the settings the engine opens the medium
+    with (``TierConfig.medium_options``), over the URL's query, read by the medium itself as
+    :func:`open_backend`'s keywords are (a config's quotas, sync or ttl reach a tool's writes).
+    ConfigError when there is no store there (and for ``host://``, which lives inside a serving
+    process)."""
     if not is_url(str(url)):
         url = url_for_path(url)
-    return backend_class(url).open_read_only(url, timeout=timeout)
+    return backend_class(url).open_read_only(url, options=dict(options or {}), timeout=timeout)

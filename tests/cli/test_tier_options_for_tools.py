@@ -1,11 +1,10 @@
-"""A config's tier opened by the tools as the engine opens it: its ``options`` table folded into
-the URL the tools open (:func:`storage_backends.options.with_options`) says what the medium an
-engine opens with that table and URL reads, whatever the table holds and however the URL reads
-(real LMDB from the demo, a real redis-server)."""
+"""A config's tier opened by the tools as the engine opens it: the medium is handed the tier's
+``options`` table (``open_read_only(url, options=...)``) and reads what the engine's medium reads
+with that table and URL, whatever the table holds and however the URL reads (real LMDB from the
+demo, a real redis-server)."""
 
 from __future__ import annotations
 
-from storage_backends.options import with_options
 from storage_backends.registry import open_backend
 from tests.cli.conftest import cli
 from tiered_kv.config import TieredKVConfig
@@ -37,17 +36,3 @@ def test_regression_a_whole_number_written_as_a_float_in_a_tiers_options_was_ref
     result = cli("inspect", "--config", config, "--json")
     assert result.code == 0, result.err
     assert result.json()["tiers"][0]["blocks"] > 0
-
-
-def test_a_url_folded_with_options_keeps_its_form_and_spells_each_value_as_a_query_does():
-    options = {"sync": True, "readahead": False, "segment_min": 65536.0, "batch_bytes": "1.5MiB",
-               "prefix": "a/b&c=d é", "max_readers": 600, "tenant_quota": None}
-    folded = with_options("lmdb:///var/cache/tkv?sync=false&writeback=later", options)
-    assert folded.startswith("lmdb:///var/cache/tkv?")  # (not lmdb:/var/cache/tkv)
-    from storage_backends.options import split_options
-
-    assert split_options(folded)[1] == {
-        "sync": "true", "writeback": "later", "readahead": "false", "segment_min": "65536",
-        "batch_bytes": "1.5MiB", "prefix": "a/b&c=d é", "max_readers": "600"}
-    assert with_options("unix:///run/redis.sock?db=1", {"prefix": "x:"}) == "unix:///run/redis.sock?db=1&prefix=x%3A"
-    assert with_options("lmdb:///d?sync=true", {"sync": True}) == "lmdb:///d?sync=true"  # (nothing to add)

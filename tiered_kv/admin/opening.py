@@ -1,31 +1,25 @@
 """Opening a store for tools: a URL, a store directory or a config file's lower tiers, as the
 medium opens a store for tools (``storage_backends.registry.open_read_only``: nothing created,
-tools' reads not recorded as accesses, a remote medium answering within the tool's timeout).
+tools' reads not recorded as accesses, a remote medium answering within the tool's timeout); a
+config's tier with the settings its engine's store opens the medium with, which the medium reads.
 The copy command's destination is opened the same way, or created when it names a new (or
 empty) directory."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from storage_backends.base import Backend
-from storage_backends.options import directory_of, with_options
+from storage_backends.options import directory_of
 from storage_backends.quotas import Quotas
 from storage_backends.redaction import redact_url
-from storage_backends.registry import (
-    backend_class,
-    is_url,
-    open_read_only,
-    scheme_of,
-    split_options,
-)
+from storage_backends.registry import backend_class, is_url, open_read_only, scheme_of
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import ConfigError
-from tiered_kv.settings.tiers import TierConfig
 from tiered_kv.store.records import namespace_key
-from tiered_kv.units import parse_size
 
 
 @dataclass
@@ -47,11 +41,11 @@ class Tier:
         self.backend.close()
 
 
-def open_tier(url: str, *, name: str = "store", timeout: float = 5.0, capacity: int | None = None) -> Tier:
-    """The existing store at ``url`` (a URL or a store directory) for tools. A path that holds no
-    store is an error, never a new empty store; a Redis that cannot be reached raises
-    BackendUnavailable here."""
-    return _reachable(name, open_read_only(url, timeout=timeout), url, capacity)
+def open_tier(url: str, *, name: str = "store", timeout: float = 5.0, options: Mapping[str, Any] | None = None) -> Tier:
+    """The existing store at ``url`` (a URL or a store directory) for tools, its medium given
+    ``options`` (a config's tier: ``TierConfig.medium_options``). A path that holds no store is
+    an error, never a new empty store; a Redis that cannot be reached raises BackendUnavailable here."""
+    return _reachable(name, open_read_only(url, options=options, timeout=timeout))
 
 
 def open_destination(url: str, *, name: str = "destination", timeout: float = 5.0,
@@ -69,7 +63,7 @@ def open_destination(url: str, *, name: str = "destination", timeout: float = 5.
         if not _new_directory(url):
             raise
         backend = backend_class(url).create_for_tool(url, room=room())
-    return _reachable(name, backend, url, None)
+    return _reachable(name, backend)
 
 
 def _new_directory(url: str) -> bool:
@@ -81,32 +75,17 @@ def _new_directory(url: str) -> bool:
     return not path.exists() or (path.is_dir() and not any(path.iterdir()))
 
 
-def _reachable(name: str, backend: Backend, url: str, capacity: int | None) -> Tier:
+def _reachable(name: str, backend: Backend) -> Tier:
     """``backend`` as a tier, once it answered a first call (Redis connects here); its capacity
-    from the URL's ``capacity`` when none is given."""
-    tier = Tier(name, backend, capacity)
+    as the medium read it (a tool's lmdb open evicts to none, but was told one)."""
+    told = backend.told_capacity
+    tier = Tier(name, backend, told if told is not None else getattr(backend, "capacity", None))
     try:
-        if capacity is None and is_url(url):
-            tier.capacity = _url_capacity(url)
         backend.contains_many([namespace_key(bytes(16))])
     except BaseException:
         tier.close()
         raise
     return tier
-
-
-def _url_capacity(url: str) -> int | None:
-    """The URL's ``capacity`` read as its medium reads it, in its words (a tool's open of an
-    lmdb store leaves it out: ``?capacity=0``, refused by the engine, was a tool's tier of no
-    capacity, and a bad one was refused as "capacity", a name of no medium)."""
-    _, query = split_options(url)
-    if "capacity" not in query:
-        return None
-    medium = scheme_of(url)
-    size = parse_size(query["capacity"], name=f"{medium} capacity")
-    if size <= 0:
-        raise ConfigError(f"{medium} capacity must be positive, got {query['capacity']!r}")
-    return size
 
 
 def open_config(path: str, *, timeout: float = 5.0, only: str | None = None) -> list[Tier]:
@@ -120,7 +99,7 @@ def open_config(path: str, *, timeout: float = 5.0, only: str | None = None) -> 
     tiers: list[Tier] = []
     try:
         for section in wanted:
-            tier = open_tier(tool_url(section), name=section.name, timeout=timeout, capacity=section.capacity)
+            tier = open_tier(section.url, name=section.name, timeout=timeout, options=section.medium_options())
             tier.tenant_quota, tier.quotas = section.tenant_quota, section.quotas()
             tiers.append(tier)
     except BaseException:
@@ -129,12 +108,3 @@ def open_config(path: str, *, timeout: float = 5.0, only: str | None = None) -> 
         raise
     return tiers
 
-
-def tool_url(section: TierConfig) -> str:
-    """The URL a tool opens ``section``'s medium with: its options table in the query (a Redis
-    prefix written there was read as the default one), each value spelled so the medium reads it
-    from the query as the engine's reads the table (:func:`~storage_backends.options.with_options`).
-    The config was built, so every value is one the engine takes. Left out: ``tenant_quotas``, a
-    table no URL carries (the medium refuses it there: every tool refused a config the engine
-    serves with); :attr:`Tier.quotas` has it."""
-    return with_options(section.url, {k: v for k, v in section.options.items() if k != "tenant_quotas"})
