@@ -21,9 +21,9 @@ def delete_if_unchanged(backend, pairs: Sequence[tuple[bytes, bytes]]) -> list[b
     items = [(as_key(k), memoryview(v).cast("B")) for k, v in pairs]
     db, values = backend._db, backend.values
 
-    def body(w) -> list[bool]:
+    def body(w, part) -> list[bool]:
         done = []
-        for key, expected in items:
+        for key, expected in part:
             if not fits(key):
                 done.append(False)
                 continue
@@ -36,11 +36,29 @@ def delete_if_unchanged(backend, pairs: Sequence[tuple[bytes, bytes]]) -> list[b
 
     if not items:
         return []
+    done: list[bool] = []
+    try:
+        _delete(db, backend._writes.reserve, items, body, done)
+    finally:  # (a split delete that fails part way has deleted the first parts: counted)
+        backend._count(deletes=sum(done))
+    return done
+
+
+def _delete(db, reserve, items: list, body, done: list[bool]) -> None:
+    """One transaction; on a full disk, the reserve given up and the same again, then halves in
+    turn, as a plain delete (:meth:`storage_backends.lmdb_writes.LmdbWrites._delete`): a delete's
+    copied pages need room the disk may not have for all at once. ``done``: each pair's outcome
+    so far, in order."""
     try:
         with db.guard("delete"):
             db.check_open()
-            done = db.write(body)
+            done += db.write(lambda w: body(w, items))
+            return
     except NoSpace as exc:
-        raise BackendUnavailable(f"lmdb store at {db.path} is full: {exc}") from None
-    backend._count(deletes=sum(done))
-    return done
+        if reserve.release():
+            return _delete(db, reserve, items, body, done)
+        if len(items) == 1:
+            raise BackendUnavailable(f"lmdb store at {db.path} is full: {exc}") from None
+    half = len(items) // 2
+    _delete(db, reserve, items[:half], body, done)
+    _delete(db, reserve, items[half:], body, done)

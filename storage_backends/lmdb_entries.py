@@ -167,8 +167,26 @@ def withdraw_segments(tables: Tables, w: Write, segments) -> dict[int, int]:
 
 def evict_beyond(tables: Tables, w: Write, nbytes: int, eviction: Eviction, pinned: Pinned) -> int:
     """Evict until ``nbytes`` more than the capacity would fit (or nothing more may go)."""
+    return _evict(tables, w, pinned, lambda index: eviction.beyond_capacity(index, nbytes))
+
+
+def evict_oldest(tables: Tables, w: Write, nbytes: int, eviction: Eviction, pinned: Pinned) -> int:
+    """Evict the first entries to go (the policy's order, pins kept) that hold ``nbytes``, or
+    all there are, whatever the capacity: a disk that filled before the capacity was reached."""
+    def victims(index: TableIndex) -> list[Victim]:
+        chosen, freed = [], 0
+        for victim in eviction.policy.candidates(index):
+            if freed >= nbytes:
+                break
+            chosen.append(victim)
+            freed += victim[1]
+        return chosen
+    return _evict(tables, w, pinned, victims)
+
+
+def _evict(tables: Tables, w: Write, pinned: Pinned, choose: Callable[[TableIndex], list[Victim]]) -> int:
     index = TableIndex(tables, w, pinned)
-    victims = eviction.beyond_capacity(index, nbytes)
+    victims = choose(index)
     index.drop_stale()
     for key, _ in victims:
         remove_entry(tables, w, key)

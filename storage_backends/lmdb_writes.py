@@ -11,8 +11,8 @@ from collections.abc import Callable, Sequence
 from storage_backends.eviction import Eviction
 from storage_backends.gathered import joined, nbytes_of
 from storage_backends.lmdb_compaction import Compactor
-from storage_backends.lmdb_diskfull import Reserve
-from storage_backends.lmdb_entries import delete_entry, put_entry
+from storage_backends.lmdb_diskfull import Reserve, disk_is_full
+from storage_backends.lmdb_entries import delete_entry, evict_oldest, put_entry
 from storage_backends.lmdb_environment import LmdbEnvironment, NoSpace
 from storage_backends.lmdb_tables import MAX_KEY, as_key, fits
 from storage_backends.lmdb_values import SegmentValues
@@ -55,6 +55,12 @@ class LmdbWrites:
         with self.values.writing(), self.db.guard("put"):
             self.db.check_open()
             places = self.values.write([batch[i][1] for i in large])
+            again = [j for j, place in enumerate(places) if place is None]
+            # (room for a segment value on disk: only a segment file deleted, once all its values are gone)
+            if again and self._evict_for_disk(max(2 * sum(batch[large[j]][2] for j in again),
+                                                  self.values.files.segment_bytes)):
+                for j, place in zip(again, self.values.write([batch[large[j]][1] for j in again])):
+                    places[j] = place
             for i, place in zip(large, places):
                 batch[i] = (batch[i][0], place, batch[i][2])
             todo = [i for i, item in enumerate(batch) if item[1] is not None]
@@ -83,17 +89,44 @@ class LmdbWrites:
             stored += self._put_batch(batch[start:], tenant)
         return stored
 
-    def _put_batch(self, batch: list[tuple[bytes, object, int]], tenant: bytes) -> list[bool]:
+    def _put_batch(self, batch: list[tuple[bytes, object, int]], tenant: bytes, again: bool = True) -> list[bool]:
+        nbytes = sum(n for _, _, n in batch)
         try:  # (w.tables: a read-only open's first write creates the missing tables)
             with self.db.guard("put"):
                 stored = self.db.write(lambda w: [put_entry(w.tables, w, *item, tenant, self.eviction, self.pinned)
-                                                   for item in batch], nbytes=sum(n for _, _, n in batch))
+                                                   for item in batch], nbytes=nbytes)
             self.reserve.ensure()  # (a put found room: the reserve a full disk gave up is taken back)
             return stored
         except NoSpace as exc:
+            # (pages the eviction frees go to LMDB's free list, never back to the disk: reused by later commits)
+            if again and self._evict_for_disk(max(2 * nbytes, self.db.batch_bytes)):
+                return self._put_batch(batch, tenant, again=False)
             log.warning("lmdb tier at %s: %d values refused: %s", self.db.path, len(batch), exc)
             self._count(put_rejected=len(batch))
             return [False] * len(batch)
+
+    def _evict_for_disk(self, nbytes: int) -> bool:
+        """A put found the disk full before the capacity was reached: the first entries to go that
+        hold ``nbytes`` are evicted, as a full capacity would evict; whether any went (the put is
+        tried once more). The eviction's commit copies pages too: the reserve is given up for it
+        only when it found no room without (what is left of the reserve stays for deletes: an
+        inline store never gets disk room back). Bounded: what it frees on disk depends on where
+        the values lie (the callers' notes), so a put that still finds no room is refused, never
+        evicting the whole store. A tool's open (no capacity) evicts nothing."""
+        if self.eviction.capacity is None or not disk_is_full(self.db.path):
+            return False  # (the map, not the disk: the environment made what room it could)
+        try:
+            with self.db.guard("evict"):  # (two commits: LMDB reuses the pages a commit frees only
+                # from the second commit after it on, so the put's retry gets the first half's)
+                evicted = sum(self.db.write(lambda w: evict_oldest(w.tables, w, nbytes // 2, self.eviction,
+                                                                   self.pinned)) for _ in range(2))
+        except NoSpace as exc:
+            if self.reserve.release():
+                return self._evict_for_disk(nbytes)
+            log.warning("lmdb tier at %s: disk full, no room to evict: %s", self.db.path, exc)
+            return False
+        log.info("lmdb tier at %s: disk full before the capacity: %d entries evicted", self.db.path, evicted)
+        return evicted > 0
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         keys = [k for k in map(as_key, keys) if fits(k)]
