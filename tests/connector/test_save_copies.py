@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import torch
 
 from tests.connector.test_failed_load_sharing import BS, SHARED, _connector, _fill, _pool, _step
@@ -39,6 +40,33 @@ def _copies_on_a_side_stream(worker) -> None:
     worker._gather = gather
 
 
+class _LoaderClock:
+    """The loader's clock (``loading.time``): a sleep advances it at once instead of waiting, and
+    every sleep is recorded. How long a load waited is then a count of what it did, not a
+    measurement: the same on a loaded machine as on an idle one."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.sleeps: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    perf_counter = monotonic
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+        time.sleep(0)  # (still a yield to the other threads)
+
+
+@pytest.fixture
+def loader_clock(monkeypatch) -> _LoaderClock:
+    clock = _LoaderClock()
+    monkeypatch.setattr("tiered_kv.store.loading.time", clock)
+    return clock
+
+
 def _compute_shared(conn, pool, request_id: str, last: int) -> None:
     """A step in which ``request_id`` computes SHARED's four blocks (no external tokens) and
     saves them."""
@@ -60,7 +88,8 @@ def _seed(tmp_path) -> None:
     conn.close()
 
 
-def test_regression_a_load_of_blocks_whose_save_was_still_copying_stalled_the_forward_and_failed(tmp_path):
+def test_regression_a_load_of_blocks_whose_save_was_still_copying_stalled_the_forward_and_failed(
+        tmp_path, loader_clock):
     _seed(tmp_path)
     conn = _connector(tmp_path)  # a restart: the blocks are on disk, the host tier is empty
     pool = _pool()
@@ -73,13 +102,12 @@ def test_regression_a_load_of_blocks_whose_save_was_still_copying_stalled_the_fo
     matched, is_async = conn.scheduler.get_num_new_matched_tokens(b, 0)
     assert (matched, is_async) == (4 * BS, False)
     conn.scheduler.update_state_after_alloc(b, [10, 11, 12, 13, 14, 15], matched)
-    started = time.monotonic()
     _step(conn, new=[RequestStep("B", b.prompt_token_ids, [10, 11, 12, 13, 14, 15], 0, BS + 1)])
-    waited = time.monotonic() - started
+    waited = sum(loader_clock.sleeps)  # (the loader's clock: waiting on a commit is sleeping on it)
     errors = conn.worker.get_block_ids_with_load_errors()
     try:
         assert not errors, f"the load failed after holding the forward {waited:.1f}s"
-        assert waited < 2.0, f"the forward waited {waited:.1f}s for its load"
+        assert loader_clock.sleeps == [], f"the forward waited {waited:.1f}s for the copy's commit"
         for block in (10, 11, 12, 13):  # A's bytes, served from the host tier
             assert torch.equal(pool[:, :, block], pool[:, :, block - 10])
         assert conn.store.metrics.misses("promotion_timeout") == 0
@@ -87,17 +115,16 @@ def test_regression_a_load_of_blocks_whose_save_was_still_copying_stalled_the_fo
         conn.close()
 
 
-def test_a_load_waits_for_blocks_another_holds_reserved_once_per_job_not_once_per_block(monkeypatch):
+def test_a_load_waits_for_blocks_another_holds_reserved_once_per_job_not_once_per_block(monkeypatch, loader_clock):
     monkeypatch.setattr("tiered_kv.store.loading.PROMOTION_WAIT_S", 0.3)
     with make_store(None, workers=1) as store:
         keys = [bytes([i]) * 16 for i in range(6)]
         store.save(keys, payloads(store, 6))
         held = store.prepare_save([bytes([0x70 + i]) * 16 for i in range(6)])  # reserved, never committed
         plan = store.prepare_load(held.keys)
-        started = time.monotonic()
         store.load(plan).wait()
-        waited = time.monotonic() - started
-        assert waited < 6 * 0.3 / 2, f"{waited:.2f}s: each of the 6 blocks waited its own deadline"
+        waited = sum(loader_clock.sleeps)  # on the loader's clock: what it slept, not how long it took
+        assert 0.3 <= waited < 2 * 0.3, f"{waited:.2f}s: each of the 6 blocks waited its own deadline"
         assert plan.reasons == ["promotion_timeout"] * 6
         store.release(plan)
         store.commit_save(held, ok=False)
