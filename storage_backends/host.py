@@ -23,7 +23,7 @@ from storage_backends.eviction import Eviction, Plan
 from storage_backends.eviction_lru import LRU
 from storage_backends.host_entries import HostEntry, reserve_free
 from storage_backends.host_evictions import EvictHook, PendingEvictions
-from storage_backends.host_slab import new_slab, no_slab, want_pinned
+from storage_backends.host_slab import new_slab, no_slab, settle_copies, want_pinned
 from storage_backends.options import split_options
 from storage_backends.quotas import Quotas, as_tenant
 from storage_backends.recency import RecencyIndex
@@ -73,7 +73,7 @@ class HostBackend(Backend):
         return cls(capacity=capacity, slot_bytes=slot, url=url, **known)
 
     @classmethod
-    def open_read_only(cls, url: str, *, timeout: float = 5.0) -> HostBackend:
+    def open_read_only(cls, url: str, *, options: dict | None = None, timeout: float = 5.0) -> HostBackend:
         raise ConfigError("host:// lives inside a serving process; point tools at the disk or "
                           "remote tier (or use `tiered-kv stats` on its metrics port)")
 
@@ -296,6 +296,7 @@ class HostBackend(Backend):
             self._entries.clear()
             self._recency = RecencyIndex(self._held)
             self._free, self._ready, self._leased = [], 0, 0
+            settle_copies(self.pinned)
             self.slab = no_slab(self.slot_bytes)
             self._np = self.slab.numpy()
 

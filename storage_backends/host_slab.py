@@ -1,9 +1,19 @@
 """The host tier's memory: one slab of fixed-size slots, page-locked when CUDA is present,
-every page touched when it is made (not in the hot path) and handed back when the tier closes."""
+every page touched when it is made (not in the hot path) and handed back when the tier closes.
+
+A page-locked slab is mapped here and registered with CUDA (``cudaHostRegister``), not taken from
+torch's pinned allocator (``pin_memory=True``): that allocator rounds every request up to a power
+of two (a 64 GiB slab less one 5 MiB slot locked 128 GiB) and keeps a freed block cached until the
+process ends. The registration is undone when the last view of the memory is gone (a closed tier,
+or one the collector took), before the memory is unmapped.
+"""
 
 from __future__ import annotations
 
+import logging
+import mmap
 import os
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -11,6 +21,8 @@ import torch
 
 from tiered_kv.errors import ConfigError
 from tiered_kv.units import as_bool, format_size
+
+log = logging.getLogger(__name__)
 
 
 def want_pinned(pinned: str | bool) -> bool:
@@ -27,15 +39,41 @@ TOUCH_PIECE_BYTES = 64 << 20  # the slab is touched in pieces of about this size
 def new_slab(num_slots: int, slot_bytes: int, pinned: bool) -> torch.Tensor:
     """``[num_slots, slot_bytes]`` uint8, every page touched now; ConfigError when this machine
     will not give that much (it was a raw allocator RuntimeError out of the store's start)."""
-    try:
-        slab = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, pin_memory=pinned)
-    except RuntimeError as exc:
+    def refused(why: str) -> ConfigError:
         hint = '; or host.pinned = "no": page-locked memory is often capped lower' if pinned else ""
-        raise ConfigError(f"host.capacity: cannot allocate {format_size(num_slots * slot_bytes)} of "
-                          f"{'page-locked ' if pinned else ''}host memory ({str(exc).splitlines()[0][:160]}){hint}"
-                          ) from None
+        return ConfigError(f"host.capacity: cannot allocate {format_size(num_slots * slot_bytes)} of "
+                           f"{'page-locked ' if pinned else ''}host memory ({why.splitlines()[0][:160]}){hint}")
+    try:
+        if not pinned:
+            slab = torch.empty((num_slots, slot_bytes), dtype=torch.uint8)
+        else:  # (mapped: page-aligned, and unmapped when its last view is gone)
+            flat = np.frombuffer(mmap.mmap(-1, max(1, num_slots * slot_bytes)), dtype=np.uint8)
+            slab = torch.from_numpy(flat[: num_slots * slot_bytes]).view(num_slots, slot_bytes)
+    except (RuntimeError, OSError) as exc:
+        raise refused(str(exc)) from None
     touch(slab.numpy().reshape(-1))
+    if pinned and slab.numel():
+        runtime = torch.cuda.cudart()
+        ptr = slab.data_ptr()
+        error = runtime.cudaHostRegister(ptr, slab.numel(), 1)  # (cudaHostRegisterPortable: every device)
+        if int(error) != 0:
+            raise refused(f"cudaHostRegister: {runtime.cudaGetErrorString(error)}")
+        weakref.finalize(flat, _unregister, runtime, ptr)  # (runs before the mapping goes)
     return slab
+
+
+def _unregister(runtime, ptr: int) -> None:
+    error = runtime.cudaHostUnregister(ptr)
+    if int(error) != 0:
+        log.warning("host tier: cudaHostUnregister of its slab failed: %s", runtime.cudaGetErrorString(error))
+
+
+def settle_copies(pinned: bool) -> None:
+    """Before a page-locked slab's views are dropped: the copies queued from or into it on any
+    device are done (the registration goes with the last view, and a copy may still read it)."""
+    if pinned and torch.cuda.is_available():
+        for device in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(device)
 
 
 def touch(flat: np.ndarray) -> None:
