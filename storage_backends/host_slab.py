@@ -47,7 +47,8 @@ def new_slab(num_slots: int, slot_bytes: int, pinned: bool) -> torch.Tensor:
         if not pinned:
             slab = torch.empty((num_slots, slot_bytes), dtype=torch.uint8)
         else:  # (mapped: page-aligned, and unmapped when its last view is gone)
-            flat = np.frombuffer(mmap.mmap(-1, max(1, num_slots * slot_bytes)), dtype=np.uint8)
+            private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # (mmap's default is shared: shmem pages)
+            flat = np.frombuffer(mmap.mmap(-1, max(1, num_slots * slot_bytes), flags=private), dtype=np.uint8)
             slab = torch.from_numpy(flat[: num_slots * slot_bytes]).view(num_slots, slot_bytes)
     except (RuntimeError, OSError) as exc:
         raise refused(str(exc)) from None
