@@ -41,18 +41,18 @@ def _reported_when_done(worker: ConnectorWorker, kv, keys, payloads) -> None:
     assert worker.get_block_ids_with_load_errors() == set()
     for b, p in zip(BLOCK_IDS, payloads):
         assert torch.equal(_engine_block(kv, b), p)
-    assert "r" not in worker._started_loading and not worker._async_loads
+    assert "r" not in worker.started_loading and not worker._async_loads
     assert worker.store.host.stats().extra["leased"] == 0
 
 
 def test_regression_started_loading_ids_that_never_get_a_load_were_kept_for_the_life_of_the_process(tmp_path):
     # aborted requests, loads planned with no blocks, ids of requests another connector loads:
-    # every id stayed in _started_loading for good, one more per such request
+    # every id stayed in started_loading for good, one more per such request
     worker, _ = _worker(tmp_path)
     try:
         for i in range(2000):
             assert _step(worker, started=[f"aborted-{i}"]) == ([], [])
-            assert len(worker._started_loading) <= 2
+            assert len(worker.started_loading) <= 2
     finally:
         worker.close()
         worker.store.close()
@@ -96,7 +96,7 @@ def test_a_load_that_starts_after_its_id_was_dropped_is_still_reported_loaded(tm
         assert _step(worker, started=["r"]) == ([], [])
         for _ in range(5):
             assert _step(worker) == ([], [])
-        assert "r" not in worker._started_loading  # dropped: no load came for it
+        assert "r" not in worker.started_loading  # dropped: no load came for it
         _start_unpolled(worker, keys)
         _reported_when_done(worker, kv, keys, payloads)
     finally:
@@ -115,7 +115,7 @@ def test_an_id_whose_load_is_in_flight_is_kept_however_many_steps_it_takes(tmp_p
         for _ in range(5):
             worker.bind_connector_meta(ConnectorMeta())
             worker.start_load_kv()
-        assert "r" in worker._started_loading
+        assert "r" in worker.started_loading
         _reported_when_done(worker, kv, keys, payloads)
     finally:
         worker.close()

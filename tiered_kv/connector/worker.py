@@ -70,7 +70,7 @@ class ConnectorWorker:
         self._saves = SaveCopies(store)  # device->host copies not committed yet
         self._save_requests: set[str] = set()  # requests that had saves and are not reported
         self._finished: set[str] = set()  # finished ids passed in, not yet reported
-        self._started_loading = StartedLoads()  # ids passed as started, aged by start_load_kv calls
+        self.started_loading = StartedLoads()  # ids passed as started, aged by start_load_kv calls
         self._load_errors: set[int] = set()  # failed block ids not yet reported to the engine
         self._tainted: set[int] = set()  # failed block ids no step has computed again since
         self._failed_requests: set[str] = set()  # async loads that failed, kept for an engine that
@@ -128,7 +128,7 @@ class ConnectorWorker:
                 self._finish_load(pending)
             else:
                 sync.append(pending)
-        self._started_loading.loads_started(self._async_loads)  # (after this step's loads: .started_loads)
+        self.started_loading.loads_started(self._async_loads)  # (after this step's loads: .started_loads)
         self.costs.step_started(bool(self.meta.loads))
         if layered and sync:  # copied layer by layer as the forward asks for them
             self._layer_loads = LayerLoads(sync, self.layout, self.store.slots,
@@ -317,17 +317,17 @@ class ConnectorWorker:
         """(saved ids, loaded ids); each id only after the engine passed it in."""
         self._saves.commit_ready()
         self._finished.update(finished_req_ids or ())
-        self._started_loading.arrived(started_loading_req_ids or ())
+        self.started_loading.arrived(started_loading_req_ids or ())
         busy = self._saves.busy_requests()
         saved = sorted(r for r in self._finished if r in self._save_requests and r not in busy)
         for r in saved:
             self._finished.discard(r)
             self._save_requests.discard(r)
         self._finished -= {r for r in self._finished if r not in self._save_requests}
-        loaded = self._started_loading.ready(self._async_loads)
+        loaded = self.started_loading.ready(self._async_loads)
         for rid in loaded:
             self._finish_load(self._async_loads.pop(rid))
-        self._started_loading.reported(loaded)
+        self.started_loading.reported(loaded)
         return saved, loaded
 
     def flush_copies(self) -> None:

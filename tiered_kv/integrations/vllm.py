@@ -331,7 +331,10 @@ class _WorkerSide:
         vLLM holds its blocks until then and frees them at the first report (a finished_sending
         too freed them under the load, and the second report crashed vLLM's scheduler)."""
         saved, loaded = self.core.get_finished(finished_req_ids or (), self.async_loads)
-        self.loading = (self.loading | set(self.async_loads)) - set(loaded)
+        # an id whose load the core no longer waits on (none started here: dropped after two
+        # start_load_kv calls, .started_loads) would stay for good and hide that id's saves
+        waited = self.core.started_loading
+        self.loading = {r for r in (self.loading | set(self.async_loads)) - set(loaded) if r in waited}
         self.async_loads = ()
         return set(saved) - self.loading - set(loaded) or None, set(loaded) or None
 
