@@ -10,6 +10,7 @@ torch path everywhere else. Both give the same bytes.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -54,13 +55,27 @@ def _kernels():
     return triton, copy_chunks
 
 
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself, or its bytes when it holds fp8: the kernels only move elements, and Triton
+    refuses to compile for fp8 types on GPUs before sm_89 (where vLLM still keeps fp8 KV)."""
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
+
+
+def on_device(device: torch.device):
+    """The device a Triton kernel launches on: it launches on the *current* CUDA device, not on
+    its tensors' (a pool on another GPU was read and written at the current one's addresses)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _launch(kv: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor, to_blocks: bool) -> None:
     triton, kernel = _kernels()
     ids = ids.contiguous()  # the kernel reads id i at ids_ptr + i (a column of a group's rows is strided)
     _, num_layers, num_blocks = kv.shape[:3]
     chunk = kv[0, 0, 0].numel()
     grid = (ids.numel() * num_layers * 2, triton.cdiv(chunk, TILE))
-    kernel[grid](kv, blocks, ids, num_layers, num_blocks, chunk, TO_BLOCKS=to_blocks, TILE=TILE)
+    with on_device(kv.device):
+        kernel[grid](as_bytes(kv), as_bytes(blocks), ids, num_layers, num_blocks, chunk,
+                     TO_BLOCKS=to_blocks, TILE=TILE)
 
 
 def gather_triton(kv: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -140,16 +140,28 @@ class GroupLayout:
         return out.view(self.dtype)
 
     def _unpack(self, which: list[int], ids: torch.Tensor, src: torch.Tensor) -> None:
-        data = src.reshape(src.shape[0], -1).view(torch.uint8)
+        # Never makes the host wait for the device: ``ids`` live there on CUDA (and this runs in
+        # vLLM's get_finished), where ``.any()`` or a boolean mask waited for the whole queued
+        # forward. So every row is written, none dropped: a row with no block (-1) in a group is
+        # sent to the group's first kept row, with that row's bytes (the same write twice), or,
+        # where no row keeps a block of the group, to block 0 with the bytes it holds (read just
+        # before, on the same stream).
+        n = ids.shape[0]
+        if n == 0:
+            return
+        data = src.reshape(n, -1).view(torch.uint8)
         for col, gi in enumerate(which):
-            keep = ids[:, col] >= 0
-            if not bool(keep.any()):
-                continue
-            group = self.ns.groups[gi]
+            group, part = self.ns.groups[gi], self.parts[gi]
             off, size = self.plan.offsets[gi], self.plan.sizes[gi]
-            rows = data[keep, off : off + size].contiguous()
-            part = rows.view(torch_dtype(group.dtype)).view(rows.shape[0], *group.part_shape(self.ns.block_size))
-            self.parts[gi].scatter(ids[keep, col], part)
+            col_ids, entries = ids[:, col], data[:, off : off + size]
+            keep = col_ids >= 0
+            first = keep.to(torch.int32).argmax().view(1)  # the first kept row (0 when none is)
+            fill_id = col_ids.index_select(0, first).clamp(min=0)
+            held = part.gather(fill_id).contiguous().view(1, -1).view(torch.uint8)
+            fill = torch.where(keep.index_select(0, first).view(1, 1), entries.index_select(0, first), held)
+            rows = torch.where(keep.view(n, 1), entries, fill)
+            part.scatter(torch.where(keep, col_ids, fill_id),
+                         rows.view(torch_dtype(group.dtype)).view(n, *group.part_shape(self.ns.block_size)))
 
     def gather(self, rows: torch.Tensor) -> torch.Tensor:
         """Block entries ``[n, entry]`` of the token-group rows ``[n, token groups]``."""

@@ -8,6 +8,7 @@ kernel (used on CUDA, or on CPU when ``TRITON_INTERPRET=1``) and a torch fallbac
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -75,8 +76,16 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
         raise ValueError("store_kvcache_triton needs contiguous per-layer caches")
     row_block = min(triton.next_power_of_2(row_size), 1024)
     grid = (num_tokens, triton.cdiv(row_size, row_block))
-    kernel[grid](key, value, k_cache, v_cache, slot_mapping.contiguous(),
-                 key.stride(0), value.stride(0), row_size, ROW_BLOCK=row_block)
+    # it launches on the current CUDA device, not on the caches'; and it only moves elements, so
+    # fp8 goes as bytes (Triton refuses fp8 types on GPUs before sm_89)
+    guard = torch.cuda.device(k_cache.device) if k_cache.is_cuda else contextlib.nullcontext()
+    with guard:
+        kernel[grid](_bytes(key), _bytes(value), _bytes(k_cache), _bytes(v_cache), slot_mapping.contiguous(),
+                     key.stride(0), value.stride(0), row_size, ROW_BLOCK=row_block)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
 
 
 def triton_available() -> bool:

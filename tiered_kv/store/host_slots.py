@@ -246,14 +246,19 @@ class HostSlots:
 
     def gather_range(self, slots: Sequence[int], start: int, end: int, device: torch.device | None = None) -> torch.Tensor:
         """Bytes ``start:end`` of the blocks of ``slots`` as one new ``[n, end - start]`` uint8
-        tensor (a layer group of each block: its leading dimension is the layers). On a CUDA
+        tensor (a layer group of each block: its leading dimension is the layers). With a
         ``device`` the ranges are copied straight from the (pinned) slab, queued on the current
-        stream; the caller waits for that stream before the slots are released."""
-        if device is None or device.type != "cuda":
+        CUDA stream: one copy per run of consecutive slots when the range is the whole block,
+        else one per slot (a block is ``[layers, ...]``, so a layer group's bytes in consecutive
+        slots lie apart, and torch stages a strided host source through pageable memory, on the
+        calling thread). The caller waits for that stream before the slots are released."""
+        if device is None:
             return self._blocks[:, start:end].index_select(0, torch.tensor(list(slots), dtype=torch.long))
         out = torch.empty((len(slots), end - start), dtype=torch.uint8, device=device)
-        for pos, slot in enumerate(slots):  # a strided host source would be staged by torch
-            out[pos].copy_(self._blocks[slot, start:end], non_blocking=True)
+        whole = start == 0 and end == self.block_nbytes
+        runs = self.runs(slots) if whole else [(pos, slot, 1) for pos, slot in enumerate(slots)]
+        for pos, first, count in runs:  # (each source contiguous: never staged)
+            out[pos : pos + count].copy_(self._blocks[first : first + count, start:end], non_blocking=True)
         return out
 
     def fill(self, slots: Sequence[int], data: torch.Tensor, *, non_blocking: bool = False) -> None:
