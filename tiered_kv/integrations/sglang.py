@@ -64,6 +64,9 @@ ADAPTER_KEYS = frozenset({"model_id", "revision", "write_timeout", "tiered_kv"})
 NOT_REGISTERED = "SGLang has not registered its host pool with the storage backend yet"
 DEFAULT_STAGED_PAGES = 4 * 128  # host staging tier: 4 of SGLang's storage batches
 READER_STAGED_PAGES = 2 * 128  # a rank that never writes: a read loads half the host tier at once
+# per-call samples kept for get_stats: SGLang drains them only under --enable-metrics, so without
+# it they would grow by one per prefetch/backup for the life of the server
+METRIC_SAMPLES = 4096
 
 
 def _answers(default: Callable[..., Any]):
@@ -324,5 +327,7 @@ class TieredKVHiCacheStorage(HiCacheStorage):
             return
         seconds = max(time.perf_counter() - started, 1e-9)
         with self._metrics_lock:
+            if len(self._metrics[f"{what}_pgs"]) >= METRIC_SAMPLES:  # (nobody asked: see METRIC_SAMPLES)
+                return
             self._metrics[f"{what}_pgs"].append(pages)
             self._metrics[f"{what}_bandwidth"].append(pages * self.geometry.page_bytes / seconds / 1e9)
