@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +20,7 @@ from tests.integrations.vllm_engine import BS, Engine, FullAttentionSpec, kv_cac
 from tiered_kv.connector.layout import make_layout
 from tiered_kv.engine.weights import file_revision
 from tiered_kv.errors import ConfigError
-from tiered_kv.fingerprint import LORA_RECHECK_S
+from tiered_kv.fingerprint import LORA_RECHECK_S, PathFingerprints
 from tiered_kv.integrations.common import parse_settings
 from tiered_kv.integrations.trtllm import _view, trtllm_namespace
 from tiered_kv.integrations.vllm import KVConnectorRole, TieredKVConnector, vllm_namespace
@@ -309,19 +308,44 @@ def lora_adapter(tmp_path):
     return adapter
 
 
-def test_a_lora_adapter_replaced_under_the_same_name_and_id_gets_other_keys(tmp_path):
+class StoppedClock:
+    """A clock that moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def lora_clock(monkeypatch) -> StoppedClock:
+    """The scheduler halves' LoRA fingerprints (vLLM's and TensorRT-LLM's) re-stat an adapter's
+    files on this clock: a test moves it past ``LORA_RECHECK_S`` instead of sleeping."""
+    from tiered_kv.integrations import trtllm_requests, vllm_scheduler
+
+    clock = StoppedClock()
+    fingerprints = PathFingerprints(clock=clock)
+    monkeypatch.setattr(vllm_scheduler, "LORA_FINGERPRINTS", fingerprints)
+    monkeypatch.setattr(trtllm_requests, "LORA_FINGERPRINTS", fingerprints)
+    return clock
+
+
+def test_a_lora_adapter_replaced_under_the_same_name_and_id_gets_other_keys(tmp_path, lora_clock):
     adapter = lora_adapter(tmp_path)
     before = _key_extra(lora_request(adapter))
     assert before.startswith("lora=support-bot:1:files-")
-    time.sleep(LORA_RECHECK_S + 0.1)
+    lora_clock.now += LORA_RECHECK_S
     assert _key_extra(lora_request(adapter)) == before  # untouched files: the same keys
     rewrite_same_size(adapter / "adapter_model.safetensors")
-    time.sleep(LORA_RECHECK_S + 0.1)
+    lora_clock.now += LORA_RECHECK_S / 2
+    assert _key_extra(lora_request(adapter)) == before  # within the recheck interval: the cached files
+    lora_clock.now += LORA_RECHECK_S / 2
     after = _key_extra(lora_request(adapter))
     assert after != before and after.startswith("lora=support-bot:1:files-")
 
 
-def test_lora_lookups_do_not_stat_the_adapter_every_time(tmp_path):
+def test_lora_lookups_do_not_stat_the_adapter_every_time(tmp_path, lora_clock):
     adapter = lora_adapter(tmp_path)
     first = _key_extra(lora_request(adapter))
     assert ":files-" in first
@@ -331,7 +355,8 @@ def test_lora_lookups_do_not_stat_the_adapter_every_time(tmp_path):
     assert _key_extra(lora_request(adapter)) == first  # served from the cache, no filesystem call
 
 
-def test_trtllm_lora_adapter_rewritten_under_its_task_id_is_refused_while_the_engine_keeps_the_first(tmp_path):
+def test_trtllm_lora_adapter_rewritten_under_its_task_id_is_refused_while_the_engine_keeps_the_first(
+        tmp_path, lora_clock):
     """TensorRT-LLM computes a task id with the weights it first loaded for the life of the
     process: files rewritten in place name weights it never loads, so their requests are refused;
     requests by the bare task id keep the first files' keys."""
@@ -345,7 +370,7 @@ def test_trtllm_lora_adapter_rewritten_under_its_task_id_is_refused_while_the_en
     assert "lora_task_id=77" in loading and "lora_files=files-" in loading
     assert _view(request(2, None)).key_extra == loading  # later requests reuse the loaded adapter
     rewrite_same_size(adapter / "adapter_model.safetensors")
-    time.sleep(LORA_RECHECK_S + 0.1)
+    lora_clock.now += LORA_RECHECK_S
     assert _view(request(3, str(adapter))) is None
     assert _view(request(4, None)).key_extra == loading
 

@@ -10,7 +10,7 @@ one stalls them, a stopped one is down."""
 from __future__ import annotations
 
 import os
-import time
+import threading
 
 import pytest
 import redis
@@ -21,6 +21,8 @@ from tiered_kv.errors import ConfigError, TieredKVError
 from tiered_kv.integrations.sglang import TieredKVHiCacheStorage
 
 SGLANG_JOIN_S = 10.0  # cache_controller._stop_storage_threads joins each storage thread this long
+HANG_GUARD_S = 60.0  # only so a call stuck on a hung tier fails the test instead of hanging it
+STALLED_MS = 3_600_000  # a Redis paused this long (and a client waiting this long) never answers within it
 
 
 @pytest.fixture(autouse=True)
@@ -99,16 +101,24 @@ def test_regression_a_backup_waiting_on_a_stalled_tier_outlived_sglangs_10s_thre
     with pytest.raises(ConfigError, match="write_timeout"):
         attach(pool, disk=disk(tmp_path), write_timeout=60)  # a setting that could outlive it
 
-    # a Redis that stalls every write: the backup comes back at write_timeout, answering not stored
-    storage = attach(pool, remote={"url": own_redis.url}, write_timeout="300ms")
+    # a Redis that stalls every write for an hour, the client waiting as long: the backup comes back
+    # at write_timeout, answering not stored, while its write is still waiting on Redis
+    storage = attach(pool, remote={"url": own_redis.url, "timeout": f"{STALLED_MS}ms", "retries": 0},
+                     write_timeout="300ms")
     r = redis.Redis.from_url(own_redis.url)
-    r.execute_command("CLIENT", "PAUSE", 3000, "WRITE")
+    r.execute_command("CLIENT", "PAUSE", STALLED_MS, "WRITE")
+    answers: list = []
+    backup = threading.Thread(target=lambda: answers.append(
+        storage.batch_set_v1(sglang_keys(2), pool.page_indices(0, 2))), daemon=True)
     try:
-        started = time.monotonic()
-        assert storage.batch_set_v1(sglang_keys(2), pool.page_indices(0, 2)) == [False, False]
-        assert time.monotonic() - started < 2.0
+        backup.start()
+        backup.join(HANG_GUARD_S)
+        assert not backup.is_alive(), "the backup waited on the stalled Redis"
+        assert answers == [[False, False]]
+        assert not storage.store.pool.drain(0)  # its write-behind still waits on Redis
     finally:
         r.execute_command("CLIENT", "UNPAUSE")
+        backup.join(HANG_GUARD_S)
         storage.close()
 
 
@@ -168,13 +178,22 @@ def test_regression_a_failed_clear_was_reported_to_sglang_as_cleared(tmp_path, o
 
 def test_a_clear_while_backups_are_still_being_written_clears_nothing_and_says_so(tmp_path, own_redis):
     pool = MHAPool("page_first", seed=1)
-    storage = attach(pool, remote={"url": own_redis.url}, write_timeout="300ms")
+    # Redis stalls writes for an hour (the client waiting as long): the backups are still being
+    # written whenever the clear looks, however slowly this machine runs
+    storage = attach(pool, remote={"url": own_redis.url, "timeout": f"{STALLED_MS}ms", "retries": 0},
+                     write_timeout="300ms")
     r = redis.Redis.from_url(own_redis.url)
-    r.execute_command("CLIENT", "PAUSE", 3000, "WRITE")
+    r.execute_command("CLIENT", "PAUSE", STALLED_MS, "WRITE")
     try:
         storage.batch_set_v1(sglang_keys(2), pool.page_indices(0, 2))  # still being written
-        with pytest.raises(TieredKVError, match="nothing cleared"):
+        # (said at once, or, when the clear's thread was slower than clear() waits for it, as
+        # going on in the background: that thread then clears nothing either)
+        with pytest.raises(TieredKVError, match="nothing cleared|in the background"):
             storage.clear()  # (the write landing after it would bring the pages back)
+        storage._clearing.join(HANG_GUARD_S)
+        assert not storage._clearing.is_alive(), "the clear waited on the stalled Redis"
+        assert len(list(storage.store.host.scan())) == 2  # the staged pages: not cleared
+        assert not storage.store.pool.drain(0)  # (their writes still wait on Redis)
     finally:
         r.execute_command("CLIENT", "UNPAUSE")
         storage.close()
@@ -183,9 +202,9 @@ def test_a_clear_while_backups_are_still_being_written_clears_nothing_and_says_s
 def test_regression_a_backup_larger_than_the_staging_tier_waited_on_a_hung_tier_for_as_long_as_it_hung(tmp_path):
     # more pages than the host staging tier holds are staged in chunks, each waiting for the
     # write-behind of the ones before: with the disk tier hung (a stalled network disk, another
-    # process holding LMDB's writer) that wait had no bound, past SGLang's 10 s thread join
-    import threading
-
+    # process holding LMDB's writer) that wait had no bound, past SGLang's 10 s thread join.
+    # The hung tier answers only when the test lets it: the backup returning at all, within the
+    # hang guard, is what SGLang's join needs (its own wait is write_timeout)
     pool = MHAPool("page_first", seed=1)
     probe = attach(pool, disk=disk(tmp_path))
     page_bytes = probe.store.block_nbytes
@@ -193,19 +212,19 @@ def test_regression_a_backup_larger_than_the_staging_tier_waited_on_a_hung_tier_
     storage = attach(pool, disk=disk(tmp_path), host={"capacity": 4 * page_bytes}, write_timeout="300ms")
     backend, hung = storage.store.tier("disk").backend, threading.Event()
     put_many = backend.put_many
-    backend.put_many = lambda items, **kw: hung.wait(60) and put_many(items, **kw)
+    backend.put_many = lambda items, **kw: hung.wait(STALLED_MS / 1000) and put_many(items, **kw)
     answers: list = []
     backup = threading.Thread(target=lambda: answers.append(
         storage.batch_set_v1(sglang_keys(12), pool.page_indices(0, 12))))
     try:
         backup.start()
-        backup.join(SGLANG_JOIN_S - 2)
+        backup.join(HANG_GUARD_S)
         assert not backup.is_alive(), "the backup waited on the hung disk tier"
         assert answers == [[False] * 12]  # nothing was written: nothing reported stored
         assert storage.store.metrics.events["saves_no_room"] > 0  # what found no room, counted
     finally:
         hung.set()
-        backup.join(30)
+        backup.join(HANG_GUARD_S)
         storage.close()
 
 
@@ -220,7 +239,7 @@ def test_a_clear_with_a_hung_tier_does_not_stall_sglangs_scheduler_thread(tmp_pa
     assert storage.batch_set_v1(keys, pool.page_indices(0, 3)) == [True] * 3
     backend, hung, entered = storage.store.tier("disk").backend, threading.Event(), threading.Event()
     delete_many = backend.delete_many
-    backend.delete_many = lambda batch, **kw: (entered.set(), hung.wait(60)) and delete_many(batch, **kw)
+    backend.delete_many = lambda batch, **kw: (entered.set(), hung.wait(STALLED_MS / 1000)) and delete_many(batch, **kw)
     answers: list = []
 
     def scheduler_clear():
@@ -233,15 +252,15 @@ def test_a_clear_with_a_hung_tier_does_not_stall_sglangs_scheduler_thread(tmp_pa
     scheduler = threading.Thread(target=scheduler_clear, daemon=True)
     try:
         scheduler.start()
-        assert entered.wait(30)  # the deletes reached the hung tier
-        scheduler.join(SGLANG_JOIN_S)
+        assert entered.wait(HANG_GUARD_S)  # the deletes reached the hung tier
+        scheduler.join(HANG_GUARD_S)  # (clear() itself waits 2 x write_timeout; the tier answers only when let)
         assert not scheduler.is_alive(), "clear() waited on the hung disk tier"
         assert len(answers) == 1 and "background" in str(answers[0])  # SGLang: logged, clear() -> False
         with pytest.raises(TieredKVError, match="still running"):
             storage.clear()  # one at a time
     finally:
         hung.set()
-        storage._clearing.join(30)
+        storage._clearing.join(HANG_GUARD_S)
     storage.clear()  # the tier answers again: the next clear goes through
     assert storage.batch_exists(keys) == 0
     storage.close()

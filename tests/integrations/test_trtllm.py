@@ -20,6 +20,8 @@ from tests.integrations.trtllm_executor import (
 from tiered_kv.errors import ConfigError
 from tiered_kv.integrations.trtllm import TieredKVScheduler, TieredKVWorker
 
+HANG_GUARD_S = 120  # only so a scheduler stuck on the hung Redis fails the test instead of hanging it
+
 
 @pytest.fixture
 def llm_args(tmp_path, monkeypatch):
@@ -265,25 +267,40 @@ def test_the_llm_api_example_attaches_our_classes_with_a_valid_environment(tmp_p
 
 
 def test_hung_redis_never_stalls_the_trtllm_scheduler_and_outputs_stay_identical(llm_args, monkeypatch, own_redis):
+    # landed code waited on every lookup for Redis's own timeout (x 3 tries), per request, per
+    # step. Nothing here is timed: Redis's timeout is an hour, so steps that waited on the hung
+    # Redis even once could not finish within the hang guard.
     import signal
-    import time
+    import threading
 
     monkeypatch.delenv("TIERED_KV_DISK_URL")  # blocks live in Redis only (and the host tier)
     monkeypatch.setenv("TIERED_KV_REMOTE_URL", own_redis.url)
-    monkeypatch.setenv("TIERED_KV_REMOTE_TIMEOUT", "1s")
+    monkeypatch.setenv("TIERED_KV_REMOTE_TIMEOUT", "1h")
     monkeypatch.setenv("TIERED_KV_LOOKUP_TIMEOUT", "50ms")
     reference, _ = run(llm_args, PROMPTS, connector=False)
     first, _ = run(llm_args, PROMPTS)  # fills Redis
-    own_redis.proc.send_signal(signal.SIGSTOP)  # a new engine (empty host tier); Redis hangs
+    # a new engine (empty host tier), opened while Redis answers (opening reads its cost records)
+    sched, worker = TieredKVScheduler(llm_args), TieredKVWorker(llm_args)
+    ex = Executor(sched, worker)
+    for rid, p in PROMPTS.items():
+        ex.add(rid, p)
+    outputs: list = []
+    steps = threading.Thread(target=lambda: outputs.append(ex.run()), daemon=True)
+    remote = sched.store.presence.gates["remote"]
+    own_redis.proc.send_signal(signal.SIGSTOP)  # Redis hangs
     try:
-        t0 = time.perf_counter()
-        second, ex = run(llm_args, PROMPTS)
-        elapsed = time.perf_counter() - t0
+        steps.start()
+        steps.join(HANG_GUARD_S)
+        assert not steps.is_alive(), "the scheduler waited on the hung Redis"
+        assert remote._late is not None and not remote._late.done()  # the lookup Redis never answered
     finally:
         own_redis.proc.send_signal(signal.SIGCONT)
-    assert first == second == reference
+        steps.join(HANG_GUARD_S)
+        sched.close()
+        worker.close()
+    assert first == outputs[0] == reference
     assert all(n == 0 for n, _ in matched(ex).values())  # unanswered Redis: misses, recomputed
-    assert elapsed < 3.0  # landed code: 1 s x 3 tries per lookup, per request, per step
+    assert remote.timeouts == len(PROMPTS)  # one lookup waited on (the first); the rest skipped the tier
 
 
 def test_a_request_that_hits_the_host_counts_once_for_admission(tmp_path, monkeypatch):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import re
 import struct
 import threading
-import time
 import typing
 
 import numpy as np
@@ -144,12 +143,16 @@ def test_decode_reads_from_a_slice_of_a_larger_buffer():
     assert bytes(payload) == as_bytes(kv_like(torch.bfloat16)).tobytes()
 
 
-def test_created_time_is_stored_and_defaults_to_now():
+def test_created_time_is_stored_and_defaults_to_now(monkeypatch):
+    from types import SimpleNamespace
+
+    import tiered_kv.store.codec as codec_module
+
     t = kv_like(torch.float16)
     assert BlockCodec.read_header(encode(t, "zstd", "float16", created=1234.5)).created == 1234.5
-    before = time.time()
-    created = BlockCodec.read_header(encode(t, "zstd", "float16")).created
-    assert before - 1 <= created <= time.time() + 1
+    # "now" is the codec's wall clock, stopped here: no window around this machine's time
+    monkeypatch.setattr(codec_module, "time", SimpleNamespace(time=lambda: 1_700_000_000.125))
+    assert BlockCodec.read_header(encode(t, "zstd", "float16")).created == 1_700_000_000.125
 
 
 def test_shuffle_compresses_bf16_kv_better_than_plain_zstd():
