@@ -364,3 +364,25 @@ def test_regression_a_load_through_the_host_slots_waited_behind_saves_stuck_on_a
             assert all(torch.equal(o, p) for o, p in zip(outs, payloads(store, 4)))
         finally:
             hung.set()
+
+
+def test_regression_a_hung_redis_held_the_stores_start_up_for_its_timeout_times_its_tries(own_redis):
+    # the store read its restore estimates from the namespace record on the caller's thread at
+    # start-up: with Redis hung, an engine's start waited Redis's timeout x tries (here 60 s x 3)
+    with make_store(None, remote_url=own_redis.url) as writer:  # (a namespace record in Redis)
+        writer.save(keys_for(4), payloads(writer, 4))
+        writer.flush()
+    own_redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        opened = _returned(lambda: make_store(None, remote_url=own_redis.url, lookup_timeout="50ms",
+                                              remote={"url": own_redis.url, **HUNG_REDIS}))
+        assert opened is not None, "the store's start-up waited on the hung Redis"
+        try:
+            assert not opened.cost_record.loaded.is_set(), "the estimates' read ended: Redis was not hung"
+            assert opened.cost_record.save() is False  # (nothing written over a record not read yet)
+            assert _hung(own_redis), "Redis answered: nothing here was hung"
+        finally:
+            own_redis.proc.send_signal(signal.SIGCONT)
+            opened.close()
+    finally:
+        own_redis.proc.send_signal(signal.SIGCONT)

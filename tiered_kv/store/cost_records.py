@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 COSTS_FORMAT = 2
 COSTS_SAVE_S = 60.0  # a store writes its estimates at most this often (and at flush / close)
 COSTS_REFRESH_S = 60.0  # the scheduler's lookup index reads them back this often
+START_READ_WAIT_S = 1.0  # a store's start-up waits this long for its estimates (a hung tier: not longer)
 MAX_MACHINES = 8  # classes of machine a record keeps estimates of (the most recently written)
 ANY = "any"  # read_costs(machine=ANY): the most recently written entry, of whatever machine
 
@@ -130,7 +131,11 @@ class CostsKeeper:
         self._stop = threading.Event()
         self.loaded = threading.Event()
         background = bool(self.tiers) and every > 0
-        if writes or not background:
+        if writes and background:  # (read on a thread: a hung tier held the engine's start-up
+            # for its timeout x tries; past the wait the store starts without them, they come later)
+            threading.Thread(target=self.load, daemon=True, name="tiered-kv-costs-read").start()
+            self.loaded.wait(START_READ_WAIT_S)
+        elif writes or not background:
             self.load()
         self._thread = None
         if background:
@@ -160,7 +165,8 @@ class CostsKeeper:
         namespace gets none)."""
         with self._lock:
             changes = self.costs.changes
-            if not self.writes or changes == self._written or self.costs.empty():
+            # (not before the record was read: this machine's entry there would be overwritten)
+            if not self.writes or not self.loaded.is_set() or changes == self._written or self.costs.empty():
                 return False
             snapshot, key = self.costs.snapshot(), namespace_key(self.digest)
             for name, backend in self.tiers:
