@@ -13,6 +13,13 @@ What it copies from TensorRT-LLM (``pyexecutor/kv_cache_connector.py``, ``resour
 - per step: ``build_connector_meta`` -> ``bind_connector_meta`` -> ``start_load_kv`` -> per layer
   ``wait_for_layer_load`` / ``save_kv_layer`` -> ``wait_for_save`` -> sample ->
   ``request_finished`` -> ``get_finished(new saving ids, new loading ids)``;
+- a cancel (``_handle_canceled_requests`` then ``_handle_responses`` -> ``_terminate_request``: after
+  the step's sampling, before ``get_finished``; ``request_finished`` for any request the KV cache
+  manager holds, an async load in flight included, its blocks freed unless held) and a pause
+  (``_pause_requests``, MAX_UTILIZATION: ``LlmRequest.pause`` folds the generated tokens into the
+  prompt and restarts its context, then ``_terminate_request``). The output manager keeps its
+  entry (``KvCacheConnectorSchedulerOutputManager.requests`` is never emptied before
+  ``reset_request``): scheduled again, the request is *cached*, with deltas against its old blocks;
 - ``v2=True`` (``KVCacheManagerV2``): ``register_kv_cache_layout(KvCacheLayout)`` in place of
   ``register_kv_caches``, and the per-layer-group forms ``update_state_after_alloc_by_layer_group``
   / ``request_finished_by_layer_group`` with one group's list, ``new_block_ids_by_layer_group``
@@ -165,7 +172,8 @@ class Executor:
         self.reported: dict[int, tuple[int, int]] = {}  # request -> (tokens, blocks) reported
         self.new_loading: set[int] = set()  # async loads not yet passed to get_finished
         self.new_saving: set[int] = set()  # held saves not yet passed to get_finished
-        self.held: dict[int, list[int]] = {}  # finished requests whose blocks the connector holds
+        self.held: dict[int, list[int]] = {}  # ended requests -> the blocks the connector holds
+        self.to_cancel: set[int] = set()  # cancels to handle in the next step (TensorRT-LLM's queue)
         self.log: list[tuple] = []  # (step, event, request id, detail)
         self.step_no = 0
         self.computed_tokens = 0
@@ -232,6 +240,14 @@ class Executor:
         self._forward(batch)
         self.worker.wait_for_save(None)
         finished = self._sample(batch)
+        for rid in sorted(self.to_cancel):  # (_handle_canceled_requests: finished by reason CANCELLED)
+            req = self.requests[rid]
+            if req.state == "new":  # not in the KV cache manager (get_cache_indices raises): no call
+                req.state = "done"
+            elif req.state not in ("done", "saving", "stalled"):
+                req.state = "done"
+                finished.append(req)
+        self.to_cancel.clear()
         for req in finished:
             if self.v2:
                 hold = self.scheduler.request_finished_by_layer_group(req, [list(req.block_ids)])
@@ -241,8 +257,28 @@ class Executor:
             self._end(req, hold)
         self._get_finished()
 
+    def cancel(self, rid: int) -> None:
+        """A client's cancel, handled in the next step after its sampling (see :meth:`step`)."""
+        self.to_cancel.add(rid)
+
+    def pause(self, rid: int) -> None:
+        """``_pause_requests`` before the step's allocation: ``LlmRequest.pause`` (the generated
+        tokens become prompt, the context restarts at 0), then ``_terminate_request``. Its entry in
+        ``reported`` stays (the output manager's). A request the connector holds is left in
+        ``DISAGG_CONTEXT_TRANS_IN_PROGRESS`` by ``KvCacheConnectorManager.request_finished``, which
+        no scheduler picks up again: parked here as "stalled"."""
+        req = self.requests[rid]
+        hold = self.scheduler.request_finished(req, list(req.block_ids))
+        self.log.append((self.step_no, "paused", rid, hold))
+        self._end(req, hold)
+        if hold:
+            req.state = "stalled"
+            return
+        req.max_new_tokens -= len(req.tokens) - req.prompt_len
+        req.prompt_len, req.context_current_position, req.matched, req.state = len(req.tokens), 0, 0, "new"
+
     def _end(self, req, hold: bool) -> None:
-        """A finished request: held while the connector saves it, else its blocks freed."""
+        """An ended request: its blocks held while the connector saves it, else freed."""
         if hold:
             req.state = "saving"
             self.held[req.request_id] = req.block_ids
@@ -289,12 +325,13 @@ class Executor:
         saved, loaded = self.worker.get_finished(saving, loading)
         for rid in saved:
             self.log.append((self.step_no, "saved", rid, None))
-            self.requests[rid].state = "done"
-            self._free(self.requests[rid])
-            del self.held[rid]
-        for rid in loaded:
+            self.free.extend(self.held.pop(rid))
+            if self.requests[rid].state == "saving":
+                self.requests[rid].state, self.requests[rid].block_ids = "done", []
+        for rid in loaded:  # (TensorRT-LLM sets a cancelled one's state too: it is out of the batch)
             self.log.append((self.step_no, "loaded", rid, None))
-            self.requests[rid].state = "context"
+            if self.requests[rid].state == "loading":
+                self.requests[rid].state = "context"
 
     def _free(self, req: LlmRequest) -> None:
         self.free.extend(req.block_ids)

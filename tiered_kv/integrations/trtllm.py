@@ -53,8 +53,6 @@ from tiered_kv.connector.restore_policy import RestorePolicy
 from tiered_kv.connector.scheduler import ConnectorScheduler
 from tiered_kv.errors import ConfigError, StoreClosed
 from tiered_kv.integrations.common import (
-    RequestStep,
-    StepOutput,
     acquire_store,
     parse_settings,
     release_store,
@@ -64,6 +62,7 @@ from tiered_kv.integrations.trtllm_model import SOURCE, WINDOWED, one_group, pag
 from tiered_kv.integrations.trtllm_model import target_pool as _target
 from tiered_kv.integrations.trtllm_requests import beams, unkeyed
 from tiered_kv.integrations.trtllm_requests import request_view as _view
+from tiered_kv.integrations.trtllm_steps import core_steps
 from tiered_kv.keys import tenant_label
 from tiered_kv.store.futures import gather
 
@@ -122,7 +121,8 @@ class TieredKVScheduler(_SchedulerBase):
             self.core = ConnectorScheduler(self.store, self.namespace, load_async=self.settings.load_async,
                                            save=self.settings.save, restore=restore)
         self._verified: dict[Any, tuple[int, int, Any]] = {}  # request -> (device, external, plan)
-        self._device_prefix: dict[Any, int] = {}  # request -> device prefix at allocation
+        # request -> (device prefix, tokens) at its allocation, until listed (.trtllm_steps)
+        self._device_prefix: dict[Any, tuple[int, list[int]]] = {}
         self._unkeyed: set = set()  # live requests the keys cannot name (never loaded or saved)
         self._beamed: dict = {}  # live requests with several beams -> prompt length (only it is saved)
         log.info("tiered-kv TensorRT-LLM scheduler: %s, block %d tokens, %s loads",
@@ -179,28 +179,16 @@ class TieredKVScheduler(_SchedulerBase):
         if beams(request) > 1:
             self._beamed[view.request_id] = view.num_prompt_tokens
         device, external, plan = self._verified.pop(view.request_id, (0, 0, None))
-        self._device_prefix[view.request_id] = device
+        self._device_prefix[view.request_id] = (device, list(request.get_tokens(0)))
         # the core leases the promised blocks (now host-resident) before our read plan lets go
         self.core.update_state_after_alloc(view, list(block_ids), external)
         if plan is not None:
             self._release(plan)
 
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMeta:
-        for rd in (*scheduler_output.new_requests, *scheduler_output.cached_requests):
-            groups = getattr(rd, "new_block_ids_by_layer_group", None)
-            if groups is not None and len(groups) > 1:
-                one_group(groups, rd.request_id, "build_connector_meta")
-            pages(rd.new_block_ids, rd.request_id, "build_connector_meta")
-        new = [RequestStep(rd.request_id, list(rd.new_tokens)[: self._beamed.get(rd.request_id)], rd.new_block_ids,
-                     self._device_prefix.pop(rd.request_id, rd.computed_position),
-                     rd.num_scheduled_tokens) for rd in scheduler_output.new_requests
-               if rd.request_id not in self._unkeyed]
-        # (an unkeyed request, unknown to the core, only adds its tokens to the step's work)
-        cached = [rd if rd.request_id not in self._beamed else  # (its generated tokens never key a block)
-                  RequestStep(rd.request_id, (), rd.new_block_ids, rd.computed_position, rd.num_scheduled_tokens)
-                  for rd in scheduler_output.cached_requests]
-        cached += [rd for rd in scheduler_output.new_requests if rd.request_id in self._unkeyed]
-        return self.core.build_connector_meta(StepOutput(new, cached))
+        """A request listed first after an allocation is new, in whichever list (:mod:`.trtllm_steps`)."""
+        return self.core.build_connector_meta(core_steps(scheduler_output, self._device_prefix, self._unkeyed,
+                                                         self._beamed))
 
     def request_finished(self, request: Any, cache_block_ids: Sequence[int]) -> bool:
         self._drop_verified(request.request_id)
