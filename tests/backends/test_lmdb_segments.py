@@ -18,8 +18,8 @@ import signal
 import subprocess
 import textwrap
 import threading
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -1193,7 +1193,7 @@ def test_a_drained_segments_descriptor_stays_open_for_a_reader_using_it_and_clos
     b.close()
 
 
-def test_a_descriptor_of_a_segment_another_process_drained_is_closed_once_unused(tmp_path):
+def test_a_descriptor_of_a_segment_another_process_drained_is_closed_once_unused(tmp_path, monkeypatch):
     db = tmp_path / "db"
     finish(child(f"""
         b = LmdbBackend({str(db)!r}, capacity=64 * MiB)
@@ -1213,7 +1213,12 @@ def test_a_descriptor_of_a_segment_another_process_drained_is_closed_once_unused
     """))
     assert not path.exists()
     assert descriptors_on(path) == 1  # nothing here knows yet
-    time.sleep(segment_pruning.PRUNE_EVERY_S + 0.1)
+    # the pruning's clock, stopped where it last pruned, then moved on by hand (no sleep)
+    now = [b.values.files.fds._pruning._last]
+    monkeypatch.setattr(segment_pruning, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    assert b.get_many([key(0)]) == [blob(0, 100 * KiB)]
+    assert descriptors_on(path) == 1, "pruned more often than once per PRUNE_EVERY_S"
+    now[0] += segment_pruning.PRUNE_EVERY_S
     assert b.get_many([key(0)]) == [blob(0, 100 * KiB)]  # any read looks after idle descriptors
     assert descriptors_on(path) == 0, "a deleted segment's disk space stays taken while it is open"
     b.close()

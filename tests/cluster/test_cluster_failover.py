@@ -72,12 +72,28 @@ def test_killed_replica_changes_nothing(own_redis_cluster):
     with make_store(host="16KiB", disk=None, remote_url=cluster.url, lookup_timeout=LOOKUP_S) as reader:
         assert all(bit_exact_loads(reader, keys, data))
         victim = cluster.replicas_of(masters_of(cluster, keys)[0])[0]
+        victim_id = cluster.node_id(victim)
         cluster.kill(victim)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 3:  # past the node timeout: the cluster marks it failed
+        deadline = time.monotonic() + DEADLINE_S  # (a hang guard only)
+        while True:  # until the cluster marks it failed (its node timeout passed), not a set time
             assert all(bit_exact_loads(reader, keys, data))
+            if _marked_failed(cluster, victim_id):
+                break
+            assert time.monotonic() < deadline, "the cluster never marked the killed replica failed"
+        assert all(bit_exact_loads(reader, keys, data))
         fresh = keys_for(8, first_token=70_000)
         reader.save(fresh, payloads(reader, 8, seed=4))
         reader.flush()
         assert reader.tier("remote").contains(fresh) == [True] * 8
         assert reader.metrics.misses("remote_unavailable") == 0
+
+
+def _marked_failed(cluster, node_id: str) -> bool:
+    """Whether every living master's view flags ``node_id`` ``fail`` (not only ``fail?``)."""
+    for master in cluster.masters():
+        nodes = master.client().execute_command("CLUSTER", "NODES")
+        text = nodes.decode() if isinstance(nodes, bytes) else nodes
+        flags = next((ln.split()[2].split(",") for ln in text.splitlines() if ln.startswith(node_id)), [])
+        if "fail" not in flags:
+            return False
+    return True

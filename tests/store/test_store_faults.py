@@ -12,6 +12,7 @@ from pathlib import Path
 
 import lmdb
 import pytest
+import redis
 import torch
 
 from tests.store.helpers import NS, keys_for, load, make_store, payloads, rewrite_stored_blocks
@@ -164,7 +165,8 @@ def test_block_stored_under_another_namespace_is_a_namespace_mismatch_miss(tmp_p
         assert store.metrics.misses("namespace_mismatch") == 2
 
 
-def test_redis_killed_mid_test_store_serves_host_and_disk_then_uses_redis_again(tmp_path, own_redis):
+def test_redis_killed_mid_test_store_serves_host_and_disk_then_uses_redis_again(tmp_path, own_redis,
+                                                                                monkeypatch):
     keys = keys_for(8)
     with make_store(tmp_path, host="64KiB", remote_url=own_redis.url) as store:
         data = payloads(store, 8)
@@ -172,13 +174,17 @@ def test_redis_killed_mid_test_store_serves_host_and_disk_then_uses_redis_again(
         store.flush()
         assert store.tier("remote").contains(keys[:4]) == [True] * 4
         own_redis.stop()
-        t0 = time.perf_counter()
+        made = _connects_per_thread(monkeypatch)
         store.save(keys[4:], data[4:])
         store.flush()
         assert store.lookup(keys) == 8, "host and disk keep serving"
         ok, outs = load(store, keys)
         assert all(ok) and all(torch.equal(a, b) for a, b in zip(data, outs))
-        assert time.perf_counter() - t0 < 15
+        # nothing waited on the dead Redis (counted, not timed): a thread's first call is refused
+        # at most 1 + retries times, then the open breaker refuses every later call unsent
+        retries = store.tier("remote").backend.retries
+        assert all(len(tries) <= 1 + retries for tries in made.values()), made
+        monkeypatch.undo()
         remote = store.metrics.snapshot()["tiers"]["remote"]
         assert store.metrics.events["remote_save_failed"] == 4  # the writes Redis missed, counted once
         # regression: the save's presence check counted 4 remote_unavailable misses, though no
@@ -190,6 +196,22 @@ def test_redis_killed_mid_test_store_serves_host_and_disk_then_uses_redis_again(
             assert time.monotonic() < deadline, "remote tier did not come back"
             time.sleep(0.2)
         assert store.tier("remote").contains(keys[-2:]) == [True, True]
+
+
+def _connects_per_thread(monkeypatch) -> dict[str, list[object]]:
+    """thread name -> the Redis connections it made from now on, but the breaker's background
+    probe (which keeps trying while Redis is away: it is no caller)."""
+    made: dict[str, list[object]] = {}
+    connect = redis.connection.Connection._connect
+
+    def counted_connect(conn):
+        name = threading.current_thread().name
+        if name != "tiered-kv-redis-probe":
+            made.setdefault(f"{name}/{threading.get_ident()}", []).append(conn)
+        return connect(conn)
+
+    monkeypatch.setattr(redis.connection.Connection, "_connect", counted_connect)
+    return made
 
 
 def _remote_put_works(store, keys) -> bool:
