@@ -48,7 +48,10 @@ def new_slab(num_slots: int, slot_bytes: int, pinned: bool) -> torch.Tensor:
             slab = torch.empty((num_slots, slot_bytes), dtype=torch.uint8)
         else:  # (mapped: page-aligned, and unmapped when its last view is gone)
             private = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS  # (mmap's default is shared: shmem pages)
-            flat = np.frombuffer(mmap.mmap(-1, max(1, num_slots * slot_bytes), flags=private), dtype=np.uint8)
+            mapped = mmap.mmap(-1, max(1, num_slots * slot_bytes), flags=private)
+            if hasattr(mmap, "MADV_DONTFORK"):  # a fork copies pinned private pages at once (64 GiB
+                mapped.madvise(mmap.MADV_DONTFORK)  # for a 64 GiB slab): children never get it
+            flat = np.frombuffer(mapped, dtype=np.uint8)
             slab = torch.from_numpy(flat[: num_slots * slot_bytes]).view(num_slots, slot_bytes)
     except (RuntimeError, OSError) as exc:
         raise refused(str(exc)) from None
@@ -59,11 +62,14 @@ def new_slab(num_slots: int, slot_bytes: int, pinned: bool) -> torch.Tensor:
         error = runtime.cudaHostRegister(ptr, slab.numel(), 1)  # (cudaHostRegisterPortable: every device)
         if int(error) != 0:
             raise refused(f"cudaHostRegister: {runtime.cudaGetErrorString(error)}")
-        weakref.finalize(flat, _unregister, runtime, ptr)  # (runs before the mapping goes)
+        # (runs before the mapping goes; not at the interpreter's exit, when CUDA may be gone)
+        weakref.finalize(flat, _unregister, runtime, ptr, os.getpid()).atexit = False
     return slab
 
 
-def _unregister(runtime, ptr: int) -> None:
+def _unregister(runtime, ptr: int, pid: int) -> None:
+    if os.getpid() != pid:  # (a forked child holds no registration, nor the memory)
+        return
     error = runtime.cudaHostUnregister(ptr)
     if int(error) != 0:
         log.warning("host tier: cudaHostUnregister of its slab failed: %s", runtime.cudaGetErrorString(error))

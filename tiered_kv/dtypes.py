@@ -39,3 +39,12 @@ def torch_dtype(name: str):
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"torch has no dtype {name!r}")
     return dtype
+
+
+def byte_view(t):
+    """``t`` itself, or its bytes when it holds a 1-byte float (fp8): copy kernels only move
+    elements, and Triton refuses to compile for fp8 types on GPUs before sm_89 (where vLLM still
+    keeps fp8 KV)."""
+    import torch
+
+    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t

@@ -120,3 +120,22 @@ def test_a_slab_cuda_refuses_to_lock_is_a_config_error_naming_the_setting(cuda_r
     monkeypatch.setattr(cuda_runtime, "cudaHostRegister", lambda ptr, size, flags: 2)
     with pytest.raises(ConfigError, match=r"host\.capacity.*page-locked.*error 2.*host\.pinned"):
         host_slab.new_slab(4, 64 * KiB, pinned=True)
+
+
+def test_a_pinned_slab_is_not_copied_into_forked_children(cuda_runtime):
+    # the kernel copies DMA-pinned private pages into a child at fork (a 64 GiB slab: 64 GiB);
+    # the slab is marked so no child gets it ("dc" among the mapping's flags)
+    slab = host_slab.new_slab(4, 64 * KiB, pinned=True)
+    start = slab.data_ptr()
+    flags = None
+    with open("/proc/self/smaps") as smaps:
+        inside = False
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                low, high = (int(x, 16) for x in head.split("-"))
+                inside = low <= start < high
+            elif inside and line.startswith("VmFlags:"):
+                flags = line.split()[1:]
+                break
+    assert flags is not None and "dc" in flags, flags

@@ -386,3 +386,30 @@ def test_regression_a_hung_redis_held_the_stores_start_up_for_its_timeout_times_
             opened.close()
     finally:
         own_redis.proc.send_signal(signal.SIGCONT)
+
+
+def test_regression_estimates_read_late_at_start_up_wiped_what_the_store_observed_meanwhile(own_redis):
+    # the start-up read that answered after its wait replaced every estimate the store had
+    # observed since (and marked them written, so they were never saved)
+    with make_store(None, remote_url=own_redis.url) as writer:
+        writer.save(keys_for(4), payloads(writer, 4))
+        writer.flush()
+        for _ in range(5):
+            writer.costs.observe_restore("remote", 1 << 20, 0.5)  # the record's: slow restores
+        assert writer.cost_record.save()
+    own_redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        store = _returned(lambda: make_store(None, remote_url=own_redis.url, lookup_timeout="50ms",
+                                             remote={"url": own_redis.url, **HUNG_REDIS}))
+        assert store is not None and not store.cost_record.loaded.is_set()
+        for _ in range(50):
+            store.costs.observe_restore("remote", 1 << 20, 0.001)  # seen since start: fast
+        seen = store.costs.snapshot()
+    finally:
+        own_redis.proc.send_signal(signal.SIGCONT)
+    try:
+        assert store.cost_record.loaded.wait(20), "the start-up read never ended"
+        assert store.costs.snapshot() == seen  # (the landed code: the record's five slow ones)
+        assert store.cost_record.save()  # and they are written over the record's entry
+    finally:
+        store.close()

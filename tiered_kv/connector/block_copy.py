@@ -16,6 +16,8 @@ import os
 
 import torch
 
+from tiered_kv.dtypes import byte_view
+
 TILE = 1024  # elements per program along a chunk
 
 
@@ -55,12 +57,6 @@ def _kernels():
     return triton, copy_chunks
 
 
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """``t`` itself, or its bytes when it holds fp8: the kernels only move elements, and Triton
-    refuses to compile for fp8 types on GPUs before sm_89 (where vLLM still keeps fp8 KV)."""
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
-
-
 def on_device(device: torch.device):
     """The device a Triton kernel launches on: it launches on the *current* CUDA device, not on
     its tensors' (a pool on another GPU was read and written at the current one's addresses)."""
@@ -74,7 +70,7 @@ def _launch(kv: torch.Tensor, ids: torch.Tensor, blocks: torch.Tensor, to_blocks
     chunk = kv[0, 0, 0].numel()
     grid = (ids.numel() * num_layers * 2, triton.cdiv(chunk, TILE))
     with on_device(kv.device):
-        kernel[grid](as_bytes(kv), as_bytes(blocks), ids, num_layers, num_blocks, chunk,
+        kernel[grid](byte_view(kv), byte_view(blocks), ids, num_layers, num_blocks, chunk,
                      TO_BLOCKS=to_blocks, TILE=TILE)
 
 

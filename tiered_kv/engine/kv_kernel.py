@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from tiered_kv.dtypes import byte_view
+
 logger = logging.getLogger(__name__)
 
 StoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -80,12 +82,8 @@ def store_kvcache_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.
     # fp8 goes as bytes (Triton refuses fp8 types on GPUs before sm_89)
     guard = torch.cuda.device(k_cache.device) if k_cache.is_cuda else contextlib.nullcontext()
     with guard:
-        kernel[grid](_bytes(key), _bytes(value), _bytes(k_cache), _bytes(v_cache), slot_mapping.contiguous(),
+        kernel[grid](byte_view(key), byte_view(value), byte_view(k_cache), byte_view(v_cache), slot_mapping.contiguous(),
                      key.stride(0), value.stride(0), row_size, ROW_BLOCK=row_block)
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.dtype.itemsize == 1 and t.dtype.is_floating_point else t
 
 
 def triton_available() -> bool:

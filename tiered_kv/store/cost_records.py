@@ -133,7 +133,8 @@ class CostsKeeper:
         background = bool(self.tiers) and every > 0
         if writes and background:  # (read on a thread: a hung tier held the engine's start-up
             # for its timeout x tries; past the wait the store starts without them, they come later)
-            threading.Thread(target=self.load, daemon=True, name="tiered-kv-costs-read").start()
+            before = costs.changes  # (a read answering after the wait must not undo what was seen since)
+            threading.Thread(target=self.load, args=(before,), daemon=True, name="tiered-kv-costs-read").start()
             self.loaded.wait(START_READ_WAIT_S)
         elif writes or not background:
             self.load()
@@ -143,12 +144,17 @@ class CostsKeeper:
                                             name="tiered-kv-costs")
             self._thread.start()
 
-    def load(self) -> bool:
+    def load(self, unchanged_since: int | None = None) -> bool:
         """Replace the estimates by this machine's entry in the record (when there is one, newer
-        than the last read)."""
+        than the last read); with ``unchanged_since``, only while the estimates have not moved
+        since that count (a store's first read that answered late: what the store observed
+        meanwhile is newer, and is written over the record's entry instead)."""
         try:
             doc = read_costs(self.tiers, self.digest)
             if doc is None or doc.get("written") == self._seen:
+                return False
+            if unchanged_since is not None and self.costs.changes != unchanged_since:
+                log.info("restore costs read late; the estimates observed since start are kept")
                 return False
             self.costs.restore_snapshot(doc)
             self._seen, self._written = doc.get("written"), self.costs.changes
