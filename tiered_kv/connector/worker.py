@@ -28,8 +28,8 @@ import torch
 
 from tiered_kv.config import layerwise_on
 from tiered_kv.connector.cost_observer import CostObserver
+from tiered_kv.connector.device_copies import scatter, settle_side_stream
 from tiered_kv.connector.group_layout import GroupLayout
-from tiered_kv.connector.host_spans import scatter_spans
 from tiered_kv.connector.layer_loads import LayerLoads
 from tiered_kv.connector.layout import KVLayout, device_ids, make_layout
 from tiered_kv.connector.load_starts import failed_plan, start_load
@@ -123,7 +123,7 @@ class ConnectorWorker:
         for spec in self.meta.loads:
             pending = _PendingLoad(spec, start_load(self.store, spec, layered and not spec.is_async))
             if spec.is_async:
-                self._async_loads[spec.request_id] = pending
+                self._add_async_load(pending)
             elif pending.plan.released:  # the store was closed: every block failed (.load_starts)
                 self._finish_load(pending)
             else:
@@ -142,6 +142,20 @@ class ConnectorWorker:
             self._finish_load(pending)
         if sync:
             self.costs.restored([p.plan for p in sync], time.perf_counter() - start)
+
+    def _add_async_load(self, pending: _PendingLoad) -> None:
+        """Keep ``pending`` until ``get_finished`` reports it. An earlier async load under its id
+        not reported yet is dropped: its lease released (else held for good), its blocks never
+        written. Defensive: vLLM makes ids unique (a random suffix) and refuses a duplicate of a
+        request held for its load report; an engine that reuses an id has aborted that request,
+        and waits for one report of the id, for the blocks of the new load."""
+        old = self._async_loads.pop(pending.spec.request_id, None)
+        if old is not None:
+            self.store.release(old.plan)  # (waits for its reads to leave the host slots)
+            self.store.metrics.event("async_loads_replaced")
+            log.warning("request %s: a second async load before the first was reported; the first is "
+                        "dropped", pending.spec.request_id)
+        self._async_loads[pending.spec.request_id] = pending
 
     def wait_for_layer_load(self, layer: int | None = None, *args, **kwargs) -> None:
         """Before layer ``layer`` (index among the layers that page KV) reads KV: copy its part in."""
@@ -200,26 +214,7 @@ class ConnectorWorker:
                      spec.request_id, len(bad), len(spec.block_ids))
 
     def _scatter(self, block_ids: list, slots: list[int], state: bool = False) -> None:
-        """Host ``slots`` into the device blocks ``block_ids``: on CPU a strided copy per run of
-        consecutive slots and blocks; on CUDA slab to device on a load stream, the scatter queued
-        on the engine's stream after it; waits for the copies alone (the slots are released next)."""
-        assert self.layout is not None, "register_kv_caches was not called"
-        device = self.layout.device
-        scatter = self.layout.scatter_state if state else self.layout.scatter
-        if device.type != "cuda":
-            if state or not isinstance(self.layout, KVLayout) or not scatter_spans(
-                    self.layout, self.store.slots, block_ids, slots):
-                scatter(torch.tensor(block_ids), self.store.slots.gather(slots))
-            return
-        current = torch.cuda.current_stream(device)
-        with torch.cuda.stream(self._load_stream):  # not behind the engine's queued work
-            src = self.store.slots.to_device(slots, device)  # allocated on the load stream
-            copied = torch.cuda.Event()
-            copied.record(self._load_stream)
-        current.wait_event(copied)
-        src.record_stream(current)  # the scatter reads it on the engine's stream
-        scatter(device_ids(block_ids, device), src)
-        copied.synchronize()
+        scatter(self.layout, self.store.slots, self._load_stream, block_ids, slots, state)  # (.device_copies)
 
     def take_failed_requests(self) -> set[str]:
         """Requests whose async load failed since the last call (engines that cannot map block
@@ -254,7 +249,7 @@ class ConnectorWorker:
                     self._gather([index[k] for k in batch.keys], batch.slots, batch, owners, state)
                 except Exception:  # (caches unregistered, a device error): a lost save, never a crash
                     log.exception("saving %d blocks failed; they are not stored", len(batch.keys))
-                    self._settle_side_stream()  # (copies it queued write the slots until then)
+                    settle_side_stream(self._stream)  # (copies it queued write the slots until then)
                     self.store.commit_save(batch, ok=False)
                     self.store.metrics.event("saves_failed", len(batch.keys))
         self._saves.commit_ready()
@@ -302,15 +297,6 @@ class ConnectorWorker:
         if self._reused_next_step:  # sliding-window blocks and running state change next step
             torch.cuda.current_stream(self.layout.device).wait_event(event)
         self._saves.add(batch, owners, event)
-
-    def _settle_side_stream(self) -> None:
-        """Wait for what a failed gather queued on the side stream: a copy into host slots that
-        are freed, then another block's, would overwrite it (a broken context runs nothing more)."""
-        try:
-            if self._stream is not None:
-                self._stream.synchronize()
-        except Exception:
-            log.exception("the save stream could not be synchronized")
 
     # -- completion ------------------------------------------------------------------------------
     def get_finished(self, finished_req_ids, started_loading_req_ids=()) -> tuple[list[str], list[str]]:
