@@ -25,9 +25,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
 
+from tiered_kv.connector.block_index import BlockIndex, locate, present
 from tiered_kv.connector.group_rows import GroupRows
+from tiered_kv.connector.held_saves import HeldSaves
 from tiered_kv.connector.meta import ConnectorMeta, LoadSpec, SaveSpec
 from tiered_kv.connector.restore_policy import Decision, RestorePolicy
 from tiered_kv.keys import KeyChain, Namespace, tenant_label
@@ -40,16 +41,6 @@ SUSPECT_STEPS = 4  # plans a withdrawn key stays absent for lookups (async sched
 # plan (same engine update), a preempted one's to the one after (async scheduling runs ahead)
 FINISHED_PLANS, PREEMPTED_PLANS = 1, 2
 NOT_YET = 1 << 62  # a block index no request reaches: none saved / planned yet
-
-
-class BlockIndex(Protocol):
-    """What the scheduler half needs of the store."""
-
-    def lookup(self, keys: Sequence[bytes]) -> int: ...
-
-    def lease(self, lease_id: str, keys: Sequence[bytes], tenant: bytes | None = None) -> Any: ...
-
-    def drop_lease(self, lease_id: str) -> None: ...
 
 
 @dataclass
@@ -88,6 +79,7 @@ class ConnectorScheduler:
         # lives of requests finished (vLLM's fail policy) or preempted before vLLM reported their
         # failed blocks, as they were, and the plans they are kept for (*_PLANS)
         self._gone: dict[str, tuple[_Request, int]] = {}
+        self._held = HeldSaves(namespace)  # saves of no_save steps, handed out one plan later
 
     # -- keys ----------------------------------------------------------------------------------
     def _state(self, request_id: str, tokens: Sequence[int], extra: str | None = None,
@@ -103,6 +95,10 @@ class ConnectorScheduler:
 
     def keys_of(self, request_id: str) -> list[bytes]:
         return self._requests[request_id].chain.keys
+
+    def held_saves(self) -> list[SaveSpec]:
+        """Saves planned in ``no_save`` steps, for the next plan (:mod:`.held_saves`)."""
+        return self._held.pending()
 
     def external_tokens(self, request_id: str) -> int:
         """Tokens matched externally when the request's blocks were allocated (0 if unknown)."""
@@ -131,7 +127,7 @@ class ConnectorScheduler:
             cuts = self._state_cuts(keys)
             n = cuts[-1] if cuts else 0
         self._matched_from[request.request_id] = first
-        decision = self.restore.decide(n, lambda: _locate(self.index, keys[:n]), first * bs,
+        decision = self.restore.decide(n, lambda: locate(self.index, keys[:n]), first * bs,
                                        request.num_prompt_tokens, cuts)
         self._decisions[request.request_id] = decision
         if decision.load_blocks == 0:
@@ -142,8 +138,8 @@ class ConnectorScheduler:
         """The prefixes of ``keys`` whose last block has a state entry, by length (a hybrid model
         resumes only where the recurrent layers' state is held)."""
         state_keys = [self.namespace.state_key(k) for k in keys]
-        present = _present(self.index, state_keys)
-        return [i + 1 for i in range(len(keys)) if present[i] and state_keys[i] not in self._suspect]
+        held = present(self.index, state_keys)
+        return [i + 1 for i in range(len(keys)) if held[i] and state_keys[i] not in self._suspect]
 
     def _set_blocks(self, state: _Request, block_ids) -> None:
         if self.grouped:
@@ -215,6 +211,7 @@ class ConnectorScheduler:
                      len(keys), len(failed))
             self._invalidate.extend(keys)
             self._suspect.update(dict.fromkeys(keys, SUSPECT_STEPS))
+        self._held.drop_failed(failed)
 
     def build_connector_meta(self, scheduler_output) -> ConnectorMeta:
         meta = ConnectorMeta(loads=self._loads, invalidate=tuple(dict.fromkeys(self._invalidate)))
@@ -222,13 +219,16 @@ class ConnectorScheduler:
         self._gone = {rid: (state, n - 1) for rid, (state, n) in self._gone.items() if n > 1}
         if self._suspect:  # withdrawn by the workers once they ran the plans that carried them
             self._suspect = {k: n - 1 for k, n in self._suspect.items() if n > 1}
+        for spec in self._held.release():
+            meta.saves.append(spec)
+            if spec.request_id in self._requests:  # (running on: held when it finishes)
+                self._requests[spec.request_id].had_saves = True
         for rd in scheduler_output.new_requests:
             state = self._state(rd.request_id, rd.new_tokens)
             if _any_ids(rd.new_block_ids):
                 self._set_blocks(state, rd.new_block_ids)
             _count_work(meta, rd.computed_position + state.external, rd.num_scheduled_tokens)
-            self._plan_saves(meta, state, rd.request_id, rd.computed_position + state.external,
-                             rd.num_scheduled_tokens)
+            self._plan_saves(meta, state, rd, rd.computed_position + state.external)
         for rd in scheduler_output.cached_requests:
             state = self._requests.get(rd.request_id)
             _count_work(meta, rd.computed_position, rd.num_scheduled_tokens)
@@ -237,13 +237,14 @@ class ConnectorScheduler:
             state.tokens.extend(rd.new_tokens)
             self._add_blocks(state, rd.new_block_ids)
             state.chain.update(state.tokens)
-            self._plan_saves(meta, state, rd.request_id, rd.computed_position, rd.num_scheduled_tokens)
+            self._plan_saves(meta, state, rd, rd.computed_position)
         return meta
 
-    def _plan_saves(self, meta: ConnectorMeta, state: _Request, request_id: str,
-                    computed_before: int, scheduled: int) -> None:
+    def _plan_saves(self, meta: ConnectorMeta, state: _Request, rd, computed_before: int) -> None:
         """Save the blocks that this step completes. A rolled-back request (recompute after a
-        failed load) moves ``saved`` back so the recomputed blocks are saved again."""
+        failed load) moves ``saved`` back so the recomputed blocks are saved again. A step marked
+        ``no_save`` holds its saves for the next plan (:mod:`.held_saves`)."""
+        request_id, scheduled = rd.request_id, rd.num_scheduled_tokens
         bs = self.block_size
         state.saved = min(state.saved, computed_before // bs)
         full = min((computed_before + scheduled) // bs, len(state.chain.keys), len(state.block_ids))
@@ -258,14 +259,16 @@ class ConnectorScheduler:
         first = min(state.saved, full)
         if state.groups is not None:
             extra["rows"] = tuple(state.groups.full_rows(first, full))
-        meta.saves.append(SaveSpec(request_id, tuple(state.chain.keys[first:full]),
-                                   tuple(state.block_ids[first:full]), first,
-                                   context_block_ids=tuple(state.block_ids[:first]), tenant=state.tenant,
-                                   **extra))
+        spec = SaveSpec(request_id, tuple(state.chain.keys[first:full]), tuple(state.block_ids[first:full]),
+                        first, context_block_ids=tuple(state.block_ids[:first]), tenant=state.tenant, **extra)
+        if getattr(rd, "no_save", False):
+            self._held.hold(spec)
+        else:
+            meta.saves.append(spec)
+            state.had_saves = True
         state.saved = max(state.saved, full)
         state.planned = max(state.planned, full)
         state.first_planned = min(state.first_planned, first)
-        state.had_saves = True
 
     def _state_save(self, state: _Request, end: int) -> dict:
         """The state entry a step ending at token ``end`` leaves, when ``end`` is a block boundary."""
@@ -293,6 +296,7 @@ class ConnectorScheduler:
     def _new_life(self, request_id: str, state: _Request) -> None:
         """Keep ``state``'s saves so far for a late failure report; plan saves afresh (from the new life's hit)."""
         self._gone[request_id] = (replace(state), PREEMPTED_PLANS)
+        self._held.drop(request_id)  # (its blocks went back)
         state.planned, state.first_planned, state.saved = 0, NOT_YET, NOT_YET
 
     def _drop_loads(self, request_id: str) -> None:
@@ -308,7 +312,7 @@ class ConnectorScheduler:
         self._matched_from.pop(request.request_id, None)
         self._decisions.pop(request.request_id, None)
         self._drop_loads(request.request_id)
-        return bool(state and state.had_saves)
+        return bool(state and state.had_saves) | self._held.finished(request.request_id)
 
 
 def _any_ids(block_ids) -> bool:
@@ -321,19 +325,6 @@ def _count_work(meta: ConnectorMeta, context: int, scheduled: int) -> None:
     if scheduled > 0:
         meta.step_tokens += scheduled
         meta.step_attention += attention_work(max(context, 0), scheduled)
-
-
-def _locate(index, keys: Sequence[bytes]) -> list[str | None]:
-    """The tier holding each of ``keys`` (None everywhere where the index cannot say)."""
-    locate = getattr(index, "locate", None)
-    return list(locate(keys)) if locate is not None and keys else [None] * len(keys)
-
-
-def _present(index, keys: Sequence[bytes]) -> list[bool]:
-    """Which ``keys`` the index holds (one batched query where the index has one)."""
-    if hasattr(index, "present"):
-        return list(index.present(keys))
-    return [index.lookup([k]) == 1 for k in keys]
 
 
 def _tenant(request) -> bytes | None:

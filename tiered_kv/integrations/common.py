@@ -65,6 +65,10 @@ class RequestStep:
     new_block_ids: Sequence[int]
     computed_position: int
     num_scheduled_tokens: int
+    # plan no save for it in this step (its tokens still count as the step's work): the engine
+    # cannot yet tell this request's finish from a previous one's under the same id; the saves
+    # go out with the next plan (tiered_kv.connector.held_saves)
+    no_save: bool = False
 
 
 @dataclass(frozen=True)

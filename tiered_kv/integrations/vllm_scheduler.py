@@ -156,8 +156,8 @@ class SchedulerSide:
         # A request id reused at once: the previous request of that id finished unheld, and this
         # step hands its id to the workers in finished_req_ids. A save of the new one planned in
         # this step made the worker report the id in finished_sending, and vLLM freed the new,
-        # running request's blocks (asserting it finished). Its first step plans no save: the
-        # next step saves those blocks (they stay planned from the same prefix).
+        # running request's blocks (asserting it finished). Its first step's saves go out with
+        # the next plan (no_save), when finished_req_ids can name only this request.
         reborn = set(getattr(so, "finished_req_ids", None) or ())
         new, cached = [], []
         for nr in so.scheduled_new_reqs:
@@ -167,7 +167,7 @@ class SchedulerSide:
             tokens = list(request.all_token_ids)
             new.append(RequestStep(nr.req_id, tokens, self._ids(nr.block_ids),
                              nr.num_computed_tokens - core.external_tokens(nr.req_id),
-                             0 if nr.req_id in reborn else so.num_scheduled_tokens.get(nr.req_id, 0)))
+                             so.num_scheduled_tokens.get(nr.req_id, 0), no_save=nr.req_id in reborn))
             self.reported[nr.req_id] = len(tokens)
         cr = so.scheduled_cached_reqs
         resumed = set(getattr(cr, "resumed_req_ids", None) or ())
@@ -193,7 +193,7 @@ class SchedulerSide:
 
     def _remember(self, meta: ConnectorMeta) -> None:
         """The vLLM names of the blocks this step saves and loads (for the events about them)."""
-        for spec in [*meta.saves, *meta.loads]:
+        for spec in [*meta.saves, *meta.loads, *self.core.held_saves()]:  # (held: may finish first)
             request = self.requests.get(spec.request_id)
             if request is None or not spec.keys:
                 continue
