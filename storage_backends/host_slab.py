@@ -78,9 +78,8 @@ def _unregister(runtime, ptr: int, pid: int) -> None:
 def settle_copies(pinned: bool) -> None:
     """Before a page-locked slab's views are dropped: the copies queued from or into it on any
     device are done (the registration goes with the last view, and a copy may still read it)."""
-    if pinned and torch.cuda.is_available():
-        for device in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(device)
+    if pinned and torch.cuda.is_initialized():  # (the engine's device: every other device was
+        torch.cuda.synchronize()  # given a context, and its memory, by a synchronize of its own)
 
 
 def touch(flat: np.ndarray) -> None:
