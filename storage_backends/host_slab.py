@@ -76,7 +76,7 @@ def _unregister(runtime, ptr: int, pid: int) -> None:
 
 
 def settle_copies(pinned: bool) -> None:
-    """Before a page-locked slab's views are dropped: the copies queued from or into it on any
+    """Before a page-locked slab's views are dropped: the copies queued from or into it on the current
     device are done (the registration goes with the last view, and a copy may still read it)."""
     if pinned and torch.cuda.is_initialized():  # (the engine's device: every other device was
         torch.cuda.synchronize()  # given a context, and its memory, by a synchronize of its own)
