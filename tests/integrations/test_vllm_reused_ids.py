@@ -14,6 +14,7 @@ import os
 
 import pytest
 
+from tests.connector.test_kv_groups import BS as BS_GROUPS
 from tests.connector.test_kv_groups import FULL, PROMPT, SLIDING, STATE, connector, namespace
 from tests.integrations.test_vllm_adapter import PROMPTS, Halves, extra, prompt, run
 from tests.integrations.test_vllm_match_orders import reference
@@ -153,5 +154,51 @@ def test_a_reused_id_preempted_after_its_first_step_saves_nothing_of_it(tmp_path
         conn.scheduler.request_preempted("r")  # its blocks went back to the engine
         assert not conn.scheduler.build_connector_meta(StepOutput([], [])).saves
         assert conn.request_finished(RequestView("r", list(PROMPT), len(PROMPT), None), []) is False
+    finally:
+        conn.close()
+
+
+def test_regression_a_reused_id_finishing_in_its_first_step_alone_was_held_for_good(tmp_path):
+    # its held save went out with the next plan, which (nothing else running) scheduled no
+    # token: vLLM runs such a step without wait_for_save, so the save never reached a worker,
+    # the id was never reported and vLLM held the request's blocks for good
+    halves = Halves(extra(tmp_path))
+    try:
+        eng = Engine(halves.sched, halves.worker)
+        eng.add("r", prompt(BS - 1, 1), max_tokens=1)
+        eng.step()
+        assert not eng.held
+        again = eng.add("r", PROMPTS["c"], max_tokens=1)
+        eng.step()
+        assert again.status == "FINISHED" and "r" in eng.held
+        for _ in range(50):  # (a hang guard: one idle step reports it)
+            eng.step()
+            if "r" not in eng.held:
+                break
+        assert "r" not in eng.held, "held for good: its save never reached a worker"
+    finally:
+        halves.close()
+
+
+def test_regression_a_held_save_of_a_finished_request_made_a_newer_one_under_its_id_held_too(tmp_path):
+    # the release set had_saves on whatever request had the id by then: a third request under
+    # it, which planned no save, was held by vLLM and never reported (its blocks held for good)
+    conn = connector(tmp_path, namespace(FULL))
+    sched = conn.scheduler
+    try:
+        first = RequestView("r", list(PROMPT), len(PROMPT), None)
+        sched.get_num_new_matched_tokens(first, 0)
+        sched.update_state_after_alloc(first, [[1, 2, 3, 4, 5, 6, 7]], 0)
+        plan = sched.build_connector_meta(StepOutput(
+            [RequestStep("r", list(PROMPT), [[1, 2, 3, 4, 5, 6, 7]], 0, len(PROMPT), no_save=True)], []))
+        assert not plan.saves
+        assert conn.request_finished(first, []) is True  # held for its held saves
+        short = list(range(900, 900 + BS_GROUPS - 1))
+        newer = RequestView("r", short, len(short), None)
+        sched.get_num_new_matched_tokens(newer, 0)
+        sched.update_state_after_alloc(newer, [[9]], 0)
+        plan = sched.build_connector_meta(StepOutput([RequestStep("r", short, [[9]], 0, len(short), no_save=True)], []))
+        assert [s.request_id for s in plan.saves] == ["r"]  # the first one's
+        assert conn.request_finished(newer, []) is False  # it planned nothing to save
     finally:
         conn.close()

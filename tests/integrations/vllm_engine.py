@@ -249,7 +249,8 @@ class Engine:
         self._forward(so)
         if not so.has_sync_kv_loads:
             w.start_load_kv(None)
-        w.wait_for_save()
+        if so.num_scheduled_tokens:  # (vLLM's kv_connector_no_forward runs no wait_for_save)
+            w.wait_for_save()
         self.passed_finished |= so.finished_req_ids
         sending, recving = w.get_finished(so.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()

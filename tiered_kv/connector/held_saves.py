@@ -62,9 +62,11 @@ class HeldSaves:
             if rid not in self._finished and not failed.isdisjoint((*spec.context_block_ids, *spec.block_ids)):
                 del self._held[rid]
 
-    def release(self) -> list[SaveSpec]:
-        """The held saves that go out with this plan; the others are dropped. Called once per plan,
-        before the plan's own saves (a request planned anew under the same id holds again)."""
+    def release(self) -> list[tuple[SaveSpec, bool]]:
+        """The held saves that go out with this plan, each with whether its request finished (the
+        id may name a newer request by now: it has no part in these); the others are dropped.
+        Called once per plan, before the plan's own saves (a request planned anew under the same
+        id holds again)."""
         out = []
         for rid, spec in self._held.items():
             if rid not in self._finished:
@@ -73,6 +75,6 @@ class HeldSaves:
                     continue
                 spec = replace(spec, state_key=None, state_ids=())  # (its state is rewritten by now)
             if spec.keys or spec.state_key:
-                out.append(spec)
+                out.append((spec, rid in self._finished))
         self._held, self._finished = {}, set()
         return out

@@ -219,9 +219,9 @@ class ConnectorScheduler:
         self._gone = {rid: (state, n - 1) for rid, (state, n) in self._gone.items() if n > 1}
         if self._suspect:  # withdrawn by the workers once they ran the plans that carried them
             self._suspect = {k: n - 1 for k, n in self._suspect.items() if n > 1}
-        for spec in self._held.release():
+        for spec, finished in self._held.release():
             meta.saves.append(spec)
-            if spec.request_id in self._requests:  # (running on: held when it finishes)
+            if not finished and spec.request_id in self._requests:  # (running on: held when it finishes)
                 self._requests[spec.request_id].had_saves = True
         for rd in scheduler_output.new_requests:
             state = self._state(rd.request_id, rd.new_tokens)

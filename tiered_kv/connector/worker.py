@@ -65,7 +65,7 @@ class ConnectorWorker:
         self.declared_layout = layout
         self.writer = writer  # False: another rank stores the same bytes (MLA); saves are only reported
         self.layout: KVLayout | GroupLayout | None = None
-        self.meta = ConnectorMeta()
+        self.meta, self._unsaved = ConnectorMeta(), False  # (_unsaved: saves bound, wait_for_save not run)
         self._async_loads: dict[str, _PendingLoad] = {}
         self._saves = SaveCopies(store)  # device->host copies not committed yet
         self._save_requests: set[str] = set()  # requests that had saves and are not reported
@@ -105,10 +105,10 @@ class ConnectorWorker:
         return self.layerwise and isinstance(self.layout, KVLayout) and self.store.namespace.num_layers > 1
 
     def bind_connector_meta(self, meta: ConnectorMeta) -> None:
-        self.meta = meta
+        self.meta, self._unsaved = meta, bool(meta.saves)  # (until wait_for_save ran: .get_finished)
 
     def clear_connector_metadata(self) -> None:
-        self.meta = ConnectorMeta()
+        self.meta, self._unsaved = ConnectorMeta(), False
 
     # -- loads -----------------------------------------------------------------------------------
     def start_load_kv(self, *args, **kwargs) -> None:
@@ -234,6 +234,7 @@ class ConnectorWorker:
         """Blocks are gathered for all layers at once in wait_for_save (one batched copy)."""
 
     def wait_for_save(self, *args, **kwargs) -> None:
+        self._unsaved = False
         self._finish_layer_loads()
         self.costs.step_ended(self.meta, busy=bool(self._async_loads))
         specs = [s for s in self.meta.saves if s.keys or s.state_key]
@@ -300,7 +301,11 @@ class ConnectorWorker:
 
     # -- completion ------------------------------------------------------------------------------
     def get_finished(self, finished_req_ids, started_loading_req_ids=()) -> tuple[list[str], list[str]]:
-        """(saved ids, loaded ids); each id only after the engine passed it in."""
+        """(saved ids, loaded ids); each id only after the engine passed it in. A plan's saves in
+        a step that ran no forward (vLLM skips wait_for_save there) are made here: the blocks hold
+        what earlier steps computed, and a request held for them would never be reported."""
+        if self._unsaved and self.meta.step_tokens == 0:
+            self.wait_for_save()
         self._saves.commit_ready()
         self._finished.update(finished_req_ids or ())
         self.started_loading.arrived(started_loading_req_ids or ())
