@@ -118,9 +118,10 @@ class TieredKVEvents(KVConnectorKVEvents):
 
 
 def worker_events(feed: Any, rank: int) -> TieredKVEvents | None:
-    """The events ``feed`` collected since the last step, as vLLM carries them (None: none)."""
+    """The events ``feed`` collected since the last step, as vLLM carries them (None: none);
+    a removal of another rank's copies (``BlockEvent.rank``) goes under that rank."""
     events = feed.take()
-    return TieredKVEvents([(rank, e) for e in events]) if events else None
+    return TieredKVEvents([(rank if e.rank is None else e.rank, e) for e in events]) if events else None
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,11 @@ as :class:`BlockEvent` batches. A router, or an engine's own KV-event publisher,
 - Not seen: what other processes do to a shared tier (they publish their own), and what a medium
   drops by its own policy (Redis ``maxmemory`` evictions and TTL expiry). A Redis delete names
   the keys of every call that ran (or was sent and failed: it may have run).
+- **Other ranks' copies**: tensor-parallel ranks sharing a tier (one LMDB directory) evict each
+  other's copies, which the rank whose copy went never hears of. A listener given every rank's
+  prefix (``ranks``) reports those removals too, as events of that ``rank``: the block is no
+  longer loadable by the replica (every rank's copy is needed). Their stores are left to the
+  rank that made them.
 - **Bounded**: a feed holds at most ``limit`` blocks; when more arrive the oldest events go and
   their blocks are counted in ``feed.dropped`` (an event of more than ``limit`` blocks keeps
   its last ``limit``). Nothing grows when nobody drains. The next :meth:`EventFeed.take` then
@@ -52,6 +57,7 @@ class BlockEvent:
     tier: str  # "host" or a lower tier's name
     keys: tuple[bytes, ...]  # content keys, in the order the medium handled them (LOST: none)
     ts: float
+    rank: int | None = None  # another tensor-parallel rank whose copies these were (None: this store's)
 
 
 class EventFeed:
@@ -71,7 +77,7 @@ class EventFeed:
         cut = len(event.keys) - self.limit
         if cut > 0:  # its newest blocks only, the events held before it all go (dropping it whole
             # kept an older "stored" of the blocks it removed: a replaying router kept them)
-            event = BlockEvent(event.kind, event.tier, event.keys[cut:], event.ts)
+            event = BlockEvent(event.kind, event.tier, event.keys[cut:], event.ts, event.rank)
         n = len(event.keys)
         with self._lock:
             if cut > 0:
@@ -124,26 +130,36 @@ class BlockEvents:
         with self._lock:
             self._feeds = tuple(f for f in self._feeds if f is not feed)
 
-    def publish(self, kind: str, tier: str, keys: Sequence[bytes]) -> None:
+    def publish(self, kind: str, tier: str, keys: Sequence[bytes], rank: int | None = None) -> None:
         feeds = self._feeds
         if not feeds or not keys:
             return
         try:
-            event = BlockEvent(kind, tier, tuple(bytes(k) for k in keys), time.time())
+            event = BlockEvent(kind, tier, tuple(bytes(k) for k in keys), time.time(), rank)
             for feed in feeds:
                 feed.put(event)
         except Exception:  # never into the medium's caller
             log.exception("block events of tier %s could not be published", tier)
 
-    def listener(self, tier: str, prefix: bytes = b"") -> Callable[[str, list[bytes]], None]:
+    def listener(self, tier: str, prefix: bytes = b"", ranks: Sequence[bytes] = ()) -> Callable[[str, list[bytes]], None]:
         """What tier ``tier``'s medium reports to: keys under ``prefix`` (the namespace's, in a
-        lower tier shared by namespaces) become events of the keys without it."""
+        lower tier shared by namespaces) become events of the keys without it. ``ranks``: every
+        tensor-parallel rank's prefix, by rank (``prefix`` among them): removals of the other
+        ranks' copies become events of their rank (the module docstring)."""
+        others = {bytes(p): r for r, p in enumerate(ranks) if p != prefix}
 
         def heard(change: str, keys: list[bytes]) -> None:
             if not self._feeds:
                 return
+            theirs: dict[int, list[bytes]] = {}
+            if others and change == REMOVED:  # (all prefixes are digests of one length)
+                for k in keys:
+                    if (r := others.get(bytes(k[: len(prefix)]))) is not None:
+                        theirs.setdefault(r, []).append(k[len(prefix):])
             if prefix:
                 keys = [k[len(prefix):] for k in keys if k[: len(prefix)] == prefix]
             self.publish(change, tier, keys)
+            for r, gone in theirs.items():
+                self.publish(change, tier, gone, r)
 
         return heard

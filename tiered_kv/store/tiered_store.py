@@ -61,7 +61,7 @@ from tiered_kv.store.loading import Loader, LoadPlan
 from tiered_kv.store.lower_reads import LowerReader
 from tiered_kv.store.lower_tiers import open_media
 from tiered_kv.store.metrics import StoreMetrics
-from tiered_kv.store.presence import RankedPresence
+from tiered_kv.store.presence import RankedPresence, rank_prefixes
 from tiered_kv.store.records import RecordKeeper
 from tiered_kv.store.restore_costs import RestoreCosts
 from tiered_kv.store.saving import SaveBatch, Saver
@@ -111,8 +111,8 @@ class TieredStore:
             # which tier holds which blocks, for subscribers (tiered_kv.store.block_events)
             self.events = BlockEvents()
             self.host.listen(self.events.listener("host"))
-            for tier in self.tiers:
-                tier.backend.listen(self.events.listener(tier.name, tier.ns))
+            for tier in self.tiers:  # (other ranks' copies it evicts: .block_events)
+                tier.backend.listen(self.events.listener(tier.name, tier.ns, rank_prefixes(namespace)))
             self.presence = RankedPresence(namespace, [(t.name, t.backend) for t in self.tiers],
                                            config.lookup_timeout, self.metrics.miss)
             self.invalidations = Invalidations(self.host, self.tiers, self.pool, self.metrics)
