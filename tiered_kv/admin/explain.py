@@ -3,7 +3,11 @@ it stops (the first block no tier can serve, with its reason) — the same chain
 tiers and validation the store uses, without loading anything into an engine — and what the
 restore policy would load of them (``restore``: :mod:`tiered_kv.connector.restore_policy`
 deciding from the estimates the store persisted in its namespace record, offline; blocks are taken
-to come from the lower tier holding them, as after a restart: the host tier is a process's)."""
+to come from the lower tier holding them, as after a restart: the host tier is a process's).
+Given the engine's config (:class:`BlockKeys`), blocks are opened as its replicas open them: with
+its ``encryption_secret`` (a plain block ``unencrypted``, one sealed under another secret
+``wrong_key``) or without one (a sealed block ``no_key``); from a bare URL the reader's secret
+is unknown, and a sealed block whose framing is sound counts as served."""
 
 from __future__ import annotations
 
@@ -13,13 +17,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tiered_kv.admin.block_checks import check_block
-from tiered_kv.admin.catalog import Namespaces, block_digests, namespaces, resolve_namespace
+from tiered_kv.admin.catalog import Namespaces, block_digests, metas_of, namespaces, resolve_namespace
 from tiered_kv.admin.opening import Tier
 from tiered_kv.connector.restore_policy import Decision, RestorePolicy
 from tiered_kv.errors import BackendUnavailable, ConfigError, CorruptBlock, TokenError
 from tiered_kv.keys import Namespace, block_keys
 from tiered_kv.store.cost_records import ANY, read_costs
 from tiered_kv.store.restore_costs import RestoreCosts
+from tiered_kv.store.tenant_cipher import TenantCipher
 
 _SEPARATORS = re.compile(r"[\s,]+")
 
@@ -46,6 +51,43 @@ class RestoreOptions:
         base = cls() if config is None else cls(config.restore_policy, config.restore_min_samples,
                                                 config.layerwise_loads, config.layer_groups)
         return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class BlockKeys:
+    """How an engine of a config opens sealed blocks: under its secret's key of each block's
+    tenant, or (``cipher`` None: no secret) not at all, a ``no_key`` miss there. (explain used to
+    call every sealed block served whatever the config said, and a plain one where the engine
+    encrypts: those replicas miss them all, and remove the plain ones.)"""
+
+    cipher: TenantCipher | None = None
+
+    @classmethod
+    def of(cls, config) -> BlockKeys:
+        secret = config.encryption_secret
+        return cls(None if secret is None else TenantCipher(secret.reveal()))
+
+    def tenants(self, backend, keys: list[bytes], ns: Namespace) -> list[tuple[bytes, ...]]:
+        """Per key, the tenants whose key may open it: the one its medium stores it for (LMDB,
+        files), then the namespace's (a medium that keeps none; a copy through one kept none)."""
+        if self.cipher is None:
+            return [()] * len(keys)
+        metas = metas_of(backend, keys)
+        return [tuple(dict.fromkeys([bytes(m.get("tenant") or b""), ns.tenant])) if isinstance(m, dict)
+                else (ns.tenant,) for m in metas]
+
+    def check(self, key: bytes, value, ns: Namespace, tenants: tuple[bytes, ...]) -> None:
+        """``value`` checked as this engine reads it (CorruptBlock with the reason it counts)."""
+        if self.cipher is None:
+            check_block(key, value, ns, keyless=False)
+            return
+        for i, tenant in enumerate(tenants):
+            try:
+                check_block(key, value, ns, sealing=self.cipher.sealing(tenant))
+                return
+            except CorruptBlock as exc:
+                if exc.reason != "wrong_key" or i == len(tenants) - 1:
+                    raise
 
 
 def parse_token_ids(text: str, source: str = "--token-ids") -> list[int]:
@@ -84,7 +126,8 @@ def _merged(tiers: list[Tier]) -> tuple[Namespaces, list[bytes]]:
 
 
 def explain(tiers: list[Tier], tokens: list[int], namespace: str | None = None,
-            lora: str | None = None, restore: RestoreOptions | None = None) -> dict:
+            lora: str | None = None, restore: RestoreOptions | None = None,
+            keys_of: BlockKeys | None = None) -> dict:
     found, digests = _merged(tiers)
     digest = resolve_namespace(namespace, found, digests)
     ns = found.known.get(digest)
@@ -96,7 +139,7 @@ def explain(tiers: list[Tier], tokens: list[int], namespace: str | None = None,
     status: list[dict[str, str]] = [{} for _ in keys]  # per block: tier -> "ok" | reason
     details: list[dict[str, str]] = [{} for _ in keys]  # per block: tier -> why it failed its checks
     for tier in tiers:
-        _probe(tier, ns, digest, keys, status, details)
+        _probe(tier, ns, digest, keys, status, details, keys_of)
     claimable = max(0, (len(tokens) - 1) // bs)  # the engine always computes the last token
     blocks, first_miss = [], None
     for i, (key, st) in enumerate(zip(keys, status)):
@@ -111,7 +154,7 @@ def explain(tiers: list[Tier], tokens: list[int], namespace: str | None = None,
     run = first_miss["index"] if first_miss else len(keys)
     matched, cuts = min(run, claimable), None
     if ns.has_state and matched:  # a hybrid model resumes only where the recurrent state is held
-        held = _states(tiers, ns, digest, keys[:matched], blocks)
+        held = _states(tiers, ns, digest, keys[:matched], blocks, keys_of)
         cuts = [i + 1 for i in range(matched) if held[i]]
         with_state = next((i + 1 for i in reversed(range(matched)) if held[i]), 0)
         if with_state < matched:
@@ -189,13 +232,14 @@ def _estimates(costs: RestoreCosts) -> dict:
         "per_pair_s": prefill.per_pair_s, "observed": prefill.observed}}
 
 
-def _states(tiers: list[Tier], ns: Namespace, digest: bytes, keys: list[bytes], blocks: list[dict]) -> list[bool]:
+def _states(tiers: list[Tier], ns: Namespace, digest: bytes, keys: list[bytes], blocks: list[dict],
+            keys_of: BlockKeys | None) -> list[bool]:
     """Whether some tier holds a valid state entry at the end of each block (recorded per block)."""
     state_keys = [ns.state_key(k) for k in keys]
     status: list[dict[str, str]] = [{} for _ in keys]
     details: list[dict[str, str]] = [{} for _ in keys]
     for tier in tiers:
-        _probe(tier, ns, digest, state_keys, status, details)
+        _probe(tier, ns, digest, state_keys, status, details, keys_of)
     held = []
     for b, st in zip(blocks, status):
         b["state"] = next((t for t in st if st[t] == "ok"), None)
@@ -204,24 +248,29 @@ def _states(tiers: list[Tier], ns: Namespace, digest: bytes, keys: list[bytes], 
 
 
 def _probe(tier: Tier, ns: Namespace, digest: bytes, keys: list[bytes], status: list[dict],
-           details: list[dict]) -> None:
-    """Per key: ``ok`` when ``tier`` holds a valid block of ``ns`` (its dtype and shape), else
-    the reason the store would count (and, for a block that fails its checks, why)."""
+           details: list[dict], keys_of: BlockKeys | None = None) -> None:
+    """Per key: ``ok`` when ``tier`` holds a valid block of ``ns`` (its dtype and shape) that
+    the engine (``keys_of``; None: any reader) can open, else the reason the store would count
+    (and, for a block that fails its checks, why)."""
     try:
         present = tier.backend.contains_many([digest + k for k in keys])
         todo = [i for i, p in enumerate(present) if p]
         values = tier.backend.get_many([digest + keys[i] for i in todo])
+        tenants = keys_of.tenants(tier.backend, [digest + keys[i] for i in todo], ns) if keys_of else []
     except BackendUnavailable:
         for st in status:
             st[tier.name] = f"{tier.name}_unavailable"
         return
     for i in range(len(keys)):
         status[i][tier.name] = "absent"
-    for i, value in zip(todo, values):
+    for n, (i, value) in enumerate(zip(todo, values)):
         if value is None:
             continue  # evicted since
         try:  # as the store decodes it: against the namespace's block, before allocating
-            check_block(digest + keys[i], value, ns)
+            if keys_of is None:
+                check_block(digest + keys[i], value, ns)
+            else:
+                keys_of.check(digest + keys[i], value, ns, tenants[n])
             status[i][tier.name] = "ok"
         except CorruptBlock as exc:
             status[i][tier.name] = exc.reason

@@ -19,6 +19,7 @@ from storage_backends.redaction import redact_url
 from storage_backends.registry import backend_class, is_url, open_read_only, scheme_of
 from tiered_kv.config import TieredKVConfig
 from tiered_kv.errors import ConfigError
+from tiered_kv.settings.loading import read_toml
 from tiered_kv.store.records import namespace_key
 
 
@@ -88,10 +89,20 @@ def _reachable(name: str, backend: Backend) -> Tier:
     return tier
 
 
+def _without_secret(path: str) -> TieredKVConfig:
+    """The config at ``path`` with its ``encryption_secret`` left unread: these tools check
+    sealed blocks without the key, and a ``file:`` only the engine's user may read (or an
+    ``env:`` variable set only in the engine's environment) made them refuse the whole config.
+    (``explain`` reads the secret itself: it opens blocks as the config's engine does.)"""
+    data = read_toml(path)
+    data.pop("encryption_secret", None)
+    return TieredKVConfig.from_dict(data)
+
+
 def open_config(path: str, *, timeout: float = 5.0, only: str | None = None) -> list[Tier]:
     """The lower tiers a TOML config file names, in the store's order (disk, remote, then its
     ``[[tiers]]``), or only the one named ``only`` (the host tier lives in a process)."""
-    config = TieredKVConfig.from_toml(path)
+    config = _without_secret(path)
     wanted = [t for t in config.lower_tiers if only is None or t.name == only]
     if not wanted:
         raise ConfigError(f"config {path} names no tier {only!r}" if only else

@@ -185,7 +185,7 @@ def _num(x) -> str | None:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from tiered_kv.admin.explain import RestoreOptions, explain, parse_token_ids, read_tokens
+    from tiered_kv.admin.explain import BlockKeys, RestoreOptions, explain, parse_token_ids, read_tokens
     from tiered_kv.config import TieredKVConfig
 
     tokens = read_tokens(args.tokens) if args.tokens else parse_token_ids(args.token_ids)
@@ -194,7 +194,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
                                 layerwise=args.layerwise_loads, layer_groups=args.layer_groups,
                                 load_async=args.load_async, device=args.engine_device)
     with opened(args) as tiers:
-        report = explain(tiers, tokens, args.namespace, args.lora, options)
+        # blocks opened as the config's engine opens them: with its secret, or knowing it has none
+        report = explain(tiers, tokens, args.namespace, args.lora, options,
+                         BlockKeys.of(config) if config is not None else None)
     if args.json:
         render.emit_json(report)
         return EXIT_OK
