@@ -278,8 +278,8 @@ class LmdbEnvironment:
                 return True
         extra = max(2 * nbytes, self.batch_bytes)
         evicted = self.write(lambda w: self._evict(w, extra)) if nbytes else 0
-        log.warning("lmdb tier at %s: map %s or disk full; evicted %d entries beyond capacity", self.path,
-                    format_size(current), evicted)
+        (log.warning if evicted else log.debug)(  # (a full disk with nothing to evict: every put came here)
+            "lmdb tier at %s: map %s or disk full; evicted %d entries beyond capacity", self.path, format_size(current), evicted)
         return evicted > 0
 
     def remap(self, size: int) -> bool:
