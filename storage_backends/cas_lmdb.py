@@ -8,10 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from storage_backends.lmdb_entries import delete_entry
-from storage_backends.lmdb_environment import NoSpace
 from storage_backends.lmdb_segments import unpack_place
 from storage_backends.lmdb_tables import as_key, fits
-from tiered_kv.errors import BackendUnavailable
+from storage_backends.lmdb_writes import write_in_parts
 
 
 def delete_if_unchanged(backend, pairs: Sequence[tuple[bytes, bytes]]) -> list[bool]:
@@ -36,29 +35,9 @@ def delete_if_unchanged(backend, pairs: Sequence[tuple[bytes, bytes]]) -> list[b
 
     if not items:
         return []
-    done: list[bool] = []
+    parts: list[list[bool]] = []
     try:
-        _delete(db, backend._writes.reserve, items, body, done)
+        write_in_parts(db, backend._writes.reserve, items, parts, "delete", body)
     finally:  # (a split delete that fails part way has deleted the first parts: counted)
-        backend._count(deletes=sum(done))
-    return done
-
-
-def _delete(db, reserve, items: list, body, done: list[bool]) -> None:
-    """One transaction; on a full disk, the reserve given up and the same again, then halves in
-    turn, as a plain delete (:meth:`storage_backends.lmdb_writes.LmdbWrites._delete`): a delete's
-    copied pages need room the disk may not have for all at once. ``done``: each pair's outcome
-    so far, in order."""
-    try:
-        with db.guard("delete"):
-            db.check_open()
-            done += db.write(lambda w: body(w, items))
-            return
-    except NoSpace as exc:
-        if reserve.release():
-            return _delete(db, reserve, items, body, done)
-        if len(items) == 1:
-            raise BackendUnavailable(f"lmdb store at {db.path} is full: {exc}") from None
-    half = len(items) // 2
-    _delete(db, reserve, items[:half], body, done)
-    _delete(db, reserve, items[half:], body, done)
+        backend._count(deletes=sum(map(sum, parts)))
+    return [d for part in parts for d in part]

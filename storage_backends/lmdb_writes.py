@@ -132,28 +132,32 @@ class LmdbWrites:
         keys = [k for k in map(as_key, keys) if fits(k)]
         if not keys:
             return 0
-        done = [0]
+        done: list[int] = []
         try:
-            self._delete(keys, done)
+            write_in_parts(self.db, self.reserve, keys, done, "delete",
+                           lambda w, part: sum(delete_entry(self.db.tables, w, k) for k in part))
         finally:  # (a split delete that fails part way has deleted the rest: counted)
-            self._count(deletes=done[0])
-        return done[0]
+            self._count(deletes=sum(done))
+        return sum(done)
 
-    def _delete(self, keys: list[bytes], done: list[int]) -> None:
-        """One transaction; on a full disk, halves of it in turn: a delete's copied pages need room
-        the disk may not have for all at once, and the first half's commit frees pages for the rest
-        (else a store that filled its disk could never delete, nor write again). ``done[0]``: keys
-        deleted so far."""
-        try:
-            with self.db.guard("delete"):
-                done[0] += self.db.write(lambda w: sum(delete_entry(self.db.tables, w, k) for k in keys))
-                return
-        except NoSpace as exc:
-            if self.reserve.release():  # the room held for this: the same delete again
-                return self._delete(keys, done)
-            if len(keys) == 1:
-                raise BackendUnavailable(f"lmdb store at {self.db.path} is full: {exc}") from None
-        half = len(keys) // 2
-        self._delete(keys[:half], done)
-        self._delete(keys[half:], done)
 
+
+def write_in_parts(db: LmdbEnvironment, reserve: Reserve, items: list, results: list, what: str,
+                   body: Callable[[object, list], object]) -> None:
+    """``body(w, items)`` in one write transaction, its result appended to ``results``; on a full
+    disk the reserve given up and the same again, then halves in turn, each part's result
+    appended in order: a delete's copied pages need room the disk may not have for all at once,
+    and the first half's commit frees pages for the rest (else a store that filled its disk could
+    never delete, nor write again). BackendUnavailable when a single item finds no room."""
+    try:
+        with db.guard(what):
+            results.append(db.write(lambda w: body(w, items)))
+            return
+    except NoSpace as exc:
+        if reserve.release():  # the room held for this: the same again
+            return write_in_parts(db, reserve, items, results, what, body)
+        if len(items) == 1:
+            raise BackendUnavailable(f"lmdb store at {db.path} is full: {exc}") from None
+    half = len(items) // 2
+    write_in_parts(db, reserve, items[:half], results, what, body)
+    write_in_parts(db, reserve, items[half:], results, what, body)
