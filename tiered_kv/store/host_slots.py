@@ -254,11 +254,11 @@ class HostSlots:
         calling thread). The caller waits for that stream before the slots are released."""
         if device is None:
             return self._blocks[:, start:end].index_select(0, torch.tensor(list(slots), dtype=torch.long))
+        if start == 0 and end == self.block_nbytes:  # whole blocks: to_device's copy per run of slots
+            return self.to_device(slots, device).view(len(slots), -1).view(torch.uint8)
         out = torch.empty((len(slots), end - start), dtype=torch.uint8, device=device)
-        whole = start == 0 and end == self.block_nbytes
-        runs = self.runs(slots) if whole else [(pos, slot, 1) for pos, slot in enumerate(slots)]
-        for pos, first, count in runs:  # (each source contiguous: never staged)
-            out[pos : pos + count].copy_(self._blocks[first : first + count, start:end], non_blocking=True)
+        for pos, slot in enumerate(slots):  # (each source contiguous: never staged)
+            out[pos].copy_(self._blocks[slot, start:end], non_blocking=True)
         return out
 
     def fill(self, slots: Sequence[int], data: torch.Tensor, *, non_blocking: bool = False) -> None:
