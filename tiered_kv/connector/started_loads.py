@@ -40,9 +40,6 @@ class StartedLoads:
     def __contains__(self, rid: object) -> bool:
         return rid in self._ages
 
-    def __iter__(self):
-        return iter(self._ages)
-
     def arrived(self, ids: Iterable[str]) -> None:
         """The engine passed ``ids`` as started loading (again, for an id it passes every step)."""
         for rid in ids:
