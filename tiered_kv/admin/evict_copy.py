@@ -25,6 +25,7 @@ from tiered_kv.admin.catalog import (
 from tiered_kv.admin.opening import Tier
 from tiered_kv.errors import ConfigError, CorruptBlock
 from tiered_kv.keys import Namespace
+from tiered_kv.store.codec import HEADER_BYTES, MAX_RAW_BYTES, BlockCodec
 from tiered_kv.store.records import decode_namespace, namespace_key, scrubbed, split_key
 
 log = logging.getLogger(__name__)
@@ -94,7 +95,12 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
     (with its engine's restore estimates; only an older version's salt is taken out): a record is
     copied where the destination has none or one that does not decode, and never one that does not
     decode itself. Evictions at the destination are counted from before the namespace records are
-    put (a tool's open of an LMDB store evicts nothing)."""
+    put (a tool's open of an LMDB store evicts nothing). ``overwrite`` replaces a destination's
+    block only with one sealed alike: an encrypted block is never replaced by a plain one (its
+    engines encrypt: they would count it ``unencrypted`` and recompute), nor a plain one by an
+    encrypted one (engines without a secret count it ``no_key`` and never replace it); those are
+    kept and counted (``encrypted_kept``, ``unencrypted_kept``). Which secret sealed a block
+    cannot be told without it: an encrypted block is replaced by any encrypted one."""
     keys = [k for k in sorted(src.backend.scan())
             if kind_of(k) == "block" and (namespace is None or k.startswith(namespace))]
     digests = sorted({split_key(k)[0] for k in keys} | ({namespace} if namespace else set()))
@@ -103,6 +109,7 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
     if records.puts:
         dst.backend.put_many(records.puts)
     copied = present = rejected = nbytes = 0
+    kept = {True: 0, False: 0}  # the destination's blocks kept, by whether they are sealed
     corrupt: dict[str, str] = {}  # key (hex) -> why it was not copied
     lost: dict[str, str] = {}  # the same, for blocks listed but unreadable
     changed: list[str] = []  # copied, then taken back: the source's value changed or went meanwhile
@@ -114,7 +121,7 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
             batch_todo = [k for k, h in zip(batch, have) if not h]
         else:
             batch_todo = batch
-        good = []
+        good, sealed = [], []
         values = src.backend.get_many(batch_todo)
         for key in unreadable(src.backend, [k for k, v in zip(batch_todo, values) if v is None]):
             lost[key.hex()] = UNREADABLE  # the others are gone since the scan
@@ -123,12 +130,15 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
             if value is None:
                 continue
             try:  # against its namespace's block (from a record), else with its size bounded
-                check_block(key, value, records.layouts.get(split_key(key)[0]), decode=verify)
+                checked = check_block(key, value, records.layouts.get(split_key(key)[0]), decode=verify)
             except CorruptBlock as exc:
                 corrupt[key.hex()] = exc.detail
                 log.warning("copy: skipped %s: %s", key.hex(), exc.detail)
                 continue
             good.append((key, value))
+            sealed.append((checked[0] if verify else checked).sealed)
+        if overwrite and good:
+            good = _sealed_alike(dst, good, sealed, kept)
         stored = _put_as_theirs(src, dst, good)
         rejected += len(stored) - sum(stored)
         put = [item for item, s in zip(good, stored) if s]
@@ -143,6 +153,7 @@ def copy(src: Tier, dst: Tier, *, namespace: bytes | None = None, overwrite: boo
             "copied": copied, "copied_bytes": nbytes, "already_present": present,
             "corrupt_skipped": list(corrupt), "corrupt_details": corrupt, "unreadable_skipped": list(lost),
             "unreadable_details": lost, "rejected": rejected, "changed_at_source": changed,
+            "encrypted_kept": kept[True], "unencrypted_kept": kept[False],
             "namespace_records": records.copied, "namespace_records_kept": records.kept,
             "broken_namespace_records": records.broken,
             "evicted_at_destination": dst.backend.stats().evictions - before}
@@ -178,6 +189,44 @@ def _records(src: Tier, dst: Tier, digests: list[bytes]) -> _Records:
         elif source is not None:
             out.copied += 1
             out.puts.append((key, scrubbed(key, theirs) or theirs))
+    return out
+
+
+def _sealed_alike(dst: Tier, good: list[tuple[bytes, bytes]], sealed: list[bool],
+                  kept: dict[bool, int]) -> list[tuple[bytes, bytes]]:
+    """Those of ``good`` (with whether each is ``sealed``) the destination holds none of, or one
+    sealed alike (or one whose header does not read: replaced, as a broken block is); the others
+    are counted in ``kept`` by whether the destination's block is sealed."""
+    theirs = sealed_at(dst.backend, [k for k, _ in good])
+    out = []
+    for item, mine, held in zip(good, sealed, theirs):
+        if held is None or held == mine:
+            out.append(item)
+        else:
+            kept[held] += 1
+            log.info("copy: kept %s: the destination's block is %s, the source's is not", item[0].hex(),
+                     "encrypted" if held else "unencrypted")
+    return out
+
+
+def sealed_at(backend, keys: list[bytes]) -> list[bool | None]:
+    """Whether each of ``keys`` is held sealed (encrypted), from its header alone; None where the
+    medium holds none or one whose header does not read."""
+    out: list[bool | None] = [None] * len(keys)
+
+    def visit(sizes, reader) -> None:
+        for i, size in enumerate(sizes):
+            head = bytearray(HEADER_BYTES)
+            if size is None or size < HEADER_BYTES or reader.read(i, 0, head) is not True:
+                continue
+            digest, block = split_key(keys[i])
+            try:
+                out[i] = BlockCodec.read_header(head, namespace=digest, key=block, max_raw=MAX_RAW_BYTES,
+                                                total_len=size).sealed
+            except CorruptBlock:
+                continue
+
+    backend.visit_ranges(keys, visit)
     return out
 
 

@@ -29,7 +29,7 @@ def add_parsers(sub) -> None:
     p.add_argument("src", metavar="SRC", help="source store URL or directory")
     p.add_argument("dst", metavar="DST", help="destination store URL (created when it is a new lmdb:// or file:// path)")
     p.add_argument("--namespace", metavar="NS", help="only this namespace")
-    p.add_argument("--overwrite", action="store_true", help="also copy blocks DST already holds")
+    p.add_argument("--overwrite", action="store_true", help="also copy blocks DST already holds (never a plain block over an encrypted one, or the reverse)")
     p.add_argument("--no-verify", action="store_true", help="check headers only, do not decode bodies")
     add_common(p)
     p.set_defaults(handler=cmd_copy)
@@ -119,6 +119,12 @@ def cmd_copy(args: argparse.Namespace) -> int:
         if report["changed_at_source"]:
             out.print(f"{len(report['changed_at_source'])} blocks changed or went at the source while they were "
                       "copied (withdrawn by an engine, say): taken back from the destination")
+        if report["encrypted_kept"]:
+            out.print(f"kept {report['encrypted_kept']} encrypted blocks of the destination that the source holds "
+                      "unencrypted (its engines encrypt: they would not use them)")
+        if report["unencrypted_kept"]:
+            out.print(f"kept {report['unencrypted_kept']} unencrypted blocks of the destination that the source "
+                      "holds encrypted (engines without the secret could not open them)")
         if report["namespace_records_kept"]:
             out.print(f"kept the destination's own namespace records ({report['namespace_records_kept']})")
         for record, why in report["broken_namespace_records"].items():
