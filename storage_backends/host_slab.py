@@ -1,5 +1,8 @@
 """The host tier's memory: one slab of fixed-size slots, page-locked when CUDA is present,
 every page touched when it is made (not in the hot path) and handed back when the tier closes.
+Before it is made, its size is measured against what this process can still get
+(:mod:`storage_backends.host_memory`): Linux overcommits, so a slab larger than the machine or the
+cgroup is mapped fine and the OOM killer ends the engine while it is touched.
 
 A page-locked slab is mapped here and registered with CUDA (``cudaHostRegister``), not taken from
 torch's pinned allocator (``pin_memory=True``): that allocator rounds every request up to a power
@@ -19,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from storage_backends.host_memory import check_fits
 from tiered_kv.errors import ConfigError
 from tiered_kv.units import as_bool, format_size
 
@@ -43,6 +47,9 @@ def new_slab(num_slots: int, slot_bytes: int, pinned: bool) -> torch.Tensor:
         hint = '; or host.pinned = "no": page-locked memory is often capped lower' if pinned else ""
         return ConfigError(f"host.capacity: cannot allocate {format_size(num_slots * slot_bytes)} of "
                            f"{'page-locked ' if pinned else ''}host memory ({why.splitlines()[0][:160]}){hint}")
+    if num_slots < 1:  # (a tier that takes every block and keeps none)
+        raise ConfigError(f"host.capacity: holds no slot of {format_size(slot_bytes)}")
+    check_fits(num_slots * slot_bytes, pinned)  # (before any mapping: no page is touched when refused)
     try:
         if not pinned:
             slab = torch.empty((num_slots, slot_bytes), dtype=torch.uint8)
