@@ -71,6 +71,7 @@ def _sizes(sched, worker) -> dict[str, int]:
             "store leases": len(sched.store.loader._leases), "worker._saving": len(worker._saving),
             "worker._async_loads": len(wcore._async_loads), "worker._save_requests": len(wcore._save_requests),
             "worker._finished": len(wcore._finished), "worker.started_loading": len(wcore.started_loading),
+            "worker._dropped": len(wcore._dropped),
             "worker._failed_requests": len(wcore._failed_requests), "worker._saves": len(wcore._saves._pending),
             "worker._load_errors": len(wcore._load_errors)}
 

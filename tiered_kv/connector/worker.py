@@ -29,6 +29,7 @@ import torch
 from tiered_kv.config import layerwise_on
 from tiered_kv.connector.cost_observer import CostObserver
 from tiered_kv.connector.device_copies import scatter, settle_side_stream
+from tiered_kv.connector.dropped_loads import DroppedLoads
 from tiered_kv.connector.group_layout import GroupLayout
 from tiered_kv.connector.layer_loads import LayerLoads
 from tiered_kv.connector.layout import KVLayout, device_ids, make_layout
@@ -67,6 +68,7 @@ class ConnectorWorker:
         self.layout: KVLayout | GroupLayout | None = None
         self.meta, self._unsaved = ConnectorMeta(), False  # (_unsaved: saves bound, wait_for_save not run)
         self._async_loads: dict[str, _PendingLoad] = {}
+        self._dropped = DroppedLoads(store)  # replaced async loads, released once their reads ended
         self._saves = SaveCopies(store)  # device->host copies not committed yet
         self._save_requests: set[str] = set()  # requests that had saves and are not reported
         self._finished: set[str] = set()  # finished ids passed in, not yet reported
@@ -145,13 +147,14 @@ class ConnectorWorker:
 
     def _add_async_load(self, pending: _PendingLoad) -> None:
         """Keep ``pending`` until ``get_finished`` reports it. An earlier async load under its id
-        not reported yet is dropped: its lease released (else held for good), its blocks never
-        written. Defensive: vLLM makes ids unique (a random suffix) and refuses a duplicate of a
-        request held for its load report; an engine that reuses an id has aborted that request,
-        and waits for one report of the id, for the blocks of the new load."""
+        not reported yet is dropped: its blocks never written, its lease released once its reads
+        ended (:mod:`.dropped_loads`: never waited for here, on the engine's thread). Defensive:
+        vLLM makes ids unique (a random suffix) and refuses a duplicate of a request held for its
+        load report; an engine that reuses an id has aborted that request, and waits for one
+        report of the id, for the blocks of the new load."""
         old = self._async_loads.pop(pending.spec.request_id, None)
         if old is not None:
-            self.store.release(old.plan)  # (waits for its reads to leave the host slots)
+            self._dropped.add(old.plan)
             self.store.metrics.event("async_loads_replaced")
             log.warning("request %s: a second async load before the first was reported; the first is "
                         "dropped", pending.spec.request_id)
@@ -307,6 +310,7 @@ class ConnectorWorker:
         if self._unsaved and self.meta.step_tokens == 0:
             self.wait_for_save()
         self._saves.commit_ready()
+        self._dropped.sweep()
         self._finished.update(finished_req_ids or ())
         self.started_loading.arrived(started_loading_req_ids or ())
         busy = self._saves.busy_requests()
@@ -335,4 +339,5 @@ class ConnectorWorker:
         for rid, pending in self._async_loads.items():
             self.store.release(pending.plan)
             self._async_loads[rid] = _PendingLoad(pending.spec, failed_plan(pending.plan.keys))
+        self._dropped.release_all()
         self.flush_copies()
