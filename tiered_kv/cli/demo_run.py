@@ -256,6 +256,7 @@ def _phase(phase: str, workdir: str, out_file: str, extra: str) -> None:
     prompts = base_prompts(opts, vocab)
     if phase == "run1":
         result = serve(opts, prompts)
+        _check_reached(result["store"])
     else:
         run1 = json.loads((Path(workdir) / "run1.json").read_text())
         chat = prompts["chat-turn-1"] + run1["prompts"]["chat-turn-1"]["output"]
@@ -263,11 +264,25 @@ def _phase(phase: str, workdir: str, out_file: str, extra: str) -> None:
         # included, comes from the store), then the earlier prompts come back
         prompts = {"chat-turn-2": chat + _tokens(random.Random(opts.seed + 1), 120, vocab), **prompts}
         result = serve(opts, prompts)
+        _check_reached(result["store"])
         # the follow-up turn was never served before: check it against a plain recompute
         reference = serve(opts, {"chat-turn-2": prompts["chat-turn-2"]}, with_connector=False)
         result["follow_up_matches_recompute"] = (
             reference["prompts"]["chat-turn-2"]["output"] == result["prompts"]["chat-turn-2"]["output"])
     Path(out_file).write_text(json.dumps(result))
+
+
+def _check_reached(store_stats: dict) -> None:
+    """BackendUnavailable when a lower tier of the demo's store refused this run's saves as
+    unreachable: a tier that is down (Redis refused, a wrong password) costs an engine misses and
+    failed saves, never an error, so the demo restored nothing and still said "outputs identical",
+    exit 0, where the README promises exit 3."""
+    events = store_stats.get("events", {})
+    for name, backend in store_stats.get("backends", {}).items():
+        failed = events.get(f"{name}_save_failed", 0)
+        if name != "host" and failed:
+            why = backend.get("extra", {}).get("unavailable") or "its medium was unavailable"
+            raise BackendUnavailable(f"the demo's store ({name}) refused {failed} saves: {why}")
 
 
 def _phase_main(argv: list[str], extra: str) -> int:

@@ -101,6 +101,9 @@ class TierConfig:
     def __post_init__(self) -> None:
         key = self.name if isinstance(self.name, str) and self.name else "tier"
         check_types(self, f"{key}." if key == self.name else f"{self.SECTION}.")
+        if isinstance(self.url, str) and self.url != self.url.strip():  # blanks around it, as a
+            # number's are: a space kept after it (an env file, YAML) opened an empty store at "/x "
+            object.__setattr__(self, "url", self.url.strip())
         if not self.name or self.name == "host" or not self.name.replace("_", "").isalnum():
             raise ConfigError(f"{self.SECTION}.name must be a word other than 'host', got {self.name!r}")
         check_url(key, self.url)
