@@ -179,3 +179,30 @@ def test_a_load_waits_for_its_own_copies_not_for_the_engines_queued_work(tmp_pat
         got = gather_torch(pool, torch.arange(8, 16, device="cuda")).cpu()  # ordered after the scatter
         assert torch.equal(got, torch.stack(blocks))
         worker.close()
+
+
+@cuda
+def test_regression_blocks_freed_after_a_save_were_overwritten_by_the_next_step_before_the_gather_read_them(tmp_path):
+    """A preempted (vLLM) or paused (TensorRT-LLM) request's blocks go back to the engine while its
+    save's gather, queued on the side stream, may not have run: the engine's next step must wait
+    for that gather (only it: the copy to the host is not waited for)."""
+    keys = keys_for(4)
+    pool = _pool(16, "cuda")
+    with make_store(tmp_path, host="8MiB", disk=None) as store:
+        worker = _worker(store, pool)
+        pool[:, :, 4:8] = 1.5
+        plain = worker.layout.gather
+
+        def slow_gather(ids):  # the side stream busy when the gather is queued
+            torch.cuda._sleep(500_000_000)
+            return plain(ids)
+
+        worker.layout.gather = slow_gather
+        worker.bind_connector_meta(ConnectorMeta(saves=[SaveSpec("r", tuple(keys), (4, 5, 6, 7), 0)]))
+        worker.wait_for_save()
+        pool[:, :, 4:8] = -3.0  # the next step writes the freed blocks, on the engine's stream
+        worker.flush_copies()
+        slots = store.host.pin_many(keys)
+        assert all(s is not None and bool((store.slot_tensor(s) == 1.5).all()) for s in slots)
+        store.host.unpin_many(keys)
+        worker.close()

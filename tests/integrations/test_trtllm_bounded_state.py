@@ -29,8 +29,8 @@ class CancellingExecutor(Executor):
         if req.state == "new":  # not in the KV cache manager: get_cache_indices raises, no call
             req.state = "done"
             return
+        req.state = "done"  # (finish_by_reason / _handle_errors: GENERATION_COMPLETE, then terminated)
         hold = self.scheduler.request_finished(req, list(req.block_ids))
-        req.state = "done"
         self._end(req, hold)  # (an async load in flight stays in new_loading / pending: as TRT-LLM)
 
     def failed_step(self) -> None:

@@ -141,6 +141,12 @@ class LlmRequest:
     def get_tokens(self, beam: int) -> list[int]:
         return list(self.tokens)
 
+    @property
+    def is_finished(self) -> bool:
+        """``LlmRequest.is_finished``: GENERATION_COMPLETE (finished, cancelled, failed); a paused
+        request is back in CONTEXT_INIT, not finished."""
+        return self.state == "done"
+
 
 def write_model_config(path) -> None:
     path.mkdir(parents=True, exist_ok=True)
@@ -262,20 +268,23 @@ class Executor:
         self.to_cancel.add(rid)
 
     def pause(self, rid: int) -> None:
-        """``_pause_requests`` before the step's allocation: ``LlmRequest.pause`` (the generated
-        tokens become prompt, the context restarts at 0), then ``_terminate_request``. Its entry in
-        ``reported`` stays (the output manager's). A request the connector holds is left in
-        ``DISAGG_CONTEXT_TRANS_IN_PROGRESS`` by ``KvCacheConnectorManager.request_finished``, which
-        no scheduler picks up again: parked here as "stalled"."""
+        """``_pause_requests`` before the step's allocation (releases whose ``_pause_requests`` is
+        ``req.pause(max_input_len); self._terminate_request(req)``): ``LlmRequest.pause`` first (the
+        generated tokens become prompt, the context restarts at 0, CONTEXT_INIT: not finished),
+        then ``_do_terminate_request``: ``request_finished``, then ``free_resources`` (blocks a True
+        pinned by ``store_blocks_for_reuse`` until ``get_finished``). Its entry in ``reported``
+        stays (the output manager's). A request the connector holds is set to
+        ``DISAGG_CONTEXT_TRANS_IN_PROGRESS`` by ``KvCacheConnectorManager.request_finished``;
+        ``_kv_connector_terminate_requests`` only unpins its blocks once saved and no scheduler
+        picks that state up again: parked here as "stalled" for good."""
         req = self.requests[rid]
+        req.max_new_tokens -= len(req.tokens) - req.prompt_len
+        req.prompt_len, req.context_current_position, req.matched, req.state = len(req.tokens), 0, 0, "new"
         hold = self.scheduler.request_finished(req, list(req.block_ids))
         self.log.append((self.step_no, "paused", rid, hold))
         self._end(req, hold)
         if hold:
             req.state = "stalled"
-            return
-        req.max_new_tokens -= len(req.tokens) - req.prompt_len
-        req.prompt_len, req.context_current_position, req.matched, req.state = len(req.tokens), 0, 0, "new"
 
     def _end(self, req, hold: bool) -> None:
         """An ended request: its blocks held while the connector saves it, else freed."""

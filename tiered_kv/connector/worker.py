@@ -291,15 +291,19 @@ class ConnectorWorker:
         # caching allocator may hand a block freed on another stream to someone else while the
         # side stream still uses it); the engine's pool is ordered by wait_stream, host slots
         # stay reserved until the event completed.
-        self._stream.wait_stream(torch.cuda.current_stream(self.layout.device))
+        # The engine's next work waits for the gather (a device copy): a block freed meanwhile (a
+        # preemption, a TensorRT-LLM pause) may be written by it; the host copy after is not waited.
+        engine = torch.cuda.current_stream(self.layout.device)
+        self._stream.wait_stream(engine)
         with torch.cuda.stream(self._stream):
             ids = device_ids(block_ids, self.layout.device)
             data = gather(ids).view(len(block_ids), -1).view(torch.uint8)
+            engine.wait_stream(self._stream)  # (up to the gather: the host copy is queued after)
             self.store.slots.fill(slots, data, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
         if self._reused_next_step:  # sliding-window blocks and running state change next step
-            torch.cuda.current_stream(self.layout.device).wait_event(event)
+            engine.wait_event(event)
         self._saves.add(batch, owners, event)
 
     # -- completion ------------------------------------------------------------------------------

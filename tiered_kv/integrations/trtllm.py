@@ -191,11 +191,17 @@ class TieredKVScheduler(_SchedulerBase):
                                                          self._beamed))
 
     def request_finished(self, request: Any, cache_block_ids: Sequence[int]) -> bool:
+        """True holds a finished request's blocks until saved. A paused one (``_pause_requests``, not
+        finished) never is: TensorRT-LLM would park it in ``DISAGG_CONTEXT_TRANS_IN_PROGRESS`` for
+        good; its blocks go back now (the engine's next work waits for the worker's gathers of them)."""
         self._drop_verified(request.request_id)
         self._device_prefix.pop(request.request_id, None)
-        self._unkeyed.discard(request.request_id)
         self._beamed.pop(request.request_id, None)
         pages(cache_block_ids, request.request_id, "request_finished")
+        if getattr(request, "is_finished", True) is False:
+            self.core.request_preempted(request.request_id)  # (allocated anew when scheduled again)
+            return False
+        self._unkeyed.discard(request.request_id)
         return self.core.request_finished(request, list(cache_block_ids))
 
     # -- per-layer-group forms: entry [g][i] is block i's page in layer group g -----------------
