@@ -241,7 +241,8 @@ class Backend(ABC):
 
     def listen(self, listener: Listener | None) -> None:
         """Have ``listener(change, keys)`` told which keys this process's calls ``"stored"`` and
-        ``"removed"`` (evicted, deleted, withdrawn), in the order they happened, after the fact.
+        ``"removed"`` (evicted, deleted, withdrawn), in the order they happened, after the fact;
+        ``"lost"`` (no keys) where the medium noticed it lost everything (a flushed Redis).
         One listener per medium (None: nobody). What other processes do, and what a medium
         drops by its own policy (Redis ``maxmemory``, TTLs), is not seen. The listener may be
         called under the medium's own locks: it must be quick and never call the medium."""

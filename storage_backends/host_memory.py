@@ -7,10 +7,13 @@ with no message. So the slab is measured first against the tighter of:
 * ``MemAvailable`` in ``/proc/meminfo`` (what the kernel thinks can be had without swapping);
 * the room left in the process's memory cgroup, and in every ancestor with a limit: the limit
   (v2 ``memory.max``, v1 ``memory.limit_in_bytes``; "max", or v1's huge "no limit", is none)
-  less what is charged (``memory.current`` / ``memory.usage_in_bytes``) except the inactive
-  file cache (``inactive_file`` / ``total_inactive_file`` in ``memory.stat``), which the kernel
-  reclaims before it kills anything (a disk tier's reads fill the cache; not counting it as free
-  would refuse a tier that fits).
+  less what is charged (``memory.current`` / ``memory.usage_in_bytes``) except the file cache
+  on the LRU lists, active and inactive (``active_file`` + ``inactive_file``, v1 ``total_``
+  ones, in ``memory.stat``), which the kernel reclaims before it kills anything (a disk tier's
+  reads fill the cache; not counting it as free would refuse a tier that fits). Not the inactive
+  part alone: on kernels with the multi-gen LRU nearly all of a cgroup's cache reads active (a
+  container whose earlier run had read files was refused a tier that fit), and
+  MemAvailable counts both too. Shared memory (tmpfs) is on the anonymous lists: not counted.
 
 The rule: the slab must fit in that room less a headroom kept for the engine itself (its heaps,
 CUDA's host side, other tiers' buffers): 256 MiB plus 1/16 of the room. Anything that cannot be
@@ -94,9 +97,9 @@ def cgroup_room(cgroup: str, root: str) -> Room | None:
             v2 = path
     if v1 is not None:
         base, files = os.path.join(root, "memory"), ("memory.limit_in_bytes", "memory.usage_in_bytes",
-                                                     "total_inactive_file")
+                                                     ("total_active_file", "total_inactive_file"))
     elif v2 is not None:
-        base, files = root, ("memory.max", "memory.current", "inactive_file")
+        base, files = root, ("memory.max", "memory.current", ("active_file", "inactive_file"))
     else:
         return None
     parts = [p for p in (v1 if v1 is not None else v2).split("/") if p]
@@ -106,14 +109,15 @@ def cgroup_room(cgroup: str, root: str) -> Room | None:
     return min((r for r in rooms if r is not None), key=lambda r: r.nbytes, default=None)
 
 
-def _level_room(directory: str, limit_file: str, usage_file: str, inactive_key: str) -> Room | None:
+def _level_room(directory: str, limit_file: str, usage_file: str, cache_keys: tuple[str, ...]) -> Room | None:
     limit_text, usage_text = _read(os.path.join(directory, limit_file)), _read(os.path.join(directory, usage_file))
     if limit_text is None or usage_text is None or not limit_text.strip().isdigit() or not usage_text.strip().isdigit():
         return None  # ("max": no limit here)
     limit = int(limit_text)
     if limit >= NO_LIMIT:
         return None
-    reclaimable = _stat_value(_read(os.path.join(directory, "memory.stat")), inactive_key)
+    stat = _read(os.path.join(directory, "memory.stat"))
+    reclaimable = sum(_stat_value(stat, key) for key in cache_keys)  # (the file cache: see above)
     used = max(0, int(usage_text) - reclaimable)
     return Room(max(0, limit - used), f"cgroup {directory}: {limit_file} {format_size(limit)} less "
                                       f"{format_size(used)} in use")

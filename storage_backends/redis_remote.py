@@ -20,10 +20,9 @@ TYPEs, SETs and UNLINKs go one pipeline per node (at once with ``node_threads``;
 :mod:`storage_backends.redis_node_pipelines`), so a hung node costs a call one timeout there too; SCAN and
 INFO are retried as whole calls (:mod:`storage_backends.redis_admin`). ``maxmemory`` refusals (OOM) make
 that put ``False`` (``put_rejected``), as do ``READONLY`` and ``MISCONF``, which other calls raise as
-:class:`BackendError`. A call finding all ``max_connections`` busy waits for one
-(:mod:`storage_backends.redis_pool`). ``close()`` closes every connection, those a call or probe running
-meanwhile puts back too. Every call ends by a deadline (:mod:`storage_backends.redis_deadline`).
-"""
+:class:`BackendError`. A call finding all ``max_connections`` busy waits for one (:mod:`storage_backends.redis_pool`).
+``close()`` closes every connection, those a call or probe running meanwhile puts back too. Every call ends by a
+deadline (:mod:`storage_backends.redis_deadline`); a lost keyspace is heard (:mod:`storage_backends.redis_epoch`)."""
 
 from __future__ import annotations
 
@@ -48,6 +47,7 @@ from storage_backends.redaction import redact_text, redact_url
 from storage_backends.redis_admin import AdminRetry
 from storage_backends.redis_breaker import Breaker
 from storage_backends.redis_deadline import call_deadline
+from storage_backends.redis_epoch import EpochWatch
 from storage_backends.redis_figures import server_facts
 from storage_backends.redis_names import RedisNames
 from storage_backends.redis_node_pipelines import NodeFanout, name_of, node_pipelines, ping_every_node
@@ -69,6 +69,7 @@ KEYS_PER_CALL = 1000  # keys per TYPE pipeline, UNLINK and SCAN page
 
 class RedisBackend(Backend):
     name = "redis"
+    epoch: EpochWatch | None = None  # looks for a lost keyspace once a listener is set
 
     def __init__(self, url: str, *, prefix: bytes | str = b"tkv:", ttl: float | None = None,
                  timeout: float = 2.0, retries: int = 2, max_connections: int = 64, cluster: bool = False,
@@ -107,14 +108,11 @@ class RedisBackend(Backend):
                 raise ConfigError("Redis Cluster cannot be reached over a unix socket")
             elif not target.startswith("rediss://"):  # the TLS cluster client sets its own class
                 common["connection_class"] = PackedConnection
-            if read_from_replicas:
-                # GETs and TYPEs go round robin over each slot's master and replicas: a block is
-                # immutable under its key and checked when read, so a replica can only be behind
-                # (absent: a counted miss), never wrong
+            if read_from_replicas:  # GETs and TYPEs round robin over each slot's master and replicas: a block
+                # is immutable under its key and checked when read: a replica is only behind (a miss), never wrong
                 common["load_balancing_strategy"] = LoadBalancingStrategy.ROUND_ROBIN
-            # redis-py's cluster client retries a timeout whatever a retry object says: no
-            # cluster-level retries (GETs, TYPEs and SETs go one pipeline per node, retried as
-            # above by storage_backends.redis_node_pipelines)
+            # redis-py's cluster client retries a timeout whatever a retry object says: no cluster-level
+            # retries (GETs, TYPEs and SETs go one pipeline per node: storage_backends.redis_node_pipelines)
             common["retry"] = Retry(NoBackoff(), 0)
             if self.cluster:
                 check_cluster_options(target, common)
@@ -128,10 +126,13 @@ class RedisBackend(Backend):
         log.info("redis tier at %s (prefix %r, ttl %s, cluster %s)", self.url, self.prefix,
                  f"{self.ttl_ms} ms" if self.ttl_ms else "none", self.cluster)
 
+    def listen(self, listener: Any) -> None:  # (and a lost keyspace is "lost": .redis_epoch)
+        super().listen(listener)
+        self.epoch = self.epoch or (EpochWatch(self) if listener is not None else None)
+
     @classmethod
     def from_url(cls, url: str, **options: Any) -> RedisBackend:
-        """Our options come from the query string or keywords (keywords win); the rest of the
-        query (``db``, ``ssl_cert_reqs``, ``ssl_ca_certs``, ...) is left to redis-py."""
+        """Our options from the query string or keywords (keywords win); the rest (``db``, ``ssl_*``) to redis-py."""
         target, kwargs = redis_arguments(url, options)
         return cls(target, **kwargs)
 
@@ -163,8 +164,7 @@ class RedisBackend(Backend):
         return not self._breaker.open and not self._closed
 
     @property
-    def _failures(self) -> int:
-        """Consecutive failed calls and probes (0: the breaker is closed)."""
+    def _failures(self) -> int:  # consecutive failed calls and probes (0: the breaker is closed)
         return self._breaker.failures
 
     def _call(self, fn: Callable[[Any], T], *, admin: bool = False) -> T:

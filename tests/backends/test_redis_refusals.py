@@ -86,7 +86,7 @@ def test_regression_a_key_of_ours_holding_a_list_was_promised_to_every_lookup_an
     with make_store(None, remote_url=own_redis.url) as store:
         store.save(keys, payloads(store, 1, seed=3)).result(10)
     r = redis.Redis(port=own_redis.port)
-    (name,) = [n for n in r.scan_iter() if b"tkv-ns" not in n]  # the block (not the namespace record)
+    (name,) = [n for n in r.scan_iter(match=b"tkv:*") if b"tkv-ns" not in n]  # the block (not the namespace record)
     r.delete(name)
     r.rpush(name, b"someone else's")
     with make_store(None, remote_url=own_redis.url) as store:

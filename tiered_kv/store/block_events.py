@@ -28,6 +28,10 @@ as :class:`BlockEvent` batches. A router, or an engine's own KV-event publisher,
   starts with a **lost** event (no keys) for each tier that lost events: what its consumer
   knows of that tier may be wrong (a dropped removal would leave blocks announced stored for
   ever), so it forgets the tier, then applies the events after the marker.
+- **A medium that lost everything** (a Redis server restarted empty or flushed:
+  :mod:`storage_backends.redis_epoch`) tells its listener ``"lost"``: feeds get a **lost** event
+  (no keys) of the tier in its place among the tier's events: forget the tier, then apply the
+  events after it (blocks stored again are announced again).
 - **Cheap and quiet**: with no subscriber a medium's report costs one check; publishing never
   raises into the media's callers (the engine's hot path): a failure is logged.
 """
@@ -80,6 +84,8 @@ class EventFeed:
             event = BlockEvent(event.kind, event.tier, event.keys[cut:], event.ts, event.rank)
         n = len(event.keys)
         with self._lock:
+            if n == 0 and self._events and self._events[-1].kind == LOST and self._events[-1].tier == event.tier:
+                return  # (a tier lost twice in a row is lost once: keyless events stay bounded)
             if cut > 0:
                 self.dropped += cut
                 self._lost.setdefault(event.tier, event.ts)
@@ -141,6 +147,15 @@ class BlockEvents:
         except Exception:  # never into the medium's caller
             log.exception("block events of tier %s could not be published", tier)
 
+    def lose(self, tier: str) -> None:
+        """Tier ``tier``'s medium lost every block (a LOST event in order, see the module docstring)."""
+        event = BlockEvent(LOST, tier, (), time.time())
+        for feed in self._feeds:
+            try:
+                feed.put(event)
+            except Exception:  # never into the medium's caller
+                log.exception("the loss of tier %s could not be published", tier)
+
     def listener(self, tier: str, prefix: bytes = b"", ranks: Sequence[bytes] = ()) -> Callable[[str, list[bytes]], None]:
         """What tier ``tier``'s medium reports to: keys under ``prefix`` (the namespace's, in a
         lower tier shared by namespaces) become events of the keys without it. ``ranks``: every
@@ -150,6 +165,9 @@ class BlockEvents:
 
         def heard(change: str, keys: list[bytes]) -> None:
             if not self._feeds:
+                return
+            if change == LOST:  # the medium lost everything: every rank's copies, this namespace's
+                self.lose(tier)
                 return
             theirs: dict[int, list[bytes]] = {}
             if others and change == REMOVED:  # (all prefixes are digests of one length)

@@ -1,0 +1,134 @@
+"""Noticing that a Redis tier's content was lost (a restart without persistence, ``FLUSHALL``,
+``FLUSHDB``), so that the tier's listener hears ``"lost"`` (no keys): every block this process
+announced there may be gone (:mod:`tiered_kv.store.block_events` publishes a ``lost`` event of
+the tier; vLLM's tracker retracts the tier's blocks and announces them again as they are stored).
+
+How: a marker key, ``tkv-epoch:`` + the tier's prefix (outside the prefix: no SCAN of the tier,
+no entry count sees it), holding a random token written ``SET NX`` (no TTL). A background thread
+of the backend, started when a listener is set, looks every ``CHECK_EVERY_S`` seconds (one
+pipeline of ``SET NX`` + ``GET``, one round trip; never on a caller's thread, nothing added to
+the hot path): a token other than the one it saw last (absent and set anew, or set anew by
+another process sharing the server, which saw the loss first) means the keyspace was emptied
+since. The first look only records. A look that fails (the server away, the breaker open) is
+skipped: the look after the server is back sees the marker gone. A dropped connection that
+reconnects to the same server keeps the marker: no ``lost``.
+
+Why a marker rather than the server's ``run_id`` (``INFO server``): a restart *with* persistence
+(RDB, AOF) changes ``run_id`` but keeps the blocks (a ``lost`` then made routers forget blocks
+still there), and a flush keeps ``run_id``; the marker tells both apart with one mechanism.
+``GET`` keeps the marker recently used, so ``allkeys-lru`` / ``allkeys-lfu`` eviction does not
+take it before colder blocks; ``volatile-*`` policies never take a key without a TTL.
+
+Redis Cluster: one marker per master, its name hash-tagged into a slot that master serves (read
+again from the client's slot map at each look), so a master restarted empty or a ``FLUSHALL`` on
+one node is seen; a slot that moves takes its marker along (no ``lost``). A failover to a
+replica keeps the data and the marker: no ``lost``.
+
+Not seen: a partial loss (an RDB restart loses the writes since the last save, the marker
+survives; ``DEL`` / ``UNLINK`` of our keys by another client), an ``allkeys-random`` eviction of
+the marker (a needless ``lost``), and losses shorter than one look apart are one ``lost``. Blocks
+stored between the loss and the look are announced, then retracted by the ``lost`` (a router
+misses them until they are stored again; it is never told of blocks that are not there).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+from storage_backends.redis_deadline import call_deadline
+from storage_backends.redis_pool import close_client
+
+log = logging.getLogger(__name__)
+
+CHECK_EVERY_S = 5.0  # seconds between looks at the marker(s)
+MARKER = b"tkv-epoch:"  # + the tier's prefix
+TAG_TRIES = 1 << 16  # hash tags tried to find one in each master's slots
+
+
+class EpochWatch:
+    """The watching thread of one Redis backend (see the module docstring), made by the backend
+    when a listener is set; it holds the backend weakly and ends once it is closed or dropped."""
+
+    def __init__(self, backend: Any) -> None:
+        self.looks = 0  # looks done (tests wait on it instead of on time)
+        self._thread = threading.Thread(target=_watch, args=(weakref.ref(backend), self), daemon=True,
+                                        name="tiered-kv-redis-epoch")
+        self._thread.start()
+
+
+def _watch(ref: weakref.ref, watch: EpochWatch) -> None:
+    seen: dict[bytes, bytes] = {}  # marker name -> its token at the last look
+    while True:
+        backend = ref()
+        if backend is None or backend._closed:
+            return
+        try:
+            lost = look(backend, seen)
+        except Exception as exc:  # away, refused (an ACL without the marker's key), closed meanwhile
+            log.debug("redis at %s: epoch marker not read: %s", backend.url, exc)
+            lost = False
+        watch.looks += 1
+        if lost and backend.listener is not None:
+            log.warning("redis at %s lost its content (restarted or flushed): blocks announced "
+                        "there are retracted", backend.url)
+            try:
+                backend.listener("lost", [])
+            except Exception:
+                log.exception("%s: block listener failed", backend.name)
+        del backend  # (the sleep holds no reference: a dropped backend ends the thread)
+        end = time.monotonic() + CHECK_EVERY_S
+        while time.monotonic() < end:  # short naps: a closed backend ends the thread soon
+            time.sleep(min(0.25, max(0.0, end - time.monotonic())))
+            backend = ref()
+            if backend is None or backend._closed:
+                return
+            del backend
+
+
+def look(backend: Any, seen: dict[bytes, bytes]) -> bool:
+    """Read (and set where absent) the marker(s); True when one holds another token than ``seen``."""
+    if not backend.available:  # the breaker's probe watches a server that is away
+        return False
+    token = os.urandom(8).hex().encode()
+    base = MARKER + backend.prefix
+    try:
+        with call_deadline(backend.timeout):
+            client = backend.client
+            if backend.cluster:
+                now = {}
+                for name in _cluster_markers(client, base):
+                    client.set(name, token, nx=True)
+                    now[name] = client.get(name)
+            else:
+                pipe = client.pipeline(transaction=False)
+                pipe.set(base, token, nx=True)
+                pipe.get(base)
+                now = {base: pipe.execute()[1]}
+    finally:
+        if backend._closed:  # close() ran meanwhile: the connection put back goes too
+            close_client(backend._client)
+    lost = any(name in seen and value != seen[name] for name, value in now.items())
+    seen.update(now)
+    return lost
+
+
+def _cluster_markers(client: Any, base: bytes) -> list[bytes]:
+    """One marker name per master, hash-tagged into a slot the client's slot map gives it."""
+    from redis.crc import key_slot
+
+    slots = client.nodes_manager.slots_cache
+    masters = {nodes[0].name for nodes in slots.values() if nodes}
+    names: dict[str, bytes] = {}
+    for i in range(TAG_TRIES):
+        name = b"%s{%d}%s" % (MARKER, i, base[len(MARKER):])  # (our tag first)
+        nodes = slots.get(key_slot(name))
+        if nodes and nodes[0].name not in names:
+            names[nodes[0].name] = name
+            if len(names) == len(masters):
+                break
+    return list(names.values())
