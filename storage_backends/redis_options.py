@@ -7,6 +7,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from redis.cluster import cleanup_kwargs
+from redis.exceptions import RedisError
 from redis.connection import ConnectionPool, parse_url
 
 from storage_backends.options import split_options
@@ -119,7 +120,7 @@ def check_options(url: str, options: dict[str, Any]) -> None:
         else:
             pool = ConnectionPool.from_url(target)
             pool.connection_class(**pool.connection_kwargs)  # makes no connection
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, RedisError) as exc:  # (RedisError: ``ssl_cert_reqs=bogus``)
         if isinstance(exc, ConfigError):
             raise
         raise ConfigError(f"bad Redis URL {redact_url(url)!r}: {redact_text(str(exc), url)}") from None

@@ -168,3 +168,10 @@ def test_regression_stats_of_a_missing_file_was_cannot_fetch_host_exit_3(tmp_pat
     path = tmp_path / name
     code, out, err = run("stats", path)
     assert code == 2 and one_error_line(code, out, err).startswith(f"no such file: {path}")
+
+
+def test_regression_stats_of_an_env_file_given_by_mistake_printed_its_password(tmp_path):
+    env = tmp_path / "tkv.env"
+    env.write_text("TIERED_KV_REMOTE_URL=redis://:hunter2-sekrit@cache:6379/0\n")
+    message = one_error_line(*run("stats", env))
+    assert "not Prometheus metrics text" in message and "hunter2" not in message

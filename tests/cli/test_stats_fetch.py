@@ -124,7 +124,7 @@ def test_regression_an_answer_cut_short_was_a_traceback():
 
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:abc/metrics", "http://exa mple:9400/metrics",
-                                 "http://[::1/metrics"])
+                                 "http://[::1/metrics", "http://127.0.0.1:99999/metrics"])
 def test_regression_a_url_that_cannot_be_asked_was_a_traceback_or_an_unreachable_store(url):
     result = cli("stats", url)
     assert result.code == 2

@@ -34,6 +34,7 @@ def fetch(target: str, timeout: float = 5.0) -> str:
     if not url.startswith(("http://", "https://")):
         raise ConfigError(f"metrics URL must be http(s)://HOST:PORT[/metrics] or a file, got {redact_url(target)!r}")
     try:
+        urlsplit(url).port  # noqa: B018 (a port out of range raises ValueError: a bad URL, not one down)
         with _OPENER.open(_request(url), timeout=timeout) as response:
             body = response.read()
     except (urllib.error.URLError, OSError) as exc:  # (a connection closed unanswered is one)
@@ -122,8 +123,8 @@ def summarize(text: str) -> dict:
     seen, skipped = False, 0
     try:
         families = list(text_string_to_metric_families(text))
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(f"not Prometheus metrics text: {exc}") from None
+    except (ValueError, TypeError):  # (its message quotes the line: a .env file given by mistake)
+        raise ConfigError("not Prometheus metrics text (a line of it is no metric sample)") from None
     for family in families:
         for s in family.samples:
             if not s.name.startswith("tiered_kv_") or s.name.endswith("_created"):
