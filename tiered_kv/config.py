@@ -57,6 +57,7 @@ from tiered_kv.units import as_bool
 
 RESTORE_POLICIES = ("cost", "always")
 MIN_SECRET_BYTES = 16
+SECRET_FILE_MOST = 64 << 10  # the most a ``file:`` secret may hold
 MAX_WORKERS = 256  # transfer threads a store may start (each holds a stack; more would not help)
 MAX_LOG_INTERVAL = 30 * 86400.0  # (a thread's wait past ~292 years raises OverflowError)
 
@@ -110,9 +111,12 @@ def _secret(key: str, value: Any, environ: Mapping[str, str] | None = None) -> S
     elif isinstance(value, str) and value.startswith("file:"):
         try:
             with open(os.path.expanduser(value[5:]), "rb") as f:
-                value = f.read().rstrip(b"\r\n")
+                text = f.read(SECRET_FILE_MOST + 1)  # (bounded: ``file:/dev/zero`` read for ever)
         except OSError as exc:
             raise ConfigError(f"{key}: cannot read {value[5:]} ({type(exc).__name__})") from None
+        if len(text) > SECRET_FILE_MOST:
+            raise ConfigError(f"{key}: {value[5:]} holds more than {SECRET_FILE_MOST} bytes: not a secret")
+        value = text.rstrip(b"\r\n")
     if isinstance(value, str):
         value = value.encode()
     if not isinstance(value, bytes) or len(value) < MIN_SECRET_BYTES:

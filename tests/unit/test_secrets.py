@@ -218,3 +218,11 @@ def test_stats_with_credentials_in_the_metrics_url_never_shows_them(tmp_path):
     down = cli("stats", f"http://user:{SECRET}@127.0.0.1:{free_port()}/metrics?token={SECRET}")
     assert down.code == 3 and "user:***@" in down.err
     assert_no_secret(down.out, down.err)
+
+
+def test_regression_an_encryption_secret_file_of_dev_zero_was_read_for_ever():
+    from tiered_kv.config import TieredKVConfig
+    from tiered_kv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="not a secret"):
+        TieredKVConfig.from_dict({"encryption_secret": "file:/dev/zero"})
