@@ -55,3 +55,28 @@ def test_a_request_that_finishes_after_a_pause_is_still_held_until_its_saves_are
     finally:
         sched.close()
         worker.close()
+
+
+def test_regression_a_request_cancelled_while_paused_left_its_state_in_the_connector_for_good(
+        tmp_path, monkeypatch):
+    # TensorRT-LLM calls no connector method for a request it does not hold blocks of
+    # (_do_terminate_request: get_cache_indices raises): a request cancelled (or failed, or cut
+    # off at shutdown) while paused is never passed to request_finished nor get_finished, so the
+    # pause itself must leave nothing behind (its tokens and key chain, the workers' save ids)
+    from tests.integrations.test_trtllm_bounded_state import _sizes
+
+    llm_args = store_llm_args(tmp_path, monkeypatch)
+    sched, worker = TieredKVScheduler(llm_args), TieredKVWorker(llm_args)
+    try:
+        ex = Executor(sched, worker)
+        ex.add(1, prompt(17, 31), max_new_tokens=6)
+        ex.step()  # prefill: its full blocks saved
+        ex.step()
+        ex.pause(1)
+        ex.requests[1].state = "done"  # cancelled before the capacity scheduler took it again
+        for _ in range(10):
+            ex.step()
+        assert {k: n for k, n in _sizes(sched, worker).items() if n} == {}
+    finally:
+        sched.close()
+        worker.close()

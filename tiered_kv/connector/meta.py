@@ -54,6 +54,7 @@ class ConnectorMeta:
     # sum over requests of new * context before + new * (new + 1) / 2)
     step_tokens: int = 0
     step_attention: int = 0
+    forget: tuple[str, ...] = ()  # requests the engine may never end nor report (paused): no saves to report
 
     def is_empty(self) -> bool:
         """No transfers to run (the step's work figures are no transfer)."""

@@ -75,6 +75,7 @@ class ConnectorScheduler:
         self._matched_from: dict[str, int] = {}  # request -> first block of the last match
         self._loads: list[LoadSpec] = []
         self._invalidate: list[bytes] = []  # keys to withdraw in the next step's plan
+        self._forget: list[str] = []  # paused requests the next plan tells the workers to forget
         self._suspect: dict[bytes, int] = {}  # withdrawn keys -> steps they still count as absent
         # lives of requests finished (vLLM's fail policy) or preempted before vLLM reported their
         # failed blocks, as they were, and the plans they are kept for (*_PLANS)
@@ -214,8 +215,9 @@ class ConnectorScheduler:
         self._held.drop_failed(failed)
 
     def build_connector_meta(self, scheduler_output) -> ConnectorMeta:
-        meta = ConnectorMeta(loads=self._loads, invalidate=tuple(dict.fromkeys(self._invalidate)))
-        self._loads, self._invalidate = [], []
+        meta = ConnectorMeta(loads=self._loads, invalidate=tuple(dict.fromkeys(self._invalidate)),
+                             forget=tuple(self._forget))
+        self._loads, self._invalidate, self._forget = [], [], []
         self._gone = {rid: (state, n - 1) for rid, (state, n) in self._gone.items() if n > 1}
         if self._suspect:  # withdrawn by the workers once they ran the plans that carried them
             self._suspect = {k: n - 1 for k, n in self._suspect.items() if n > 1}
@@ -292,6 +294,13 @@ class ConnectorScheduler:
         self._matched_from.pop(request_id, None)
         self._decisions.pop(request_id, None)
         self._drop_loads(request_id)
+
+    def request_paused(self, request_id: str) -> None:
+        """Preempted, and forgotten (a new request if it comes back): an engine that may never end
+        it nor tell us (TensorRT-LLM passes a request cancelled while paused to no connector call)."""
+        self.request_preempted(request_id)
+        self._requests.pop(request_id, None)
+        self._forget.append(request_id)
 
     def _new_life(self, request_id: str, state: _Request) -> None:
         """Keep ``state``'s saves so far for a late failure report; plan saves afresh (from the new life's hit)."""

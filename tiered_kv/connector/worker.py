@@ -108,6 +108,7 @@ class ConnectorWorker:
 
     def bind_connector_meta(self, meta: ConnectorMeta) -> None:
         self.meta, self._unsaved = meta, bool(meta.saves)  # (until wait_for_save ran: .get_finished)
+        self._save_requests.difference_update(meta.forget)  # (paused: answered False, never reported)
 
     def clear_connector_metadata(self) -> None:
         self.meta, self._unsaved = ConnectorMeta(), False

@@ -198,10 +198,10 @@ class TieredKVScheduler(_SchedulerBase):
         self._device_prefix.pop(request.request_id, None)
         self._beamed.pop(request.request_id, None)
         pages(cache_block_ids, request.request_id, "request_finished")
-        if getattr(request, "is_finished", True) is False:
-            self.core.request_preempted(request.request_id)  # (allocated anew when scheduled again)
-            return False
         self._unkeyed.discard(request.request_id)
+        if getattr(request, "is_finished", True) is False:
+            self.core.request_paused(request.request_id)  # (a new request if scheduled again)
+            return False
         return self.core.request_finished(request, list(cache_block_ids))
 
     # -- per-layer-group forms: entry [g][i] is block i's page in layer group g -----------------
@@ -289,6 +289,7 @@ class TieredKVWorker(_WorkerBase):
 
     def bind_connector_meta(self, metadata: object) -> None:
         super().bind_connector_meta(metadata)
+        self._saving.difference_update(getattr(metadata, "forget", ()))
         self.core.bind_connector_meta(metadata if isinstance(metadata, ConnectorMeta) else ConnectorMeta())
 
     def start_load_kv(self, stream=None) -> None:
