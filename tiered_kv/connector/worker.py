@@ -291,9 +291,9 @@ class ConnectorWorker:
         # Stream rule: every CUDA tensor the side stream reads or writes is allocated on it (the
         # caching allocator may hand a block freed on another stream to someone else while the
         # side stream still uses it); the engine's pool is ordered by wait_stream, host slots
-        # stay reserved until the event completed.
-        # The engine's next work waits for the gather (a device copy): a block freed meanwhile (a
-        # preemption, a TensorRT-LLM pause) may be written by it; the host copy after is not waited.
+        # stay reserved until the event completed. The engine's next work waits for the gather (a
+        # device copy: a block freed meanwhile, by a preemption or a TensorRT-LLM pause, may be
+        # written by it), not for the host copy after it.
         engine = torch.cuda.current_stream(self.layout.device)
         self._stream.wait_stream(engine)
         with torch.cuda.stream(self._stream):

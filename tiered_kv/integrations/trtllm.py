@@ -196,9 +196,9 @@ class TieredKVScheduler(_SchedulerBase):
         good; its blocks go back now (the engine's next work waits for the worker's gathers of them)."""
         self._drop_verified(request.request_id)
         self._device_prefix.pop(request.request_id, None)
+        self._unkeyed.discard(request.request_id)
         self._beamed.pop(request.request_id, None)
         pages(cache_block_ids, request.request_id, "request_finished")
-        self._unkeyed.discard(request.request_id)
         if getattr(request, "is_finished", True) is False:
             self.core.request_paused(request.request_id)  # (a new request if scheduled again)
             return False
