@@ -138,7 +138,7 @@ class BlockEvents:
 
     def publish(self, kind: str, tier: str, keys: Sequence[bytes], rank: int | None = None) -> None:
         feeds = self._feeds
-        if not feeds or not keys:
+        if not feeds or not keys and kind != LOST:  # (a lost tier has no keys: the medium lost them all)
             return
         try:
             event = BlockEvent(kind, tier, tuple(bytes(k) for k in keys), time.time(), rank)
@@ -146,15 +146,6 @@ class BlockEvents:
                 feed.put(event)
         except Exception:  # never into the medium's caller
             log.exception("block events of tier %s could not be published", tier)
-
-    def lose(self, tier: str) -> None:
-        """Tier ``tier``'s medium lost every block (a LOST event in order, see the module docstring)."""
-        event = BlockEvent(LOST, tier, (), time.time())
-        for feed in self._feeds:
-            try:
-                feed.put(event)
-            except Exception:  # never into the medium's caller
-                log.exception("the loss of tier %s could not be published", tier)
 
     def listener(self, tier: str, prefix: bytes = b"", ranks: Sequence[bytes] = ()) -> Callable[[str, list[bytes]], None]:
         """What tier ``tier``'s medium reports to: keys under ``prefix`` (the namespace's, in a
@@ -167,7 +158,7 @@ class BlockEvents:
             if not self._feeds:
                 return
             if change == LOST:  # the medium lost everything: every rank's copies, this namespace's
-                self.lose(tier)
+                self.publish(LOST, tier, ())
                 return
             theirs: dict[int, list[bytes]] = {}
             if others and change == REMOVED:  # (all prefixes are digests of one length)
