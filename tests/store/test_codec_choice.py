@@ -1,5 +1,5 @@
-"""The ``auto`` codec: raw bodies where compressing would be the slowest step of the write-behind,
-byte-shuffled zstd where enough threads compress faster than the medium takes raw bodies."""
+"""The ``auto`` codec: raw bodies where compressing or decoding would be the slowest step of the
+write-behind or of a restore, byte-shuffled zstd where enough threads keep up with the medium."""
 
 import torch
 
@@ -10,23 +10,36 @@ from tiered_kv.store.codec import BlockCodec
 
 
 def test_auto_stores_raw_bodies_when_the_write_behind_threads_compress_slower_than_the_medium_takes_them():
-    assert codec_choice.choose("auto", workers=2, cpus=2, rate=0.9) == "raw"  # a 2-vCPU host
-    assert codec_choice.choose("auto", workers=16, cpus=2, rate=0.9) == "raw", "threads beyond the CPUs do not compress"
+    assert codec_choice.choose("auto", workers=2, cpus=2, rate=0.9, decode=2.4) == "raw"  # a 2-vCPU host
+    assert codec_choice.choose("auto", workers=16, cpus=2, rate=0.9, decode=2.4) == "raw", \
+        "threads beyond the CPUs do not compress"
+
+
+def test_regression_a_2_vcpu_host_with_a_fast_cpu_compressed_and_quartered_its_warm_restores(monkeypatch):
+    """Two threads compressing 2.2 GB/s each kept up with the write-behind's 4 GB/s, so ``auto``
+    compressed, and a warm restore (two threads decoding ~2-2.7 GB/s each) fell from 7-13 GB/s
+    raw to under 4: the decode rate decides too."""
+    monkeypatch.setattr(codec_choice, "compress_rate", lambda frame_bytes=1 << 20: 2.24)
+    monkeypatch.setattr(codec_choice, "decode_rate", lambda frame_bytes=1 << 20: 2.69, raising=False)
+    assert codec_choice.choose("auto", workers=2, cpus=2) == "raw"
+    assert codec_choice.choose("auto", workers=8, cpus=16) == "zstd+shuffle", "eight threads decode 21 GB/s"
 
 
 def test_auto_compresses_when_enough_threads_keep_up_with_the_medium():
-    assert codec_choice.choose("auto", workers=8, cpus=32, rate=0.9) == "zstd+shuffle"
+    assert codec_choice.choose("auto", workers=8, cpus=32, rate=0.9, decode=2.4) == "zstd+shuffle"
+    assert codec_choice.choose("auto", workers=8, cpus=32, rate=0.9, decode=1.0) == "raw", "decoding is the slow step"
 
 
 def test_an_explicit_codec_is_kept_whatever_the_machine():
     for codec in ("raw", "zstd", "zstd+shuffle"):
-        assert codec_choice.choose(codec, workers=64, cpus=64, rate=10.0) == codec
-        assert codec_choice.choose(codec, workers=1, cpus=1, rate=0.01) == codec
+        assert codec_choice.choose(codec, workers=64, cpus=64, rate=10.0, decode=10.0) == codec
+        assert codec_choice.choose(codec, workers=1, cpus=1, rate=0.01, decode=0.01) == codec
 
 
-def test_the_measured_compress_rate_is_positive_and_taken_once():
-    first = codec_choice.compress_rate()
+def test_the_measured_rates_are_positive_and_taken_once():
+    first, decoding = codec_choice.compress_rate(), codec_choice.decode_rate()
     assert first > 0 and codec_choice.compress_rate() == first
+    assert decoding > 0 and codec_choice.decode_rate() == decoding
 
 
 def test_the_rate_is_taken_once_per_frame_size():
@@ -41,9 +54,10 @@ def test_regression_auto_was_measured_on_1_mib_whatever_frames_the_tier_compress
     many layer groups) was told the 1 MiB rate, and could compress where it cannot keep up."""
     asked: list[int] = []
     monkeypatch.setattr(codec_choice, "compress_rate", lambda frame_bytes=1 << 20: asked.append(frame_bytes) or 0.5)
+    monkeypatch.setattr(codec_choice, "decode_rate", lambda frame_bytes=1 << 20: asked.append(frame_bytes) or 2.0)
     with make_store(tmp_path, disk={"codec": "auto"}) as store:  # 16 KiB blocks, one frame each
         assert store.tier("disk").segments is None
-    assert asked == [16 << 10]
+    assert asked == [16 << 10, 16 << 10]
 
 
 def test_the_sample_the_rate_is_measured_on_compresses_like_kv_data():
