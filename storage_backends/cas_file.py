@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from storage_backends.file_entries import link_of
+from storage_backends.file_entries import OPEN_FLAGS, link_of
 from storage_backends.file_layout import as_key, file_of, temp_of, tenant_of_link
 from tiered_kv.errors import BackendClosed, BackendUnavailable
 
@@ -102,6 +103,9 @@ def _put_back(tomb: Path, name: Path) -> None:
         os.unlink(tomb)
 
 
-def _read(path: Path) -> bytes:
-    with open(path, "rb") as fh:
-        return fh.read()
+def _read(path: Path) -> bytes | None:
+    """The bytes of the tombstone ``path``; None when it is no regular file (a named pipe under
+    the key's name: opened without waiting for a writer, which used to wait for good)."""
+    fd = os.open(path, OPEN_FLAGS | os.O_NOFOLLOW)
+    with os.fdopen(fd, "rb") as fh:
+        return fh.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None

@@ -161,12 +161,13 @@ class FileBackend(Backend):
         prefix = bytes(prefix)
         return iter([s.key for s in self._listing() if s.key.startswith(prefix)])
 
-    def _listing(self) -> list[Stored]:
-        """Every stored value with its tenant and stat; temporary and foreign files are skipped."""
+    def _listing(self, leftovers: list[Path] | None = None) -> list[Stored]:
+        """Every stored value with its tenant and stat; temporary and foreign files are skipped
+        (those left behind by a killed writer go into ``leftovers``: the room removes them)."""
         if self._closed:
             raise BackendClosed(f"file backend at {self.path} is closed")
         try:
-            return stored_files(self.path)
+            return stored_files(self.path, leftovers)
         except OSError as exc:
             self._count(errors=1)
             raise BackendUnavailable(f"file store at {self.path}: {exc}") from exc

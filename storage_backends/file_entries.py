@@ -1,6 +1,6 @@
 """Entries of the file medium on disk (layout in :mod:`storage_backends.file_layout`): publishing
-a written value under its key (for a tenant: its tenant file, then the key's link), removing one,
-listing them with their tenants, and the check for files that do not belong.
+a value under its key (for a tenant: its tenant file, then the key's link), removing one, listing
+them (and temporary files killed writers left), and the check for files that do not belong.
 
 These are plain blocking calls; the backend runs them on its event loop's threads. Several
 processes may do them at once: each rename is atomic, so a reader sees the old value or the new
@@ -11,6 +11,7 @@ one; a race between two writers of one key can leave a tenant file no link point
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import time
@@ -27,6 +28,9 @@ from storage_backends.file_layout import (
     tenant_file_of,
     tenant_of_link,
 )
+from storage_backends.log_throttle import LogThrottle
+
+log = logging.getLogger(__name__)
 
 STALE_S = 600.0  # check(): temporary or unlinked tenant files older than this were left behind
 
@@ -52,16 +56,22 @@ def value_of(path: Path) -> Path | None:
 
 
 _MISSES = (errno.ENOENT, errno.ELOOP, errno.ENOTDIR)  # absent, a link (not ours), no bucket
+# a value is opened without waiting: a named pipe under a key's name waited for a writer for good
+# (O_NONBLOCK changes nothing for a regular file's reads)
+OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_unreadable = LogThrottle(log)  # (read again at every lookup of its key: one warning a minute)
 
 
 def read_value(path: Path, touch: bool) -> bytes | None:
     """The value of the key named ``path``; None when absent or when what is there is not a
-    value of ours (a foreign link, a directory, a tenant file that is itself a link). With
-    ``touch``, its access time is set (best effort: another user's file keeps its own)."""
+    value of ours (a foreign link, a directory, a named pipe, a tenant file that is itself a
+    link) or not one this process may read (another user's: one value's miss, never the batch's
+    error). With ``touch``, its access time is set (best effort: another user's file, a
+    read-only mount keep their own)."""
     held = value_of(path)
     if held is None:
         return None
-    flags = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    flags = OPEN_FLAGS | os.O_NOFOLLOW
     untouched = 0 if touch else getattr(os, "O_NOATIME", 0)
     try:
         try:
@@ -71,7 +81,10 @@ def read_value(path: Path, touch: bool) -> bytes | None:
                 raise
             fd = os.open(held, flags)  # (O_NOATIME needs the file's owner)
     except OSError as exc:
-        if exc.errno in _MISSES:
+        if exc.errno == errno.EACCES:
+            _unreadable.warning("file store: %s is not readable by this process (another user's "
+                                "file?): a miss", held)
+        if exc.errno in _MISSES or exc.errno == errno.EACCES:
             return None
         raise
     try:
@@ -87,7 +100,7 @@ def read_value(path: Path, touch: bool) -> bytes | None:
         if touch:
             try:
                 os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
-            except PermissionError:
+            except OSError:  # (EPERM: another user's file; EROFS: a read-only mount)
                 pass
     return data
 
@@ -162,16 +175,20 @@ def tenant_at(path: Path) -> bytes | None:
     return b"" if path.exists() else None
 
 
-def stored_files(root: Path) -> list[Stored]:
+def stored_files(root: Path, leftovers: list[Path] | None = None) -> list[Stored]:
     """Every stored value under ``root`` with its tenant; temporary, unlinked and foreign files
-    are skipped. OSError when the directory cannot be read."""
+    are skipped (the temporary files :func:`_left_behind` go into ``leftovers`` when given).
+    OSError when the directory cannot be read."""
     out = []
+    now = time.time()
     for sub in os.scandir(root):
         if not sub.is_dir(follow_symlinks=False) or not is_bucket(sub.name):
             continue
         for entry in os.scandir(sub.path):
             key = key_of(entry.name)
             if key is None or not entry.name.endswith(sub.name):
+                if leftovers is not None and _left_behind(entry, now):
+                    leftovers.append(Path(entry.path))
                 continue
             tenant = tenant_of_link(link_of(Path(entry.path)) or "") if entry.is_symlink() else b""
             if tenant is None:
@@ -184,6 +201,34 @@ def stored_files(root: Path) -> list[Stored]:
             if st is not None and stat.S_ISREG(st.st_mode):  # (not a directory, not a link)
                 out.append(Stored(key, tenant, st))
     return out
+
+
+def _left_behind(entry: os.DirEntry, now: float) -> bool:
+    """A temporary file unchanged for STALE_S: its writer stopped (killed) before the rename.
+    Judged by its change time, which each write and the rename to a temporary name set: a
+    tombstone of an old value (delete_if_unchanged's, check's) is live, whatever its mtime."""
+    if not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+        return False
+    try:
+        return now - entry.stat(follow_symlinks=False).st_ctime >= STALE_S
+    except FileNotFoundError:  # renamed or removed since the scan
+        return False
+
+
+def drop_leftovers(found: list[Path]) -> int:
+    """Remove the temporary files :func:`stored_files` found left behind (their bytes counted
+    nowhere: each crash mid-put added its batch's); how many went. One this process may not
+    remove (a store it only reads) stays for ``check``."""
+    gone = 0
+    for path in found:
+        try:
+            gone += _unlink(path)
+        except OSError:
+            pass
+    if gone:
+        log.info("file store at %s: removed %d temporary files writers left behind",
+                 found[0].parent.parent, gone)
+    return gone
 
 
 def check_dir(root: Path, fix: bool = False) -> list[str]:

@@ -3,10 +3,12 @@
 The medium's view of its directory is a :class:`~storage_backends.recency.RecencyIndex` built by
 one listing (access times give the order), kept up to date with this process's puts, reads and
 deletes, and rebuilt every RESCAN_S to adopt other processes' files: approximate when several
-processes share the directory. :mod:`storage_backends.eviction` decides on it. A key admitted
-stays pinned until its put wrote it (:meth:`FileRoom.written`): a put evicting a value still
-being written (by another thread's put, or earlier in its own batch) removed nothing, and the
-value then landed beyond the capacity, unseen by the view.
+processes share the directory; a rescan also removes the temporary files that writers killed
+mid-put left behind (:func:`~storage_backends.file_entries.drop_leftovers`: counted nowhere, they
+stayed until an operator's ``check --fix``). :mod:`storage_backends.eviction` decides on the
+view. A key admitted stays pinned until its put wrote it (:meth:`FileRoom.written`): a put
+evicting a value still being written (by another thread's put, or earlier in its own batch)
+removed nothing, and the value then landed beyond the capacity, unseen by the view.
 """
 
 from __future__ import annotations
@@ -16,9 +18,10 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from storage_backends.eviction import Eviction
-from storage_backends.file_entries import Stored
+from storage_backends.file_entries import Stored, drop_leftovers
 from storage_backends.recency import RecencyIndex
 
 RESCAN_S = 60.0  # how old the in-memory view may get before a rescan
@@ -35,8 +38,10 @@ class Admission:
 
 
 class FileRoom:
-    def __init__(self, eviction: Eviction, listing: Callable[[], list[Stored]],
+    def __init__(self, eviction: Eviction, listing: Callable[[list[Path]], list[Stored]],
                  pinned: Callable[[bytes], bool]) -> None:
+        """``listing(leftovers)``: the stored values, and temporary files left behind added to
+        ``leftovers``."""
         self.eviction = eviction
         self._listing, self._pinned = listing, pinned
         self._lock = threading.Lock()
@@ -98,9 +103,10 @@ class FileRoom:
 
     def _current(self) -> RecencyIndex:
         if self._index is None or time.monotonic() - self._scanned > RESCAN_S:
-            index = RecencyIndex(self._held)
-            for stored in sorted(self._listing(), key=lambda s: s.stat.st_atime_ns):
+            index, leftovers = RecencyIndex(self._held), []
+            for stored in sorted(self._listing(leftovers), key=lambda s: s.stat.st_atime_ns):
                 index.add(stored.key, stored.stat.st_size, stored.tenant)
             with self._lock:
                 self._index, self._scanned = index, time.monotonic()
+            drop_leftovers(leftovers)
         return self._index
