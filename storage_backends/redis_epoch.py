@@ -11,7 +11,15 @@ the hot path): a token other than the one it saw last (absent and set anew, or s
 another process sharing the server, which saw the loss first) means the keyspace was emptied
 since. The first look only records. A look that fails (the server away, the breaker open) is
 skipped: the look after the server is back sees the marker gone. A dropped connection that
-reconnects to the same server keeps the marker: no ``lost``.
+reconnects to the same server keeps the marker: no ``lost``. Between looks the thread waits on an
+event that the backend's ``close()`` (:meth:`EpochWatch.close`) or the backend's collection sets:
+it sleeps the whole interval and ends at once (it holds the backend weakly, only during a look).
+
+A Redis ACL must let the tier's user read and write the marker: one limited to the prefix
+(``~tkv:*``) is refused it (``NOPERM``), and losses would go unseen. The watch then says so once
+at WARNING, naming the key pattern to allow (:func:`marker_pattern`: ``~tkv-epoch:tkv:``, in a
+cluster ``~tkv-epoch:{*}tkv:``), and looks only every ``DENIED_EVERY_S`` seconds (an ACL allowing
+it later is noticed then); nothing else of the tier is affected.
 
 Why a marker rather than the server's ``run_id`` (``INFO server``): a restart *with* persistence
 (RDB, AOF) changes ``run_id`` but keeps the blocks (a ``lost`` then made routers forget blocks
@@ -36,16 +44,19 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import weakref
 from typing import Any
 
+from redis.exceptions import NoPermissionError
+
 from storage_backends.redis_deadline import call_deadline
+from storage_backends.redis_names import glob_escape
 from storage_backends.redis_pool import close_client
 
 log = logging.getLogger(__name__)
 
 CHECK_EVERY_S = 5.0  # seconds between looks at the marker(s)
+DENIED_EVERY_S = 300.0  # seconds between looks while the server's ACL refuses the marker (NOPERM)
 MARKER = b"tkv-epoch:"  # + the tier's prefix
 TAG_TRIES = 1 << 16  # hash tags tried to find one in each master's slots
 
@@ -56,9 +67,20 @@ class EpochWatch:
 
     def __init__(self, backend: Any) -> None:
         self.looks = 0  # looks done (tests wait on it instead of on time)
-        self._thread = threading.Thread(target=_watch, args=(weakref.ref(backend), self), daemon=True,
-                                        name="tiered-kv-redis-epoch")
-        self._thread.start()
+        self.denied = False  # the ACL refuses the marker: looks are DENIED_EVERY_S apart
+        self._stop = threading.Event()  # set by close() or the backend's collection: the thread ends
+        self._end = weakref.finalize(backend, self._stop.set)  # (holds the event, not the backend)
+        self.thread = threading.Thread(target=_watch, args=(weakref.ref(backend), self), daemon=True,
+                                       name="tiered-kv-redis-epoch")
+        self.thread.start()
+
+    def close(self) -> None:
+        """End the thread now (a look under way ends first, within the backend's timeout). Idempotent."""
+        self._end()
+
+    def wait(self) -> bool:
+        """Sleep until the next look is due; True when the thread is to end instead."""
+        return self._stop.wait(DENIED_EVERY_S if self.denied else CHECK_EVERY_S)
 
 
 def _watch(ref: weakref.ref, watch: EpochWatch) -> None:
@@ -69,9 +91,21 @@ def _watch(ref: weakref.ref, watch: EpochWatch) -> None:
             return
         try:
             lost = look(backend, seen)
-        except Exception as exc:  # away, refused (an ACL without the marker's key), closed meanwhile
+        except NoPermissionError:  # an ACL without the marker's key: said once, looked at rarely
+            lost = False
+            if not watch.denied:
+                log.warning("redis at %s refuses this user the epoch marker (NOPERM): a flush or a restart "
+                            "empty is not announced lost; allow the key pattern %s in the user's ACL "
+                            "(looked at again every %.0f s)", backend.url,
+                            marker_pattern(backend.prefix, backend.cluster), DENIED_EVERY_S)
+            watch.denied = True
+        except Exception as exc:  # away, closed meanwhile
             log.debug("redis at %s: epoch marker not read: %s", backend.url, exc)
             lost = False
+        else:
+            if watch.denied:
+                log.info("redis at %s allows the epoch marker again: losses are announced", backend.url)
+            watch.denied = False
         watch.looks += 1
         if lost and backend.listener is not None:
             log.warning("redis at %s lost its content (restarted or flushed): blocks announced "
@@ -80,14 +114,15 @@ def _watch(ref: weakref.ref, watch: EpochWatch) -> None:
                 backend.listener("lost", [])
             except Exception:
                 log.exception("%s: block listener failed", backend.name)
-        del backend  # (the sleep holds no reference: a dropped backend ends the thread)
-        end = time.monotonic() + CHECK_EVERY_S
-        while time.monotonic() < end:  # short naps: a closed backend ends the thread soon
-            time.sleep(min(0.25, max(0.0, end - time.monotonic())))
-            backend = ref()
-            if backend is None or backend._closed:
-                return
-            del backend
+        del backend  # (the wait holds no reference: a dropped backend is collected, which ends it)
+        if watch.wait():
+            return
+
+
+def marker_pattern(prefix: bytes, cluster: bool) -> str:
+    """The ACL key pattern (``~...``) that allows the marker(s) of a tier under ``prefix``."""
+    tag = b"{*}" if cluster else b""
+    return "~" + (MARKER + tag + glob_escape(prefix)).decode("latin-1")
 
 
 def look(backend: Any, seen: dict[bytes, bytes]) -> bool:

@@ -342,8 +342,8 @@ class RedisBackend(Backend):
                    "pipeline_bytes": self.pipeline_bytes, "breaker_failures": self._failures})
 
     def close(self) -> None:
-        if self._closed:
-            return
+        if self.epoch is not None:  # (its thread ends now; every close here is idempotent)
+            self.epoch.close()
         self._closed = True
         self._breaker.close()
         self._fanout.close()  # (before the client: no pipeline runs on a closed client)
