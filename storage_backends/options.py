@@ -44,6 +44,18 @@ def directory_of(url: str, scheme: str) -> Path:
     return Path(unquote(rest)).expanduser()
 
 
+def three_slash_form(url: str, scheme: str) -> str | None:
+    """``scheme:///var/cache/tkv`` for ``url`` = ``scheme://var/cache/tkv`` (two slashes, then a
+    name: a reader takes "var" for the URL's host, :func:`directory_of` the relative directory
+    ./var/cache/tkv, as documented), the absolute form its writer may have meant; None for every
+    other form (``scheme:///abs``, ``scheme://./rel``, ``scheme://~/dir``, ``scheme:rel``)."""
+    base, _ = split_options(url)
+    rest = base[len(scheme) + 1:] if base.lower().startswith(f"{scheme}:") else ""
+    if not rest.startswith("//") or unquote(rest[2:])[:1] in ("", "/", ".", "~"):  # (%2F: a slash)
+        return None
+    return f"{scheme}:///{rest[2:]}"
+
+
 def existing_directory(path: Path) -> Path:
     """``path`` when it is a directory; ConfigError saying what it is otherwise (the first part
     of "is there a store here?", the same words for every medium)."""

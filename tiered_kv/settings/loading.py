@@ -22,14 +22,17 @@ from tiered_kv.errors import ConfigError
 from tiered_kv.units import as_bool, as_int
 
 ENV_PREFIX = "TIERED_KV_"
+BYTE_ORDER_MARK = "\ufeff"  # what Windows editors write first in a UTF-8 file: no TOML, no setting
 
 
 def read_toml(path: str | os.PathLike) -> dict:
     """The table a TOML file holds (``~`` expanded, as in store URLs: a path in an engine's JSON
-    settings meets no shell); ConfigError when it is missing or not TOML."""
+    settings meets no shell; one leading UTF-8 byte-order mark dropped: tomllib refused such a
+    file as invalid TOML at line 1); ConfigError when it is missing or not TOML."""
     try:
         with open(os.path.expanduser(path), "rb") as fh:
-            return tomllib.load(fh)
+            text = fh.read().decode("utf-8")
+        return tomllib.loads(text.removeprefix(BYTE_ORDER_MARK))
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
