@@ -7,8 +7,8 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from redis.cluster import cleanup_kwargs
-from redis.exceptions import RedisError
 from redis.connection import ConnectionPool, parse_url
+from redis.exceptions import RedisError
 
 from storage_backends.options import split_options
 from storage_backends.redaction import password_misread, redact_text, redact_url

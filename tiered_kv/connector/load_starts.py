@@ -28,7 +28,7 @@ def start_load(store: TieredStore, spec: LoadSpec, layered: bool) -> LoadPlan:
         return store.loader.load(plan, layered=layered)
     except StoreClosed:
         if plan is not None:
-            store.release(plan)  # (jobs queued before the close run out first)
+            store.release(plan)  # (no job of it was queued, Loader.load raises only then: no wait)
     n = len(keys)
     if not store.metrics.misses(CLOSED):
         log.warning("request %s: a load after the store was closed; its %d blocks (and those of "
