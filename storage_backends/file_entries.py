@@ -301,13 +301,13 @@ def _problem(entry: os.DirEntry, bucket: str, linked: set, now: float) -> str | 
         if os.path.exists(entry.path) or link_of(Path(entry.path)) != target:
             return None  # resolves, or was replaced or removed since
         return "link to a missing tenant file"
-    recent = now - entry.stat(follow_symlinks=False).st_mtime < STALE_S  # gone: the caller skips it
+    st = entry.stat(follow_symlinks=False)  # gone: the caller skips it
     if is_tenant_file(name):
         if entry.is_symlink():
             return "foreign link"  # a value is a file: read through no link of a link
-        return None if name in linked or recent else "tenant file no key links to"
-    if name.endswith(".tmp"):
-        return None if recent else "leftover temporary file"  # maybe being written right now
+        return None if name in linked or now - st.st_mtime < STALE_S else "tenant file no key links to"
+    if name.endswith(".tmp"):  # maybe being written, or a tombstone: by ctime, as _left_behind
+        return None if now - st.st_ctime < STALE_S else "leftover temporary file"
     return "foreign file"
 
 

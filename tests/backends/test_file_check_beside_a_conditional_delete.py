@@ -1,0 +1,37 @@
+"""``check --fix`` on a live file store while another process's delete_if_unchanged holds a value
+under its tombstone (a temporary name) to compare it. The tombstone is a value renamed a moment
+ago: it keeps the value's old mtime, and check judged temporary files by mtime, so it removed a
+live tombstone as a leftover; the delete then lost the newer value it was to put back. Real files
+under tmp_path; the interleaving is made by running check at the delete's read of its tombstone."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from storage_backends import cas_file, file_entries
+from storage_backends.cas_file import delete_if_unchanged
+from storage_backends.file_dir import FileBackend
+from storage_backends.file_layout import file_of
+
+KEY = b"\x07" * 16
+
+
+def test_regression_check_fix_removed_a_live_tombstone_of_an_old_value_and_its_value_was_lost(
+        tmp_path, monkeypatch):
+    root = tmp_path / "files"
+    with FileBackend(root) as b:
+        b.put_many([(KEY, b"newer value")])
+        long_ago = time.time() - 2 * file_entries.STALE_S  # written long ago, read (kept) since
+        os.utime(file_of(root, KEY), (long_ago, long_ago))
+        real_read, found = cas_file._read, []
+
+        def check_fix_meanwhile(tomb):
+            found.extend(b.check(fix=True))  # an operator's check --fix, while the value is away
+            return real_read(tomb)
+
+        monkeypatch.setattr(cas_file, "_read", check_fix_meanwhile)
+        # the caller saw an older value: the one stored differs, so it goes back under its name
+        assert delete_if_unchanged(b, [(KEY, b"older value")]) == [False]
+        assert found == [], "check took the tombstone for a leftover temporary file"
+        assert b.get_many([KEY]) == [b"newer value"]
