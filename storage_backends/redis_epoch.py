@@ -13,7 +13,7 @@ since. The first look only records. A look that fails (the server away, the brea
 skipped: the look after the server is back sees the marker gone. A dropped connection that
 reconnects to the same server keeps the marker: no ``lost``. Between looks the thread waits on an
 event that the backend's ``close()`` (:meth:`EpochWatch.close`) or the backend's collection sets:
-it sleeps the whole interval and ends at once (it holds the backend weakly, only during a look).
+it sleeps the whole interval and ends at once (it holds the backend strongly only during a look).
 
 A Redis ACL must let the tier's user read and write the marker: one limited to the prefix
 (``~tkv:*``) is refused it (``NOPERM``), and losses would go unseen. The watch then says so once
@@ -103,9 +103,9 @@ def _watch(ref: weakref.ref, watch: EpochWatch) -> None:
             log.debug("redis at %s: epoch marker not read: %s", backend.url, exc)
             lost = False
         else:
-            if watch.denied:
+            if watch.denied and lost is not None:  # (None: skipped, the tier down: no answer either way)
                 log.info("redis at %s allows the epoch marker again: losses are announced", backend.url)
-            watch.denied = False
+                watch.denied = False
         watch.looks += 1
         if lost and backend.listener is not None:
             log.warning("redis at %s lost its content (restarted or flushed): blocks announced "
@@ -125,10 +125,11 @@ def marker_pattern(prefix: bytes, cluster: bool) -> str:
     return "~" + (MARKER + tag + glob_escape(prefix)).decode("latin-1")
 
 
-def look(backend: Any, seen: dict[bytes, bytes]) -> bool:
-    """Read (and set where absent) the marker(s); True when one holds another token than ``seen``."""
+def look(backend: Any, seen: dict[bytes, bytes]) -> bool | None:
+    """Read (and set where absent) the marker(s); True when one holds another token than ``seen``,
+    None when no look was made (the tier is down)."""
     if not backend.available:  # the breaker's probe watches a server that is away
-        return False
+        return None
     token = os.urandom(8).hex().encode()
     base = MARKER + backend.prefix
     try:
