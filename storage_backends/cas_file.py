@@ -63,6 +63,8 @@ def _delete_one(path: Path, expected: bytes) -> bool:
         return False  # gone, or its tenant changed since the link was read
     try:
         same = not os.path.islink(tomb) and _read(tomb) == expected
+    except PermissionError:  # another user's value: not this process's to judge (reads miss it)
+        same = False
     except BaseException:
         _put_back(tomb, held)
         raise

@@ -47,7 +47,7 @@ from storage_backends.file_entries import Stored, check_dir, stored_files, targe
 from storage_backends.file_layout import FORMAT, MARKER, as_key, file_of, open_store, temp_of, upgrade_marker
 from storage_backends.file_options import file_settings, url_options
 from storage_backends.file_room import FileRoom
-from storage_backends.options import directory_of
+from storage_backends.options import directory_of, warn_if_relative
 from storage_backends.quotas import as_tenant
 from tiered_kv.errors import BackendClosed, BackendUnavailable
 
@@ -86,6 +86,7 @@ class FileBackend(Backend):
 
     @classmethod
     def from_url(cls, url: str, **options) -> FileBackend:
+        warn_if_relative(url, "file", directory_of(url, "file"))
         return cls(directory_of(url, "file"), url=url, **url_options(url, options))
 
     @classmethod

@@ -53,8 +53,7 @@ from storage_backends.lmdb_tables import (
 from storage_backends.lmdb_values import SegmentValues
 from storage_backends.lmdb_warmup import warm_index
 from storage_backends.lmdb_writes import LmdbWrites
-from storage_backends.options import directory_of, existing_directory, three_slash_form
-from storage_backends.redaction import redact_url
+from storage_backends.options import directory_of, existing_directory, warn_if_relative
 from tiered_kv.errors import BackendClosed, BackendUnavailable, ConfigError, InvalidKey
 from tiered_kv.units import format_size
 
@@ -84,10 +83,7 @@ class LmdbBackend(Backend):
         """``options``: those of :func:`~storage_backends.lmdb_options.lmdb_settings`, read there."""
         self.path = Path(path)
         super().__init__(url or f"lmdb://{self.path.resolve()}")
-        if url is not None and (absolute := three_slash_form(url, "lmdb")) is not None:
-            log.warning("lmdb tier %s names the directory %s, relative to the working directory (after two "
-                        "slashes a name is no host); the absolute directory is %s (three slashes)",
-                        redact_url(url), self.path.resolve(), absolute)
+        warn_if_relative(url, "lmdb", self.path)
         settings = lmdb_settings(capacity, **options)
         self.capacity, self.quotas, self.sync = settings.capacity, settings.quotas, settings.sync
         self.tenant_quota = self.quotas.default

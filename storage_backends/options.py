@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from urllib.parse import parse_qsl, unquote, urlsplit
@@ -10,6 +11,8 @@ from urllib.parse import parse_qsl, unquote, urlsplit
 from storage_backends.redaction import redact_url
 from tiered_kv.errors import ConfigError
 from tiered_kv.units import as_int as _as_int
+
+log = logging.getLogger(__name__)
 
 
 def split_options(url: str) -> tuple[str, dict[str, str]]:
@@ -54,6 +57,14 @@ def three_slash_form(url: str, scheme: str) -> str | None:
     if not rest.startswith("//") or unquote(rest[2:])[:1] in ("", "/", ".", "~"):  # (%2F: a slash)
         return None
     return f"{scheme}:///{rest[2:]}"
+
+
+def warn_if_relative(url: str | None, scheme: str, path: Path) -> None:
+    """One warning when ``url`` is the two-slash form (:func:`three_slash_form`) naming ``path``."""
+    if url is not None and (absolute := three_slash_form(url, scheme)) is not None:
+        log.warning("%s tier %s names the directory %s, relative to the working directory (after two "
+                    "slashes a name is no host); the absolute directory is %s (three slashes)",
+                    scheme, redact_url(url), path.resolve(), redact_url(absolute))
 
 
 def existing_directory(path: Path) -> Path:

@@ -73,6 +73,28 @@ def test_regression_one_value_another_user_wrote_unreadable_failed_every_read_ba
         assert b.get_many([key(2)]) == [b"ours now"]
 
 
+def test_regression_a_conditional_delete_of_a_value_another_user_wrote_unreadable_failed_its_batch(
+        tmp_path, monkeypatch):
+    # reads made such a value one miss, but delete_if_unchanged's read of its tombstone raised
+    # EACCES and the whole batch was BackendUnavailable (the other keys' deletes lost with it)
+    root = tmp_path / "files"
+    with FileBackend(root) as b:
+        b.put_many([(key(1), b"one"), (key(2), b"two")])
+        theirs = "." + file_of(root, key(1)).name
+        real_open = os.open
+
+        def open_as_another_user(path, *args, **kwargs):
+            name = os.path.basename(os.fspath(path))
+            if name.startswith(theirs) and name.endswith(".tmp"):
+                raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", open_as_another_user)
+        assert delete_if_unchanged(b, [(key(1), b"one"), (key(2), b"two")]) == [False, True]
+        monkeypatch.undo()
+        assert b.get_many([key(1), key(2)]) == [b"one", None], "the unreadable value is put back"
+
+
 def test_regression_a_named_pipe_under_a_keys_name_hung_reads_and_conditional_deletes_for_good(tmp_path):
     # opening a FIFO for reading waits for a writer: the read (and delete_if_unchanged's read of
     # its tombstone) never came back, and the backend's close then waited on it too

@@ -15,7 +15,7 @@ from tests.store.helpers import make_store
 
 def warnings_of(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.name == "storage_backends.lmdb_disk" and r.levelno == logging.WARNING]
+            if r.name == "storage_backends.options" and r.levelno == logging.WARNING]
 
 
 def test_regression_a_two_slash_lmdb_url_silently_opened_a_relative_directory(tmp_path, monkeypatch, caplog):
@@ -54,3 +54,13 @@ def test_the_other_forms_open_where_they_say_without_a_warning(tmp_path, monkeyp
         open_backend(url, capacity="64MiB").close()
         assert (where / "data.mdb").is_file(), url
     assert warnings_of(caplog) == []
+
+
+def test_a_two_slash_file_url_is_told_the_same(tmp_path, monkeypatch, caplog):
+    # file:// reads its directory as lmdb:// does, and was as silent about it
+    monkeypatch.chdir(tmp_path)
+    caplog.set_level(logging.WARNING)
+    open_backend("file://tkv-files").close()
+    assert (tmp_path / "tkv-files").is_dir()
+    (said,) = warnings_of(caplog)
+    assert str((tmp_path / "tkv-files").resolve()) in said and "file:///tkv-files" in said

@@ -129,6 +129,7 @@ def choose(codec: str, workers: int, *, frame_bytes: int = SAMPLE_BYTES, cpus: i
     decoding = decode_rate(frame_bytes) if decode is None else decode
     keeps_up = threads * per_thread >= COMPRESS_WHEN_GBPS and threads * decoding >= DECODE_WHEN_GBPS
     chosen = COMPRESSED if keeps_up else "raw"
-    log.info("codec auto: %d threads x %.2f GB/s compressing (needs %.1f), x %.2f GB/s decoding (needs %.1f): %s",
+    log.info("codec auto: %d threads x %.2f GB/s compressing (needs %.1f in all), x %.2f GB/s decoding "
+             "(needs %.1f in all): %s",
              threads, per_thread, COMPRESS_WHEN_GBPS, decoding, DECODE_WHEN_GBPS, chosen)
     return chosen
