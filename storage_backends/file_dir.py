@@ -86,8 +86,9 @@ class FileBackend(Backend):
 
     @classmethod
     def from_url(cls, url: str, **options) -> FileBackend:
-        warn_if_relative(url, "file", directory_of(url, "file"))
-        return cls(directory_of(url, "file"), url=url, **url_options(url, options))
+        path = directory_of(url, "file")
+        warn_if_relative(url, "file", path)
+        return cls(path, url=url, **url_options(url, options))
 
     @classmethod
     def store_url_at(cls, path: Path) -> str | None:

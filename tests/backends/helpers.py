@@ -15,6 +15,15 @@ from typing import NamedTuple
 REPO = Path(__file__).resolve().parents[2]
 
 
+def until(check, what: str, guard_s: float = 60.0) -> None:
+    """Wait until ``check()`` is true; fail with ``what`` past ``guard_s`` (a hang guard only:
+    nothing asserts how long it took)."""
+    end = time.monotonic() + guard_s
+    while not check():
+        assert time.monotonic() < end, f"hang guard: {what}"
+        time.sleep(0.01)
+
+
 def run_threads(*targets, timeout: float = 20.0) -> None:
     """Run ``targets`` in daemon threads; fail (not hang) if one is still going at ``timeout``."""
     threads = [threading.Thread(target=t, daemon=True) for t in targets]

@@ -6,19 +6,10 @@ from __future__ import annotations
 
 import logging
 import re
-import time
 
 import storage_backends.redis_epoch as epoch
 from storage_backends.registry import open_backend
-
-GUARD_S = 60  # a hang guard only: nothing here asserts how long anything took
-
-
-def until(check, what: str) -> None:
-    end = time.monotonic() + GUARD_S
-    while not check():
-        assert time.monotonic() < end, f"hang guard: {what}"
-        time.sleep(0.01)
+from tests.backends.helpers import until
 
 
 def allow_everywhere(cluster, *patterns: str) -> None:
