@@ -23,16 +23,21 @@ from tiered_kv.units import as_bool, as_int
 
 ENV_PREFIX = "TIERED_KV_"
 BYTE_ORDER_MARK = "\ufeff"  # what Windows editors write first in a UTF-8 file: no TOML, no setting
+MAX_CONFIG_BYTES = 1 << 20  # a config file longer than this is refused (ours are a few KiB)
 
 
 def read_toml(path: str | os.PathLike) -> dict:
     """The table a TOML file holds (``~`` expanded, as in store URLs: a path in an engine's JSON
     settings meets no shell; one leading UTF-8 byte-order mark dropped: tomllib refused such a
-    file as invalid TOML at line 1); ConfigError when it is missing or not TOML."""
+    file as invalid TOML at line 1); ConfigError when it is missing, not TOML, or longer than
+    ``MAX_CONFIG_BYTES`` (read no further: ``/dev/zero`` or a stream that never ends named by
+    mistake would otherwise be read until memory ran out)."""
     try:
         with open(os.path.expanduser(path), "rb") as fh:
-            text = fh.read().decode("utf-8")
-        return tomllib.loads(text.removeprefix(BYTE_ORDER_MARK))
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
+            raise ConfigError(f"config file {path}: longer than {MAX_CONFIG_BYTES} bytes (is it a config file?)")
+        return tomllib.loads(data.decode("utf-8").removeprefix(BYTE_ORDER_MARK))
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError) as exc:
