@@ -56,6 +56,8 @@ def _delete_one(path: Path, expected: bytes) -> bool:
     if link is not None and tenant_of_link(link) is None:
         return False  # a link that is not ours (to /etc/passwd): never followed, never renamed
     held = path.parent / link if link is not None else path
+    if _is_directory(held):
+        return False  # never a value: renamed away, it could not be linked back (its batch failed)
     tomb = temp_of(path, f"cas{next(_serials)}")
     try:
         os.rename(held, tomb)
@@ -111,3 +113,10 @@ def _read(path: Path) -> bytes | None:
     fd = os.open(path, OPEN_FLAGS | os.O_NOFOLLOW)
     with os.fdopen(fd, "rb") as fh:
         return fh.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
+
+
+def _is_directory(path: Path) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False

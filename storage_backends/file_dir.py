@@ -11,7 +11,11 @@ shared network filesystems, where LMDB's locking does not hold.
 ``<ff>`` is the last byte of the key in hex (block keys end in hash bytes: an even spread).
 A value is written to a temporary name in the same directory and renamed over the final one,
 so readers on any host see the old value or the new one, never a torn one. Reads and writes
-go through aiofiles on one event loop thread per backend; the sync interface submits to it.
+go through aiofiles on one event loop thread per backend (:mod:`storage_backends.file_calls`).
+A value with no room (the capacity, a quota, a full file system) or with something that is no
+regular file under its key's name (a directory) is refused alone, never the batch's error; a
+full file system evicts as the capacity does, then the value is written once more
+(:mod:`storage_backends.file_outcomes`). A value this process may not read is absent.
 
 Options (read in :mod:`storage_backends.file_options`): ``capacity`` (bytes; default none: the
 filesystem decides) evicts least recently used files when a put would go over it;
@@ -25,10 +29,7 @@ none. Usage per tenant comes from a listing, so it counts every process's files.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import itertools
-import logging
 import os
 import threading
 from collections import Counter
@@ -43,17 +44,18 @@ from storage_backends import file_entries
 from storage_backends.base import Backend, BackendStats, TenantTotal
 from storage_backends.eviction import Eviction
 from storage_backends.eviction_lru import LRU
-from storage_backends.file_entries import Stored, check_dir, stored_files, target_of
+from storage_backends.file_calls import LoopCalls
+from storage_backends.file_check import check_dir
+from storage_backends.file_durable import sync_dir
+from storage_backends.file_entries import Stored, stored_files, target_of
 from storage_backends.file_layout import FORMAT, MARKER, as_key, file_of, open_store, temp_of, upgrade_marker
 from storage_backends.file_options import file_settings, url_options
+from storage_backends.file_outcomes import FULL, NOT_A_FILE, STORED, never_fits, refusal_of, say_full
 from storage_backends.file_room import FileRoom
 from storage_backends.options import directory_of, warn_if_relative
 from storage_backends.quotas import as_tenant
 from tiered_kv.errors import BackendClosed, BackendUnavailable
 
-log = logging.getLogger(__name__)
-
-CONCURRENCY = 16  # files read or written at once per call
 CLOSE_WAIT_S = 30.0  # how long a close waits for running calls before it cancels them
 
 
@@ -74,15 +76,12 @@ class FileBackend(Backend):
         bounded = self.capacity is not None or self.quotas
         self._room = FileRoom(Eviction(LRU, self.capacity, self.quotas), self._listing, self._is_pinned) \
             if bounded else None
-        self._counters.extra["quota_evictions"] = 0
+        # (among put_rejected: values refused for a full file system, for a directory under the key's name)
+        self._counters.extra.update(quota_evictions=0, put_disk_full=0, put_not_a_file=0)
         self._made: set[str] = set()
         self._names = itertools.count()
-        self._closed = False
-        self._calls = threading.Condition()  # the calls running on the event loop (a close waits)
-        self._running: set[concurrent.futures.Future] = set()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="tiered-kv-file", daemon=True)
-        self._thread.start()
+        self._calls = LoopCalls(self.path)
+        self._thread = self._calls.thread
 
     @classmethod
     def from_url(cls, url: str, **options) -> FileBackend:
@@ -104,45 +103,21 @@ class FileBackend(Backend):
     def _file(self, key: bytes) -> Path:
         return file_of(self.path, key)
 
+    @property
+    def _closed(self) -> bool:
+        return self._calls.closed
+
     def _run(self, coro):
-        with self._calls:
-            if self._closed:
-                coro.close()
-                raise BackendClosed(f"file backend at {self.path} is closed")
-            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-            self._running.add(future)
         try:
-            return future.result()
-        except concurrent.futures.CancelledError:  # (a close that could wait no longer)
-            raise BackendClosed(f"file backend at {self.path} closed during the call") from None
+            return self._calls.run(coro)
         except OSError as exc:
             self._count(errors=1)
             raise BackendUnavailable(f"file store at {self.path}: {exc}") from exc
-        finally:
-            with self._calls:
-                self._running.discard(future)
-                self._calls.notify_all()
-
-    @staticmethod
-    async def _each(items, fn) -> list:
-        gate = asyncio.Semaphore(CONCURRENCY)
-
-        async def one(item):
-            async with gate:
-                return await fn(item)
-
-        # every call ends before this returns, a failed one too: a caller may reuse the buffers
-        # it handed in as soon as the batch is over (the store encodes into reused memory)
-        results = await asyncio.gather(*(one(item) for item in items), return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return list(results)
 
     # -- reads -------------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         keys = [as_key(k) for k in keys]
-        values = self._run(self._each(keys, self._read))
+        values = self._run(LoopCalls.each(keys, self._read))
         hits = [v for v in values if v is not None]
         self._count(gets=len(keys), hits=len(hits), bytes_out=sum(map(len, hits)))
         return values
@@ -157,7 +132,7 @@ class FileBackend(Backend):
 
     def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         keys = [as_key(k) for k in keys]
-        return self._run(self._each(keys, lambda k: _holds_value(self._file(k))))
+        return self._run(LoopCalls.each(keys, lambda k: _holds_value(self._file(k))))
 
     def scan(self, prefix: bytes = b"") -> Iterator[bytes]:
         prefix = bytes(prefix)
@@ -176,49 +151,98 @@ class FileBackend(Backend):
 
     # -- writes ------------------------------------------------------------------------------
     def put_many(self, items: Sequence[tuple[bytes, bytes]], tenant: bytes = b"") -> list[bool]:
+        """Values refused (no room, a full file system, no regular file under a key's name) are
+        False: counted ``put_rejected``, never the batch's error."""
         tenant = as_tenant(tenant)
         items = [(as_key(k), v) for k, v in items]
         sizes = [memoryview(v).nbytes for _, v in items]
         if self._room is None:
-            ok = [True] * len(items)
-            self._put_admitted(items, ok, tenant)
+            ok = self._put_admitted(items, sizes, [True] * len(items), tenant)
         else:  # (the keys admitted are in flight until written: no other put may evict them)
             admission = self._room.admit([k for k, _ in items], sizes, tenant)
-            ok = admission.accepted
+            admitted = admission.accepted
             try:
-                gone = admission.victims + admission.dropped
-                if gone:
-                    self._run(self._each([self._file(k) for k in gone], _remove))
-                    self._count(evictions=len(admission.victims), quota_evictions=admission.quota_victims)
-                    self._tell("removed", gone)
-                self._put_admitted(items, ok, tenant)
+                self._evict(admission.victims + admission.dropped, len(admission.victims), admission.quota_victims)
+                ok = self._put_admitted(items, sizes, admitted, tenant)
+                self._room.failed([k for (k, _), f, s in zip(items, admitted, ok) if f and not s],
+                                  lambda k: file_entries.held_value(self._file(k)))
             except BaseException:
                 self._room.forget()
                 raise
             finally:
-                self._room.written([k for (k, _), f in zip(items, ok) if f])
+                self._room.written([k for (k, _), f in zip(items, admitted) if f])
         self._count(puts=sum(ok), put_rejected=len(ok) - sum(ok),
                     bytes_in=sum(n for n, s in zip(sizes, ok) if s))
         self._tell("stored", [k for (k, _), s in zip(items, ok) if s])
         return ok
 
-    def _put_admitted(self, items: list[tuple[bytes, bytes]], ok: list[bool], tenant: bytes) -> None:
-        if tenant and self._format < FORMAT and any(ok):
-            self._upgrade()
-        self._run(self._each([(k, v, tenant) for (k, v), f in zip(items, ok) if f], self._write))
+    def _put_admitted(self, items: list[tuple[bytes, bytes]], sizes: list[int], admitted: list[bool],
+                      tenant: bytes) -> list[bool]:
+        """Write the values ``admitted``; which were stored. Those a full file system refused are
+        written once more after the first values to go made room for them (a bounded store's:
+        an unbounded one evicts nothing), as a full capacity would have."""
+        stored = [False] * len(items)
+        full = self._write_all(items, [i for i, f in enumerate(admitted) if f], tenant, stored)
+        if not full:
+            return stored
+        roomy = self._room is not None and not never_fits(self.path, max(sizes[i] for i in full))
+        victims = self._room.make_room(sum(sizes[i] for i in full), len(full)) if roomy else []
+        if victims:
+            self._evict(victims, len(victims))
+            full = self._write_all(items, full, tenant, stored)
+        if full:
+            self._count(put_disk_full=len(full))
+            say_full(self.path, len(full), len(victims), self._room is not None)
+        return stored
 
-    def _upgrade(self) -> None:
-        """The marker says FORMAT before the first tenant file is written."""
+    def _write_all(self, items: list[tuple[bytes, bytes]], todo: list[int], tenant: bytes,
+                   stored: list[bool]) -> list[int]:
+        """Write the values of ``items`` at ``todo``, those stored marked in ``stored``; the
+        ones the full file system refused."""
+        if not todo or (tenant and self._format < FORMAT and not self._upgrade()):
+            return todo
+        outcomes = self._run(LoopCalls.each([(*items[i], tenant) for i in todo], self._write))
+        for i, outcome in zip(todo, outcomes):
+            stored[i] = outcome == STORED
+        self._count(put_not_a_file=outcomes.count(NOT_A_FILE))
+        return [i for i, outcome in zip(todo, outcomes) if outcome == FULL]
+
+    def _evict(self, gone: list[bytes], evicted: int, quota_evicted: int = 0) -> None:
+        """Remove ``gone``, of which ``evicted`` are evictions (``quota_evicted`` for quotas)."""
+        if gone:
+            self._run(LoopCalls.each([self._file(k) for k in gone], _remove))
+            self._count(evictions=evicted, quota_evictions=quota_evicted)
+            self._tell("removed", gone)
+
+    def _upgrade(self) -> bool:
+        """The marker says FORMAT before the first tenant file is written; False when the file
+        system is full (the tenant's values are refused)."""
         try:
             upgrade_marker(self.path)
         except OSError as exc:
+            if refusal_of(exc) == FULL:
+                return False
             self._count(errors=1)
             raise BackendUnavailable(f"file store at {self.path}: {exc}") from exc
         self._format = FORMAT
+        return True
 
-    async def _write(self, item: tuple[bytes, bytes, bytes]) -> None:
+    async def _write(self, item: tuple[bytes, bytes, bytes]) -> str:
+        """Write one value: STORED, or why it was refused (:mod:`storage_backends.file_outcomes`)."""
         key, value, tenant = item
         path = self._file(key)
+        try:
+            await self._write_value(path, value, tenant)
+        except OSError as exc:
+            outcome = refusal_of(exc, path)
+            if outcome is None:
+                raise
+            return outcome
+        return STORED
+
+    async def _write_value(self, path: Path, value, tenant: bytes) -> None:
+        """``value`` written under a temporary name, then renamed to be ``path``'s; the
+        temporary file removed again on any failure."""
         if path.parent.name not in self._made:
             await aiofiles.os.makedirs(path.parent, exist_ok=True)
             if self.sync:  # (the bucket's name in the store's directory)
@@ -243,7 +267,7 @@ class FileBackend(Backend):
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         keys = [as_key(k) for k in keys]
-        sizes = self._run(self._each([self._file(k) for k in keys], _remove))
+        sizes = self._run(LoopCalls.each([self._file(k) for k in keys], _remove))
         if self._room is not None:
             self._room.removed(keys)
         n = sum(1 for s in sizes if s is not None)
@@ -306,32 +330,12 @@ class FileBackend(Backend):
         """Refuse new calls, wait for running ones (at most CLOSE_WAIT_S: then they are
         cancelled, BackendClosed to their callers), stop the event loop. A call left waiting on
         a stopped loop used to wait for good."""
-        with self._calls:
-            if self._closed:
-                return
-            self._closed = True
-            cancelled = list(self._running) if not self._calls.wait_for(lambda: not self._running,
-                                                                         CLOSE_WAIT_S) else []
-            for future in cancelled:
-                future.cancel()
-        if cancelled:  # their coroutines clean up (temporary files) before the loop stops
-            log.warning("file store at %s: closed while %d calls still ran", self.path, len(cancelled))
-            asyncio.run_coroutine_threadsafe(_others_ended(CLOSE_WAIT_S), self._loop).result()
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-
-async def _others_ended(timeout: float) -> None:
-    """Wait (at most ``timeout``) for the event loop's other tasks to end."""
-    others = asyncio.all_tasks() - {asyncio.current_task()}
-    if others:
-        await asyncio.wait(others, timeout=timeout)
+        self._calls.close(CLOSE_WAIT_S)
 
 
 _read_value = aiofiles.os.wrap(file_entries.read_value)
-_holds_value = aiofiles.os.wrap(lambda path: file_entries.value_stat(path) is not None)
+_holds_value = aiofiles.os.wrap(file_entries.holds_value)
 _remove = aiofiles.os.wrap(file_entries.remove)
 _publish = aiofiles.os.wrap(file_entries.publish)
 _fsync = aiofiles.os.wrap(os.fsync)
-_sync_dir = aiofiles.os.wrap(file_entries.sync_dir)
+_sync_dir = aiofiles.os.wrap(sync_dir)

@@ -1,11 +1,12 @@
 """Entries of the file medium on disk (layout in :mod:`storage_backends.file_layout`): publishing
 a value under its key (for a tenant: its tenant file, then the key's link), removing one, listing
-them (and temporary files killed writers left), and the check for files that do not belong.
+them (and temporary files killed writers left); :mod:`storage_backends.file_check` checks for
+files that do not belong.
 
 These are plain blocking calls; the backend runs them on its event loop's threads. Several
 processes may do them at once: each rename is atomic, so a reader sees the old value or the new
 one; a race between two writers of one key can leave a tenant file no link points to, which
-:func:`check_dir` reports (after STALE_S) and removes with ``fix``.
+:func:`~storage_backends.file_check.check_dir` reports (after STALE_S) and removes with ``fix``.
 """
 
 from __future__ import annotations
@@ -18,16 +19,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from storage_backends.file_layout import (
-    MARKER,
-    is_bucket,
-    is_marker_temp,
-    is_tenant_file,
-    key_of,
-    temp_of,
-    tenant_file_of,
-    tenant_of_link,
-)
+from storage_backends.file_layout import is_bucket, key_of, temp_of, tenant_file_of, tenant_of_link
 from storage_backends.log_throttle import LogThrottle
 
 log = logging.getLogger(__name__)
@@ -68,16 +60,45 @@ def read_value(path: Path, touch: bool) -> bytes | None:
     link) or not one this process may read (another user's: one value's miss, never the batch's
     error). With ``touch``, its access time is set (best effort: another user's file, a
     read-only mount keep their own)."""
+    opened = _open_value(path, untouched=not touch)
+    if opened is None:
+        return None
+    fd, st = opened
+    with os.fdopen(fd, "rb") as fh:
+        data = fh.read()
+        if touch:
+            try:
+                os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
+            except OSError:  # (EPERM: another user's file; EROFS: a read-only mount)
+                pass
+    return data
+
+
+def holds_value(path: Path) -> bool:
+    """Whether :func:`read_value` would find a value under the key named ``path``: the value is
+    opened as a read opens it (so another user's unreadable file is no value, as its read is a
+    miss), never read."""
+    opened = _open_value(path, untouched=False)
+    if opened is None:
+        return False
+    os.close(opened[0])
+    return True
+
+
+def _open_value(path: Path, untouched: bool) -> tuple[int, os.stat_result] | None:
+    """A descriptor of the value of the key named ``path`` (a regular file of ours) and its
+    stat; None where there is none, or none this process may open. ``untouched``: opened with
+    O_NOATIME where this process may."""
     held = value_of(path)
     if held is None:
         return None
     flags = OPEN_FLAGS | os.O_NOFOLLOW
-    untouched = 0 if touch else getattr(os, "O_NOATIME", 0)
+    noatime = getattr(os, "O_NOATIME", 0) if untouched else 0
     try:
         try:
-            fd = os.open(held, flags | untouched)
+            fd = os.open(held, flags | noatime)
         except PermissionError:
-            if not untouched:
+            if not noatime:
                 raise
             fd = os.open(held, flags)  # (O_NOATIME needs the file's owner)
     except OSError as exc:
@@ -95,14 +116,7 @@ def read_value(path: Path, touch: bool) -> bytes | None:
     if not stat.S_ISREG(st.st_mode):  # (a directory)
         os.close(fd)
         return None
-    with os.fdopen(fd, "rb") as fh:
-        data = fh.read()
-        if touch:
-            try:
-                os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
-            except OSError:  # (EPERM: another user's file; EROFS: a read-only mount)
-                pass
-    return data
+    return fd, st
 
 
 def value_stat(path: Path) -> os.stat_result | None:
@@ -118,31 +132,37 @@ def value_stat(path: Path) -> os.stat_result | None:
     return st if st is not None and stat.S_ISREG(st.st_mode) else None
 
 
+def held_value(path: Path) -> tuple[int, bytes] | None:
+    """(size, tenant) of the value of the key named ``path``; None: none (or none to be seen)."""
+    try:
+        st = value_stat(path)
+        return None if st is None else (st.st_size, tenant_at(path) or b"")
+    except OSError:
+        return None
+
+
 def publish(tmp: Path, path: Path, tenant: bytes) -> None:
     """Make the value written to ``tmp`` the value of the key named ``path``, for ``tenant``;
-    the file of a previous tenant of the key goes."""
+    the file of a previous tenant of the key goes. A tenant file whose link could not be made
+    (a directory under the key's name, a full disk) goes again: no key would ever link to it."""
     old = _our_link_of(path)
     target = target_of(path, tenant)
+    written = os.lstat(tmp).st_ino
     os.replace(tmp, target)
     if tenant and old != target.name:
         link = temp_of(path, "link")
-        os.symlink(target.name, link)
         try:
-            os.replace(link, path)
+            os.symlink(target.name, link)
+            try:
+                os.replace(link, path)
+            except BaseException:
+                _unlink(link)
+                raise
         except BaseException:
-            _unlink(link)
+            _unlink_if(target, written)
             raise
     if old is not None and old != (target.name if tenant else None):
         _unlink(path.parent / old)
-
-
-def sync_dir(path: Path) -> None:
-    """fsync the directory ``path`` (the names renamed in it are durable after it)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def remove(path: Path) -> int | None:
@@ -231,107 +251,6 @@ def drop_leftovers(found: list[Path]) -> int:
     return gone
 
 
-def check_dir(root: Path, fix: bool = False) -> list[str]:
-    """Files that do not belong under ``root``: leftover temporary files, tenant files no link
-    points to (both when older than STALE_S), links to nothing, foreign files and directories;
-    with ``fix``, the files in the buckets and the marker's leftover temporaries (never a
-    directory, nor a foreign file beside the buckets: an operator's, another program's) are
-    removed as they were judged: one replaced meanwhile (a put of the key since) stays."""
-    problems = []
-    now = time.time()
-    for sub in os.scandir(root):
-        if sub.is_dir(follow_symlinks=False) and is_bucket(sub.name):
-            problems += _check_bucket(Path(sub.path), fix, now)
-            continue
-        try:
-            problem = _top_problem(sub, now)
-        except FileNotFoundError:  # gone since the scan
-            continue
-        if problem:
-            problems.append(f"{problem}: {sub.name}")
-            if fix and problem == "leftover temporary file":  # (the marker's: ours; a foreign file
-                _drop(Path(sub.path), sub.inode())  # beside the buckets is not, and stays)
-    return problems
-
-
-def _top_problem(entry: os.DirEntry, now: float) -> str | None:
-    if entry.name == MARKER:
-        return None
-    if entry.is_dir(follow_symlinks=False):
-        return "foreign directory"  # not a bucket: never walked, never removed
-    if is_marker_temp(entry.name):
-        recent = now - entry.stat(follow_symlinks=False).st_mtime < STALE_S
-        return None if recent else "leftover temporary file"
-    return "foreign file"
-
-
-def _check_bucket(bucket: Path, fix: bool, now: float) -> list[str]:
-    try:
-        entries = list(os.scandir(bucket))
-    except FileNotFoundError:  # removed since the listing above: nothing of the store's
-        return []
-    linked = {link_of(Path(e.path)) for e in entries if e.is_symlink()}
-    problems = []
-    for entry in entries:
-        try:
-            problem = _problem(entry, bucket.name, linked, now)
-        except FileNotFoundError:  # renamed or removed since the scan (a live store)
-            continue
-        if problem:
-            problems.append(f"{problem}: {bucket.name}/{entry.name}")
-            if fix and problem != "foreign directory":
-                dangling = link_of(Path(entry.path)) if problem.startswith("link to") else None
-                _drop(Path(entry.path), entry.inode(), dangling)
-    return problems
-
-
-def _problem(entry: os.DirEntry, bucket: str, linked: set, now: float) -> str | None:
-    name = entry.name
-    if entry.is_dir(follow_symlinks=False):
-        return "foreign directory"
-    if key_of(name) is not None and name.endswith(bucket):
-        if not entry.is_symlink():
-            return None
-        try:
-            target = os.readlink(entry.path)  # FileNotFoundError: gone since the scan
-        except OSError:  # a plain value now (rewritten for no tenant since the scan)
-            return None
-        if tenant_of_link(target) is None:
-            return "foreign link"
-        if os.path.exists(entry.path) or link_of(Path(entry.path)) != target:
-            return None  # resolves, or was replaced or removed since
-        return "link to a missing tenant file"
-    st = entry.stat(follow_symlinks=False)  # gone: the caller skips it
-    if is_tenant_file(name):
-        if entry.is_symlink():
-            return "foreign link"  # a value is a file: read through no link of a link
-        return None if name in linked or now - st.st_mtime < STALE_S else "tenant file no key links to"
-    if name.endswith(".tmp"):  # maybe being written, or a tombstone: by ctime, as _left_behind
-        return None if now - st.st_ctime < STALE_S else "leftover temporary file"
-    return "foreign file"
-
-
-def _drop(path: Path, inode: int, dangling: str | None = None) -> None:
-    """Remove ``path`` if it is still the file judged (``inode``) and, for a link judged to lead
-    nowhere, its tenant file ``dangling`` still is not there: it is renamed to a name of this
-    call first, so a value published under ``path`` since is never the one removed."""
-    tomb = temp_of(path, "check")
-    try:
-        os.rename(path, tomb)
-    except FileNotFoundError:
-        return
-    same = os.lstat(tomb).st_ino == inode
-    if same and (dangling is None or not (path.parent / dangling).exists()):
-        os.unlink(tomb)
-        return
-    try:  # back, unless another was published there meanwhile (newer: it stays)
-        os.link(tomb, path, follow_symlinks=False)
-    except FileExistsError:
-        pass
-    finally:
-        os.unlink(tomb)
-
-
 def link_of(path: Path) -> str | None:
     """Where the link ``path`` points (None: no link, or nothing there)."""
     try:
@@ -346,3 +265,12 @@ def _unlink(path: Path) -> bool:
         return True
     except FileNotFoundError:
         return False
+
+
+def _unlink_if(path: Path, inode: int) -> None:
+    """Remove ``path`` if it is still the file ``inode`` (best effort: on a failure's way out)."""
+    try:
+        if os.lstat(path).st_ino == inode:
+            os.unlink(path)
+    except OSError:
+        pass

@@ -13,18 +13,27 @@ Layout (format 2)::
 (following the link), so they never need the tenant; listings read the tenant from the link.
 Format 1 (no tenants, no links) is a format 2 store whose values all belong to no tenant: it is
 read as it is, and its marker says 2 from the first value stored for a tenant.
+
+The marker is written whole, fsync'd, then named (and its directory fsync'd): a crash right
+after a store was made used to leave it empty, and the directory could no longer be opened. An
+empty or cut marker (all a crash can leave of one a version wrote) is rewritten as it is opened:
+the directory's name says it is a store, and every version's values are format 2's.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import threading
 from pathlib import Path
 
+from storage_backends.file_durable import sync_dir, write_synced
 from storage_backends.options import existing_directory
 from tiered_kv.errors import ConfigError, InvalidKey
+
+log = logging.getLogger(__name__)
 
 MARKER = ".tiered-kv-file-store"
 FORMAT = 2
@@ -102,16 +111,15 @@ def key_of(name: str) -> bytes | None:
 
 def open_store(root: Path, create: bool) -> int:
     """Check the marker of the store at ``root`` and return its format; with ``create``, make
-    an empty store where there is nothing. ConfigError for a foreign, unreadable or other-format
-    directory."""
+    an empty store where there is nothing (its marker and the names leading to it durable before
+    this returns). ConfigError for a foreign, unreadable or other-format directory."""
     marker = root / MARKER
     if root.exists() and not root.is_dir():
         raise ConfigError(f"{root} is a file, not a store directory")
     if marker.is_file():
-        try:
-            found = json.loads(marker.read_text()).get("format")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise ConfigError(f"file store at {root}: unreadable marker: {exc}") from None
+        found = _read_marker(marker)
+        if found is None:
+            return _repair_marker(root)
         if found not in READS:
             raise ConfigError(f"file store at {root} has format {found}, this version reads {FORMAT}")
         return found
@@ -123,15 +131,19 @@ def open_store(root: Path, create: bool) -> int:
             return open_store(root, False)
         raise ConfigError(f"{root} is not empty and not a file store: refusing to write there")
     try:  # (whole when it appears, and the first of several replicas creating it wins)
+        made = not root.exists()
         root.mkdir(parents=True, exist_ok=True)
         tmp = temp_of(marker, "new")
-        tmp.write_text(json.dumps({"format": FORMAT}))
+        write_synced(tmp, _MARKER_TEXT)
         try:
             os.link(tmp, marker)
         except FileExistsError:  # another process made the store meanwhile
             pass
         finally:
             tmp.unlink()
+        sync_dir(root)
+        if made:  # (the store's own name)
+            sync_dir(root.parent)
     except OSError as exc:
         raise ConfigError(f"cannot create a file store at {root}: {exc}") from None
     return open_store(root, False)
@@ -140,7 +152,54 @@ def open_store(root: Path, create: bool) -> int:
 def upgrade_marker(root: Path) -> None:
     """Say FORMAT in the marker (before the first tenant file is written): a process of the
     version before tenants then refuses the store rather than take tenant files for foreign ones."""
+    _write_marker(root, "marker")
+
+
+_MARKER_TEXT = json.dumps({"format": FORMAT}).encode()
+_WRITTEN = tuple(json.dumps({"format": n}).encode() for n in READS)  # what versions wrote there
+
+
+def _read_marker(marker: Path) -> int | None:
+    """The format ``marker`` says; None when it is empty or cut short: what a crash right after a
+    store was made left behind (before this version the marker was not fsync'd)."""
+    try:
+        text = marker.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"file store at {marker.parent}: cannot read its marker {marker}: {exc}") from None
+    cut = text.rstrip(b"\0 \n")  # (an unwritten block reads as zeros)
+    if not cut or (cut not in _WRITTEN and any(w.startswith(cut) for w in _WRITTEN)):
+        return None
+    try:
+        return json.loads(text).get("format")
+    except (ValueError, AttributeError) as exc:
+        raise ConfigError(f"file store at {marker.parent}: its marker {marker} is not one tiered-kv wrote "
+                          f"({exc}); if the directory is a file store, write {_MARKER_TEXT.decode()} into it, "
+                          f"else point the tier at another directory") from None
+
+
+def _repair_marker(root: Path) -> int:
+    """Rewrite the empty or cut marker of ``root`` (it says FORMAT: every value of format 1 is
+    one of format 2), and open the store as FORMAT; a store this process may not write to (a
+    read-only mount) opens as FORMAT, its marker as it was."""
+    try:
+        _write_marker(root, "repair")
+    except OSError as exc:
+        log.warning("file store at %s: its marker %s is empty or cut short (a crash as it was made) "
+                    "and cannot be rewritten (%s): opened as format %d", root, root / MARKER, exc, FORMAT)
+        return FORMAT
+    log.warning("file store at %s: its marker %s was empty or cut short (a crash as it was made): "
+                "rewritten (format %d)", root, root / MARKER, FORMAT)
+    return FORMAT
+
+
+def _write_marker(root: Path, tag: str) -> None:
+    """The marker of ``root`` replaced, crash-safely, by one saying FORMAT."""
     marker = root / MARKER
-    tmp = temp_of(marker, "marker")
-    tmp.write_text(json.dumps({"format": FORMAT}))
-    os.replace(tmp, marker)
+    tmp = temp_of(marker, tag)
+    write_synced(tmp, _MARKER_TEXT)
+    try:
+        os.replace(tmp, marker)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    sync_dir(root)

@@ -8,7 +8,9 @@ mid-put left behind (:func:`~storage_backends.file_entries.drop_leftovers`: coun
 stayed until an operator's ``check --fix``). :mod:`storage_backends.eviction` decides on the
 view. A key admitted stays pinned until its put wrote it (:meth:`FileRoom.written`): a put
 evicting a value still being written (by another thread's put, or earlier in its own batch)
-removed nothing, and the value then landed beyond the capacity, unseen by the view.
+removed nothing, and the value then landed beyond the capacity, unseen by the view. A file
+system that fills before the capacity is reached makes room the same way
+(:meth:`FileRoom.make_room`).
 """
 
 from __future__ import annotations
@@ -91,6 +93,33 @@ class FileRoom:
         with self._lock:
             for key in keys if self._index is not None else ():
                 self._index.remove(key)
+
+    def make_room(self, nbytes: int, count: int) -> list[bytes]:
+        """The file system filled before the capacity was reached: the first values to go (the
+        policy's order; pinned ones and those being written stay) that hold ``nbytes`` in
+        ``count`` files at least, or all there are, out of the view (the caller removes them)."""
+        index = self._current()
+        with self._lock:
+            victims, freed = [], 0
+            for key, size in self.eviction.policy.candidates(index):
+                if freed >= nbytes and len(victims) >= count:
+                    break
+                victims.append(key)
+                freed += size
+            for key in victims:
+                index.remove(key)
+        return victims
+
+    def failed(self, keys: Sequence[bytes], found: Callable[[bytes], tuple[int, bytes] | None]) -> None:
+        """``keys`` were admitted but refused: out of the view, or back in it as ``found(key)``
+        says the directory still holds them ((size, tenant): the old value a refused overwrite
+        left; None: nothing)."""
+        held = [(key, found(key)) for key in keys]
+        with self._lock:
+            for key, old in held if self._index is not None else ():
+                self._index.remove(key)
+                if old is not None:
+                    self._index.add(key, *old)
 
     def forget(self) -> None:
         """Rebuild the view at the next put (a write failed: it may hold what is not there)."""

@@ -1,0 +1,38 @@
+"""Making the file medium's names and small files durable: an fsync of a directory (the names
+renamed or linked in it survive a crash after it) and a small file written whole and fsync'd
+before it is given its name (the store's marker: a crash right after a store was made used to
+leave an empty marker, and the directory could no longer be opened)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def sync_dir(path: Path) -> None:
+    """fsync the directory ``path`` (the names renamed in it are durable after it)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """A new file ``path`` (never an existing one) holding ``data``, on the disk when this
+    returns; removed again when it could not be written whole."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        raise

@@ -1,0 +1,85 @@
+"""The file medium with a directory under a key's name (an operator's, another program's): the
+value of that key is refused, one counted miss said once in the log, and the rest of its batch
+is stored; renaming a value over the directory failed the whole batch with EISDIR before. Real
+directories under tmp_path."""
+
+from __future__ import annotations
+
+import logging
+
+from storage_backends import file_outcomes
+from storage_backends.cas_file import delete_if_unchanged
+from storage_backends.file_dir import FileBackend
+from storage_backends.file_layout import file_of
+from storage_backends.log_throttle import LogThrottle
+
+SIZE = 1000
+
+
+def key(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+def in_bucket(root, k: bytes) -> list[str]:
+    return sorted(p.name for p in file_of(root, k).parent.iterdir())
+
+
+def said(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "no regular file" in r.getMessage()]
+
+
+def test_regression_a_directory_under_one_keys_name_failed_the_whole_put_batch_with_eisdir(
+        tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(file_outcomes, "_not_files", LogThrottle(file_outcomes.log))  # (a fresh minute)
+    caplog.set_level(logging.WARNING, logger="storage_backends.file_outcomes")
+    root = tmp_path / "files"
+    with FileBackend(root) as b:
+        b.put_many([(key(9), b"nine")])
+        theirs = file_of(root, key(1))
+        (theirs / "notes").mkdir(parents=True)  # someone's directory, with something in it
+        items = [(key(1), b"one"), (key(2), b"two"), (key(3), b"three")]
+        assert b.put_many(items) == [False, True, True]
+        assert b.put_many(items) == [False, True, True]
+        assert b.get_many([key(1), key(2), key(3)]) == [None, b"two", b"three"]
+        assert b.contains_many([key(1), key(2)]) == [False, True]
+        counted = b.counters()
+        assert counted.errors == 0 and counted.put_rejected == 2 and counted.extra["put_not_a_file"] == 2
+        assert (theirs / "notes").is_dir(), "the directory is left as it was"
+        assert in_bucket(root, key(1)) == [theirs.name], "no temporary file left beside it"
+    assert len(said(caplog)) == 1, "said once (a minute), not at every put"
+    assert str(theirs) in said(caplog)[0]
+
+
+def test_regression_a_tenants_put_over_a_directory_failed_its_batch_and_left_a_tenant_file_no_key_links_to(tmp_path):
+    root = tmp_path / "files"
+    with FileBackend(root) as b:
+        file_of(root, key(1)).mkdir(parents=True)
+        assert b.put_many([(key(1), b"one"), (key(2), b"two")], tenant=b"t") == [False, True]
+        assert b.get_many([key(2)]) == [b"two"]
+        assert in_bucket(root, key(1)) == [file_of(root, key(1)).name], "the tenant file went again"
+        assert b.tenant_totals()[b"t"].entries == 1
+        assert b.check() == [f"foreign directory: 01/{file_of(root, key(1)).name}"]
+
+
+def test_a_bounded_store_counts_no_room_for_a_value_it_refused_for_a_directory(tmp_path):
+    root = tmp_path / "files"
+    with FileBackend(root, capacity=2 * SIZE) as b:
+        file_of(root, key(1)).mkdir(parents=True)
+        assert b.put_many([(key(1), b"a" * SIZE)]) == [False]
+        assert b.put_many([(key(2), b"b" * SIZE), (key(3), b"c" * SIZE)]) == [True, True]
+        assert b.counters().evictions == 0, "the refused value took no room in the medium's view"
+        b.delete_many([key(1)])  # (a directory is never removed)
+        assert file_of(root, key(1)).is_dir()
+
+
+def test_regression_a_conditional_delete_renamed_a_directory_under_a_keys_name_away_and_failed_its_batch(tmp_path):
+    # the directory was renamed to a tombstone, could not be linked back (EPERM) nor unlinked
+    # (EISDIR): the batch was BackendUnavailable and the directory was left under a .tmp name
+    root = tmp_path / "files"
+    with FileBackend(root) as b:
+        b.put_many([(key(2), b"two")])
+        theirs = file_of(root, key(1))
+        theirs.mkdir(parents=True)
+        assert delete_if_unchanged(b, [(key(1), b""), (key(2), b"two")]) == [False, True]
+        assert theirs.is_dir() and in_bucket(root, key(1)) == [theirs.name]
+        assert b.get_many([key(2)]) == [None]
