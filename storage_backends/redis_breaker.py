@@ -5,7 +5,11 @@ watches for the server to answer again and closes it. No caller ever waits on a 
 A probe runs under the same whole-call deadline as a call (:mod:`storage_backends.redis_deadline`):
 without one, a server trickling its PONG (each read within the socket timeout) closed the breaker
 after seconds, and every caller then paid a full timeout again. (A cluster probe's topology read
-holds redis-py's topology lock, which a call's own re-read waits on: it is bounded the same way.)"""
+holds redis-py's topology lock, which a call's own re-read waits on: it is bounded the same way.)
+
+Between pings the probe waits on an event that :meth:`Breaker.close` sets: a probe waiting ends at
+once and close() joins it (it slept out its cool-down, up to ``COOLDOWN_MAX``, after the tier had
+closed); a probe pinging ends when its ping returns, within the deadline, unwaited for."""
 
 from __future__ import annotations
 
@@ -33,7 +37,9 @@ class Breaker:
         self.failures = 0  # consecutive failed calls and probes; > 0: open
         self._retry_at = 0.0  # when the probe pings next
         self._prober: threading.Thread | None = None  # the background probe while open
+        self._pinging = False  # the probe is inside a ping (not waiting): close() does not wait for it
         self._closed = False
+        self._stop = threading.Event()  # set by close(): a probe waiting for its next ping ends
 
     @property
     def open(self) -> bool:
@@ -50,37 +56,53 @@ class Breaker:
             first = self.failures == 1
             if first:
                 self._retry_at = time.monotonic() + COOLDOWN_MIN
-            start = self._prober is None and not self._closed
-            if start:
+            if self._prober is None and not self._closed:  # (started here: close() joins no unstarted thread)
                 self._prober = threading.Thread(target=self._probe, name="tiered-kv-redis-probe", daemon=True)
-        log.log(logging.WARNING if first else logging.DEBUG, "redis at %s unavailable: %r", self.where, exc)
-        if start:
-            self._prober.start()  # type: ignore[union-attr]
+                try:
+                    self._prober.start()
+                except BaseException:  # (no thread: the next failed call tries again)
+                    self._prober = None
+                    raise
+        log.log(logging.WARNING if first else logging.DEBUG, "redis at %s unavailable: %s", self.where, said(exc))
 
     def close(self) -> None:
-        """Stop probing (a probe sleeping wakes to nothing)."""
-        self._closed = True
+        """Stop probing: a probe waiting for its next ping ends now, joined here; one inside a
+        ping ends as the ping returns (within its deadline). Idempotent."""
+        with self._lock:
+            self._closed = True
+            waiting = self._prober if not self._pinging else None
+        self._stop.set()
+        if waiting is not None and waiting is not threading.current_thread():
+            waiting.join()  # (it sees the event at once, or the close before it pings)
 
     def _probe(self) -> None:
         tries = 0
-        while not self._closed:
-            time.sleep(self.next_probe_s())
-            if self._closed:
-                break
+        while not self._stop.wait(self.next_probe_s()):
+            with self._lock:
+                if self._closed:
+                    break
+                self._pinging = True
             try:
                 with call_deadline(self._timeout):
                     self._ping()
             except Exception as exc:  # (any: a probe that died would leave the tier down for good)
                 if not isinstance(exc, self._down):
-                    log.warning("redis at %s: probe failed: %r", self.where, exc)
+                    log.warning("redis at %s: probe failed: %s", self.where, said(exc))
                 tries += 1
                 with self._lock:
+                    self._pinging = False
                     self.failures += 1
                     self._retry_at = time.monotonic() + min(COOLDOWN_MAX, COOLDOWN_MIN * 2 ** tries)
                 continue
             with self._lock:
-                down, self.failures, self._prober = self.failures, 0, None
+                down, self.failures, self._prober, self._pinging = self.failures, 0, None, False
             log.warning("redis at %s is back after %d failed call(s)", self.where, down)
             return
         with self._lock:
-            self._prober = None
+            self._prober, self._pinging = None, False
+
+
+def said(exc: BaseException) -> str:
+    """``exc`` for a log line: its type and message (redis-py 8's repr is its type alone,
+    ``auth:AuthenticationError``: a refused password was logged without the server's answer)."""
+    return f"{type(exc).__name__}: {exc}"

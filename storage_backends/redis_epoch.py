@@ -18,8 +18,11 @@ it sleeps the whole interval and ends at once (it holds the backend strongly onl
 A Redis ACL must let the tier's user read and write the marker: one limited to the prefix
 (``~tkv:*``) is refused it (``NOPERM``), and losses would go unseen. The watch then says so once
 at WARNING, naming the key pattern to allow (:func:`marker_pattern`: ``~tkv-epoch:tkv:``, in a
-cluster ``~tkv-epoch:{*}tkv:``), and looks only every ``DENIED_EVERY_S`` seconds (an ACL allowing
-it later is noticed then); nothing else of the tier is affected.
+cluster ``~tkv-epoch:{*}tkv:``), or the command when the ACL refuses ``SET`` or ``GET`` itself,
+and looks only every ``DENIED_EVERY_S`` seconds (an ACL allowing it later is noticed then);
+nothing else of the tier is affected. A replica (``READONLY``) or a Redis that cannot persist
+(``MISCONF``) refuses the marker's ``SET NX`` too: said once at WARNING (the watch is off until it
+is writable), looked at as usual (:mod:`storage_backends.redis_epoch_refusals`).
 
 Why a marker rather than the server's ``run_id`` (``INFO server``): a restart *with* persistence
 (RDB, AOF) changes ``run_id`` but keeps the blocks (a ``lost`` then made routers forget blocks
@@ -47,9 +50,8 @@ import threading
 import weakref
 from typing import Any
 
-from redis.exceptions import NoPermissionError
-
 from storage_backends.redis_deadline import call_deadline
+from storage_backends.redis_epoch_refusals import MarkerRefusals
 from storage_backends.redis_names import glob_escape
 from storage_backends.redis_pool import close_client
 
@@ -67,7 +69,7 @@ class EpochWatch:
 
     def __init__(self, backend: Any) -> None:
         self.looks = 0  # looks done (tests wait on it instead of on time)
-        self.denied = False  # the ACL refuses the marker: looks are DENIED_EVERY_S apart
+        self.refusals = MarkerRefusals(log)  # the marker refused: said once (READONLY, MISCONF, NOPERM)
         self._stop = threading.Event()  # set by close() or the backend's collection: the thread ends
         self._end = weakref.finalize(backend, self._stop.set)  # (holds the event, not the backend)
         self.thread = threading.Thread(target=_watch, args=(weakref.ref(backend), self), daemon=True,
@@ -77,6 +79,11 @@ class EpochWatch:
     def close(self) -> None:
         """End the thread now (a look under way ends first, within the backend's timeout). Idempotent."""
         self._end()
+
+    @property
+    def denied(self) -> bool:
+        """Whether the ACL refuses the marker: looks are DENIED_EVERY_S apart."""
+        return self.refusals.denied
 
     def wait(self) -> bool:
         """Sleep until the next look is due; True when the thread is to end instead."""
@@ -91,21 +98,14 @@ def _watch(ref: weakref.ref, watch: EpochWatch) -> None:
             return
         try:
             lost = look(backend, seen)
-        except NoPermissionError:  # an ACL without the marker's key: said once, looked at rarely
+        except Exception as exc:  # away, closed meanwhile, or the marker refused (said once)
             lost = False
-            if not watch.denied:
-                log.warning("redis at %s refuses this user the epoch marker (NOPERM): a flush or a restart "
-                            "empty is not announced lost; allow the key pattern %s in the user's ACL "
-                            "(looked at again every %.0f s)", backend.url,
-                            marker_pattern(backend.prefix, backend.cluster), DENIED_EVERY_S)
-            watch.denied = True
-        except Exception as exc:  # away, closed meanwhile
-            log.debug("redis at %s: epoch marker not read: %s", backend.url, exc)
-            lost = False
+            pattern = marker_pattern(backend.prefix, backend.cluster)
+            if not watch.refusals.refused(exc, backend.url, pattern, DENIED_EVERY_S):
+                log.debug("redis at %s: epoch marker not read: %s", backend.url, exc)
         else:
-            if watch.denied and lost is not None:  # (None: skipped, the tier down: no answer either way)
-                log.info("redis at %s allows the epoch marker again: losses are announced", backend.url)
-                watch.denied = False
+            if lost is not None:  # (None: skipped, the tier down: no answer either way)
+                watch.refusals.answered(backend.url)
         watch.looks += 1
         if lost and backend.listener is not None:
             log.warning("redis at %s lost its content (restarted or flushed): blocks announced "

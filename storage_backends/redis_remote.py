@@ -11,8 +11,11 @@ host slot; URL options are read by ``storage_backends.redis_options``.
 
 Failures are misses: refused or dropped connections are retried with exponential backoff (redis-py's
 ``Retry``: at most ``retries`` more tries), a timeout is not (a server that did not answer in ``timeout``
-seconds is hung or black-holed; asking again only doubles the wait); then the call raises
-:class:`BackendUnavailable` and the circuit breaker opens (:mod:`storage_backends.redis_breaker`). While
+seconds is hung or black-holed; asking again only doubles the wait; the clients:
+:mod:`storage_backends.redis_clients`); then the call raises :class:`BackendUnavailable` (a refused user
+or password: :class:`CredentialsRefused`, one) and the circuit breaker opens (each call runs through
+:mod:`storage_backends.redis_calls`, errors as :mod:`storage_backends.redis_errors` says; the breaker:
+:mod:`storage_backends.redis_breaker`). While
 it is open every call fails at once, and one background probe (a PING, every cool-down that doubles from
 0.5 s to 4 s; in a cluster to every master) watches for Redis to come back and closes it: no caller ever
 waits on a probe, and the same object works again on its own once Redis is healthy. In a cluster GETs,
@@ -27,41 +30,33 @@ deadline (:mod:`storage_backends.redis_deadline`); a lost keyspace is heard (:mo
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import redis
-from redis.backoff import ExponentialBackoff, NoBackoff
-from redis.cluster import LoadBalancingStrategy, RedisCluster
-from redis.connection import parse_url
-from redis.exceptions import ClusterDownError, RedisClusterException, ResponseError, TryAgainError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-from redis.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ResponseError
 
 from storage_backends.base import Backend, BackendStats, Visitor
 from storage_backends.log_throttle import LogThrottle
 from storage_backends.quotas import as_tenant
-from storage_backends.redaction import redact_text, redact_url
+from storage_backends.redaction import redact_url
 from storage_backends.redis_admin import AdminRetry
-from storage_backends.redis_breaker import Breaker
-from storage_backends.redis_deadline import call_deadline
+from storage_backends.redis_calls import RedisCalls
+from storage_backends.redis_clients import make_client, takes_gathered
 from storage_backends.redis_epoch import EpochWatch
+from storage_backends.redis_errors import DOWN_ERRORS
 from storage_backends.redis_figures import server_facts
 from storage_backends.redis_names import RedisNames
-from storage_backends.redis_node_pipelines import NodeFanout, name_of, node_pipelines, ping_every_node
-from storage_backends.redis_options import check_cluster_options, check_counts, redis_arguments, redis_target
-from storage_backends.redis_packer import PACKER, PackedConnection, nbytes
-from storage_backends.redis_pool import READ_SIZE, ConnectionsBusy, WaitingPool, close_client, single_client
-from tiered_kv.errors import BackendClosed, BackendError, BackendUnavailable, ConfigError
+from storage_backends.redis_node_pipelines import NodeFanout, name_of, node_pipelines
+from storage_backends.redis_options import check_counts, redis_arguments, redis_target
+from storage_backends.redis_packer import nbytes
+from tiered_kv.errors import BackendError, BackendUnavailable, ConfigError
 
 log = logging.getLogger(__name__)
 _refusals = LogThrottle(log)  # a read-only replica or a failing RDB save refuses every value
 
 T = TypeVar("T")
-# (BusyLoadingError, i.e. LOADING, and AuthenticationError are ConnectionErrors)
-DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterDownError, TryAgainError, RedisClusterException, OSError)
 PIPELINE_BYTES = 4 << 20  # default: bytes of values per pipeline of SETs or GETs
 VALUE_SIZE_GUESS = 2 << 20  # value size assumed until some are seen (sizes the first GETs)
 KEYS_PER_CALL = 1000  # keys per TYPE pipeline, UNLINK and SCAN page
@@ -86,40 +81,18 @@ class RedisBackend(Backend):
         if read_from_replicas and not self.cluster:
             raise ConfigError("redis read_from_replicas is for a Redis Cluster (redis+cluster://)")
         self.names = RedisNames(self.prefix, self.cluster)  # key names (no accidental hash tags)
-        self._balanced = read_from_replicas  # a cluster's replicas answer reads too
         self._value_size = float(VALUE_SIZE_GUESS)  # running estimate: sizes GET pipelines
-        self._breaker = Breaker(self.url, self._ping, DOWN_ERRORS + (redis.RedisError,), timeout)
-        self._closed, self._client, self._client_lock, self._tries = False, None, threading.Lock(), 0
-        # connection errors are retried, timeouts are not (see the module docstring)
+        # connection errors are retried, timeouts are not (storage_backends.redis_clients)
         self.retries, self._backoff = retries, ExponentialBackoff(cap=min(0.5, timeout), base=0.02)
-        retry = Retry(self._backoff, retries, supported_errors=(RedisConnectionError, ConnectionError))
-        self._admin = AdminRetry(self._backoff, retries)  # a cluster's SCAN and INFO (its client: no retries)
         self._fanout = NodeFanout(node_threads)  # threads sending a cluster call's nodes at once
-        common: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout, socket_read_size=READ_SIZE,
-                                      retry=retry, max_connections=max_connections)
         target = redis_target(url)
-        # raw blocks come as head + host slot (no copy next to the head) where our packer sends
-        # the commands: everywhere but the TLS cluster client, which brings its own connections
-        self.takes_gathered = not (self.cluster and target.startswith("rediss://"))
-        try:
-            if not self.cluster:  # makes no connection yet; a connection's settings are checked as one is made
-                self._client = single_client(target, command_packer=PACKER, **common)
-            elif parse_url(target).get("path"):
-                raise ConfigError("Redis Cluster cannot be reached over a unix socket")
-            elif not target.startswith("rediss://"):  # the TLS cluster client sets its own class
-                common["connection_class"] = PackedConnection
-            if read_from_replicas:  # GETs and TYPEs round robin over each slot's master and replicas: a block
-                # is immutable under its key and checked when read: a replica is only behind (a miss), never wrong
-                common["load_balancing_strategy"] = LoadBalancingStrategy.ROUND_ROBIN
-            # redis-py's cluster client retries a timeout whatever a retry object says: no cluster-level
-            # retries (GETs, TYPEs and SETs go one pipeline per node: storage_backends.redis_node_pipelines)
-            common["retry"] = Retry(NoBackoff(), 0)
-            if self.cluster:
-                check_cluster_options(target, common)
-            self._make_cluster = lambda: redis.RedisCluster.from_url(  # connects; each node's pool waits too
-                target, connection_pool_class=WaitingPool, **common)
-        except (ValueError, TypeError, redis.RedisError) as exc:
-            raise ConfigError(f"bad Redis URL {self.url!r}: {redact_text(str(exc), url)}") from None
+        self.takes_gathered = takes_gathered(target, self.cluster)  # (raw blocks as head + host slot)
+        client, make_cluster = make_client(url, target, cluster=self.cluster, timeout=timeout, retries=retries,
+                                           max_connections=max_connections, backoff=self._backoff,
+                                           read_from_replicas=read_from_replicas)
+        # the calls to the server: behind the breaker, within a deadline, redis-py's errors turned into ours
+        self._calls = RedisCalls(self.url, timeout=timeout, client=client, make_cluster=make_cluster,
+                                 balanced=read_from_replicas, admin=AdminRetry(self._backoff, retries), count=self._count)
         if not redis.utils.HIREDIS_AVAILABLE:
             log.warning("hiredis is not installed: Redis reads will be several times slower "
                         "(pip install 'redis[hiredis]')")
@@ -143,64 +116,37 @@ class RedisBackend(Backend):
 
     @property
     def client(self) -> Any:
-        """The redis-py client (a cluster client is made, and connects, on first use). A call that
-        waited while another's try failed fails too: each made one more try, a connect timeout each."""
-        if self._client is None:
-            tries = self._tries
-            with self._client_lock:
-                if self._client is None:
-                    if self._tries != tries:
-                        raise RedisClusterException("Redis Cluster not reached by the try this call waited on")
-                    try:
-                        self._client = self._make_cluster()
-                    finally:  # (a try ended: who waited on it and finds no client fails)
-                        self._tries += 1
-        return self._client
+        """The redis-py client (a cluster's is made, and connects, on first use)."""
+        return self._calls.client
 
-    # -- the breaker -------------------------------------------------------------------------
+    # -- the breaker (storage_backends.redis_calls) ------------------------------------------
     @property
     def available(self) -> bool:
         """False while the breaker is open (calls fail at once until a probe gets an answer)."""
-        return not self._breaker.open and not self._closed
+        return self._calls.available
 
     @property
     def _failures(self) -> int:  # consecutive failed calls and probes (0: the breaker is closed)
-        return self._breaker.failures
+        return self._calls.breaker.failures
+
+    @property
+    def _breaker(self) -> Any:
+        return self._calls.breaker
+
+    @property
+    def _closed(self) -> bool:
+        return self._calls.closed
+
+    @property
+    def _client(self) -> Any:  # (None until a cluster's is made)
+        return self._calls.made
 
     def _call(self, fn: Callable[[Any], T], *, admin: bool = False) -> T:
         """``fn(client)`` behind the breaker (``admin``: SCAN, INFO); Redis away raises BackendUnavailable."""
-        if self._closed:
-            raise BackendClosed(f"redis backend at {self.url} is closed")
-        if self._breaker.open:  # the background probe decides when to close
-            self._count(errors=1)
-            raise BackendUnavailable(f"redis at {self.url} is down (next probe in {self._breaker.next_probe_s():.1f}s)")
-        try:  # within a deadline of ``timeout`` + a per-byte allowance (storage_backends.redis_deadline)
-            with call_deadline(self.timeout, paged=admin):  # (admin: per round trip, a SCAN is many)
-                return self._admin.call(self.client, fn) if admin and self.cluster else fn(self.client)
-        except (*DOWN_ERRORS, redis.RedisError) as exc:  # (a protocol error too: nothing to talk to)
-            self._count(errors=1)
-            if isinstance(exc, ResponseError) and not isinstance(exc, DOWN_ERRORS):  # READONLY, MISCONF,
-                raise BackendError(f"redis at {self.url} refused the call: {exc}") from None  # NOPERM
-            if isinstance(exc, (ConnectionsBusy, redis.exceptions.MaxConnectionsError)):  # ours, not the server's
-                raise BackendUnavailable(f"redis at {self.url}: {exc}") from None
-            self._breaker.trip(exc)
-            raise BackendUnavailable(f"redis at {self.url} unavailable: {exc}") from None
-        finally:
-            if self._closed:  # close() ran meanwhile: the connection this call put back goes too
-                close_client(self._client)
+        return self._calls.call(fn, admin=admin)
 
-    def _ping(self) -> None:
-        """What the breaker's probe asks: a PING; in a cluster every master (and replica, when
-        they answer reads) after reading the topology again, not only the client's default node."""
-        try:
-            if self.cluster:
-                ping_every_node(self.client, RedisCluster.ALL_NODES if self._balanced else RedisCluster.PRIMARIES,
-                                self.timeout)
-            else:
-                self.client.ping()
-        finally:
-            if self._closed:  # (as in _call)
-                close_client(self._client)
+    def _ping(self) -> None:  # (what the breaker's probe asks)
+        self._calls.ping()
 
     # -- reads -------------------------------------------------------------------------------
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -344,7 +290,6 @@ class RedisBackend(Backend):
     def close(self) -> None:
         if self.epoch is not None:  # (its thread ends now; every close here is idempotent)
             self.epoch.close()
-        self._closed = True
-        self._breaker.close()
+        self._calls.close()  # (calls refused, the probe stopped)
         self._fanout.close()  # (before the client: no pipeline runs on a closed client)
-        close_client(self._client)  # (again by a call or probe still running: _call, _ping)
+        self._calls.disconnect()  # (again by a call or probe still running: RedisCalls.drop_if_closed)

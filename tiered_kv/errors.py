@@ -54,6 +54,13 @@ class BackendUnavailable(BackendError):
     """The medium cannot be reached right now (Redis down, connection refused, timeout)."""
 
 
+class CredentialsRefused(BackendUnavailable):
+    """A server refused the user or password it was given (Redis ``WRONGPASS`` / ``NOAUTH`` as a
+    connection authenticates; an HTTP 401 or 403). To an engine the tier is unavailable like any
+    other (a counted miss, never a crash); to a tool it is configuration, which no retry mends
+    (the CLI's exit 2). The message names the server by its redacted URL, never the password."""
+
+
 class InvalidKey(BackendError, ValueError):
     """A key a medium cannot hold: not bytes, empty, or longer than the medium allows."""
 

@@ -17,7 +17,7 @@ from urllib.parse import unquote, urlsplit
 from prometheus_client.parser import text_string_to_metric_families
 
 from storage_backends.redaction import redact_text, redact_url
-from tiered_kv.errors import BackendUnavailable, ConfigError
+from tiered_kv.errors import BackendUnavailable, ConfigError, CredentialsRefused
 
 
 def fetch(target: str, timeout: float = 5.0) -> str:
@@ -37,6 +37,11 @@ def fetch(target: str, timeout: float = 5.0) -> str:
         urlsplit(url).port  # noqa: B018 (a port out of range raises ValueError: a bad URL, not one down)
         with _OPENER.open(_request(url), timeout=timeout) as response:
             body = response.read()
+    except urllib.error.HTTPError as exc:
+        if exc.code in (401, 403):  # configuration, not "try again later" (exit 2, not 3)
+            raise _refused(url, exc.code, exc.reason) from None
+        raise BackendUnavailable(f"cannot fetch metrics from {redact_url(url)}: HTTP {exc.code} "
+                                 f"{redact_text(str(exc.reason), url)}") from None
     except (urllib.error.URLError, OSError) as exc:  # (a connection closed unanswered is one)
         reason = redact_text(str(getattr(exc, "reason", exc)), url)
         raise BackendUnavailable(f"cannot fetch metrics from {redact_url(url)}: {reason}") from None
@@ -49,6 +54,16 @@ def fetch(target: str, timeout: float = 5.0) -> str:
         raise BackendUnavailable(f"cannot fetch metrics from {redact_url(url)}: {type(exc).__name__}: "
                                  f"{redact_text(str(exc), url)[:200]}") from None
     return _text(body, redact_url(url))
+
+
+def _refused(url: str, code: int, reason: object) -> CredentialsRefused:
+    """An endpoint that answered 401 (who are you?) or 403 (not you): the credentials of ``url``
+    are missing or wrong, which no retry mends."""
+    given = "@" in urlsplit(url).netloc
+    fix = ("check the user and password in the URL" if given else
+           "give a user and password in the URL: http(s)://USER:PASSWORD@HOST:PORT/metrics")
+    return CredentialsRefused(f"authentication failed for the metrics endpoint {redact_url(url)}: HTTP {code} "
+                              f"{redact_text(str(reason), url)}; {fix}")
 
 
 class _SameHostAuth(urllib.request.HTTPRedirectHandler):

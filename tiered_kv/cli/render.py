@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from rich.text import Text
 
-from tiered_kv.errors import BackendUnavailable, TieredKVError
+from tiered_kv.errors import BackendUnavailable, CredentialsRefused, TieredKVError
 from tiered_kv.units import format_size
 
 EXIT_OK = 0  # done; nothing wrong found
@@ -24,34 +24,17 @@ EXIT_UNAVAILABLE = 3  # the store (or metrics endpoint) cannot be reached now: t
 def error_exit(exc: TieredKVError | OSError) -> tuple[str, int]:
     """The one line and the exit code of an error reported without a traceback: the store or
     endpoint unreachable now (3); any other typed error or an OS error (a path it cannot read or
-    write) is bad usage or configuration (2). A tier whose Redis refused the URL's user or
-    password is configuration too (2): an engine counts it as the tier being unavailable, but a
-    tool's "try again later" would never mend it."""
-    if isinstance(exc, BackendUnavailable) and refused_credentials(exc) is not None:
-        return f"authentication failed for the tier (a wrong user or password in its URL): {exc}", EXIT_USAGE
+    write) is bad usage or configuration (2). A server refusing the user or password it was given
+    (CredentialsRefused: a Redis tier's URL, a metrics endpoint's 401 or 403) is configuration
+    too (2): an engine counts such a tier as unavailable, but a tool's "try again later" would
+    never mend it."""
+    if isinstance(exc, CredentialsRefused):
+        return str(exc), EXIT_USAGE
     if isinstance(exc, BackendUnavailable):
         return str(exc), EXIT_UNAVAILABLE
     if isinstance(exc, TieredKVError):
         return str(exc), EXIT_USAGE
     return f"{exc.strerror or exc}" + (f" ({exc.filename})" if exc.filename else ""), EXIT_USAGE
-
-
-def refused_credentials(exc: BaseException) -> BaseException | None:
-    """The Redis error that refused a tier's user or password (``AUTH``, ``HELLO``: WRONGPASS,
-    NOAUTH) among the errors ``exc`` was raised from or while handling, or None. (The medium
-    raises BackendUnavailable, what an engine counts as the tier being down, during its handling.)"""
-    try:
-        from redis.exceptions import AuthenticationError
-    except ImportError:  # no Redis client installed: no Redis refused anything
-        return None
-    seen: set[int] = set()
-    cause: BaseException | None = exc
-    while cause is not None and id(cause) not in seen:
-        if isinstance(cause, AuthenticationError):
-            return cause
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
-    return None
 
 
 def emit_json(document) -> None:
