@@ -6,13 +6,10 @@ reads back as it was, and deletes still commit (in halves) so the store can writ
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
-
 import pytest
 
 from storage_backends.lmdb_disk import LmdbBackend
+from tests.backends.mounts import small_tmpfs
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -20,18 +17,8 @@ KiB, MiB = 1 << 10, 1 << 20
 @pytest.fixture
 def small_disk(tmp_path):
     """A 12 MiB tmpfs at ``tmp_path/disk``, unmounted after the test."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        pytest.skip("mounting a small file system needs root and mount(8)")
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=12m", "tmpfs", str(mnt)],
-                          capture_output=True, timeout=60)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode(errors='replace').strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk", "12m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=60)
 
 
 def value(i: int, n: int) -> bytes:
