@@ -16,6 +16,7 @@ link (a miss, reported by ``check``), never a wrong value."""
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import stat
@@ -109,8 +110,14 @@ def _put_back(tomb: Path, name: Path) -> None:
 
 def _read(path: Path) -> bytes | None:
     """The bytes of the tombstone ``path``; None when it is no regular file (a named pipe under
-    the key's name: opened without waiting for a writer, which used to wait for good)."""
-    fd = os.open(path, OPEN_FLAGS | os.O_NOFOLLOW)
+    the key's name: opened without waiting for a writer, which used to wait for good; a socket,
+    which cannot be opened: ENXIO failed the batch)."""
+    try:
+        fd = os.open(path, OPEN_FLAGS | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            return None
+        raise
     with os.fdopen(fd, "rb") as fh:
         return fh.read() if stat.S_ISREG(os.fstat(fd).st_mode) else None
 

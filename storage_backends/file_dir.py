@@ -41,6 +41,7 @@ import aiofiles
 import aiofiles.os
 
 from storage_backends import file_entries
+from storage_backends import file_outcomes as outcomes
 from storage_backends.base import Backend, BackendStats, TenantTotal
 from storage_backends.eviction import Eviction
 from storage_backends.eviction_lru import LRU
@@ -50,7 +51,7 @@ from storage_backends.file_durable import sync_dir
 from storage_backends.file_entries import Stored, stored_files, target_of
 from storage_backends.file_layout import FORMAT, MARKER, as_key, file_of, open_store, temp_of, upgrade_marker
 from storage_backends.file_options import file_settings, url_options
-from storage_backends.file_outcomes import FULL, NOT_A_FILE, STORED, never_fits, refusal_of, say_full
+from storage_backends.file_outcomes import FULL, NOT_A_FILE, OVER_QUOTA, STORED, refusal_of
 from storage_backends.file_room import FileRoom
 from storage_backends.options import directory_of, warn_if_relative
 from storage_backends.quotas import as_tenant
@@ -77,7 +78,7 @@ class FileBackend(Backend):
         self._room = FileRoom(Eviction(LRU, self.capacity, self.quotas), self._listing, self._is_pinned) \
             if bounded else None
         # (among put_rejected: values refused for a full file system, for a directory under the key's name)
-        self._counters.extra.update(quota_evictions=0, put_disk_full=0, put_not_a_file=0)
+        self._counters.extra.update(quota_evictions=0, put_disk_full=0, put_not_a_file=0, put_over_quota=0)
         self._made: set[str] = set()
         self._names = itertools.count()
         self._calls = LoopCalls(self.path)
@@ -180,19 +181,21 @@ class FileBackend(Backend):
                       tenant: bytes) -> list[bool]:
         """Write the values ``admitted``; which were stored. Those a full file system refused are
         written once more after the first values to go made room for them (a bounded store's:
-        an unbounded one evicts nothing), as a full capacity would have."""
+        an unbounded one evicts nothing), as a full capacity would have; the room is their bytes
+        (and files where inodes ran out: :func:`~storage_backends.file_outcomes.room_for`)."""
         stored = [False] * len(items)
         full = self._write_all(items, [i for i, f in enumerate(admitted) if f], tenant, stored)
         if not full:
             return stored
-        roomy = self._room is not None and not never_fits(self.path, max(sizes[i] for i in full))
-        victims = self._room.make_room(sum(sizes[i] for i in full), len(full)) if roomy else []
-        if victims:
+        room = outcomes.room_for(self.path, [sizes[i] for i in full]) if self._room is not None else None
+        victims = self._room.make_room(room.nbytes, room.files) if room and room.nbytes else []
+        if victims:  # (a value larger than the whole disk is not written again)
             self._evict(victims, len(victims))
-            full = self._write_all(items, full, tenant, stored)
+            again = self._write_all(items, [i for i, f in zip(full, room.fits) if f], tenant, stored)
+            full = [i for i, f in zip(full, room.fits) if not f] + again
         if full:
             self._count(put_disk_full=len(full))
-            say_full(self.path, len(full), len(victims), self._room is not None)
+            outcomes.say_full(self.path, len(full), len(victims), self._room is not None)
         return stored
 
     def _write_all(self, items: list[tuple[bytes, bytes]], todo: list[int], tenant: bytes,
@@ -204,7 +207,7 @@ class FileBackend(Backend):
         outcomes = self._run(LoopCalls.each([(*items[i], tenant) for i in todo], self._write))
         for i, outcome in zip(todo, outcomes):
             stored[i] = outcome == STORED
-        self._count(put_not_a_file=outcomes.count(NOT_A_FILE))
+        self._count(put_not_a_file=outcomes.count(NOT_A_FILE), put_over_quota=outcomes.count(OVER_QUOTA))
         return [i for i, outcome in zip(todo, outcomes) if outcome == FULL]
 
     def _evict(self, gone: list[bytes], evicted: int, quota_evicted: int = 0) -> None:

@@ -47,7 +47,8 @@ def value_of(path: Path) -> Path | None:
     return path.parent / target if tenant_of_link(target) is not None else None
 
 
-_MISSES = (errno.ENOENT, errno.ELOOP, errno.ENOTDIR)  # absent, a link (not ours), no bucket
+# absent, a link (not ours), no bucket; a socket (opening one is ENXIO: it failed the batch)
+_MISSES = (errno.ENOENT, errno.ELOOP, errno.ENOTDIR, errno.ENXIO)
 # a value is opened without waiting: a named pipe under a key's name waited for a writer for good
 # (O_NONBLOCK changes nothing for a regular file's reads)
 OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)

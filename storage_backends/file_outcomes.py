@@ -4,9 +4,12 @@
 - ``NOT_A_FILE``: something that is no regular file holds the key's name (a directory an
   operator or another program made there): renaming the value over it fails with EISDIR, which
   used to fail the whole batch;
-- ``FULL``: the file system is full (ENOSPC, EDQUOT), which used to fail the whole batch even
-  below the tier's capacity. The medium makes room and writes such values once more
-  (:mod:`storage_backends.file_dir`); a value the full disk refuses again is a miss.
+- ``FULL``: the file system is full (ENOSPC), which used to fail the whole batch even below the
+  tier's capacity. The medium makes room and writes such values once more
+  (:mod:`storage_backends.file_dir`); a value the full disk refuses again is a miss;
+- ``OVER_QUOTA``: this user's (group's, project's) disk quota is spent (EDQUOT): a miss, and
+  nothing is evicted for it (in a directory several users share, removing another user's values
+  would free none of this one's quota).
 
 A refused value is never half visible: it is written under a temporary name, removed again."""
 
@@ -15,17 +18,20 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from storage_backends.log_throttle import LogThrottle
 
 log = logging.getLogger(__name__)
 
-STORED, NOT_A_FILE, FULL = "stored", "not a file", "full"
-_REFUSALS = {errno.EISDIR: NOT_A_FILE, errno.ENOSPC: FULL, errno.EDQUOT: FULL}
+STORED, NOT_A_FILE, FULL, OVER_QUOTA = "stored", "not a file", "full", "over quota"
+_REFUSALS = {errno.EISDIR: NOT_A_FILE, errno.ENOSPC: FULL, errno.EDQUOT: OVER_QUOTA}
 
 _not_files = LogThrottle(log)
 _full = LogThrottle(log)
+_over_quota = LogThrottle(log)
 
 
 def refusal_of(exc: OSError, path: Path | None = None) -> str | None:
@@ -35,17 +41,35 @@ def refusal_of(exc: OSError, path: Path | None = None) -> str | None:
     if refusal == NOT_A_FILE:
         _not_files.warning("file store: %s is no regular file (a directory?): a value of its key is "
                            "refused (a miss) until it is removed", exc.filename2 or path)
+    elif refusal == OVER_QUOTA:
+        _over_quota.warning("file store: the disk quota of this user is spent writing %s: values are "
+                            "refused (misses; nothing is evicted for a quota)", path)
     return refusal
 
 
-def never_fits(root: Path, nbytes: int) -> bool:
-    """Whether a value of ``nbytes`` is larger than the whole file system holding ``root``
-    (evicting for it would empty the store for nothing)."""
+class Room(NamedTuple):
+    """What a full file system must free for values it refused (:func:`room_for`)."""
+
+    fits: list[bool]  # per value: whether it could fit at all (none larger than the whole disk)
+    nbytes: int  # of the values that could fit
+    files: int  # files that must go too: as many as those values where inodes are short, else 0
+
+
+def room_for(root: Path, sizes: Sequence[int]) -> Room:
+    """The room values of ``sizes`` that the file system holding ``root`` refused need: a value
+    larger than the whole file system needs none (evicting for it would empty the store for
+    nothing, and it kept the room from being made for its batch's others); files only where the
+    file system is short of inodes (a count of files on top of the bytes evicted large values
+    for small ones). Each value may take three inodes (a tenant's file, its link, the link's
+    temporary name). Where the file system cannot be asked, both bytes and files."""
     try:
         st = os.statvfs(root)
     except OSError:
-        return False
-    return nbytes > st.f_blocks * st.f_frsize
+        return Room([True] * len(sizes), sum(max(n, 1) for n in sizes), len(sizes))
+    fits = [n <= st.f_blocks * st.f_frsize for n in sizes]
+    count = sum(fits)
+    short = st.f_files > 0 and st.f_favail < 3 * count
+    return Room(fits, sum(max(n, 1) for n, f in zip(sizes, fits) if f), count if short else 0)
 
 
 def say_full(root: Path, refused: int, evicted: int, bounded: bool) -> None:

@@ -142,3 +142,24 @@ def test_a_close_that_cannot_wait_longer_gives_running_calls_backend_closed(tmp_
     finally:
         go_on.set()
     assert not writer.is_alive() and isinstance(answers["put"], BackendClosed)
+
+
+def test_regression_a_spent_disk_quota_evicted_the_stores_values_for_nothing(tmp_path, monkeypatch):
+    # EDQUOT was taken for a full disk: least recently used values went (in a directory several
+    # users share, other users' values, which free none of this user's quota) and the put failed
+    # again. A spent quota is a counted miss and evicts nothing. (Quotas cannot be set up here:
+    # the write's error is injected; a full disk's eviction is pinned on a real tmpfs.)
+    backend = FileBackend(tmp_path / "files", capacity=64 * SIZE)
+    assert backend.put_many([(key(b"q", i), b"q" * SIZE) for i in range(4)]) == [True] * 4
+
+    async def over_quota(tmp, path, tenant):
+        raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    monkeypatch.setattr(file_dir, "_publish", over_quota)
+    assert backend.put_many([(key(b"r", i), b"r" * SIZE) for i in range(2)]) == [False, False]
+    monkeypatch.undo()
+    stats = backend.stats()
+    assert stats.evictions == 0 and stats.extra["put_over_quota"] == 2 and stats.extra["put_disk_full"] == 0
+    assert backend.contains_many([key(b"q", i) for i in range(4)]) == [True] * 4
+    assert not list((tmp_path / "files").rglob("*.tmp"))
+    backend.close()

@@ -7,6 +7,8 @@ half-written value a reader sees, never a temporary file left behind."""
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 
 from storage_backends.file_dir import FileBackend
@@ -108,3 +110,53 @@ def test_a_tenants_values_on_a_full_disk_leave_no_tenant_file_behind(small_disk)
             assert ok == [True] * 8
         assert b.counters().errors == 0 and b.counters().evictions > 0
         assert b.check() == [] and temporary_files(root) == []
+
+
+def fill_up(path) -> None:
+    """A file at ``path`` (beside the store: not one of its values) taking all the room left."""
+    with open(path, "wb", buffering=0) as fh:
+        for chunk in (64 * KiB, 4 * KiB, 1):
+            try:
+                while True:
+                    fh.write(b"\xff" * chunk)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+
+
+def test_regression_a_full_disk_evicted_a_file_per_value_refused_however_large_the_files_that_went(small_disk):
+    # the room made was the refused values' bytes *and* as many files as values: on a disk short of
+    # bytes (with inodes to spare) both large values went where the first made room for the batch
+    root = small_disk / "files"
+    with FileBackend(root, capacity=1 * GiB) as b:
+        bigs = [(b"big1", value(1, 3 * MiB)), (b"big2", value(2, 3 * MiB))]
+        assert b.put_many(bigs) == [True, True]
+        assert b.put_many(batch(0, 40)) == [True] * 40  # 2.5 MiB through the 2 MiB left
+        assert b.counters().evictions == 1, "the least recently used value made room for them all"
+        assert b.get_many([b"big1", b"big2"]) == [None, bigs[1][1]]
+        assert temporary_files(root) == []
+
+
+def test_regression_a_value_larger_than_the_disk_kept_the_room_from_being_made_for_its_batchs_other_values(small_disk):
+    root = small_disk / "files"
+    with FileBackend(root, capacity=1 * GiB) as b:
+        assert b.put_many(batch(0)) == [True] * 8
+        fill_up(small_disk / "someone-elses")  # (no room left at all)
+        said = b.put_many([(b"huge", value(1, 16 * MiB)), *batch(8)])
+        assert said == [False] + [True] * 8, "the values that fit are written once room is made"
+        counted = b.counters()
+        assert counted.evictions == 8 and counted.extra["put_disk_full"] == 1
+        assert b.contains_many([k for k, _ in batch(8)]) == [True] * 8
+        assert temporary_files(root) == []
+
+
+def test_a_disk_out_of_inodes_evicts_a_file_for_each_value_refused(tmp_path):
+    # (bytes to spare: the room wanted is files, whatever the bytes of those that go)
+    with small_tmpfs(tmp_path / "disk", "8m,nr_inodes=64") as mnt:  # (64 inodes: the size is an option list)
+        root = mnt / "files"
+        with FileBackend(root, capacity=1 * GiB) as b:
+            assert all(b.put_many([(b"old%05d" % i, value(i, 4 * KiB)) for i in range(40)]))
+            said = [b.put_many([(b"t%05d" % (8 * c + i), b"tiny") for i in range(8)]) for c in range(6)]
+            assert said == [[True] * 8] * 6
+            counted = b.counters()
+            assert counted.errors == 0 and counted.evictions > 0 and counted.put_rejected == 0
+            assert temporary_files(root) == []

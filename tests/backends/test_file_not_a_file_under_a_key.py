@@ -6,6 +6,8 @@ directories under tmp_path."""
 from __future__ import annotations
 
 import logging
+import os
+import stat
 
 from storage_backends import file_outcomes
 from storage_backends.cas_file import delete_if_unchanged
@@ -83,3 +85,22 @@ def test_regression_a_conditional_delete_renamed_a_directory_under_a_keys_name_a
         assert delete_if_unchanged(b, [(key(1), b""), (key(2), b"two")]) == [False, True]
         assert theirs.is_dir() and in_bucket(root, key(1)) == [theirs.name]
         assert b.get_many([key(2)]) == [None]
+
+
+def test_regression_a_socket_under_a_keys_name_failed_the_whole_batch_of_a_presence_check_a_read_and_a_conditional_delete(
+        tmp_path):
+    # opening a socket is ENXIO, which was no miss: contains_many (it opens a value as a read does
+    # since it agrees with reads; it said False before), get_many and delete_if_unchanged failed
+    # their whole batch with BackendUnavailable
+    root = tmp_path / "files"
+    with FileBackend(root) as b:
+        b.put_many([(key(2), b"two"), (key(3), b"three")])
+        theirs = file_of(root, key(1))
+        theirs.parent.mkdir(parents=True, exist_ok=True)
+        os.mknod(theirs, stat.S_IFSOCK | 0o600)  # (a socket's file, as bind(2) leaves one)
+        assert b.contains_many([key(1), key(2)]) == [False, True]
+        assert b.get_many([key(1), key(2)]) == [None, b"two"]
+        assert delete_if_unchanged(b, [(key(1), b""), (key(3), b"three")]) == [False, True]
+        assert stat.S_ISSOCK(theirs.lstat().st_mode), "left as it was, under its name"
+        assert in_bucket(root, key(1)) == [theirs.name]
+        assert b.counters().errors == 0
