@@ -23,7 +23,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from storage_backends.file_entries import OPEN_FLAGS, link_of
+from storage_backends.file_entries import OPEN_FLAGS, link_of, put_back
 from storage_backends.file_layout import as_key, file_of, temp_of, tenant_of_link
 from tiered_kv.errors import BackendClosed, BackendUnavailable
 
@@ -69,10 +69,10 @@ def _delete_one(path: Path, expected: bytes) -> bool:
     except PermissionError:  # another user's value: not this process's to judge (reads miss it)
         same = False
     except BaseException:
-        _put_back(tomb, held)
+        put_back(tomb, held)
         raise
     if not same:
-        _put_back(tomb, held)
+        put_back(tomb, held)
         return False
     os.unlink(tomb)
     if link is not None:
@@ -88,7 +88,7 @@ def _drop_link(path: Path, name: str) -> None:
     except FileNotFoundError:
         return
     if link_of(tomb) != name or (path.parent / name).exists():  # rewritten meanwhile
-        _put_back(tomb, path)
+        put_back(tomb, path)
         return
     os.unlink(tomb)
     if (path.parent / name).exists():  # a put that read the link before published its file since
@@ -96,16 +96,6 @@ def _drop_link(path: Path, name: str) -> None:
             os.symlink(name, path)
         except FileExistsError:  # (and another put its own link)
             pass
-
-
-def _put_back(tomb: Path, name: Path) -> None:
-    """``tomb`` back under ``name`` unless something was published there meanwhile (newer)."""
-    try:
-        os.link(tomb, name, follow_symlinks=False)
-    except FileExistsError:
-        pass
-    finally:
-        os.unlink(tomb)
 
 
 def _read(path: Path) -> bytes | None:

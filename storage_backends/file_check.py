@@ -116,9 +116,4 @@ def _drop(path: Path, inode: int, dangling: str | None = None) -> None:
     if same and (dangling is None or not (path.parent / dangling).exists()):
         os.unlink(tomb)
         return
-    try:  # back, unless another was published there meanwhile (newer: it stays)
-        os.link(tomb, path, follow_symlinks=False)
-    except FileExistsError:
-        pass
-    finally:
-        os.unlink(tomb)
+    file_entries.put_back(tomb, path)  # (unless another was published there meanwhile: newer, it stays)

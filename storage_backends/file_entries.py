@@ -275,3 +275,18 @@ def _unlink_if(path: Path, inode: int) -> None:
             os.unlink(path)
     except OSError:
         pass
+
+
+def put_back(tomb: Path, name: Path) -> None:
+    """``tomb`` back under ``name`` unless something was published there meanwhile (newer). A
+    link the file system refuses (ENOSPC on btrfs, EMLINK, EIO) renames the tombstone back
+    instead (the value was unlinked, and lost); should that fail too, the tombstone stays, and
+    the error is the call's."""
+    try:
+        os.link(tomb, name, follow_symlinks=False)
+    except FileExistsError:
+        pass
+    except OSError:
+        os.rename(tomb, name)  # (a value published in between is replaced: both hold the key's bytes)
+        return
+    os.unlink(tomb)

@@ -35,3 +35,24 @@ def test_regression_check_fix_removed_a_live_tombstone_of_an_old_value_and_its_v
         assert delete_if_unchanged(b, [(KEY, b"older value")]) == [False]
         assert found == [], "check took the tombstone for a leftover temporary file"
         assert b.get_many([KEY]) == [b"newer value"]
+
+
+def test_regression_a_changed_value_whose_link_back_the_file_system_refused_was_unlinked_and_lost(
+        tmp_path, monkeypatch):
+    # The value under its tombstone differed, so it goes back under its name; the link back was
+    # refused (ENOSPC on btrfs, EMLINK, EIO: injected, none can be made here) and the tombstone was
+    # unlinked all the same: the good value was gone. It is renamed back instead.
+    import errno
+
+    root = tmp_path / "files"
+    with FileBackend(root) as b:
+        b.put_many([(KEY, b"newer value")])
+
+        def refused(src, dst, *, follow_symlinks=True):
+            raise OSError(errno.EMLINK, "Too many links")
+
+        monkeypatch.setattr(cas_file.os, "link", refused)
+        assert delete_if_unchanged(b, [(KEY, b"older value")]) == [False]
+        monkeypatch.undo()
+        assert b.get_many([KEY]) == [b"newer value"]
+        assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
