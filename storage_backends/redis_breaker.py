@@ -9,7 +9,12 @@ holds redis-py's topology lock, which a call's own re-read waits on: it is bound
 
 Between pings the probe waits on an event that :meth:`Breaker.close` sets: a probe waiting ends at
 once and close() joins it (it slept out its cool-down, up to ``COOLDOWN_MAX``, after the tier had
-closed); a probe pinging ends when its ping returns, within the deadline, unwaited for."""
+closed); a probe pinging ends when its ping returns, within the deadline, unwaited for.
+
+A failure whose probe thread cannot be started (``can't start new thread``: a process at its
+thread limit, or at interpreter exit) leaves the breaker closed, and the call raises its own
+typed error: open, nothing would ever have closed it (every call failed at once for good), and
+the RuntimeError escaped the medium's call untyped."""
 
 from __future__ import annotations
 
@@ -50,19 +55,25 @@ class Breaker:
         return max(self._retry_at - time.monotonic(), 0.0)
 
     def trip(self, exc: BaseException) -> None:
-        """A call failed: open (or keep open) and make sure one background probe runs."""
+        """A call failed: open (or keep open) and make sure one background probe runs (when
+        none can be started, leave it closed: see the module docstring)."""
+        refused: RuntimeError | None = None
         with self._lock:
             self.failures += 1
             first = self.failures == 1
             if first:
                 self._retry_at = time.monotonic() + COOLDOWN_MIN
             if self._prober is None and not self._closed:  # (started here: close() joins no unstarted thread)
-                self._prober = threading.Thread(target=self._probe, name="tiered-kv-redis-probe", daemon=True)
+                prober = threading.Thread(target=self._probe, name="tiered-kv-redis-probe", daemon=True)
                 try:
-                    self._prober.start()
-                except BaseException:  # (no thread: the next failed call tries again)
-                    self._prober = None
-                    raise
+                    prober.start()  # (it takes the lock before it touches _prober)
+                    self._prober = prober
+                except RuntimeError as exc_start:  # "can't start new thread": no probe would ever close it
+                    refused, self.failures = exc_start, self.failures - 1  # the next call asks the server
+        if refused is not None:
+            log.warning("redis at %s unavailable: %s; its breaker stays closed: no probe thread could be "
+                        "started (%s)", self.where, said(exc), refused)
+            return
         log.log(logging.WARNING if first else logging.DEBUG, "redis at %s unavailable: %s", self.where, said(exc))
 
     def close(self) -> None:

@@ -9,7 +9,8 @@ tier's circuit breaker (:mod:`storage_backends.redis_breaker`).
   ``WRONGPASS``, ``NOAUTH``; redis-py's AuthenticationError, which a cluster's first topology
   read raises wrapped in a RedisClusterException): :class:`CredentialsRefused`, a
   BackendUnavailable (an engine counts the tier down) that tools report as configuration; the
-  breaker opens, as for any server not to be talked to.
+  breaker opens, as for any server not to be talked to. A URL that gives no user or password is
+  told to give one (it was told that the one in it was wrong).
 - Anything else (refused, dropped or timed-out connections, a cluster down, a server speaking
   no Redis protocol): :class:`BackendUnavailable`, the breaker open.
 
@@ -28,6 +29,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from storage_backends.redaction import MASK
 from storage_backends.redis_pool import ConnectionsBusy
 from tiered_kv.errors import BackendError, BackendUnavailable, CredentialsRefused
 
@@ -45,9 +47,17 @@ def our_error(exc: BaseException, url: str) -> tuple[BackendError, bool]:
         return BackendUnavailable(f"{at}: {exc}"), False
     refusal = refused_credentials(exc)
     if refusal is not None:
-        return CredentialsRefused(f"authentication failed for the tier at {url} (a wrong user or "
-                                  f"password in its URL): {refusal}"), True
+        return CredentialsRefused(f"authentication failed for the tier at {url} ({_fix(url)}): {refusal}"), True
     return BackendUnavailable(f"{at} unavailable: {exc}"), True
+
+
+def _fix(url: str) -> str:
+    """What to look at in ``url`` (redacted) when its credentials were refused: a URL with none
+    was told that a user or password in it was wrong (and the server's answer to one without
+    spoke of HELLO AUTH)."""
+    if "@" in url or MASK in url:  # (a user or password, or a password=... query value)
+        return "a wrong user or password in its URL"
+    return "the server asks for a password and its URL gives none: [USER]:PASSWORD@ before its host"
 
 
 def refused_credentials(exc: BaseException | None) -> AuthenticationError | None:

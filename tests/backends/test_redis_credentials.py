@@ -56,6 +56,22 @@ def test_regression_a_redis_refusing_the_urls_password_raised_a_plain_backend_un
         b.close()
 
 
+def test_regression_a_url_without_a_password_was_told_the_password_in_it_was_wrong(locked):
+    # and the server's answer to it spoke of "HELLO AUTH <user> <pass>": nothing said to give one
+    none = open_backend(url_with(locked.port, ""), retries=0)
+    wrong = open_backend(url_with(locked.port, f":{WRONG}@"), retries=0)
+    try:
+        with pytest.raises(CredentialsRefused) as without:
+            none.get_many([b"k"])
+        with pytest.raises(CredentialsRefused) as mistaken:
+            wrong.get_many([b"k"])
+    finally:
+        none.close()
+        wrong.close()
+    assert "its URL gives none" in str(without.value) and "a wrong user" not in str(without.value), without.value
+    assert "a wrong user or password in its URL" in str(mistaken.value), mistaken.value
+
+
 def test_regression_the_engines_log_said_a_refused_password_without_the_servers_answer(locked, caplog):
     # the breaker logged redis-py 8's repr, "auth:AuthenticationError": no word of what Redis said
     caplog.set_level(logging.WARNING, logger="storage_backends.redis_breaker")
