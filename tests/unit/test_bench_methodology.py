@@ -122,3 +122,14 @@ def test_a_warm_restart_that_did_not_restore_from_a_cold_disk_does_not_pass_the_
     monkeypatch.setattr(parent, "run_child", healthy)
     [row], _ = parent.ttft_section(args, 8192, str(tmp_path))
     assert row["problems"] == [] and row["pass"] is True
+
+
+def test_regression_the_e2e_figure_of_a_cpu_engine_was_its_layer_wise_restore_which_auto_never_picks_there(bench):
+    """``warm_restart`` (and the TTFT ratio) reported the layer-wise loads as the default
+    configuration's, while ``layerwise_loads = "auto"`` loads whole blocks on a CPU engine (here
+    layer-wise ran 1.3-1.6x slower). Without CUDA the default's mode is whole."""
+    import torch
+
+    expected = "layerwise" if torch.cuda.is_available() else "whole"
+    assert bench.e2e_parent._default_mode(["whole", "layerwise"]) == expected
+    assert bench.e2e_parent._default_mode(["layerwise"]) == "layerwise"  # (only what was measured)

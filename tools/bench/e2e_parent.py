@@ -38,6 +38,18 @@ def run_child(role: str, spec: dict) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _default_mode(modes: list[str]) -> str:
+    """The load mode of the default configuration (``layerwise_loads = "auto"``) on the engine's
+    device, when it was measured (else the last mode asked for): whole on a CPU engine. (It was
+    always layer-wise, which "auto" never picks on a CPU engine.)"""
+    import torch
+
+    from tiered_kv.config import layerwise_on
+
+    mode = "layerwise" if layerwise_on("auto", "cuda" if torch.cuda.is_available() else "cpu") else "whole"
+    return mode if mode in modes else modes[-1]
+
+
 def _summ(runs: list[dict]) -> dict:
     """Median TTFT and the figures of the median run (every run's TTFT listed)."""
     ttfts = [r["ttft_s"] for r in runs]
@@ -82,7 +94,7 @@ def ttft_section(args, max_position: int, scratch: str) -> tuple[list[dict], dic
                     by_mode[variant, mode].append(run_child("serve", {
                         **base, "variant": cache, "extra_tokens": int(more or 0), "dir": store,
                         "layerwise": mode == "layerwise"}))
-            main_mode = args.load_modes[-1]  # the default configuration's (layerwise) when measured
+            main_mode = _default_mode(args.load_modes)
             runs = {v: by_mode[v, main_mode] for v in variants}
             log(f"{length} tokens: " + ", ".join(f"{v}/{m} {[r['ttft_s'] for r in rs]} s"
                                                  for (v, m), rs in by_mode.items()), "bench_e2e")
