@@ -202,7 +202,11 @@ class FileBackend(Backend):
                    stored: list[bool]) -> list[int]:
         """Write the values of ``items`` at ``todo``, those stored marked in ``stored``; the
         ones the full file system refused."""
-        if not todo or (tenant and self._format < FORMAT and not self._upgrade()):
+        refused = self._upgrade() if todo and tenant and self._format < FORMAT else None
+        if refused == OVER_QUOTA:  # (evicting frees none of a quota: refused, as the values would be)
+            self._count(put_over_quota=len(todo))
+            return []
+        if not todo or refused == FULL:
             return todo
         outcomes = self._run(LoopCalls.each([(*items[i], tenant) for i in todo], self._write))
         for i, outcome in zip(todo, outcomes):
@@ -217,18 +221,19 @@ class FileBackend(Backend):
             self._count(evictions=evicted, quota_evictions=quota_evicted)
             self._tell("removed", gone)
 
-    def _upgrade(self) -> bool:
-        """The marker says FORMAT before the first tenant file is written; False when the file
-        system is full (the tenant's values are refused)."""
+    def _upgrade(self) -> str | None:
+        """The marker says FORMAT before the first tenant file is written; FULL or OVER_QUOTA when
+        the file system refused it (the tenant's values are refused: EDQUOT failed their batch)."""
         try:
             upgrade_marker(self.path)
         except OSError as exc:
-            if refusal_of(exc) == FULL:
-                return False
+            refusal = refusal_of(exc, self.path / MARKER)
+            if refusal in (FULL, OVER_QUOTA):
+                return refusal
             self._count(errors=1)
             raise BackendUnavailable(f"file store at {self.path}: {exc}") from exc
         self._format = FORMAT
-        return True
+        return None
 
     async def _write(self, item: tuple[bytes, bytes, bytes]) -> str:
         """Write one value: STORED, or why it was refused (:mod:`storage_backends.file_outcomes`)."""

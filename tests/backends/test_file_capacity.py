@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import threading
 
 import pytest
 
-from storage_backends import file_dir
+from storage_backends import file_dir, file_layout
 from storage_backends.file_dir import FileBackend
+from storage_backends.file_layout import MARKER
 from tiered_kv.errors import BackendClosed, BackendUnavailable
 
 SIZE = 1000
@@ -163,3 +165,29 @@ def test_regression_a_spent_disk_quota_evicted_the_stores_values_for_nothing(tmp
     assert backend.contains_many([key(b"q", i) for i in range(4)]) == [True] * 4
     assert not list((tmp_path / "files").rglob("*.tmp"))
     backend.close()
+
+
+def test_regression_a_spent_disk_quota_as_the_marker_said_format_2_failed_a_tenants_whole_batch(tmp_path, monkeypatch):
+    # A store of format 1 writes format 2 into its marker before a tenant's first value. EDQUOT
+    # there (no full disk since a spent quota is its own refusal) was no refusal at all: the batch
+    # failed with BackendUnavailable, counted an error. The tenant's values are refused (counted
+    # put_over_quota), nothing is evicted, and the marker is written once the quota allows.
+    root = tmp_path / "files"
+    FileBackend(root).close()
+    (root / MARKER).write_text(json.dumps({"format": 1}))
+    with FileBackend(root, capacity=64 * SIZE) as backend:
+        assert backend.put_many([(key(b"s", i), b"s" * SIZE) for i in range(4)]) == [True] * 4  # (no tenant)
+
+        def over_quota(path, data):
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+
+        monkeypatch.setattr(file_layout, "write_synced", over_quota)
+        tenants = [(key(b"t", i), b"t" * SIZE) for i in range(2)]
+        assert backend.put_many(tenants, tenant=b"t") == [False, False]
+        stats = backend.stats()
+        assert stats.errors == 0 and stats.evictions == 0
+        assert stats.extra["put_over_quota"] == 2 and stats.extra["put_disk_full"] == 0
+        monkeypatch.undo()
+        assert backend.put_many(tenants, tenant=b"t") == [True, True]
+        assert json.loads((root / MARKER).read_text()) == {"format": 2}
+        assert backend.contains_many([key(b"s", i) for i in range(4)]) == [True] * 4

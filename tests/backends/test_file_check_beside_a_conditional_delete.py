@@ -7,7 +7,11 @@ under tmp_path; the interleaving is made by running check at the delete's read o
 from __future__ import annotations
 
 import os
+import tempfile
 import time
+from pathlib import Path
+
+import pytest
 
 from storage_backends import cas_file, file_entries
 from storage_backends.cas_file import delete_if_unchanged
@@ -56,3 +60,39 @@ def test_regression_a_changed_value_whose_link_back_the_file_system_refused_was_
         monkeypatch.undo()
         assert b.get_many([KEY]) == [b"newer value"]
         assert not [p for p in root.rglob("*") if p.name.endswith(".tmp")]
+
+
+def _protected_hardlinks() -> bool:
+    try:
+        with open("/proc/sys/fs/protected_hardlinks") as fh:
+            return fh.read().strip() == "1"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not _protected_hardlinks(),
+                    reason="needs root (to act as two users) and fs.protected_hardlinks = 1")
+def test_regression_a_conditional_delete_of_another_users_unreadable_value_lost_it_where_hard_links_are_protected():
+    # The everyday refusal of the link back, on real files: with fs.protected_hardlinks = 1 (the
+    # default of most distributions) no user may link a file of another user it cannot read. A
+    # conditional delete of such a value (a umask of 077, a directory several users share)
+    # renamed it to its tombstone, could not judge it, and its link back was refused (EPERM):
+    # the tombstone was unlinked, the value lost, and the batch failed with BackendUnavailable.
+    with tempfile.TemporaryDirectory(dir="/tmp") as shared:
+        os.chmod(shared, 0o755)  # (the other user passes through it)
+        root = Path(shared) / "files"
+        with FileBackend(root) as b:
+            b.put_many([(KEY, b"theirs")])
+            theirs = file_of(root, KEY)
+            os.chmod(theirs.parent, 0o777)  # (a bucket every user writes in)
+            os.chown(theirs, 1000, 1000)
+            os.chmod(theirs, 0o600)  # (written under a umask of 077)
+            os.seteuid(1001)  # (every thread of this process: the medium's act as this user)
+            try:
+                said = delete_if_unchanged(b, [(KEY, b"what another user saw")])
+            finally:
+                os.seteuid(0)
+            assert said == [False]
+            assert theirs.read_bytes() == b"theirs" and theirs.stat().st_uid == 1000
+            assert [p.name for p in theirs.parent.iterdir()] == [theirs.name], "no tombstone left"
+            assert b.counters().errors == 0
