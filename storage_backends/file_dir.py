@@ -179,40 +179,38 @@ class FileBackend(Backend):
 
     def _put_admitted(self, items: list[tuple[bytes, bytes]], sizes: list[int], admitted: list[bool],
                       tenant: bytes) -> list[bool]:
-        """Write the values ``admitted``; which were stored. Those a full file system refused are
-        written once more after the first values to go made room for them (a bounded store's:
-        an unbounded one evicts nothing), as a full capacity would have; the room is their bytes
-        (and files where inodes ran out: :func:`~storage_backends.file_outcomes.room_for`)."""
+        """Write the values ``admitted``; which were stored. Those a full file system or a spent
+        quota refused are written once more after the first values to go made room for them (a
+        bounded store's: an unbounded one evicts nothing), as a full capacity would have; the
+        room is their bytes (and files where inodes ran out: ``outcomes.room_for``). For a quota
+        only this user's values go (another user's would free none of it)."""
         stored = [False] * len(items)
-        full = self._write_all(items, [i for i, f in enumerate(admitted) if f], tenant, stored)
-        if not full:
-            return stored
-        room = outcomes.room_for(self.path, [sizes[i] for i in full]) if self._room is not None else None
-        victims = self._room.make_room(room.nbytes, room.files) if room and room.nbytes else []
-        if victims:  # (a value larger than the whole disk is not written again)
-            self._evict(victims, len(victims))
-            again = self._write_all(items, [i for i, f in zip(full, room.fits) if f], tenant, stored)
-            full = [i for i, f in zip(full, room.fits) if not f] + again
-        if full:
-            self._count(put_disk_full=len(full))
-            outcomes.say_full(self.path, len(full), len(victims), self._room is not None)
+        refused = self._write_all(items, [i for i, f in enumerate(admitted) if f], tenant, stored)
+        for why, todo in refused.items():
+            room = outcomes.room_for(self.path, [sizes[i] for i in todo]) if self._room is not None else None
+            mine = (lambda k: file_entries.owner_of(self._file(k)) == os.geteuid()) if why == OVER_QUOTA else None
+            victims = self._room.make_room(room.nbytes, room.files, mine) if room and room.nbytes else []
+            if victims:  # (a value larger than the whole disk is not written again)
+                self._evict(victims, len(victims))
+                again = self._write_all(items, [i for i, f in zip(todo, room.fits) if f], tenant, stored)
+                todo = [i for i, f in zip(todo, room.fits) if not f] + again.get(FULL, []) + again.get(OVER_QUOTA, [])
+            if todo:
+                self._count(**{"put_disk_full" if why == FULL else "put_over_quota": len(todo)})
+                outcomes.say_full(self.path, len(todo), len(victims), self._room is not None, why)
         return stored
 
     def _write_all(self, items: list[tuple[bytes, bytes]], todo: list[int], tenant: bytes,
-                   stored: list[bool]) -> list[int]:
-        """Write the values of ``items`` at ``todo``, those stored marked in ``stored``; the
-        ones the full file system refused."""
+                   stored: list[bool]) -> dict[str, list[int]]:
+        """Write the values of ``items`` at ``todo``, those stored marked in ``stored``; those
+        refused for room, by why (FULL, OVER_QUOTA)."""
         refused = self._upgrade() if todo and tenant and self._format < FORMAT else None
-        if refused == OVER_QUOTA:  # (evicting frees none of a quota: refused, as the values would be)
-            self._count(put_over_quota=len(todo))
-            return []
-        if not todo or refused == FULL:
-            return todo
-        outcomes = self._run(LoopCalls.each([(*items[i], tenant) for i in todo], self._write))
-        for i, outcome in zip(todo, outcomes):
+        if not todo or refused is not None:
+            return {refused: todo} if todo else {}
+        results = self._run(LoopCalls.each([(*items[i], tenant) for i in todo], self._write))
+        for i, outcome in zip(todo, results):
             stored[i] = outcome == STORED
-        self._count(put_not_a_file=outcomes.count(NOT_A_FILE), put_over_quota=outcomes.count(OVER_QUOTA))
-        return [i for i, outcome in zip(todo, outcomes) if outcome == FULL]
+        self._count(put_not_a_file=results.count(NOT_A_FILE))
+        return {why: [i for i, o in zip(todo, results) if o == why] for why in (FULL, OVER_QUOTA) if why in results}
 
     def _evict(self, gone: list[bytes], evicted: int, quota_evicted: int = 0) -> None:
         """Remove ``gone``, of which ``evicted`` are evictions (``quota_evicted`` for quotas)."""

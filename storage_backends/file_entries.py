@@ -290,3 +290,11 @@ def put_back(tomb: Path, name: Path) -> None:
         os.rename(tomb, name)  # (a value published in between is replaced: both hold the key's bytes)
         return
     os.unlink(tomb)
+
+
+def owner_of(path: Path) -> int | None:
+    """The user id owning ``path`` (a link: the link's), None when it cannot be told."""
+    try:
+        return os.lstat(path).st_uid
+    except OSError:
+        return None

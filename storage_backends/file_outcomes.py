@@ -7,9 +7,9 @@
 - ``FULL``: the file system is full (ENOSPC), which used to fail the whole batch even below the
   tier's capacity. The medium makes room and writes such values once more
   (:mod:`storage_backends.file_dir`); a value the full disk refuses again is a miss;
-- ``OVER_QUOTA``: this user's (group's, project's) disk quota is spent (EDQUOT): a miss, and
-  nothing is evicted for it (in a directory several users share, removing another user's values
-  would free none of this one's quota).
+- ``OVER_QUOTA``: this user's (group's, project's) disk quota is spent (EDQUOT): as for a full
+  disk, but only this user's values are evicted for it (in a directory several users share,
+  removing another user's values would free none of this one's quota).
 
 A refused value is never half visible: it is written under a temporary name, removed again."""
 
@@ -41,9 +41,6 @@ def refusal_of(exc: OSError, path: Path | None = None) -> str | None:
     if refusal == NOT_A_FILE:
         _not_files.warning("file store: %s is no regular file (a directory?): a value of its key is "
                            "refused (a miss) until it is removed", exc.filename2 or path)
-    elif refusal == OVER_QUOTA:
-        _over_quota.warning("file store: the disk quota of this user is spent writing %s: values are "
-                            "refused (misses; nothing is evicted for a quota)", path)
     return refusal
 
 
@@ -72,9 +69,12 @@ def room_for(root: Path, sizes: Sequence[int]) -> Room:
     return Room(fits, sum(max(n, 1) for n, f in zip(sizes, fits) if f), count if short else 0)
 
 
-def say_full(root: Path, refused: int, evicted: int, bounded: bool) -> None:
-    """``refused`` values the full file system took no room for, after ``evicted`` values went
-    to make room (none when the store is not ``bounded``: it evicts nothing)."""
+def say_full(root: Path, refused: int, evicted: int, bounded: bool, kind: str = FULL) -> None:
+    """``refused`` values the full file system (``kind`` FULL) or the spent quota (OVER_QUOTA)
+    took no room for, after ``evicted`` values went to make room (none when the store is not
+    ``bounded``: it evicts nothing)."""
     why = (f"{evicted} values evicted first" if evicted else "nothing left to evict") if bounded \
         else "no capacity set: nothing is evicted"
-    _full.warning("file store at %s: the file system is full: %d values refused (%s)", root, refused, why)
+    what = "the file system is full" if kind == FULL else "this user's disk quota is spent"
+    (_full if kind == FULL else _over_quota).warning("file store at %s: %s: %d values refused (%s)",
+                                                     root, what, refused, why)

@@ -94,16 +94,19 @@ class FileRoom:
             for key in keys if self._index is not None else ():
                 self._index.remove(key)
 
-    def make_room(self, nbytes: int, count: int) -> list[bytes]:
-        """The file system filled before the capacity was reached: the first values to go (the
-        policy's order; pinned ones and those being written stay) that hold ``nbytes`` in
-        ``count`` files at least, or all there are, out of the view (the caller removes them)."""
+    def make_room(self, nbytes: int, count: int, may_go: Callable[[bytes], bool] | None = None) -> list[bytes]:
+        """The file system filled (or a quota was spent) before the capacity was reached: the
+        first values to go (the policy's order; pinned ones, those being written and those
+        ``may_go`` refuses stay) that hold ``nbytes`` in ``count`` files at least, or all there
+        are, out of the view (the caller removes them)."""
         index = self._current()
         with self._lock:
             victims, freed = [], 0
             for key, size in self.eviction.policy.candidates(index):
                 if freed >= nbytes and len(victims) >= count:
                     break
+                if may_go is not None and not may_go(key):
+                    continue
                 victims.append(key)
                 freed += size
             for key in victims:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import asyncio
 import errno
 import json
+import os
 import threading
 
 import pytest
 
 from storage_backends import file_dir, file_layout
 from storage_backends.file_dir import FileBackend
-from storage_backends.file_layout import MARKER
+from storage_backends.file_layout import MARKER, file_of
 from tiered_kv.errors import BackendClosed, BackendUnavailable
 
 SIZE = 1000
@@ -146,13 +147,17 @@ def test_a_close_that_cannot_wait_longer_gives_running_calls_backend_closed(tmp_
     assert not writer.is_alive() and isinstance(answers["put"], BackendClosed)
 
 
-def test_regression_a_spent_disk_quota_evicted_the_stores_values_for_nothing(tmp_path, monkeypatch):
-    # EDQUOT was taken for a full disk: least recently used values went (in a directory several
-    # users share, other users' values, which free none of this user's quota) and the put failed
-    # again. A spent quota is a counted miss and evicts nothing. (Quotas cannot be set up here:
-    # the write's error is injected; a full disk's eviction is pinned on a real tmpfs.)
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user needs root")
+def test_regression_a_spent_disk_quota_evicted_other_users_values_for_nothing(tmp_path, monkeypatch):
+    # EDQUOT was taken for a full disk: least recently used values went, in a directory several
+    # users share other users' values too, which free none of this user's quota, and the put
+    # failed again. Only this user's values go for a quota. (Quotas cannot be set up here: the
+    # write's error is injected; the files are really another user's.)
     backend = FileBackend(tmp_path / "files", capacity=64 * SIZE)
-    assert backend.put_many([(key(b"q", i), b"q" * SIZE) for i in range(4)]) == [True] * 4
+    theirs = [key(b"q", i) for i in range(4)]
+    assert backend.put_many([(k, b"q" * SIZE) for k in theirs]) == [True] * 4
+    for k in theirs:
+        os.chown(file_of(tmp_path / "files", k), 65534, 65534, follow_symlinks=False)
 
     async def over_quota(tmp, path, tenant):
         raise OSError(errno.EDQUOT, "Disk quota exceeded")
@@ -162,8 +167,33 @@ def test_regression_a_spent_disk_quota_evicted_the_stores_values_for_nothing(tmp
     monkeypatch.undo()
     stats = backend.stats()
     assert stats.evictions == 0 and stats.extra["put_over_quota"] == 2 and stats.extra["put_disk_full"] == 0
-    assert backend.contains_many([key(b"q", i) for i in range(4)]) == [True] * 4
+    assert backend.contains_many(theirs) == [True] * 4
     assert not list((tmp_path / "files").rglob("*.tmp"))
+    backend.close()
+
+
+def test_a_spent_quota_evicts_this_users_least_recently_used_values_and_writes_again(tmp_path, monkeypatch):
+    # A store whose capacity is above its user's quota (one service account) keeps taking new
+    # values: its own least recently used values go, as for a full disk.
+    backend = FileBackend(tmp_path / "files", capacity=64 * SIZE)
+    old = [key(b"o", i) for i in range(4)]
+    assert backend.put_many([(k, b"o" * SIZE) for k in old]) == [True] * 4
+    publish, refused = file_dir._publish, set()
+
+    async def over_quota_once(tmp, path, tenant):
+        if path not in refused:  # (the quota has room again once values went)
+            refused.add(path)
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        return await publish(tmp, path, tenant)
+
+    monkeypatch.setattr(file_dir, "_publish", over_quota_once)
+    new = [(key(b"n", i), b"n" * SIZE) for i in range(2)]
+    assert backend.put_many(new) == [True, True]
+    monkeypatch.undo()
+    stats = backend.stats()
+    assert stats.evictions == 2 and stats.extra["put_over_quota"] == 0
+    assert backend.contains_many(old) == [False, False, True, True]  # (the least recently used went)
+    assert backend.get_many([k for k, _ in new]) == [v for _, v in new]
     backend.close()
 
 
@@ -171,7 +201,8 @@ def test_regression_a_spent_disk_quota_as_the_marker_said_format_2_failed_a_tena
     # A store of format 1 writes format 2 into its marker before a tenant's first value. EDQUOT
     # there (no full disk since a spent quota is its own refusal) was no refusal at all: the batch
     # failed with BackendUnavailable, counted an error. The tenant's values are refused (counted
-    # put_over_quota), nothing is evicted, and the marker is written once the quota allows.
+    # put_over_quota) after this user's values made room in vain, and the marker is written once
+    # the quota allows.
     root = tmp_path / "files"
     FileBackend(root).close()
     (root / MARKER).write_text(json.dumps({"format": 1}))
@@ -185,9 +216,8 @@ def test_regression_a_spent_disk_quota_as_the_marker_said_format_2_failed_a_tena
         tenants = [(key(b"t", i), b"t" * SIZE) for i in range(2)]
         assert backend.put_many(tenants, tenant=b"t") == [False, False]
         stats = backend.stats()
-        assert stats.errors == 0 and stats.evictions == 0
+        assert stats.errors == 0
         assert stats.extra["put_over_quota"] == 2 and stats.extra["put_disk_full"] == 0
         monkeypatch.undo()
         assert backend.put_many(tenants, tenant=b"t") == [True, True]
         assert json.loads((root / MARKER).read_text()) == {"format": 2}
-        assert backend.contains_many([key(b"s", i) for i in range(4)]) == [True] * 4
