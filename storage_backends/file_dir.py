@@ -71,7 +71,7 @@ class FileBackend(Backend):
         settings = file_settings(**options)
         self.capacity, self.quotas, self.sync, self.touch = settings.capacity, settings.quotas, settings.sync, settings.touch
         self.tenant_quota = self.quotas.default
-        self._format = open_store(self.path, settings.create)
+        self._format = open_store(self.path, settings.create, repair=settings.touch)  # (a tool's read-only open: no)
         self._lock = threading.Lock()
         self._pins: Counter = Counter()
         bounded = self.capacity is not None or self.quotas

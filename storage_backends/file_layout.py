@@ -109,17 +109,19 @@ def key_of(name: str) -> bytes | None:
         return None
 
 
-def open_store(root: Path, create: bool) -> int:
+def open_store(root: Path, create: bool, repair: bool = True) -> int:
     """Check the marker of the store at ``root`` and return its format; with ``create``, make
     an empty store where there is nothing (its marker and the names leading to it durable before
-    this returns). ConfigError for a foreign, unreadable or other-format directory."""
+    this returns); with ``repair``, rewrite an empty or cut marker (a tool's read-only open
+    writes nothing: it opens such a store as it is). ConfigError for a foreign, unreadable or
+    other-format directory."""
     marker = root / MARKER
     if root.exists() and not root.is_dir():
         raise ConfigError(f"{root} is a file, not a store directory")
     if marker.is_file():
         found = _read_marker(marker)
         if found is None:
-            return _repair_marker(root)
+            return _repair_marker(root, repair)
         if found not in READS:
             raise ConfigError(f"file store at {root} has format {found}, this version reads {FORMAT}")
         return found
@@ -128,7 +130,7 @@ def open_store(root: Path, create: bool) -> int:
         raise ConfigError(f"{root} is not a file store (no {MARKER})")
     if root.exists() and any(not is_marker_temp(p.name) for p in root.iterdir()):
         if marker.is_file():  # another process made the store since the look above
-            return open_store(root, False)
+            return open_store(root, False, repair)
         raise ConfigError(f"{root} is not empty and not a file store: refusing to write there")
     try:  # (whole when it appears, and the first of several replicas creating it wins)
         made = not root.exists()
@@ -177,10 +179,15 @@ def _read_marker(marker: Path) -> int | None:
                           f"else point the tier at another directory") from None
 
 
-def _repair_marker(root: Path) -> int:
+def _repair_marker(root: Path, repair: bool) -> int:
     """Rewrite the empty or cut marker of ``root`` (it says FORMAT: every value of format 1 is
     one of format 2), and open the store as FORMAT; a store this process may not write to (a
-    read-only mount) opens as FORMAT, its marker as it was."""
+    read-only mount), or opened without ``repair``, opens as FORMAT, its marker as it was."""
+    if not repair:
+        log.warning("file store at %s: its marker %s is empty or cut short (a crash as it was made): "
+                    "left as it is by this read-only open (an engine's open rewrites it), opened as "
+                    "format %d", root, root / MARKER, FORMAT)
+        return FORMAT
     try:
         _write_marker(root, "repair")
     except OSError as exc:
