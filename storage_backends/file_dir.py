@@ -14,8 +14,9 @@ so readers on any host see the old value or the new one, never a torn one. Reads
 go through aiofiles on one event loop thread per backend (:mod:`storage_backends.file_calls`).
 A value with no room (the capacity, a quota, a full file system) or with something that is no
 regular file under its key's name (a directory) is refused alone, never the batch's error; a
-full file system evicts as the capacity does, then the value is written once more
-(:mod:`storage_backends.file_outcomes`). A value this process may not read is absent.
+full file system evicts as the capacity does (a spent quota: this user's values only), then the
+value is written once more (:mod:`storage_backends.file_outcomes`). A value this process may
+not read is absent.
 
 Options (read in :mod:`storage_backends.file_options`): ``capacity`` (bytes; default none: the
 filesystem decides) evicts least recently used files when a put would go over it;
