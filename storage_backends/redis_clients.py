@@ -5,7 +5,9 @@ a connection's settings are checked as one is made), a cluster's as a factory ca
 
 A single server's refused or dropped connections are retried with the tier's backoff (at most
 ``retries`` more tries); a timeout is not (a server that did not answer in ``timeout`` seconds
-is hung or black-holed: asking again only doubles the wait). A cluster client retries nothing
+is hung or black-holed: asking again only doubles the wait), nor a refused user or password
+(redis-py's AuthenticationError is a ConnectionError: a wrong password was sent ``retries`` more
+times a call, with backoff, and some managed Redis lock a client out after a few). A cluster client retries nothing
 itself (redis-py's retries a timeout whatever its retry object says): GETs, TYPEs, SETs and
 UNLINKs go one pipeline per node, retried per node (:mod:`storage_backends.redis_node_pipelines`),
 SCAN and INFO as whole calls (:mod:`storage_backends.redis_admin`). Commands go through our
@@ -21,6 +23,7 @@ import redis
 from redis.backoff import AbstractBackoff, NoBackoff
 from redis.cluster import LoadBalancingStrategy
 from redis.connection import parse_url
+from redis.exceptions import AuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.retry import Retry
 
@@ -29,6 +32,30 @@ from storage_backends.redis_options import check_cluster_options
 from storage_backends.redis_packer import PACKER, PackedConnection
 from storage_backends.redis_pool import READ_SIZE, WaitingPool, single_client
 from tiered_kv.errors import ConfigError
+
+
+class _Refused(Exception):
+    """Carries a refused user or password past the retry loop (no error it retries)."""
+
+    def __init__(self, error: AuthenticationError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class CredentialsNotRetried(Retry):
+    """redis-py's retry of refused and dropped connections, less a refused user or password."""
+
+    def call_with_retry(self, do, fail, *args, **kwargs):
+        def once():
+            try:
+                return do()
+            except AuthenticationError as exc:
+                raise _Refused(exc) from None
+
+        try:
+            return super().call_with_retry(once, fail, *args, **kwargs)
+        except _Refused as refused:
+            raise refused.error from None
 
 
 def takes_gathered(target: str, cluster: bool) -> bool:
@@ -42,7 +69,7 @@ def make_client(url: str, target: str, *, cluster: bool, timeout: float, retries
     """(the single server's client, None), or (None, the factory of the cluster's) for
     ``target`` (redis-py's URL; ``url``: the tier's, named redacted in errors). A URL or option
     redis-py refuses is a ConfigError."""
-    retry = Retry(backoff, retries, supported_errors=(RedisConnectionError, ConnectionError))
+    retry = CredentialsNotRetried(backoff, retries, supported_errors=(RedisConnectionError, ConnectionError))
     common: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=timeout, socket_read_size=READ_SIZE,
                                   retry=retry, max_connections=max_connections)
     try:

@@ -146,3 +146,19 @@ def test_a_cluster_refusing_the_urls_password_is_credentials_refused_too(one_nod
     finally:
         right.close()
         wrong.close()
+
+
+def test_regression_a_refused_password_was_sent_again_retries_times_a_call(locked):
+    # redis-py's AuthenticationError is a ConnectionError, so the tier's retry of refused
+    # connections sent the wrong password `retries` more times a call (with backoff); some
+    # managed Redis lock a client out after a few failed attempts. One connection a call now.
+    admin = redis.Redis(port=locked.port, password=PASSWORD)
+    before = admin.info("stats")["total_connections_received"]
+    b = open_backend(url_with(locked.port, f":{WRONG}@"), retries=3)
+    try:
+        with pytest.raises(CredentialsRefused):
+            b.get_many([b"k"])
+    finally:
+        b.close()
+    assert admin.info("stats")["total_connections_received"] - before == 1
+    admin.close()
