@@ -32,6 +32,16 @@ def locked(own_redis):
     return own_redis
 
 
+def get_refused(port: int, retries: int) -> None:
+    """One get through a tier whose URL has the wrong password: CredentialsRefused."""
+    b = open_backend(url_with(port, f":{WRONG}@"), retries=retries)
+    try:
+        with pytest.raises(CredentialsRefused):
+            b.get_many([b"k"])
+    finally:
+        b.close()
+
+
 def url_with(port: int, userinfo: str, scheme: str = "redis") -> str:
     return f"{scheme}://{userinfo}127.0.0.1:{port}/0"
 
@@ -75,12 +85,7 @@ def test_regression_a_url_without_a_password_was_told_the_password_in_it_was_wro
 def test_regression_the_engines_log_said_a_refused_password_without_the_servers_answer(locked, caplog):
     # the breaker logged redis-py 8's repr, "auth:AuthenticationError": no word of what Redis said
     caplog.set_level(logging.WARNING, logger="storage_backends.redis_breaker")
-    b = open_backend(url_with(locked.port, f":{WRONG}@"), retries=0)
-    try:
-        with pytest.raises(CredentialsRefused):
-            b.get_many([b"k"])
-    finally:
-        b.close()
+    get_refused(locked.port, retries=0)
     [said] = [r.getMessage() for r in caplog.records if r.name == "storage_backends.redis_breaker"]
     assert "AuthenticationError: invalid username-password pair" in said and WRONG not in said, said
 
@@ -154,11 +159,6 @@ def test_regression_a_refused_password_was_sent_again_retries_times_a_call(locke
     # managed Redis lock a client out after a few failed attempts. One connection a call now.
     admin = redis.Redis(port=locked.port, password=PASSWORD)
     before = admin.info("stats")["total_connections_received"]
-    b = open_backend(url_with(locked.port, f":{WRONG}@"), retries=3)
-    try:
-        with pytest.raises(CredentialsRefused):
-            b.get_many([b"k"])
-    finally:
-        b.close()
+    get_refused(locked.port, retries=3)
     assert admin.info("stats")["total_connections_received"] - before == 1
     admin.close()
