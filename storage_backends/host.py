@@ -150,21 +150,24 @@ class HostBackend(Backend):
     def pin_many(self, keys: Sequence[bytes], tenant: bytes | None = None) -> list[int | None]:  # type: ignore[override]
         """Lease committed entries (then kept); their slots, or None (with ``tenant``: for another tenant's)."""
         out: list[int | None] = []
+        get, leased = self._entries.get, 0
         with self._lock:
             for key in keys:
-                entry = self._entries.get(key)
+                entry = get(key)
                 if entry is None or not entry.ready or entry.retired or tenant not in (None, entry.tenant):
                     out.append(None)
                     continue
-                self._leased += entry.lease()
+                leased += entry.lease()
                 out.append(entry.slot)
+            self._leased += leased
             self._recency.touch_many([k for k, s in zip(keys, out) if s is not None])
         return out
 
     def unpin_many(self, keys: Sequence[bytes]) -> None:
+        get = self._entries.get
         with self._lock:
             for key in keys:
-                entry = self._entries.get(key)
+                entry = get(key)
                 if entry is not None and entry.refs > 0:
                     self._leased -= entry.release()
                     if entry.retired and entry.refs == 0:
