@@ -15,6 +15,7 @@ from typing import NoReturn
 
 import lmdb
 
+from storage_backends.lmdb_access_recorder import AccessRecorder
 from storage_backends.lmdb_accesses import AccessBuffer
 from storage_backends.lmdb_diskfull import commit
 from storage_backends.lmdb_entries import apply_accesses
@@ -56,6 +57,7 @@ class LmdbEnvironment:
         self._in_order = threading.Lock()  # taken inside a write txn, released once its changes are told
         self.gate = RemapGate()
         self.accesses = AccessBuffer(record_access)
+        self.recorder = AccessRecorder(self.apply_pending, path)  # applies them past MAX_TOUCHES
         self._failures = LogThrottle(log)  # failed calls repeat while a disk is full: one a minute
         self.closed = False
         self.unsynced = False  # this process committed since its last sync (a close syncs then)
@@ -295,12 +297,9 @@ class LmdbEnvironment:
 
     # -- buffered read accesses ------------------------------------------------------------
     def touch(self, keys: list[bytes], now: int) -> None:
-        """Buffer a read of ``keys``; applied eagerly once many are pending."""
+        """Buffer a read of ``keys``; once many are pending, the recorder's thread applies them."""
         if self.accesses.add(keys, now) >= MAX_TOUCHES:
-            try:
-                self.apply_pending()
-            except BackendUnavailable:
-                pass  # logged; the read itself went fine and the accesses stay buffered
+            self.recorder.wake()
 
     def apply_pending(self) -> None:
         if not len(self.accesses):
@@ -329,6 +328,8 @@ class LmdbEnvironment:
             return False
         if self.gate.held():
             raise BackendError("lmdb backend closed from inside one of its own visitors")
+        if os.getpid() == self.opener:  # (a fork's child has no recorder thread, and maybe a held lock)
+            self.recorder.close()  # its run in progress holds the gate shared: ended first
         with self.gate.exclusive(None):
             if self.closed:
                 return False
