@@ -48,7 +48,7 @@ from storage_backends.eviction import Eviction
 from storage_backends.eviction_lru import LRU
 from storage_backends.file_calls import LoopCalls
 from storage_backends.file_check import check_dir
-from storage_backends.file_durable import sync_dir
+from storage_backends.file_durable import make_bucket, sync_dir
 from storage_backends.file_entries import Stored, stored_files, target_of
 from storage_backends.file_layout import FORMAT, MARKER, as_key, file_of, open_store, temp_of, upgrade_marker
 from storage_backends.file_options import file_settings, url_options
@@ -251,7 +251,7 @@ class FileBackend(Backend):
         """``value`` written under a temporary name, then renamed to be ``path``'s; the
         temporary file removed again on any failure."""
         if path.parent.name not in self._made:
-            await aiofiles.os.makedirs(path.parent, exist_ok=True)
+            await _make_bucket(path.parent)
             if self.sync:  # (the bucket's name in the store's directory)
                 await _sync_dir(self.path)
             self._made.add(path.parent.name)
@@ -346,3 +346,4 @@ _remove = aiofiles.os.wrap(file_entries.remove)
 _publish = aiofiles.os.wrap(file_entries.publish)
 _fsync = aiofiles.os.wrap(os.fsync)
 _sync_dir = aiofiles.os.wrap(sync_dir)
+_make_bucket = aiofiles.os.wrap(make_bucket)

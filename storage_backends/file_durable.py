@@ -1,13 +1,24 @@
-"""Making the file medium's names and small files durable: an fsync of a directory (the names
-renamed or linked in it survive a crash after it) and a small file written whole and fsync'd
-before it is given its name (the store's marker: a crash right after a store was made used to
-leave an empty marker, and the directory could no longer be opened)."""
+"""Making the file medium's directories, names and small files durable: a bucket directory made
+(a file under its name refuses the bucket's keys), an fsync of a directory (the names renamed or
+linked in it survive a crash after it) and a small file written whole and fsync'd before it is
+given its name (the store's marker: a crash right after a store was made used to leave an empty
+marker, and the directory could no longer be opened)."""
 
 from __future__ import annotations
 
 import errno
 import os
 from pathlib import Path
+
+
+def make_bucket(path: Path) -> None:
+    """The directory ``path`` (and those above it) made where missing. A file that is no
+    directory under its name: NotADirectoryError (ENOTDIR), which refuses the values of the
+    bucket's keys (:mod:`storage_backends.file_outcomes`; ``makedirs`` says EEXIST)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except FileExistsError:
+        raise NotADirectoryError(errno.ENOTDIR, "a bucket of the store is no directory", str(path)) from None
 
 
 def sync_dir(path: Path) -> None:

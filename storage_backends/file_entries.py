@@ -175,7 +175,7 @@ def remove(path: Path) -> int | None:
     try:
         if not _unlink(path):
             return None
-    except IsADirectoryError:
+    except (IsADirectoryError, NotADirectoryError):  # (the latter: a file holds its bucket's name)
         return None
     if old is not None:
         _unlink(path.parent / old)

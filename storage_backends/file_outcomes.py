@@ -3,7 +3,8 @@
 
 - ``NOT_A_FILE``: something that is no regular file holds the key's name (a directory an
   operator or another program made there): renaming the value over it fails with EISDIR, which
-  used to fail the whole batch;
+  used to fail the whole batch; or a file that is no directory holds its bucket's name
+  (ENOTDIR), which failed every batch holding a key of that bucket (1/256 of all keys);
 - ``FULL``: the file system is full (ENOSPC), which used to fail the whole batch even below the
   tier's capacity. The medium makes room and writes such values once more
   (:mod:`storage_backends.file_dir`); a value the full disk refuses again is a miss;
@@ -27,7 +28,7 @@ from storage_backends.log_throttle import LogThrottle
 log = logging.getLogger(__name__)
 
 STORED, NOT_A_FILE, FULL, OVER_QUOTA = "stored", "not a file", "full", "over quota"
-_REFUSALS = {errno.EISDIR: NOT_A_FILE, errno.ENOSPC: FULL, errno.EDQUOT: OVER_QUOTA}
+_REFUSALS = {errno.EISDIR: NOT_A_FILE, errno.ENOTDIR: NOT_A_FILE, errno.ENOSPC: FULL, errno.EDQUOT: OVER_QUOTA}
 
 _not_files = LogThrottle(log)
 _full = LogThrottle(log)
@@ -38,7 +39,10 @@ def refusal_of(exc: OSError, path: Path | None = None) -> str | None:
     """The refusal of one value that ``exc`` (raised writing it under ``path``) stands for,
     said in the log; None: a failure of the medium (the call's error)."""
     refusal = _REFUSALS.get(exc.errno)
-    if refusal == NOT_A_FILE:
+    if refusal == NOT_A_FILE and exc.errno == errno.ENOTDIR:
+        _not_files.warning("file store: %s is no directory: values of the keys it holds are refused "
+                           "(misses) until it is removed", exc.filename if path is None else path.parent)
+    elif refusal == NOT_A_FILE:
         _not_files.warning("file store: %s is no regular file (a directory?): a value of its key is "
                            "refused (a miss) until it is removed", exc.filename2 or path)
     return refusal

@@ -104,3 +104,33 @@ def test_regression_a_socket_under_a_keys_name_failed_the_whole_batch_of_a_prese
         assert stat.S_ISSOCK(theirs.lstat().st_mode), "left as it was, under its name"
         assert in_bucket(root, key(1)) == [theirs.name]
         assert b.counters().errors == 0
+
+
+def test_regression_a_file_under_a_buckets_name_failed_every_put_and_delete_batch_holding_one_of_its_keys(
+        tmp_path, monkeypatch, caplog):
+    """A plain file where a bucket directory belongs (an operator's, a bad copy's): every key of
+    that bucket is a miss, its values refused (counted, said once) and its deletes find nothing;
+    the rest of each batch goes on. ``makedirs`` raised EEXIST (a fresh process) and opening the
+    temporary file ENOTDIR (the bucket made earlier by this one), each failing the whole batch."""
+    monkeypatch.setattr(file_outcomes, "_not_files", LogThrottle(file_outcomes.log))
+    caplog.set_level(logging.WARNING, logger="storage_backends.file_outcomes")
+    root = tmp_path / "files"
+    bucket = file_of(root, key(1)).parent
+    assert file_of(root, key(2)).parent != bucket
+    with FileBackend(root) as b:
+        b.put_many([(key(1), b"one")])  # the bucket is made, and known to this process
+        for entry in bucket.iterdir():
+            entry.unlink()
+        bucket.rmdir()
+        bucket.write_bytes(b"not a directory")
+        items = [(key(1), b"one"), (key(2), b"two")]
+        assert b.put_many(items) == [False, True]
+        assert b.get_many([key(1), key(2)]) == [None, b"two"]
+        assert b.delete_many([key(1), key(2)]) == 1
+    with FileBackend(root) as fresh:  # a process that has made no bucket yet
+        assert fresh.put_many(items) == [False, True]
+        counted = fresh.counters()
+        assert counted.errors == 0 and counted.extra["put_not_a_file"] == 1
+    assert bucket.read_bytes() == b"not a directory", "the file is left as it was"
+    told = [r.getMessage() for r in caplog.records if "is no directory" in r.getMessage()]
+    assert len(told) == 1 and str(bucket) in told[0]
