@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from storage_backends.base import Visitor
+from storage_backends.gathered import nbytes_of
 from storage_backends.lmdb_environment import LmdbEnvironment
 from storage_backends.lmdb_ranges import SegmentRanges
 from storage_backends.lmdb_segments import Place
@@ -67,7 +68,9 @@ class LmdbReads:
         keys = [as_key(k) for k in keys]
         sizes: list[int | None] = [None] * len(keys)
         with self.db.guard("read"), self.db.txn() as txn:
-            located = [self._locate(txn, key) for key in keys]
+            # (a value at least segment_min long lies in a segment: its place is asked first, one
+            # lookup, where two each released the GIL: two readers handing it back and forth)
+            located = [self._locate(txn, key, self.values.wanted(nbytes_of(out))) for key, out in zip(keys, outs)]
             places = [place for _, place in located]
             ranges = SegmentRanges(located, self.values.files)
             try:
@@ -120,13 +123,19 @@ class LmdbReads:
         self._count(gets=len(keys), hits=len(hits), bytes_out=sum([n for n in sizes if n is not None]))
         return [n is not None for n in sizes]
 
-    def _locate(self, txn, key: bytes) -> tuple[memoryview | bytes | None, Place | None]:
+    def _locate(self, txn, key: bytes, segment_first: bool = False) -> tuple[memoryview | bytes | None, Place | None]:
         """Where ``key``'s value is: ``(LMDB's page, None)``, ``(None, its place in a segment)``,
-        or ``(None, None)`` when absent."""
+        or ``(None, None)`` when absent; with ``segment_first`` the segments' places are asked
+        first (a value of segment size: LMDB's pages hold one only when it was compressed smaller,
+        or written by an older version)."""
         if not fits(key):
             return None, None
+        if segment_first and (place := self.values.place_of(txn, key)) is not None:
+            return None, place
         value = txn.get(key, db=self.db.tables.blocks)
-        return (value, None) if value is not None else (None, self.values.place_of(txn, key))
+        if value is not None or segment_first:
+            return value, None
+        return None, self.values.place_of(txn, key)
 
     def _value(self, txn, key: bytes):
         """``key``'s value: LMDB's page, or from its segment a copy in this thread's buffer;
