@@ -62,7 +62,7 @@ def _delete_one(path: Path, expected: bytes) -> bool:
     tomb = temp_of(path, f"cas{next(_serials)}")
     try:
         os.rename(held, tomb)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (the latter: a file holds its bucket's name)
         return False  # gone, or its tenant changed since the link was read
     try:
         same = not os.path.islink(tomb) and _read(tomb) == expected
@@ -115,5 +115,5 @@ def _read(path: Path) -> bytes | None:
 def _is_directory(path: Path) -> bool:
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (the latter: no bucket, a file in its place)
         return False

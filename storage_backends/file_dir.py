@@ -241,6 +241,7 @@ class FileBackend(Backend):
         try:
             await self._write_value(path, value, tenant)
         except OSError as exc:
+            self._made.discard(path.parent.name)  # (its bucket may be gone, or a file: made again next time)
             outcome = refusal_of(exc, path)
             if outcome is None:
                 raise

@@ -57,7 +57,7 @@ class LmdbEnvironment:
         self._in_order = threading.Lock()  # taken inside a write txn, released once its changes are told
         self.gate = RemapGate()
         self.accesses = AccessBuffer(record_access)
-        self.recorder = AccessRecorder(self.apply_pending, path)  # applies them past MAX_TOUCHES
+        self.recorder = AccessRecorder(self.accesses, self.apply_pending, path)  # applies them past MAX_TOUCHES
         self._failures = LogThrottle(log)  # failed calls repeat while a disk is full: one a minute
         self.closed = False
         self.unsynced = False  # this process committed since its last sync (a close syncs then)
@@ -222,11 +222,11 @@ class LmdbEnvironment:
 
     def _write(self, body: Callable[[Write], object], nbytes: int = 0):
         for _ in range(6):
-            touches = self.accesses.take()
             telling = applied = False
-            held: list[int] = []
+            touches, held = {}, []  # (touches taken holding LMDB's writer: no write misses them meanwhile)
             try:
                 with self.txn(write=True) as txn:
+                    touches = self.accesses.take()
                     w = Write(txn, self.tables)
                     apply_accesses(self.tables, w, touches)
                     applied = True
@@ -301,8 +301,8 @@ class LmdbEnvironment:
         if self.accesses.add(keys, now) >= MAX_TOUCHES:
             self.recorder.wake()
 
-    def apply_pending(self) -> None:
-        if not len(self.accesses):
+    def apply_pending(self) -> None:  # (also waits for the accesses the recorder's run is recording)
+        if not self.recorder.pending():
             return
         try:
             with self.guard("recording accesses"):

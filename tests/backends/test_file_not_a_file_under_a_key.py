@@ -134,3 +134,42 @@ def test_regression_a_file_under_a_buckets_name_failed_every_put_and_delete_batc
     assert bucket.read_bytes() == b"not a directory", "the file is left as it was"
     told = [r.getMessage() for r in caplog.records if "is no directory" in r.getMessage()]
     assert len(told) == 1 and str(bucket) in told[0]
+
+
+def a_file_for_a_bucket(root, k: bytes):
+    """The bucket of ``k`` (its values dropped) replaced by a plain file; the bucket's path."""
+    bucket = file_of(root, k).parent
+    for entry in bucket.iterdir():
+        entry.unlink()
+    bucket.rmdir()
+    bucket.write_bytes(b"not a directory")
+    return bucket
+
+
+def test_regression_puts_of_a_bucket_failed_every_batch_once_the_file_in_its_place_was_removed(tmp_path):
+    """The warning says the bucket's values are refused until the file is removed; in a process
+    that had made the bucket before, every batch holding one of its keys failed with ENOENT after
+    the removal (the bucket was taken as made), until the process restarted."""
+    root = tmp_path / "files"
+    with FileBackend(root) as b:
+        b.put_many([(key(1), b"one")])  # the bucket is made, and known to this process
+        bucket = a_file_for_a_bucket(root, key(1))
+        items = [(key(1), b"one"), (key(2), b"two")]
+        assert b.put_many(items) == [False, True]
+        bucket.unlink()  # the operator removes it, as told
+        assert b.put_many(items) == [True, True]
+        assert b.get_many([key(1), key(2)]) == [b"one", b"two"]
+        assert b.counters().errors == 0
+
+
+def test_regression_a_conditional_delete_failed_its_whole_batch_on_a_file_where_a_bucket_belongs(tmp_path):
+    """delete_if_unchanged found ENOTDIR asking whether a key's name was a directory, and failed
+    its batch (the other keys' deletes undone); a key under such a bucket holds nothing."""
+    root = tmp_path / "files"
+    with FileBackend(root) as b:
+        b.put_many([(key(1), b"one"), (key(2), b"two")])
+        bucket = a_file_for_a_bucket(root, key(1))
+        assert delete_if_unchanged(b, [(key(1), b"one"), (key(2), b"two")]) == [False, True]
+        assert b.get_many([key(2)]) == [None]
+        assert b.counters().errors == 0
+    assert bucket.read_bytes() == b"not a directory"

@@ -4,7 +4,9 @@ files under tmp_path."""
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 
 from storage_backends import lmdb_environment
 from storage_backends.lmdb_disk import LmdbBackend
@@ -79,3 +81,94 @@ def test_a_failed_recording_is_left_for_the_next_write_and_the_recorder_goes_on(
     b.get_many([k(2), k(3)])
     until(lambda: [b.entry_meta(k(i))["hits"] for i in range(4)] == [1, 1, 1, 1], "the second run recorded every read")
     b.close()
+
+
+def watch_write_transactions(b: LmdbBackend, thread_name: str, entered: threading.Event,
+                             go: threading.Event | None = None) -> None:
+    """``entered`` set when the thread named ``thread_name`` asks for a write transaction (only
+    then, with ``go``: it waits for ``go`` before it gets one). Synchronisation only."""
+    real = b._db.txn
+
+    def txn(write: bool = False):
+        if write and threading.current_thread().name == thread_name:
+            entered.set()
+            if go is not None:
+                assert go.wait(60)
+        return real(write=write)
+
+    b._db.txn = txn
+
+
+def test_regression_lru_order_right_after_reads_left_out_those_the_recorder_was_recording(tmp_path, monkeypatch):
+    """While the recorder's run had the buffer (taken, not yet committed: its transaction updates
+    five records a key, then commits), ``lru_order`` (as ``flush`` and ``check``) found no access
+    pending and read the tables without the reads that had returned before it; it now waits for
+    the run's commit."""
+    monkeypatch.setattr(lmdb_environment, "MAX_TOUCHES", 4)
+    b = LmdbBackend(tmp_path / "db", capacity=MiB)
+    b.put_many([(k(i), b"v" * 100) for i in range(8)])
+    took, go, wrote, order = threading.Event(), threading.Event(), threading.Event(), []
+    real_take = b._db.accesses.take
+
+    def take():  # the recorder's run holds what it took until ``go`` (synchronisation only)
+        taken = real_take()
+        if threading.current_thread().name == RECORDER and taken:
+            took.set()
+            assert go.wait(60)
+        return taken
+
+    b._db.accesses.take = take
+    watch_write_transactions(b, "lru-order", wrote)
+    try:
+        b.get_many([k(i) for i in range(4)])  # past the bound: the recorder's run
+        assert took.wait(60)
+        asking = threading.Thread(target=lambda: order.append(b.lru_order()), name="lru-order", daemon=True)
+        asking.start()
+        until(lambda: wrote.is_set() or not asking.is_alive(), "lru_order waited for the run, or returned")
+    finally:
+        go.set()
+    asking.join(70)
+    assert order[0][-4:] == [k(i) for i in range(4)], "the keys read last are the most recently used"
+    b.close()
+
+
+def test_regression_a_put_right_after_reads_evicted_the_keys_read_while_the_recorder_waited_for_the_writer(
+        tmp_path, monkeypatch):
+    """The recorder took the buffer before it got LMDB's writer: a put that got the writer first
+    evicted by an LRU order without the reads that had returned before it (the keys just read
+    went). The buffer is now taken holding the writer: the put records those reads itself."""
+    monkeypatch.setattr(lmdb_environment, "MAX_TOUCHES", 4)
+    b = LmdbBackend(tmp_path / "db", capacity=800)  # eight values of 100 bytes
+    b.put_many([(k(i), b"v" * 100) for i in range(8)])
+    at_writer, go = threading.Event(), threading.Event()
+    watch_write_transactions(b, RECORDER, at_writer, go)  # the recorder gets the writer after the put
+    try:
+        b.get_many([k(i) for i in range(4)])
+        assert at_writer.wait(60)
+        assert b.put_many([(k(8), b"v" * 100)]) == [True]
+    finally:
+        go.set()
+    kept = [v is not None for v in b.get_many([k(i) for i in range(9)])]
+    assert kept == [True] * 4 + [False] + [True] * 4, "the least recently used key went, not one just read"
+    b.close()
+
+
+def test_regression_a_tier_dropped_unclosed_was_kept_for_good_by_its_recorder_thread(tmp_path, monkeypatch):
+    """The recorder's thread held the environment (its map and descriptors) as long as the
+    process lived once it had run; a tier dropped without a close is collected again."""
+    monkeypatch.setattr(lmdb_environment, "MAX_TOUCHES", 2)
+
+    def read_then_dropped() -> tuple[weakref.ref, threading.Thread]:
+        b = LmdbBackend(tmp_path / "db", capacity=MiB)
+        b.put_many([(k(i), b"v" * 100) for i in range(4)])
+        b.get_many([k(0), k(1)])
+        until(lambda: b.entry_meta(k(0))["hits"] == 1, "the recorder ran")
+        return weakref.ref(b._db), b._db.recorder._thread
+
+    environment, thread = read_then_dropped()
+
+    def collected() -> bool:
+        gc.collect()  # (the tier's cycles; the recorder's run may have held it a moment longer)
+        return environment() is None and not thread.is_alive()
+
+    until(collected, "the tier collected, its recorder ended")
