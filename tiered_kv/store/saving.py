@@ -113,10 +113,14 @@ class Saver:
             self.metrics.event("saves_rolled_back", len(batch.keys))
             return None
         # leased as they become visible: a reservation elsewhere could evict one before the
-        # write-behind leased it, and that block was then never written (a save lost unseen)
-        self.host.commit_many(batch.keys, pin=True)
+        # write-behind leased it, and that block was then never written (a save lost unseen);
+        # no tier written through (a host-only store): no lease, and none to give back
+        behind = any(t.policy == "write_through" for t in self.tiers)
+        self.host.commit_many(batch.keys, pin=behind)
         nbytes = len(batch.keys) * self.block_nbytes
         self.metrics.wrote("host", len(batch.keys), nbytes, nbytes, 0.0)
+        if not behind:
+            return None
         return self.write_behind(batch.keys, batch.tenant, batch.counts, leased=dict(zip(batch.keys, batch.slots)))
 
     def save(self, keys: Sequence[bytes], payloads: Sequence[torch.Tensor],
