@@ -308,7 +308,7 @@ class LmdbEnvironment:
             with self.guard("recording accesses"):
                 self.write(lambda w: None)
         except NoSpace:
-            log.warning("lmdb tier at %s: map full, access times not recorded", self.path)
+            self._failures.warning("lmdb tier at %s: map full, access times not recorded", self.path)
 
     # -- durability and the end ------------------------------------------------------------
     def sync(self) -> None:

@@ -172,3 +172,23 @@ def test_regression_a_tier_dropped_unclosed_was_kept_for_good_by_its_recorder_th
         return environment() is None and not thread.is_alive()
 
     until(collected, "the tier collected, its recorder ended")
+
+
+def test_a_full_map_that_refuses_the_accesses_is_said_once_a_minute_not_at_every_recording(tmp_path, caplog):
+    """A read-heavy run on a full disk: every recording past the bound found no room and said so
+    (one warning per 4,096 reads, before the recorder: per read past the bound)."""
+    b = LmdbBackend(tmp_path / "db", capacity=MiB)
+    b.put_many([(k(1), b"v" * 100)])
+
+    def full(body, nbytes=0):
+        raise lmdb_environment.NoSpace("the map stayed full")
+
+    b._db.write = full
+    caplog.set_level("WARNING", logger="storage_backends.lmdb_environment")
+    for _ in range(3):
+        b.get_many([k(1)])
+        b._db.apply_pending()
+    said = [r for r in caplog.records if "access times not recorded" in r.getMessage()]
+    assert len(said) == 1
+    del b._db.write
+    b.close()
