@@ -176,9 +176,10 @@ def _check_destinations(keys: Sequence[bytes], outs: Sequence[torch.Tensor]) -> 
         raise BlockMismatch(f"load_into destinations must be torch tensors, got {', '.join(kinds)}")
     try:  # first one call a block (the full key below asks five: it was ~30 % of a host load
         ptrs = list(map(torch.Tensor.data_ptr, outs))  # of 64 KiB blocks): all apart, none shared
-    except RuntimeError:  # a tensor with no storage (sparse): asked in full below
-        ptrs = [0, 0]
-    if len(set(ptrs)) == len(ptrs):  # (meta and empty tensors all start at 0: asked in full below)
+        apart = len(set(ptrs)) == len(ptrs)  # (meta and empty tensors all start at 0)
+    except RuntimeError:  # a tensor with no storage (sparse)
+        apart = False
+    if apart:  # else every destination is asked in full below
         return
     first: dict[tuple, bytes] = {}
     for o, key in zip(outs, keys):

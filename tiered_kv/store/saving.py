@@ -66,6 +66,7 @@ class Saver:
         self.slots = slots
         self.host = slots.host
         self.tiers = tiers
+        self.written_through = [t for t in tiers if t.policy == "write_through"]  # (asked at every save)
         self.pool = pool
         self.metrics = metrics
         self.invalidations = invalidations
@@ -115,11 +116,10 @@ class Saver:
         # leased as they become visible: a reservation elsewhere could evict one before the
         # write-behind leased it, and that block was then never written (a save lost unseen);
         # no tier written through (a host-only store): no lease, and none to give back
-        behind = any(t.policy == "write_through" for t in self.tiers)
-        self.host.commit_many(batch.keys, pin=behind)
+        self.host.commit_many(batch.keys, pin=bool(self.written_through))
         nbytes = len(batch.keys) * self.block_nbytes
         self.metrics.wrote("host", len(batch.keys), nbytes, nbytes, 0.0)
-        if not behind:
+        if not self.written_through:
             return None
         return self.write_behind(batch.keys, batch.tenant, batch.counts, leased=dict(zip(batch.keys, batch.slots)))
 
@@ -212,7 +212,7 @@ class Saver:
         """Queue the write of host-resident ``keys`` to the ``write_through`` tiers that admit them.
         ``leased``: the keys' slots, each already leased once for this write (released here
         when no tier takes the key, else when its write is done or dropped)."""
-        targets = [t for t in self.tiers if t.policy == "write_through"]
+        targets = self.written_through
         groups = self.admitted(keys, targets, counts, earned_only) if targets else {}
         if leased is not None:
             taken = {k for group in groups.values() for k in group}
@@ -329,7 +329,7 @@ class Saver:
         live = [r for r, gone in zip(requested, self.invalidations.suppressed([k for k, _, _ in requested]))
                 if not gone]
         payloads = {k: p for k, _, p in live}
-        targets = [t for t in self.tiers if t.policy == "write_through"]
+        targets = self.written_through
         for tiers, group in self.admitted([k for k, _, _ in live], targets, [n for _, n, _ in live],
                                           earned_only=True).items():
             self._queue_copies([(k, bytes(memoryview(payloads[k]).cast("B"))) for k in group], tiers, tenant)
